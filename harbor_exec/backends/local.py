@@ -1,0 +1,362 @@
+"""LocalBackend: runs an AgentWorkflow and Grader in the server's own event loop.
+
+For iterating on a workflow before moving the same classes into containers.
+Semantics follow osmosis-ai 0.3.8's LocalBackend, with two improvements: the
+rollout stays ``queued`` while it waits for a concurrency slot, and a graded
+rollout that cannot be graded (no grader, or neither label nor metadata) fails
+with ``validation_error`` and a message saying which, not a bare failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from harbor_exec.authoring import (
+    AgentWorkflow,
+    AgentWorkflowConfig,
+    AgentWorkflowContext,
+    Grader,
+    GraderConfig,
+    GraderContext,
+    RolloutContext,
+    RolloutErrorCategory,
+    RolloutSample,
+    RolloutStatus,
+    coerce_workflow_output,
+    get_rollout_context,
+    resolve_import_path,
+)
+from harbor_exec.backends.base import ExecutionBackend
+from harbor_exec.protocol import (
+    ExecutionOutcome,
+    ExecutionRequest,
+    ExecutionResult,
+    categorize_exception,
+)
+
+__all__ = [
+    "ARTIFACT_ROOT_ENV",
+    "DEFAULT_MAX_CONCURRENT",
+    "LocalBackend",
+    "default_artifact_root",
+]
+
+logger = logging.getLogger(__name__)
+
+ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
+DEFAULT_MAX_CONCURRENT = 4
+_ARTIFACT_DIR_ATTEMPTS = 3
+_ARTIFACT_DIR_BACKOFF_SEC = 0.5
+# Below this, time spent queued is not worth mentioning in a deadline message.
+_QUEUED_NOTE_MIN_SEC = 0.1
+
+
+def default_artifact_root() -> Path:
+    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``~/.harbor-exec/rollouts``."""
+    configured = os.environ.get(ARTIFACT_ROOT_ENV)
+    return Path(configured) if configured else Path.home() / ".harbor-exec" / "rollouts"
+
+
+def _deadline_message(phase: str, limit: float | None, queued_sec: float) -> str:
+    message = f"{phase} exceeded its {limit}s deadline"
+    if queued_sec >= _QUEUED_NOTE_MIN_SEC:
+        message += f" ({queued_sec:.1f}s of it spent queued)"
+    return message
+
+
+class _Limiter:
+    """A semaphore that also counts who waits and who runs (None: no cap)."""
+
+    def __init__(self, max_concurrent: int | None) -> None:
+        self.max_concurrent = max_concurrent
+        self.queued = 0
+        self.running = 0
+        self._semaphore = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+
+    async def acquire(self) -> None:
+        if self._semaphore is not None:
+            self.queued += 1
+            try:
+                await self._semaphore.acquire()
+            finally:
+                self.queued -= 1
+        self.running += 1
+
+    def release(self) -> None:
+        self.running -= 1
+        if self._semaphore is not None:
+            self._semaphore.release()
+
+
+class LocalBackend(ExecutionBackend):
+    """Runs each rollout in-process: a fresh workflow (and grader) instance per rollout.
+
+    ``workflow``/``grader`` are classes or ``"module:attr"`` strings; configs are
+    instances or ``"module:attr"``. Concurrency comes from
+    ``workflow_config.concurrency.max_concurrent`` (4 without a config, no cap
+    when the config says None). Each rollout gets ``<artifact_root>/<id>/artifacts/``.
+    """
+
+    reports_running: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        workflow: type[AgentWorkflow[Any]] | str,
+        workflow_config: AgentWorkflowConfig | str | None = None,
+        grader: type[Grader] | str | None = None,
+        grader_config: GraderConfig | str | None = None,
+        artifact_root: Path | str | None = None,
+    ) -> None:
+        self.workflow_cls: type[AgentWorkflow[Any]] = _resolve(workflow, type, "workflow")
+        self.workflow_config: AgentWorkflowConfig | None = (
+            _resolve(workflow_config, AgentWorkflowConfig, "workflow_config")
+            if workflow_config is not None
+            else None
+        )
+        self.grader_cls: type[Grader] | None = (
+            _resolve(grader, type, "grader") if grader is not None else None
+        )
+        self.grader_config: GraderConfig | None = (
+            _resolve(grader_config, GraderConfig, "grader_config")
+            if grader_config is not None
+            else None
+        )
+        if not issubclass(self.workflow_cls, AgentWorkflow):
+            raise TypeError(
+                f"workflow must be an AgentWorkflow subclass, got {self.workflow_cls!r}"
+            )
+        if self.grader_cls is not None and not issubclass(self.grader_cls, Grader):
+            raise TypeError(f"grader must be a Grader subclass, got {self.grader_cls!r}")
+        max_concurrent = (
+            self.workflow_config.concurrency.max_concurrent
+            if self.workflow_config is not None
+            else DEFAULT_MAX_CONCURRENT
+        )
+        self._limiter = _Limiter(max_concurrent)
+        self.artifact_root = (
+            Path(artifact_root).expanduser() if artifact_root else default_artifact_root()
+        )
+
+    # ------------------------------------------------------------------ reporting
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "backend": "local",
+            "concurrency": {
+                "max_concurrent": self._limiter.max_concurrent,
+                "queued": self._limiter.queued,
+                "running": self._limiter.running,
+            },
+        }
+
+    def queue_info(self) -> dict[str, Any]:
+        return {
+            "queued": self._limiter.queued,
+            "running": self._limiter.running,
+            "capacity": self._limiter.max_concurrent,
+            "max_queue_depth": None,
+        }
+
+    # ------------------------------------------------------------------ execution
+
+    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
+        context = get_rollout_context()
+        if context is None:
+            # Called directly (not by the server): still give workflows a context.
+            context = RolloutContext(rollout_id=request.id)
+        # The caller's clock started at submission, so time spent waiting for a
+        # slot comes off the workflow's budget.
+        enqueued = time.monotonic()
+        await self._limiter.acquire()
+        try:
+            queued_sec = time.monotonic() - enqueued
+            await context.set_status(RolloutStatus.RUNNING)
+            artifacts_dir = await self._artifacts_dir(request.id)
+            workflow_result = await self.run_workflow(
+                request, context, queued_sec=queued_sec, artifacts_dir=artifacts_dir
+            )
+            if not request.grade or workflow_result.status is not RolloutStatus.SUCCESS:
+                return ExecutionOutcome(workflow=workflow_result)
+            missing = self._why_ungradable(request)
+            if missing is not None:
+                grader_result = ExecutionResult(
+                    status=RolloutStatus.FAILURE,
+                    sample=workflow_result.sample,
+                    err_message=missing,
+                    err_category=RolloutErrorCategory.VALIDATION_ERROR,
+                )
+            else:
+                await context.set_status(RolloutStatus.GRADING)
+                grader_result = await self.run_grader(
+                    request, workflow_result, artifacts_dir=artifacts_dir
+                )
+            return ExecutionOutcome(workflow=workflow_result, grader=grader_result)
+        finally:
+            self._limiter.release()
+
+    def _why_ungradable(self, request: ExecutionRequest) -> str | None:
+        if self.grader_cls is None:
+            return (
+                "grade=true but no grader is configured on this server; "
+                "configure a grader or send grade=false"
+            )
+        if request.label is None and request.metadata is None:
+            return (
+                "grade=true but the request has neither a label nor metadata "
+                "for the grader; send one of them or grade=false"
+            )
+        return None
+
+    async def run_workflow(
+        self,
+        request: ExecutionRequest,
+        context: RolloutContext,
+        *,
+        queued_sec: float = 0.0,
+        artifacts_dir: Path | None = None,
+    ) -> ExecutionResult:
+        """Run a fresh workflow instance under the agent deadline (less the time queued)."""
+        config = copy.deepcopy(self.workflow_config)
+        workflow_context: AgentWorkflowContext[Any] = AgentWorkflowContext(
+            prompt=request.prompt,
+            config=config,
+            metadata=request.metadata,
+            artifacts_dir=artifacts_dir,
+        )
+        limit = request.agent_timeout_sec
+        budget = None if limit is None else max(limit - queued_sec, 0.0)
+        started = time.monotonic()
+        deadline = asyncio.timeout(budget)
+        try:
+            async with deadline:
+                with context:
+                    workflow = self.workflow_cls(config)
+                    output = coerce_workflow_output(await workflow.run(workflow_context))
+                    if output is None:
+                        sample = await context.get_sample()
+                    elif output.messages is None:
+                        sample = None
+                    else:
+                        sample = RolloutSample(
+                            messages=output.messages,
+                            label=request.label,
+                            metrics=dict(output.metrics),
+                        )
+        except Exception as exc:
+            logger.warning("rollout %s: workflow failed", request.id, exc_info=True)
+            message = (
+                _deadline_message("workflow", limit, queued_sec)
+                if deadline.expired()
+                else str(exc) or type(exc).__name__
+            )
+            return ExecutionResult(
+                status=RolloutStatus.FAILURE,
+                err_message=message,
+                err_category=categorize_exception(exc),
+            )
+        if _overran(deadline, started, budget):
+            return ExecutionResult(
+                status=RolloutStatus.FAILURE,
+                err_message=_deadline_message("workflow", limit, queued_sec),
+                err_category=RolloutErrorCategory.TIMEOUT,
+            )
+        return ExecutionResult(status=RolloutStatus.SUCCESS, sample=sample)
+
+    async def run_grader(
+        self,
+        request: ExecutionRequest,
+        workflow_result: ExecutionResult,
+        *,
+        artifacts_dir: Path | None = None,
+    ) -> ExecutionResult:
+        """Run a fresh grader instance under its own deadline; it must leave a reward."""
+        if self.grader_cls is None:
+            return workflow_result
+        grader_context = GraderContext(
+            label=request.label,
+            sample=workflow_result.sample,
+            metadata=request.metadata,
+            artifacts_dir=artifacts_dir,
+        )
+        budget = request.grader_timeout_sec
+        started = time.monotonic()
+        deadline = asyncio.timeout(budget)
+        try:
+            async with deadline:
+                grader = self.grader_cls(self.grader_config)
+                await grader.grade(grader_context)
+                _require_reward(grader_context.sample)
+        except Exception as exc:
+            logger.warning("rollout %s: grader failed", request.id, exc_info=True)
+            message = (
+                _deadline_message("grader", budget, 0.0)
+                if deadline.expired()
+                else str(exc) or type(exc).__name__
+            )
+            return ExecutionResult(
+                status=RolloutStatus.FAILURE,
+                sample=workflow_result.sample,
+                err_message=message,
+                err_category=categorize_exception(exc),
+            )
+        if _overran(deadline, started, budget):
+            return ExecutionResult(
+                status=RolloutStatus.FAILURE,
+                sample=workflow_result.sample,
+                err_message=_deadline_message("grader", budget, 0.0),
+                err_category=RolloutErrorCategory.TIMEOUT,
+            )
+        return ExecutionResult(status=RolloutStatus.SUCCESS, sample=grader_context.sample)
+
+    async def _artifacts_dir(self, rollout_id: str) -> Path | None:
+        """Create ``<root>/<id>/artifacts``; None (with a warning) when it stays unusable."""
+        path = self.artifact_root / rollout_id / "artifacts"
+        delay = _ARTIFACT_DIR_BACKOFF_SEC
+        for attempt in range(1, _ARTIFACT_DIR_ATTEMPTS + 1):
+            try:
+                # A few mkdir syscalls: cheaper inline than a thread hop.
+                path.mkdir(parents=True, exist_ok=True)
+                if os.access(path, os.W_OK):
+                    return path
+            except OSError:
+                if attempt == _ARTIFACT_DIR_ATTEMPTS:
+                    logger.warning("rollout %s: no artifacts dir at %s", rollout_id, path)
+                    return None
+            else:
+                logger.warning("rollout %s: artifacts dir %s is not writable", rollout_id, path)
+                return None
+            await asyncio.sleep(delay)
+            delay *= 2
+        return None
+
+
+def _overran(deadline: asyncio.Timeout, started: float, budget: float | None) -> bool:
+    """The code returned, but after its deadline: it swallowed the cancellation or
+    blocked the loop. A success nobody waited for would be a lie, so it is a timeout."""
+    if budget is None:
+        return False
+    return deadline.expired() or time.monotonic() - started > budget
+
+
+def _require_reward(sample: RolloutSample | None) -> None:
+    if sample is None:
+        raise ValueError(
+            "no sample to grade: the workflow returned no messages and registered no sample source"
+        )
+    if sample.reward is None and not sample.remove_sample:
+        raise ValueError("the grader set no reward (call ctx.set_reward(...))")
+
+
+def _resolve(ref: Any, kind: type, what: str) -> Any:
+    value = resolve_import_path(ref) if isinstance(ref, str) else ref
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} {ref!r} resolved to {value!r}, expected a {kind.__name__}")
+    return value

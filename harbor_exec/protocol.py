@@ -1,0 +1,261 @@
+"""Wire models of the osmosis-ai 0.3.8 rollout protocol, and the backend exchange types.
+
+Field names, defaults and validation match the reference exactly, so the real
+``osmosis_ai.rollout.client.RolloutClient`` and our server agree on every byte
+that matters. ``ExecutionRequest``/``ExecutionResult``/``ExecutionOutcome`` are
+what the server hands to and gets back from an ``ExecutionBackend``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from harbor_exec.authoring import (
+    TERMINAL_STATUSES,
+    RolloutErrorCategory,
+    RolloutSample,
+    RolloutStatus,
+)
+
+__all__ = [
+    "CANCEL_DISPOSITIONS",
+    "POLLING_LEASE_HEADER",
+    "TERMINAL_STATUSES",
+    "CancelDisposition",
+    "CancelRolloutsRequest",
+    "CancelRolloutsResponse",
+    "ExecutionOutcome",
+    "ExecutionRequest",
+    "ExecutionResult",
+    "MessageDict",
+    "RolloutErrorCategory",
+    "RolloutInitRequest",
+    "RolloutInitResponse",
+    "RolloutLifecycle",
+    "RolloutResultResponse",
+    "RolloutSample",
+    "RolloutStatus",
+    "categorize_exception",
+    "ensure_single_path_segment",
+    "is_single_path_segment",
+]
+
+POLLING_LEASE_HEADER: Final = "X-Osmosis-Rollout-Lease"
+
+MessageDict = dict[str, Any]
+
+
+class CancelDisposition:
+    """The three values of ``CancelRolloutsResponse.dispositions``."""
+
+    CANCELLED_QUEUED: Final = "cancelled_queued"
+    CANCELLED_RUNNING: Final = "cancelled_running"
+    NOT_FOUND: Final = "not_found"
+
+
+CANCEL_DISPOSITIONS: Final = frozenset(
+    {
+        CancelDisposition.CANCELLED_QUEUED,
+        CancelDisposition.CANCELLED_RUNNING,
+        CancelDisposition.NOT_FOUND,
+    }
+)
+
+
+def is_single_path_segment(name: str) -> bool:
+    """True when ``name`` is one plain path component (it is joined onto host paths)."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00")
+
+
+def ensure_single_path_segment(value: str, *, field: str = "rollout_id") -> str:
+    """Return ``value`` or raise ``ValueError`` naming ``field`` (a validator body)."""
+    if not is_single_path_segment(value):
+        raise ValueError(
+            f"{field} must be a single path segment: not empty, not '.' or '..', "
+            "and without '/', '\\' or NUL"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------- HTTP bodies
+
+
+class RolloutInitRequest(BaseModel):
+    """Body of ``POST /rollout``. Unknown fields are ignored, as in the reference."""
+
+    initial_messages: list[MessageDict]
+    label: str | None = None
+    metadata: dict[str, Any] | None = None
+    rollout_id: str
+    chat_completions_url: str
+    llm_api_key: str | None = None
+    grade: bool = True
+    # NaN would crash the event loop's timer and inf silently disables the
+    # deadline; "no deadline" is spelled null.
+    agent_timeout_sec: float | None = Field(default=None, allow_inf_nan=False)
+    grader_timeout_sec: float | None = Field(default=None, allow_inf_nan=False)
+    extra_fields: dict[str, Any] | None = None
+
+    @field_validator("rollout_id")
+    @classmethod
+    def _check_rollout_id(cls, value: str) -> str:
+        return ensure_single_path_segment(value)
+
+    @field_validator("llm_api_key")
+    @classmethod
+    def _check_llm_api_key(cls, value: str | None) -> str | None:
+        if value == "":
+            raise ValueError("llm_api_key must be omitted (or null) or a non-empty string")
+        return value
+
+
+class RolloutInitResponse(BaseModel):
+    """Body of the 202 answer to ``POST /rollout``."""
+
+    rollout_id: str
+    status: RolloutStatus
+    polling_lease_token: str = Field(min_length=1)
+    result_wait_timeout_sec: float
+    polling_lease_timeout_sec: float
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> RolloutInitResponse:
+        wait = self.result_wait_timeout_sec
+        lease = self.polling_lease_timeout_sec
+        if not math.isfinite(wait) or wait <= 0:
+            raise ValueError("result_wait_timeout_sec must be positive and finite")
+        if not math.isfinite(lease) or lease <= wait:
+            raise ValueError(
+                "polling_lease_timeout_sec must be finite and exceed result_wait_timeout_sec"
+            )
+        return self
+
+
+class RolloutResultResponse(BaseModel):
+    """Body of ``GET /rollout/{id}/result``: in progress it has only id and status."""
+
+    rollout_id: str
+    status: RolloutStatus
+    sample: RolloutSample | None = None
+    err_message: str | None = None
+    err_category: RolloutErrorCategory | None = None
+
+
+class CancelRolloutsRequest(BaseModel):
+    """Body of ``POST /rollout/cancel``; exactly one selector must be given."""
+
+    ids: list[str] | None = None
+    prefix: str | None = None
+    all: bool = False
+
+    def selector_count(self) -> int:
+        """How many selectors are set (the route answers 422 unless it is 1)."""
+        return (self.ids is not None) + (self.prefix is not None) + self.all
+
+
+class CancelRolloutsResponse(BaseModel):
+    """Per-id disposition: ``cancelled_queued``, ``cancelled_running`` or ``not_found``."""
+
+    dispositions: dict[str, str]
+
+
+class RolloutLifecycle(BaseModel):
+    """Admission state reported in ``/health``."""
+
+    accepting_rollouts: bool
+    active_rollouts: int = Field(ge=0)
+
+
+# ---------------------------------------------------------------------------- backend exchange
+
+
+class ExecutionRequest(BaseModel):
+    """One rollout as a backend sees it. The chat URL and LLM key are on the
+    ambient ``RolloutContext``, not here, so they never end up in a dump."""
+
+    id: str
+    prompt: list[MessageDict]
+    label: str | None = None
+    metadata: dict[str, Any] | None = None
+    agent_timeout_sec: float | None = Field(default=None, allow_inf_nan=False)
+    grader_timeout_sec: float | None = Field(default=None, allow_inf_nan=False)
+    grade: bool = True
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        return ensure_single_path_segment(value, field="id")
+
+
+class ExecutionResult(BaseModel):
+    """One phase's result. ``extra_fields`` holds backend diagnostics, never sent on the wire."""
+
+    status: RolloutStatus
+    sample: RolloutSample | None = None
+    err_message: str | None = None
+    err_category: RolloutErrorCategory | None = None
+    extra_fields: dict[str, Any] | None = None
+
+
+class ExecutionOutcome(BaseModel):
+    """The workflow result and, when grading ran, the grader result."""
+
+    workflow: ExecutionResult
+    grader: ExecutionResult | None = None
+
+    @property
+    def result(self) -> ExecutionResult:
+        """What the rollout reports: a failed workflow wins (borrowing the grader's
+        sample if it has none); otherwise the grader result when there is one."""
+        if self.workflow.status is not RolloutStatus.SUCCESS:
+            if (
+                self.workflow.sample is None
+                and self.grader is not None
+                and self.grader.sample is not None
+            ):
+                return self.workflow.model_copy(update={"sample": self.grader.sample})
+            return self.workflow
+        return self.grader or self.workflow
+
+    @property
+    def result_to_save(self) -> ExecutionResult:
+        """What the trajectory file is written from: the grader's result when it has a
+        sample (it carries the real reward), else the workflow's."""
+        if self.grader is not None and self.grader.sample is not None:
+            return self.grader
+        return self.workflow
+
+
+# ---------------------------------------------------------------------------- error categories
+
+# Provider failures recognised by class name, so no provider SDK is imported.
+_PROVIDER_ERROR_TYPES: Final = frozenset(
+    {
+        "SandboxConnectionException",
+        "SandboxRateLimitException",
+        "PoolStateStoreUnavailableException",
+    }
+)
+_PROVIDER_API_ERROR_TYPES: Final = frozenset({"SandboxApiException", "SandboxAPIError"})
+_PROVIDER_HTTP_STATUSES: Final = frozenset({401, 402, 403, 429, 500, 502, 503, 504})
+
+
+def categorize_exception(exc: BaseException) -> RolloutErrorCategory:
+    """Map an exception to the wire error category, as the reference does."""
+    if isinstance(exc, TimeoutError):
+        return RolloutErrorCategory.TIMEOUT
+    if isinstance(exc, ValueError | TypeError | AssertionError):
+        return RolloutErrorCategory.VALIDATION_ERROR
+    status_code = getattr(exc, "status_code", None)
+    for cls in type(exc).__mro__:
+        name = cls.__name__
+        if name in _PROVIDER_ERROR_TYPES or (
+            name in _PROVIDER_API_ERROR_TYPES
+            and isinstance(status_code, int)
+            and status_code in _PROVIDER_HTTP_STATUSES
+        ):
+            return RolloutErrorCategory.HTTP_ERROR
+    return RolloutErrorCategory.AGENT_ERROR
