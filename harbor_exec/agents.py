@@ -1,0 +1,141 @@
+"""Agents and verifiers: the pieces a trial runs inside its container.
+
+An agent places its files before the container starts (``files``) and then
+runs (``run``). A verifier places ``/tests`` after the agent and runs
+``/tests/test.sh``. The ``oracle`` (the task's ``solution/solve.sh``) and the
+bundled workflow are two agents behind one interface; a task's own tests and a
+generated grader test are the same verifier over different directories.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from harbor_exec.results import AgentInfo
+from harbor_exec.runtime import (
+    ArchiveEntry,
+    ContainerRuntime,
+    ExecResult,
+    build_archive,
+    tree_entries,
+)
+from harbor_exec.tasks import Task, resolve_env
+
+REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+
+
+@dataclass
+class TrialSession:
+    """A started trial container, as agents and verifiers see it."""
+
+    runtime: ContainerRuntime
+    container_id: str
+    task: Task
+
+    @property
+    def workdir(self) -> str | None:
+        return self.task.config.environment.workdir
+
+    def bash(
+        self,
+        command: str,
+        *,
+        user: str | int | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_sec: float | None = None,
+    ) -> ExecResult:
+        """``bash -c command`` in the task's workdir, as Harbor runs every exec."""
+        return self.runtime.exec(
+            self.container_id,
+            ["bash", "-c", command],
+            env=env,
+            user=None if user is None else str(user),
+            workdir=self.workdir,
+            timeout_sec=timeout_sec,
+        )
+
+    def put(self, entries: list[ArchiveEntry]) -> None:
+        self.runtime.put_archive(self.container_id, build_archive(entries))
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """How the agent phase ended."""
+
+    exit_code: int | None
+    timed_out: bool
+
+
+class Agent(Protocol):
+    """Something that acts on the task inside the container."""
+
+    @property
+    def info(self) -> AgentInfo: ...
+
+    def files(self, task: Task) -> list[ArchiveEntry]:
+        """Files to place before the container starts."""
+        ...
+
+    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun: ...
+
+
+class OracleAgent:
+    """Harbor's ``oracle``: runs the task's ``solution/solve.sh``."""
+
+    info = AgentInfo(name="oracle", version="1.0.0")
+
+    def files(self, task: Task) -> list[ArchiveEntry]:
+        return tree_entries(task.solution_dir, "/solution", executable=["solve.sh"])
+
+    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+        config = session.task.config
+        env = {
+            "DEBIAN_FRONTEND": "noninteractive",
+            **resolve_env(config.solution.env, task=session.task.name, field="[solution].env"),
+        }
+        result = session.bash(
+            "(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1",
+            user=config.agent.user,
+            env=env,
+            timeout_sec=timeout_sec,
+        )
+        return AgentRun(exit_code=result.exit_code, timed_out=result.timed_out)
+
+
+@dataclass(frozen=True)
+class VerifierRun:
+    exit_code: int | None
+    timed_out: bool
+
+
+@dataclass(frozen=True)
+class TestsVerifier:
+    """Runs ``/tests/test.sh`` from ``tests_dir`` (the task's own ``tests/`` by default)."""
+
+    tests_dir: Path
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def files(self) -> list[ArchiveEntry]:
+        return tree_entries(self.tests_dir, "/tests", executable=["test.sh"])
+
+    def run(self, session: TrialSession, timeout_sec: float | None) -> VerifierRun:
+        config = session.task.config
+        env = {
+            **resolve_env(config.verifier.env, task=session.task.name, field="[verifier].env"),
+            **self.extra_env,
+        }
+        remove_stale = "rm -f -- " + " ".join(shlex.quote(p) for p in REWARD_FILES)
+        run_tests = "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1"
+        user = config.verifier.user
+        if user is None or str(user) in ("root", "0"):
+            # One exec instead of two: the stale rewards go right before test.sh runs.
+            command = f"{remove_stale}; {run_tests}"
+        else:
+            session.bash(remove_stale, user="root")
+            command = run_tests
+        result = session.bash(command, user=user, env=env, timeout_sec=timeout_sec)
+        return VerifierRun(exit_code=result.exit_code, timed_out=result.timed_out)

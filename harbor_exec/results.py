@@ -1,0 +1,224 @@
+"""What a trial leaves on disk: Harbor's ``result.json`` shape and its reward contract.
+
+``TrialResult`` carries Harbor 0.26's TrialResult fields; ``parse_rewards`` applies
+Harbor's reward rules (``reward.json`` wins over ``reward.txt``; finite numbers
+only; empty and missing files are their own errors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, computed_field, field_serializer
+
+from harbor_exec.errors import (
+    RewardFileEmptyError,
+    RewardFileNotFoundError,
+    VerifierOutputParseError,
+    policy_for,
+)
+
+Rewards = dict[str, float | int]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _iso_z(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class TimingInfo(BaseModel):
+    """Start and end of one phase, ISO UTC with a ``Z``."""
+
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @field_serializer("started_at", "finished_at")
+    def _z(self, value: datetime | None) -> str | None:
+        return _iso_z(value)
+
+    @property
+    def seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()
+
+
+class ErrorPolicyModel(BaseModel):
+    should_retry: bool
+    should_grade: bool
+    has_valid_reward: bool
+
+
+class ExceptionInfo(BaseModel):
+    """The first exception a trial hit, by Harbor's exception name."""
+
+    exception_type: str
+    exception_message: str
+    exception_traceback: str
+    occurred_at: datetime
+
+    @field_serializer("occurred_at")
+    def _z(self, value: datetime) -> str | None:
+        return _iso_z(value)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def policy(self) -> ErrorPolicyModel:
+        policy = policy_for(self.exception_type)
+        return ErrorPolicyModel(
+            should_retry=policy.should_retry,
+            should_grade=policy.should_grade,
+            has_valid_reward=policy.has_valid_reward,
+        )
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ExceptionInfo:
+        return cls(
+            exception_type=type(exc).__name__,
+            exception_message=str(exc),
+            exception_traceback="".join(traceback.format_exception(exc)),
+            occurred_at=utcnow(),
+        )
+
+
+class ModelInfo(BaseModel):
+    name: str
+    provider: str | None = None
+
+
+class AgentInfo(BaseModel):
+    name: str
+    version: str
+    model_info: ModelInfo | None = None
+
+
+class AgentResult(BaseModel):
+    n_input_tokens: int | None = None
+    n_cache_tokens: int | None = None
+    n_output_tokens: int | None = None
+    cost_usd: float | None = None
+    model_usage: dict[str, Any] | None = None
+    rollout_details: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class VerifierResult(BaseModel):
+    rewards: Rewards | None = None
+
+
+class TrialResult(BaseModel):
+    """Harbor's TrialResult (``schema_version: 1``), written as ``<trial>/result.json``."""
+
+    schema_version: Literal[1] = 1
+    id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    task_name: str
+    trial_name: str
+    trial_uri: str
+    task_id: dict[str, str]
+    source: str | None = None
+    task_checksum: str
+    config: dict[str, Any]
+    agent_info: AgentInfo
+    agent_result: AgentResult | None = None
+    verifier_result: VerifierResult | None = None
+    verifier_environment_mode: Literal["shared", "separate"] | None = "shared"
+    exception_info: ExceptionInfo | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    environment_setup: TimingInfo | None = None
+    agent_setup: TimingInfo | None = None
+    agent_execution: TimingInfo | None = None
+    verifier: TimingInfo | None = None
+    step_results: list[dict[str, Any]] | None = None
+
+    @field_serializer("started_at", "finished_at")
+    def _z(self, value: datetime | None) -> str | None:
+        return _iso_z(value)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reward_valid(self) -> bool:
+        """True when there are rewards and no recorded exception voids them."""
+        if self.verifier_result is None or not self.verifier_result.rewards:
+            return False
+        if self.exception_info is None:
+            return True
+        return policy_for(self.exception_info.exception_type).has_valid_reward
+
+    @property
+    def reward(self) -> float | None:
+        """The ``reward`` key (or the only key) when the reward is valid."""
+        if not self.reward_valid or self.verifier_result is None:
+            return None
+        rewards = self.verifier_result.rewards or {}
+        if "reward" in rewards:
+            return float(rewards["reward"])
+        if len(rewards) == 1:
+            return float(next(iter(rewards.values())))
+        return None
+
+    @property
+    def exception_type(self) -> str | None:
+        return self.exception_info.exception_type if self.exception_info else None
+
+    def write(self, trial_dir: Path) -> None:
+        (trial_dir / "result.json").write_text(self.model_dump_json(indent=2), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def _check_number(value: Any, path: Path) -> float | int:
+    # bool is an int in Python and Harbor lets it through, stored as 1.0/0.0.
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, int | float):
+        raise VerifierOutputParseError(f"non-numeric reward {value!r} in {path}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise VerifierOutputParseError(f"non-finite reward {value!r} in {path}")
+    return value
+
+
+def parse_rewards(verifier_dir: Path) -> Rewards:
+    """Harbor's reward rules over a downloaded ``/logs/verifier`` directory."""
+    json_path = verifier_dir / "reward.json"
+    text_path = verifier_dir / "reward.txt"
+    if json_path.is_file():
+        if json_path.stat().st_size == 0:
+            raise RewardFileEmptyError(f"reward file is empty: {json_path}")
+        try:
+            data = json.loads(json_path.read_text(encoding="utf-8", errors="replace"))
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise VerifierOutputParseError(f"{json_path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or not data:
+            raise VerifierOutputParseError(
+                f"{json_path} must be a flat JSON object of numbers, like "
+                f'{{"reward": 1.0}}; got {str(data)[:80]!r}'
+            )
+        return {str(key): _check_number(value, json_path) for key, value in data.items()}
+    if text_path.is_file():
+        if text_path.stat().st_size == 0:
+            raise RewardFileEmptyError(f"reward file is empty: {text_path}")
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+        try:
+            value = float(text)
+        except ValueError:
+            raise VerifierOutputParseError(
+                f"{text_path} must hold one number; got {text.strip()[:80]!r}"
+            ) from None
+        return {"reward": _check_number(value, text_path)}
+    raise RewardFileNotFoundError(
+        "tests/test.sh wrote no reward: expected /logs/verifier/reward.json or "
+        "/logs/verifier/reward.txt (see verifier/test-stdout.txt)"
+    )

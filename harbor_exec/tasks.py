@@ -1,0 +1,447 @@
+"""The Harbor task model: ``task.toml`` as pydantic, task loading and dataset discovery.
+
+Matches Harbor 0.26 (``harbor.models.task``): every ``task.toml`` field with its
+default, deprecated keys converted, canary lines stripped from the instruction,
+and the same rules for which directories count as tasks. Errors name the task,
+the file and the field. Symlinks that leave the task directory are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
+
+ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
+_CANARY_LINE = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
+_ENV_TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")
+
+
+class NetworkMode(StrEnum):
+    PUBLIC = "public"
+    NO_NETWORK = "no-network"
+    ALLOWLIST = "allowlist"
+
+
+class TaskOS(StrEnum):
+    LINUX = "linux"
+    WINDOWS = "windows"
+
+
+class _Model(BaseModel):
+    # Harbor's models ignore unknown keys; so do we, so that we accept what it accepts.
+    model_config = ConfigDict(extra="ignore")
+
+
+class Author(_Model):
+    name: str
+    email: str | None = None
+
+
+class PackageInfo(_Model):
+    """``[task]``: package identity, ``org/name``."""
+
+    name: str
+    version: str | None = Field(default=None, min_length=1)
+    description: str = ""
+    authors: list[Author] = Field(default_factory=list)
+    keywords: list[str] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _org_name(cls, value: str) -> str:
+        if not ORG_NAME_PATTERN.match(value) or ".." in value:
+            raise ValueError(f"must be 'org/name' (letters, digits, '.', '_', '-'); got {value!r}")
+        return value
+
+
+class _PhaseNetwork(_Model):
+    network_mode: NetworkMode | None = None
+    allowed_hosts: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _allowlist_only(self) -> _PhaseNetwork:
+        if self.allowed_hosts and self.network_mode is not NetworkMode.ALLOWLIST:
+            raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+        return self
+
+
+class HealthcheckConfig(_Model):
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
+
+
+def _size_to_mb(size: str) -> int:
+    text = size.strip().upper()
+    units = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}
+    if not text or text[-1] not in units:
+        raise ValueError(f"invalid size {size!r}; expected a value like '1G' or '512M'")
+    return int(float(text[:-1]) * units[text[-1]])
+
+
+class EnvironmentConfig(_Model):
+    """``[environment]``."""
+
+    build_timeout_sec: float = 600.0
+    docker_image: str | None = None
+    os: TaskOS = TaskOS.LINUX
+    cpus: int | float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None  # recorded, not enforced (as in Harbor's docker environment)
+    gpus: int | None = None
+    gpu_types: list[str] | None = None
+    tpu: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    skills_dir: str | None = None
+    healthcheck: HealthcheckConfig | None = None
+    workdir: str | None = None
+    network_mode: NetworkMode = NetworkMode.PUBLIC
+    allowed_hosts: list[str] | None = None
+    allow_internet: bool | None = Field(default=None, exclude=True)  # deprecated
+
+    @field_validator("os", mode="before")
+    @classmethod
+    def _lower_os(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("cpus")
+    @classmethod
+    def _finite_cpus(cls, value: int | float | None) -> int | float | None:
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"cpus must be a finite number; got {value}")
+            if value.is_integer():
+                return int(value)
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_sizes(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in (("memory", "memory_mb"), ("storage", "storage_mb")):
+            if old in data:
+                value = data.pop(old)
+                if isinstance(value, str):
+                    converted = _size_to_mb(value)
+                    if new in data and data[new] != converted:
+                        raise ValueError(
+                            f"conflicting {old!r} ({value!r} = {converted} MB) and {new!r} "
+                            f"({data[new]!r})"
+                        )
+                    data.setdefault(new, converted)
+        return data
+
+    @model_validator(mode="after")
+    def _allowlist_only(self) -> EnvironmentConfig:
+        if self.allowed_hosts and self.network_mode is not NetworkMode.ALLOWLIST:
+            raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+        return self
+
+
+class CollectConfig(_Model):
+    command: str
+    service: str = "main"
+    timeout_sec: float = 60.0
+    user: str | int | None = None
+
+
+class VerifierConfig(_PhaseNetwork):
+    """``[verifier]``."""
+
+    timeout_sec: float = 600.0
+    env: dict[str, str] = Field(default_factory=dict)
+    user: str | int | None = None
+    environment_mode: str | None = None
+    environment: EnvironmentConfig | None = None
+    collect: list[CollectConfig] = Field(default_factory=list)
+
+    @field_validator("environment_mode")
+    @classmethod
+    def _mode(cls, value: str | None) -> str | None:
+        if value not in (None, "shared", "separate"):
+            raise ValueError(f"must be 'shared' or 'separate'; got {value!r}")
+        return value
+
+
+class AgentConfig(_PhaseNetwork):
+    """``[agent]``. There is no agent timeout unless one is set (Harbor >= 0.13)."""
+
+    timeout_sec: float | None = None
+    user: str | int | None = None
+
+
+class SolutionConfig(_Model):
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class TaskConfig(_Model):
+    """``task.toml`` (Harbor 0.26, ``schema_version = "1.4"``)."""
+
+    schema_version: str = "1.4"
+    task: PackageInfo | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    solution: SolutionConfig = Field(default_factory=SolutionConfig)
+    source: str | None = None
+    multi_step_reward_strategy: str | None = None
+    steps: list[dict[str, Any]] | None = None
+    artifacts: list[str | dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_rename(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "version" in data:
+            data = dict(data)
+            data.setdefault("schema_version", data.pop("version"))
+        return data
+
+    @model_validator(mode="after")
+    def _allow_internet(self) -> TaskConfig:
+        env = self.environment
+        explicit = "network_mode" in env.model_fields_set or env.allowed_hosts is not None
+        if env.allow_internet is not None and not explicit:
+            env.network_mode = NetworkMode.PUBLIC if env.allow_internet else NetworkMode.NO_NETWORK
+        env.allow_internet = None
+        return self
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """``("environment", "cpus")`` -> ``[environment].cpus``."""
+    parts = [str(p) for p in loc]
+    if len(parts) >= 2:
+        return f"[{parts[0]}]." + ".".join(parts[1:])
+    return parts[0] if parts else "(root)"
+
+
+def parse_task_config(text: str, *, task: str) -> TaskConfig:
+    """Parse ``task.toml`` text; a ``TaskConfigError`` names the field at fault."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskConfigError(task, f"not valid TOML: {exc}", file="task.toml") from None
+    try:
+        return TaskConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors(include_url=False)
+        )
+        raise TaskConfigError(task, problems, file="task.toml") from None
+
+
+def strip_canary(text: str) -> str:
+    """Drop leading canary comment lines and the blank lines after them (as Harbor does)."""
+    lines = text.split("\n")
+    index = 0
+    while index < len(lines) and _CANARY_LINE.match(lines[index].strip()):
+        index += 1
+    while index < len(lines) and lines[index].strip() == "":
+        index += 1
+    return "\n".join(lines[index:])
+
+
+def resolve_env(env: dict[str, str], *, task: str, field: str) -> dict[str, str]:
+    """Resolve ``${VAR}`` / ``${VAR:-default}`` values from the host environment."""
+    resolved: dict[str, str] = {}
+    for key, value in env.items():
+        match = _ENV_TEMPLATE.fullmatch(value)
+        if match is None:
+            resolved[key] = value
+            continue
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            resolved[key] = os.environ[name]
+        elif default is not None:
+            resolved[key] = default
+        else:
+            raise TaskConfigError(
+                task,
+                f"{field}.{key}: environment variable {name!r} is not set on the host "
+                "and has no default (write ${" + name + ":-default})",
+                file="task.toml",
+            )
+    return resolved
+
+
+def check_no_escaping_symlinks(root: Path, *, task: str) -> None:
+    """Refuse any symlink under ``root`` whose target leaves ``root``."""
+    resolved_root = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath) / name
+            if path.is_symlink() and not path.resolve().is_relative_to(resolved_root):
+                raise UnsafeTaskPathError(
+                    task,
+                    f"symlink points outside the task directory (to {os.readlink(path)}); "
+                    "copy the file into the task instead",
+                    file=str(path.relative_to(root)),
+                )
+
+
+@dataclass(frozen=True)
+class Task:
+    """A loaded, validated single-step Harbor task."""
+
+    path: Path
+    name: str
+    config: TaskConfig
+    instruction: str
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.path / "environment"
+
+    @property
+    def dockerfile(self) -> Path | None:
+        candidate = self.environment_dir / "Dockerfile"
+        return candidate if candidate.is_file() else None
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def solution_dir(self) -> Path:
+        return self.path / "solution"
+
+    @property
+    def test_script(self) -> Path:
+        return self.tests_dir / "test.sh"
+
+    @property
+    def solve_script(self) -> Path:
+        return self.solution_dir / "solve.sh"
+
+    def environment_digest(self) -> str:
+        """Content hash of ``environment/`` plus ``docker_image``: the image cache key."""
+        extra = f"docker_image={self.config.environment.docker_image}"
+        return tree_digest(self.environment_dir, extra=extra)
+
+    def checksum(self) -> str:
+        """Content hash of the whole task directory (Harbor's ``task_checksum``)."""
+        return tree_digest(self.path)
+
+
+def tree_digest(root: Path, *, extra: str = "") -> str:
+    """sha256 over every file under ``root``: relative path, executable bit and content."""
+    digest = hashlib.sha256(f"{extra}\n".encode())
+    if root.is_dir():
+        for file in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = file.relative_to(root).as_posix()
+            executable = os.access(file, os.X_OK)
+            digest.update(f"{rel}\0{int(executable)}\0{file.stat().st_size}\0".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def load_task(path: Path | str) -> Task:
+    """Load the task at ``path``; raise a ``TaskError`` naming the file and field at fault."""
+    task_dir = Path(path)
+    label = task_dir.name or str(task_dir)
+    if not task_dir.is_dir():
+        raise TaskError(label, f"no such task directory: {task_dir}")
+    config_path = task_dir / "task.toml"
+    if not config_path.is_file():
+        raise TaskError(label, "missing (every Harbor task has one)", file="task.toml")
+    check_no_escaping_symlinks(task_dir, task=label)
+    config = parse_task_config(config_path.read_text(encoding="utf-8"), task=label)
+    name = config.task.name if config.task is not None else task_dir.resolve().name
+    if config.steps:
+        raise TaskError(name, "multi-step tasks ([[steps]]) are not supported", file="task.toml")
+    if config.environment.os is not TaskOS.LINUX:
+        raise TaskError(name, "[environment].os: only 'linux' tasks can run here", file="task.toml")
+    env_dir = task_dir / "environment"
+    if not config.environment.docker_image and not env_dir.is_dir():
+        raise TaskError(
+            name, "missing environment/ directory and no [environment].docker_image is set"
+        )
+    if (
+        not config.environment.docker_image
+        and env_dir.is_dir()
+        and not (env_dir / "Dockerfile").is_file()
+    ):
+        raise TaskError(
+            name,
+            "environment/ has no Dockerfile (docker-compose environments are not supported)",
+            file="environment/Dockerfile",
+        )
+    instruction_path = task_dir / "instruction.md"
+    if not instruction_path.is_file():
+        raise TaskError(name, "missing (the agent's instruction)", file="instruction.md")
+    if not (task_dir / "tests" / "test.sh").is_file():
+        raise TaskError(name, "missing (the verifier's entry point)", file="tests/test.sh")
+    instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
+    return Task(path=task_dir.resolve(), name=name, config=config, instruction=instruction)
+
+
+def is_task_dir(path: Path) -> bool:
+    """Harbor's ``Task.is_valid_dir``: the directory loads as a task."""
+    try:
+        load_task(path)
+    except TaskError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What a dataset path holds: its valid tasks, and task dirs that failed to load."""
+
+    tasks: list[Task]
+    broken: list[TaskError]
+
+
+def discover_tasks(path: Path | str) -> Discovery:
+    """A valid task dir is one task; otherwise its valid subdirectories, sorted by name.
+
+    Unlike Harbor, subdirectories that have a ``task.toml`` but fail to load are
+    reported in ``broken`` instead of silently ignored.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetError(f"{root}: not a directory")
+    try:
+        return Discovery(tasks=[load_task(root)], broken=[])
+    except TaskError as exc:
+        if (root / "task.toml").is_file():
+            return Discovery(tasks=[], broken=[exc])
+    tasks: list[Task] = []
+    broken: list[TaskError] = []
+    for child in sorted(root.iterdir(), key=lambda p: p.name):
+        if not child.is_dir() or not (child / "task.toml").is_file():
+            continue
+        try:
+            tasks.append(load_task(child))
+        except TaskError as exc:
+            broken.append(exc)
+    if not tasks and not broken:
+        raise DatasetError(f"{root}: holds no Harbor task (no subdirectory has a task.toml)")
+    return Discovery(tasks=tasks, broken=broken)
+
+
+def task_dir_for_id(tasks_dir: Path, task_id: str) -> Path:
+    """``tasks_dir/<task_id>``, refusing ids that are empty, absolute or escape ``tasks_dir``."""
+    if not task_id or "\0" in task_id or task_id.startswith(("/", "\\")):
+        raise DatasetError(f"harbor_task_id {task_id!r} is not a task directory name")
+    candidate = (tasks_dir / task_id).resolve()
+    if not candidate.is_relative_to(tasks_dir.resolve()) or candidate == tasks_dir.resolve():
+        raise DatasetError(f"harbor_task_id {task_id!r} escapes the tasks directory")
+    return candidate
