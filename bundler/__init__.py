@@ -1,0 +1,34 @@
+"""Bundles a workflow project for task containers.
+
+``build_bundle(code_dir, workflow="pkg.mod:Workflow", ...)`` builds the project's
+wheel with the standard ``build`` frontend, collects its dependency wheels (and
+harbor-exec's small container runtime) for the container's Python and platform
+into a wheelhouse, writes ``manifest.json``, and caches the result by a hash of
+its inputs. See docs/bundles.md.
+"""
+
+from bundler.bundle import Bundle, build_bundle
+from bundler.errors import (
+    BundleBuildError,
+    BundleError,
+    DependencyDownloadError,
+    EntryPointError,
+    ProjectLayoutError,
+)
+from bundler.manifest import MANIFEST_NAME, Manifest, WheelFile
+from bundler.wheels import DEFAULT_PLATFORM, platform_tags
+
+__all__ = [
+    "DEFAULT_PLATFORM",
+    "MANIFEST_NAME",
+    "Bundle",
+    "BundleBuildError",
+    "BundleError",
+    "DependencyDownloadError",
+    "EntryPointError",
+    "Manifest",
+    "ProjectLayoutError",
+    "WheelFile",
+    "build_bundle",
+    "platform_tags",
+]

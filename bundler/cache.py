@@ -1,0 +1,70 @@
+"""The content-addressed cache: where bundles live and how they are published.
+
+Layout under the cache directory::
+
+    bundles/<inputs digest[:32]>/   one bundle (manifest.json, wheel/, wheelhouse/)
+    deps/<key[:32]>/                one dependency wheelhouse, keyed by the requirement set
+    runtime/<key[:32]>/             harbor-exec's container-side wheel, keyed by its source
+    tmp/                            work directories; entries are renamed into place
+
+Entries are immutable once published. Publication is one ``os.rename`` of a
+finished directory within the same filesystem, so a reader sees a whole entry
+or none, and of two concurrent builders of one entry the loser simply uses the
+winner's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["CACHE_ENV", "default_cache_dir", "publish", "work_dir"]
+
+CACHE_ENV = "HARBOR_EXEC_CACHE_DIR"
+_STALE_WORK_SEC = 24 * 3600.0
+
+
+def default_cache_dir() -> Path:
+    """``$HARBOR_EXEC_CACHE_DIR``, else ``~/.cache/harbor-exec/bundles``."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "harbor-exec" / "bundles"
+
+
+def work_dir(cache_dir: Path, prefix: str) -> Path:
+    """A fresh directory under ``cache_dir/tmp`` (same filesystem as the entries)."""
+    tmp = cache_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(tmp)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=tmp))
+
+
+def _sweep_stale(tmp: Path) -> None:
+    # Work dirs of builders that were killed; old enough that nobody uses them.
+    cutoff = time.time() - _STALE_WORK_SEC
+    for entry in tmp.iterdir():
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def publish(src: Path, dst: Path) -> bool:
+    """Move the finished directory ``src`` to ``dst`` atomically.
+
+    Returns False when ``dst`` already existed (another builder won the race);
+    ``src`` is then left for the caller to discard.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if dst.is_dir():
+            return False
+        raise
+    return True
