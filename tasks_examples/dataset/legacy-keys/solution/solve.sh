@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -n /app/numbers.txt > /app/sorted.txt

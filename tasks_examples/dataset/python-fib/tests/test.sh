@@ -1,0 +1,6 @@
+#!/bin/bash
+if python3 /tests/test_fib.py; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Runs in [environment].workdir, not the image WORKDIR (/).
+echo "$GREETING" > greeting.txt
