@@ -1,0 +1,171 @@
+"""``harbor-exec validate`` and ``harbor-exec prewarm``: whole datasets with the oracle."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harbor_exec.cli.app import app
+from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
+from harbor_exec.jobs import (
+    JobEvent,
+    JobInterrupted,
+    JobOutcome,
+    is_full_reward,
+    run_job,
+    summary_rows,
+)
+from harbor_exec.tasks import Discovery, Task, discover_tasks
+from harbor_exec.trials import ensure_task_image
+
+console = Console()
+
+
+def open_runtime() -> DockerRuntime:
+    """The Docker runtime, or a clear message and exit code 2 when the engine is missing."""
+    try:
+        runtime = DockerRuntime()
+    except DockerUnavailableError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    reaped = runtime.reap_orphans()
+    if reaped:
+        console.print(f"removed {len(reaped)} container(s) left by a dead harbor-exec process")
+    return runtime
+
+
+def load_dataset(path: Path) -> Discovery:
+    try:
+        return discover_tasks(path)
+    except DatasetError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+def _print_summary(outcome: JobOutcome) -> None:
+    table = Table(title=f"validate: {outcome.job_dir}")
+    table.add_column("task")
+    table.add_column("reward", justify="right")
+    table.add_column("time", justify="right")
+    table.add_column("result")
+    for row in summary_rows(outcome):
+        rewards = row["rewards"]
+        reward = ", ".join(f"{k}={v:g}" for k, v in rewards.items()) if rewards else "-"
+        seconds = f"{row['seconds']:.1f}s" if row["seconds"] is not None else "-"
+        verdict = "[green]passed[/green]" if row["passed"] else f"[red]{row['reason']}[/red]"
+        table.add_row(row["task"], reward, seconds, verdict)
+    console.print(table)
+    n_passed = sum(1 for row in summary_rows(outcome) if row["passed"])
+    n_rows = len(summary_rows(outcome))
+    console.print(
+        f"{n_passed}/{n_rows} passed; images built: {outcome.images_built}; "
+        f"job result: {outcome.job_dir / 'result.json'}"
+    )
+
+
+@app.command()
+def validate(
+    path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
+    n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 4,
+    n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
+    jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
+    job_name: Annotated[str | None, typer.Option("--job-name")] = None,
+) -> None:
+    """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
+    discovery = load_dataset(path)
+    runtime = open_runtime()
+    counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
+    progress = Progress(
+        TextColumn("[bold]validate[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    total = len(discovery.tasks) * n_attempts
+    bar = progress.add_task("trials", total=total, counts="")
+
+    def on_event(event: JobEvent) -> None:
+        if event.kind == "queued":
+            counts["queued"] += 1
+        elif event.kind == "phase" and event.phase == "environment":
+            counts["queued"] -= 1
+            counts["running"] += 1
+        elif event.kind == "finished" and event.result is not None:
+            counts["running"] -= 1
+            passed = is_full_reward(event.result)
+            counts["passed" if passed else "failed"] += 1
+            progress.advance(bar)
+            mark = "[green]passed[/green]" if passed else "[red]failed[/red]"
+            progress.console.print(f"{mark} {event.task.name}")
+        progress.update(
+            bar,
+            counts=" ".join(f"{k} {v}" for k, v in counts.items()),
+        )
+
+    try:
+        with progress:
+            outcome = run_job(
+                runtime,
+                discovery.tasks,
+                jobs_dir=jobs_dir,
+                job_name=job_name,
+                n_concurrent=n_concurrent,
+                n_attempts=n_attempts,
+                dataset_name=path.resolve().name,
+                invalid_tasks=discovery.broken,
+                on_event=on_event,
+            )
+    except JobInterrupted as interrupted:
+        left = runtime.remove_owned()
+        console.print(
+            f"[yellow]interrupted[/yellow]: running trials were cancelled and their containers "
+            f"removed ({left} removed at exit); partial job result in "
+            f"{interrupted.outcome.job_dir / 'result.json'}"
+        )
+        raise typer.Exit(130) from None
+    _print_summary(outcome)
+    raise typer.Exit(0 if outcome.all_passed else 1)
+
+
+@app.command()
+def prewarm(
+    path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
+    n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 2,
+) -> None:
+    """Build every task image ahead of time; report built / cached / failed."""
+    discovery = load_dataset(path)
+    runtime = open_runtime()
+
+    def build(task: Task) -> tuple[Task, str, float, str]:
+        started = time.monotonic()
+        try:
+            image, built = ensure_task_image(runtime, task)
+        except HarborExecError as exc:
+            return task, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
+        return task, "built" if built else "cached", time.monotonic() - started, image
+
+    with ThreadPoolExecutor(max_workers=n_concurrent) as pool:
+        outcomes = list(pool.map(build, discovery.tasks))
+    table = Table(title=f"prewarm: {path}")
+    for column in ("task", "status", "time", "image / error"):
+        table.add_column(column)
+    colours = {"built": "green", "cached": "cyan", "failed": "red"}
+    for task, status, seconds, detail in outcomes:
+        table.add_row(task.name, f"[{colours[status]}]{status}[/]", f"{seconds:.1f}s", detail)
+    for error in discovery.broken:
+        table.add_row(error.task, "[red]failed[/]", "-", f"{type(error).__name__}: {error}")
+    console.print(table)
+    tally = {s: sum(1 for o in outcomes if o[1] == s) for s in colours}
+    tally["failed"] += len(discovery.broken)
+    console.print(", ".join(f"{k}: {v}" for k, v in tally.items()))
+    raise typer.Exit(1 if tally["failed"] else 0)

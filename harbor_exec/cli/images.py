@@ -1,0 +1,54 @@
+"""``harbor-exec images bootstrap|list|prune``: the images harbor-exec makes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from harbor_exec.cli.app import app
+from harbor_exec.cli.dataset import console, open_runtime
+from harbor_exec.images import BootstrapError, bootstrap, prune
+
+images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
+app.add_typer(images_app, name="images")
+
+
+@images_app.command("bootstrap")
+def bootstrap_command() -> None:
+    """Make the base images the examples build on (debootstrap when no registry answers)."""
+    runtime = open_runtime()
+    try:
+        outcome = bootstrap(runtime, log=console.print)
+    except BootstrapError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    for tag, status in outcome.items():
+        console.print(f"{tag}: {status}")
+
+
+@images_app.command("list")
+def list_command() -> None:
+    """List the images we made."""
+    runtime = open_runtime()
+    table = Table()
+    for column in ("image", "kind", "size"):
+        table.add_column(column)
+    for info in runtime.list_images():
+        table.add_row(info.tag, info.kind, f"{info.size_bytes / 1e6:.0f} MB")
+    console.print(table)
+
+
+@images_app.command("prune")
+def prune_command(
+    include_base: Annotated[
+        bool, typer.Option("--all", help="Also remove the bootstrapped base images.")
+    ] = False,
+) -> None:
+    """Remove the task images and dependency layers we made (and base images with --all)."""
+    runtime = open_runtime()
+    removed = prune(runtime, include_base=include_base)
+    for tag in removed:
+        console.print(f"removed {tag}")
+    console.print(f"{len(removed)} image(s) removed")

@@ -1,0 +1,324 @@
+"""Dataset runs: every task x attempt as a trial, with events for a progress display
+and Harbor's job ``result.json`` (mean over valid rewards, pass@k, exception_stats).
+
+``run_job`` blocks; it runs trials on a thread pool of ``n_concurrent`` workers.
+A ``KeyboardInterrupt`` (Ctrl-C) cancels every running trial, which removes its
+container at once, records the rest as cancelled, writes the job result and
+re-raises, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from harbor_exec.errors import TaskError
+from harbor_exec.results import TrialResult
+from harbor_exec.runtime import ContainerRuntime
+from harbor_exec.tasks import Task
+from harbor_exec.trials import Trial, TrialRequest
+
+
+def is_full_reward(result: TrialResult) -> bool:
+    """Every reward key is valid and at least 1.0."""
+    if not result.reward_valid or result.verifier_result is None:
+        return False
+    rewards = result.verifier_result.rewards or {}
+    return bool(rewards) and all(float(v) >= 1.0 for v in rewards.values())
+
+
+def failure_reason(result: TrialResult) -> str | None:
+    """A one-line reason a trial missed full reward, in the user's terms."""
+    if is_full_reward(result):
+        return None
+    if result.exception_info is not None:
+        lines = result.exception_info.exception_message.strip().splitlines()
+        return f"{result.exception_type}: {lines[0] if lines else ''}"
+    rewards = result.verifier_result.rewards if result.verifier_result else None
+    return f"wrong reward {rewards} (full reward is 1.0 for every key)"
+
+
+# --------------------------------------------------------------------------- Harbor stats
+
+
+class AgentDatasetStats(BaseModel):
+    n_trials: int = 0
+    n_errors: int = 0
+    metrics: list[dict[str, float]] = Field(default_factory=list)
+    pass_at_k: dict[int, float] = Field(default_factory=dict)
+    reward_stats: dict[str, dict[str, list[str]]] = Field(default_factory=dict)
+    exception_stats: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class JobStats(BaseModel):
+    n_completed_trials: int = 0
+    n_errored_trials: int = 0
+    n_running_trials: int = 0
+    n_pending_trials: int = 0
+    n_cancelled_trials: int = 0
+    n_retries: int = 0
+    evals: dict[str, AgentDatasetStats] = Field(default_factory=dict)
+    n_input_tokens: int | None = None
+    n_cache_tokens: int | None = None
+    n_output_tokens: int | None = None
+    cost_usd: float | None = None
+
+
+class JobResult(BaseModel):
+    """Harbor's job ``result.json`` (times are naive local time, as Harbor writes them)."""
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    started_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+    n_total_trials: int
+    stats: JobStats
+    invalid_tasks: dict[str, str] = Field(default_factory=dict)  # ours: tasks that failed to load
+
+
+def mean_metric(rewards: Sequence[dict[str, float | int]]) -> dict[str, float]:
+    """Harbor's Mean: one key averages as ``mean``; several keys average each (missing = 0)."""
+    keys = sorted({key for reward in rewards for key in reward})
+    if not rewards:
+        return {}
+    if len(keys) <= 1:
+        values = [float(next(iter(r.values()), 0)) for r in rewards]
+        return {"mean": sum(values) / len(values)}
+    return {k: sum(float(r.get(k, 0)) for r in rewards) / len(rewards) for k in keys}
+
+
+def _pass_at_k_for_task(n: int, c: int, k: int) -> float:
+    if n - c < k:
+        return 1.0
+    product = 1.0
+    for i in range(k):
+        product *= (n - c - i) / (n - i)
+    return 1.0 - product
+
+
+def pass_at_k(results: Sequence[TrialResult]) -> dict[int, float]:
+    """Harbor's pass@k: only when every valid reward is a single 0/1 value."""
+    successes: dict[str, list[int]] = defaultdict(list)
+    for result in results:
+        if not result.reward_valid or result.verifier_result is None:
+            continue
+        rewards = result.verifier_result.rewards or {}
+        if len(rewards) != 1:
+            return {}
+        value = next(iter(rewards.values()))
+        if value not in (0, 1):
+            return {}
+        successes[result.task_name].append(int(value))
+    if not successes:
+        return {}
+    max_k = min(len(s) for s in successes.values())
+    ks = {k for k in (2**i for i in range(1, 64)) if k <= max_k} | set(range(5, max_k + 1, 5))
+    return {
+        k: sum(_pass_at_k_for_task(len(s), sum(s), k) for s in successes.values()) / len(successes)
+        for k in sorted(ks)
+    }
+
+
+def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> JobStats:
+    stats = JobStats()
+    evals = AgentDatasetStats()
+    valid_rewards: list[dict[str, float | int]] = []
+    for result in results:
+        stats.n_completed_trials += 1
+        if result.reward_valid and result.verifier_result and result.verifier_result.rewards:
+            evals.n_trials += 1
+            valid_rewards.append(result.verifier_result.rewards)
+            for key, value in result.verifier_result.rewards.items():
+                evals.reward_stats.setdefault(key, {}).setdefault(str(value), []).append(
+                    result.trial_name
+                )
+        if result.exception_type is not None:
+            evals.n_errors += 1
+            stats.n_errored_trials += 1
+            evals.exception_stats.setdefault(result.exception_type, []).append(result.trial_name)
+            if result.exception_type == "CancelledError":
+                stats.n_cancelled_trials += 1
+    evals.metrics = [mean_metric(valid_rewards)] if valid_rewards else []
+    evals.pass_at_k = pass_at_k(results)
+    stats.evals[f"{agent}__{dataset}"] = evals
+    return stats
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class JobEvent:
+    """A progress event: a trial was queued, changed phase, or finished."""
+
+    kind: str  # "queued" | "phase" | "finished"
+    task: Task
+    attempt: int
+    phase: str | None = None
+    result: TrialResult | None = None
+
+
+@dataclass
+class JobOutcome:
+    job_dir: Path
+    results: list[TrialResult]
+    invalid_tasks: list[TaskError]
+    images_built: int
+    job_result: JobResult
+    interrupted: bool = False
+    tasks: list[Task] = field(default_factory=list)
+
+    @property
+    def all_passed(self) -> bool:
+        if self.invalid_tasks or self.interrupted or not self.results:
+            return False
+        return all(is_full_reward(r) for r in self.results)
+
+
+def run_job(
+    runtime: ContainerRuntime,
+    tasks: Sequence[Task],
+    *,
+    jobs_dir: Path,
+    job_name: str | None = None,
+    n_concurrent: int = 4,
+    n_attempts: int = 1,
+    dataset_name: str = "adhoc",
+    invalid_tasks: Sequence[TaskError] = (),
+    make_request: Callable[[Task, Path], TrialRequest] | None = None,
+    on_event: Callable[[JobEvent], None] | None = None,
+) -> JobOutcome:
+    """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir."""
+    started = datetime.now()
+    job_dir = jobs_dir / (job_name or started.strftime("%Y-%m-%d__%H-%M-%S"))
+    job_dir.mkdir(parents=True, exist_ok=True)
+    emit = on_event or (lambda event: None)
+    plan = [(task, attempt) for attempt in range(n_attempts) for task in tasks]
+    for task, attempt in plan:
+        emit(JobEvent("queued", task, attempt))
+
+    lock = threading.Lock()
+    active: set[Trial] = set()
+    stopping = threading.Event()
+    results: list[TrialResult] = []
+    built = 0
+
+    def run_one(task: Task, attempt: int) -> TrialResult | None:
+        nonlocal built
+        if stopping.is_set():
+            return None
+        request = make_request(task, job_dir) if make_request else TrialRequest(task, job_dir)
+        request.source = dataset_name
+        trial = Trial(
+            runtime,
+            request,
+            on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
+        )
+        with lock:
+            active.add(trial)
+        try:
+            if stopping.is_set():
+                trial.cancel()
+            result = trial.run()
+        finally:
+            with lock:
+                active.discard(trial)
+        with lock:
+            built += int(trial.image_built)
+            results.append(result)
+        emit(JobEvent("finished", task, attempt, result=result))
+        return result
+
+    interrupted = False
+    pool = ThreadPoolExecutor(max_workers=max(1, n_concurrent), thread_name_prefix="hx-trial")
+    futures: list[Future[TrialResult | None]] = [pool.submit(run_one, t, a) for t, a in plan]
+    try:
+        pending = set(futures)
+        while pending:
+            _done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+    except KeyboardInterrupt:
+        interrupted = True
+        stopping.set()
+        with lock:
+            running = list(active)
+        for trial in running:
+            trial.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+    else:
+        pool.shutdown(wait=True)
+
+    job_result = JobResult(
+        started_at=started,
+        updated_at=datetime.now(),
+        finished_at=datetime.now(),
+        n_total_trials=len(plan),
+        stats=job_stats(results, dataset=dataset_name, agent=_agent_name(results)),
+        invalid_tasks={str(e.task): str(e) for e in invalid_tasks},
+    )
+    job_result.stats.n_pending_trials = len(plan) - len(results)
+    (job_dir / "result.json").write_text(job_result.model_dump_json(indent=2), encoding="utf-8")
+    outcome = JobOutcome(
+        job_dir=job_dir,
+        results=sorted(results, key=lambda r: (r.task_name, r.trial_name)),
+        invalid_tasks=list(invalid_tasks),
+        images_built=built,
+        job_result=job_result,
+        interrupted=interrupted,
+        tasks=list(tasks),
+    )
+    if interrupted:
+        raise JobInterrupted(outcome)
+    return outcome
+
+
+def _agent_name(results: Sequence[TrialResult]) -> str:
+    return results[0].agent_info.name if results else "oracle"
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a job: every trial was cancelled; ``outcome`` holds what finished."""
+
+    def __init__(self, outcome: JobOutcome) -> None:
+        super().__init__("interrupted")
+        self.outcome = outcome
+
+
+def summary_rows(outcome: JobOutcome) -> list[dict[str, Any]]:
+    """One row per trial (and per task that failed to load), for the final table."""
+    rows: list[dict[str, Any]] = []
+    for result in outcome.results:
+        seconds = None
+        if result.started_at and result.finished_at:
+            seconds = (result.finished_at - result.started_at).total_seconds()
+        rewards = result.verifier_result.rewards if result.verifier_result else None
+        rows.append(
+            {
+                "task": result.task_name,
+                "trial": result.trial_name,
+                "rewards": rewards,
+                "seconds": seconds,
+                "passed": is_full_reward(result),
+                "reason": failure_reason(result),
+            }
+        )
+    for error in outcome.invalid_tasks:
+        rows.append(
+            {
+                "task": error.task,
+                "trial": None,
+                "rewards": None,
+                "seconds": None,
+                "passed": False,
+                "reason": f"{type(error).__name__}: {error}",
+            }
+        )
+    return rows
