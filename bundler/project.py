@@ -69,7 +69,8 @@ _NOT_PACKAGES = frozenset(
     }
 )
 
-_REF = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*)$")
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_REF = re.compile(rf"^(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,8 @@ def check_ref(project: Project, field: str, ref: str) -> str:
             "expected the form 'package.module:Name' (a dotted module path, a colon, "
             "and a top-level name in that module).",
         )
-    module, attr = match["module"], match["attr"]
+    # A dotted attr ("Outer.inner") must start with a top-level name.
+    module, attr = match["module"], match["attr"].split(".")[0]
     package = project.package
     if module != package and not module.startswith(package + "."):
         raise EntryPointError(

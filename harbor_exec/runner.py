@@ -1,0 +1,512 @@
+"""Container runner: ``python -m harbor_exec.runner agent|grade``.
+
+Runs inside task containers (Python >= 3.11) and imports only the standard
+library, pydantic and ``harbor_exec.authoring``. The bundle's manifest
+(``--manifest``, default ``/opt/harbor-exec/manifest.json``) names the workflow,
+the grader and their configs as ``module:attr``; only those four fields are read.
+
+``agent``
+    reads ``<logs>/agent/rollout.json``::
+
+        {"version": 1, "rollout_id": "...", "prompt": [...], "metadata": {...} | null,
+         "chat_completions_url": "http://...", "api_key": "..." | null}
+
+    (any ``label`` there is ignored: the agent never sees it), runs a fresh
+    workflow instance with a deep copy of its config under a ``RolloutContext``
+    (chat URL, key, rollout id) with ``<logs>/artifacts`` as ``artifacts_dir``,
+    and coerces its return value as ``LocalBackend`` does (``AgentWorkflowOutput``,
+    a message list, or None for the registered sample source). It ALWAYS writes
+    ``<logs>/agent/sample.json``. On success::
+
+        {"messages": [...], "reward": null, "remove_sample": false,
+         "metrics": {...}, "extra_fields": {...}}
+
+    On failure, instead, the error form (no ``messages`` key)::
+
+        {"error": {"type": "ValueError", "message": "...",
+                   "category": "timeout" | "validation_error" | "http_error" | "agent_error",
+                   "phase": "setup" | "workflow" | "grader", "traceback": "..."}}
+
+    A host detects agent failure by a non-zero exit code or, reading only the
+    file, by the presence of the ``error`` key. ``category`` follows the SDK's
+    ``categorize_exception``; ``phase`` is ``setup`` when the run never started
+    (manifest, input file or ref at fault). The rollout's API key is replaced by
+    ``[REDACTED]`` in messages and tracebacks.
+
+``grade``
+    reads ``<tests>/rollout.json`` (the same schema, WITH ``label``) and
+    ``<logs>/agent/sample.json``, runs a fresh grader with a ``GraderContext``
+    (label, sample, metadata, ``<logs>/artifacts``), then writes
+    ``<logs>/verifier/reward.json`` as ``{"reward": <float>}``. When the grader
+    changed anything but the reward (``remove_sample``, metrics, extra_fields,
+    messages) it also writes ``<logs>/verifier/sample.json`` (the full sample in the
+    agent's schema, reward included), so nothing it decided is lost. A grader that
+    removes the sample without a reward gets ``{"reward": 0.0}`` (the wire nulls a
+    removed sample's reward anyway). On any failure (no or failed agent sample,
+    grader exception, no reward set) nothing is written to ``reward.json``, so the
+    verifier reports ``RewardFileNotFoundError``; the message goes to stderr and,
+    in the error form above, to ``<logs>/verifier/grader_error.json``.
+
+Exit codes: 0 success; 1 the workflow or grader failed; 2 the job could not
+start (bad arguments, unreadable manifest or input file, a ref that does not
+import, nothing to grade).
+
+Paths: ``--logs-dir`` (env ``HARBOR_EXEC_LOGS_DIR``, default ``/logs``),
+``--tests-dir`` (``HARBOR_EXEC_TESTS_DIR``, default ``/tests``) and
+``--manifest`` (``HARBOR_EXEC_MANIFEST``). Every file is written atomically
+(temporary file, then rename), so a reader never sees half a JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from harbor_exec.authoring import (
+    AgentWorkflow,
+    AgentWorkflowConfig,
+    AgentWorkflowContext,
+    Grader,
+    GraderConfig,
+    GraderContext,
+    RolloutContext,
+    RolloutErrorCategory,
+    RolloutSample,
+    coerce_workflow_output,
+    resolve_import_path,
+)
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_SETUP",
+    "ManifestRefs",
+    "RolloutInput",
+    "RunnerPaths",
+    "main",
+]
+
+logger = logging.getLogger("harbor_exec.runner")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_SETUP = 2
+
+DEFAULT_MANIFEST = "/opt/harbor-exec/manifest.json"
+MANIFEST_ENV = "HARBOR_EXEC_MANIFEST"
+LOGS_DIR_ENV = "HARBOR_EXEC_LOGS_DIR"
+TESTS_DIR_ENV = "HARBOR_EXEC_TESTS_DIR"
+
+INPUT_VERSION = 1
+SAMPLE_FIELDS = ("messages", "reward", "remove_sample", "metrics", "extra_fields")
+# Shorter keys would redact ordinary text (the host scrubs too); the SDK uses 8.
+_MIN_SECRET_LEN = 8
+_TRACEBACK_LINES = 60
+
+
+class ManifestRefs(BaseModel):
+    """The part of the bundle manifest the runner needs; other fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    workflow: str | None = None
+    grader: str | None = None
+    workflow_config: str | None = None
+    grader_config: str | None = None
+
+
+class RolloutInput(BaseModel):
+    """``rollout.json``: the agent's copy has no label; the grader's has it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int = INPUT_VERSION
+    rollout_id: str
+    prompt: list[dict[str, Any]]
+    label: str | None = None
+    metadata: dict[str, Any] | None = None
+    chat_completions_url: str = ""
+    api_key: str | None = None
+
+
+class SampleFile(BaseModel):
+    """``sample.json`` in its success form."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    messages: list[dict[str, Any]]
+    reward: float | None = None
+    remove_sample: bool = False
+    metrics: dict[str, Any] = {}
+    extra_fields: dict[str, Any] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerPaths:
+    """Every file the runner touches, derived from three roots."""
+
+    manifest: Path
+    logs_dir: Path
+    tests_dir: Path
+
+    @property
+    def agent_input(self) -> Path:
+        return self.logs_dir / "agent" / "rollout.json"
+
+    @property
+    def agent_sample(self) -> Path:
+        return self.logs_dir / "agent" / "sample.json"
+
+    @property
+    def grader_input(self) -> Path:
+        return self.tests_dir / "rollout.json"
+
+    @property
+    def reward(self) -> Path:
+        return self.logs_dir / "verifier" / "reward.json"
+
+    @property
+    def verifier_sample(self) -> Path:
+        return self.logs_dir / "verifier" / "sample.json"
+
+    @property
+    def grader_error(self) -> Path:
+        return self.logs_dir / "verifier" / "grader_error.json"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.logs_dir / "artifacts"
+
+
+class SetupError(Exception):
+    """The job could not start: the message says which file or ref, and why."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (the host's deadline or a cancel); unwinds like KeyboardInterrupt."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def categorize(exc: BaseException) -> RolloutErrorCategory:
+    """The SDK's ``categorize_exception`` (the runner may not import the protocol module)."""
+    if isinstance(exc, TimeoutError):
+        return RolloutErrorCategory.TIMEOUT
+    if isinstance(exc, ValueError | TypeError | AssertionError):
+        return RolloutErrorCategory.VALIDATION_ERROR
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {
+        "SandboxConnectionException",
+        "SandboxRateLimitException",
+        "PoolStateStoreUnavailableException",
+    }:
+        return RolloutErrorCategory.HTTP_ERROR
+    return RolloutErrorCategory.AGENT_ERROR
+
+
+def _scrub(text: str, secret: str | None) -> str:
+    if secret and len(secret) >= _MIN_SECRET_LEN:
+        return text.replace(secret, "[REDACTED]")
+    return text
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    """Write ``payload`` atomically; NaN/inf are refused (JSON has no such values)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, indent=1)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(data + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SetupError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SetupError(f"{what} {path} is unreadable: {exc}") from exc
+
+
+def _read_manifest(path: Path) -> ManifestRefs:
+    try:
+        return ManifestRefs.model_validate(_read_json(path, "bundle manifest"))
+    except ValidationError as exc:
+        raise SetupError(f"bundle manifest {path} is invalid: {exc}") from exc
+
+
+def _read_input(path: Path) -> RolloutInput:
+    data = _read_json(path, "rollout input")
+    try:
+        rollout = RolloutInput.model_validate(data)
+    except ValidationError as exc:
+        raise SetupError(f"rollout input {path} is invalid: {exc}") from exc
+    if rollout.version != INPUT_VERSION:
+        raise SetupError(
+            f"rollout input {path} has version {rollout.version}; this runner reads "
+            f"version {INPUT_VERSION}. Rebuild the bundle with the host's harbor-exec."
+        )
+    return rollout
+
+
+def _resolve(ref: str, field: str, kind: type, manifest: Path) -> Any:
+    """Import ``ref`` and check what it is; a class for entry points, an instance for configs."""
+    try:
+        obj = resolve_import_path(ref)
+    except Exception as exc:
+        raise SetupError(
+            f"{field} {ref!r} from {manifest} does not import: {type(exc).__name__}: {exc}"
+        ) from exc
+    if kind in (AgentWorkflow, Grader):
+        if not (isinstance(obj, type) and issubclass(obj, kind)):
+            raise SetupError(
+                f"{field} {ref!r} from {manifest} is {obj!r}, not a subclass of {kind.__name__}"
+            )
+    elif not isinstance(obj, kind):
+        raise SetupError(
+            f"{field} {ref!r} from {manifest} is a {type(obj).__name__}, not a "
+            f"{kind.__name__} instance (define one at module level)"
+        )
+    return obj
+
+
+def _artifacts_dir(path: Path) -> Path | None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        logger.warning("artifacts dir %s is unusable; running without one", path)
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
+def _error_payload(exc: BaseException, phase: str, secret: str | None) -> dict[str, Any]:
+    if isinstance(exc, _Terminated):
+        kind, category = "Terminated", RolloutErrorCategory.AGENT_ERROR
+        message = "the runner was terminated (SIGTERM) before it finished: deadline or cancel"
+    else:
+        kind, category = type(exc).__name__, categorize(exc)
+        message = str(exc) or kind
+    lines = traceback.format_exception(exc)
+    trace = "".join(lines).splitlines()[-_TRACEBACK_LINES:]
+    return {
+        "error": {
+            "type": kind,
+            "message": _scrub(message, secret),
+            "category": str(category),
+            "phase": phase,
+            "traceback": _scrub("\n".join(trace), secret),
+        }
+    }
+
+
+def _sample_payload(sample: RolloutSample) -> dict[str, Any]:
+    safe = sample.json_safe_copy()
+    return safe.model_dump(mode="json", include=set(SAMPLE_FIELDS))
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> NoReturn:
+    raise _Terminated
+
+
+# --------------------------------------------------------------------------- agent
+
+
+async def _run_workflow(
+    workflow: AgentWorkflow[Any], context: AgentWorkflowContext[Any], rollout: RolloutInput
+) -> RolloutSample:
+    with RolloutContext(
+        chat_completions_url=rollout.chat_completions_url,
+        api_key=rollout.api_key,
+        rollout_id=rollout.rollout_id,
+    ) as rollout_context:
+        output = coerce_workflow_output(await workflow.run(context))
+        if output is None:
+            sample = await rollout_context.get_sample()
+            if sample is None:
+                raise ValueError(
+                    "the workflow returned None but registered no sample source; return "
+                    "the messages (or an AgentWorkflowOutput), or call set_sample_source()"
+                )
+            return sample
+        if output.messages is None:
+            raise ValueError(
+                "the workflow returned an AgentWorkflowOutput with messages=None: "
+                "a rollout must produce one sample"
+            )
+        return RolloutSample(messages=output.messages, metrics=dict(output.metrics))
+
+
+def run_agent(paths: RunnerPaths) -> int:
+    """The ``agent`` command; always leaves ``agent/sample.json`` behind."""
+    secret: str | None = None
+    phase = "setup"
+    try:
+        manifest = _read_manifest(paths.manifest)
+        rollout = _read_input(paths.agent_input)
+        secret = rollout.api_key
+        if not manifest.workflow:
+            raise SetupError(f"bundle manifest {paths.manifest} names no workflow")
+        workflow_cls = _resolve(manifest.workflow, "workflow", AgentWorkflow, paths.manifest)
+        config = None
+        if manifest.workflow_config:
+            config = _resolve(
+                manifest.workflow_config, "workflow_config", AgentWorkflowConfig, paths.manifest
+            )
+        # A fresh instance and config copy per rollout, as LocalBackend does.
+        config = copy.deepcopy(config)
+        context: AgentWorkflowContext[Any] = AgentWorkflowContext(
+            prompt=rollout.prompt,
+            config=config,
+            metadata=rollout.metadata,
+            artifacts_dir=_artifacts_dir(paths.artifacts_dir),
+        )
+        phase = "workflow"
+        workflow = workflow_cls(config)
+        sample = asyncio.run(_run_workflow(workflow, context, rollout))
+        _write_json(paths.agent_sample, _sample_payload(sample))
+    except (Exception, KeyboardInterrupt, _Terminated) as exc:
+        payload = _error_payload(exc, phase, secret)
+        _write_json(paths.agent_sample, payload)
+        print(f"harbor-exec runner: agent failed: {payload['error']['message']}", file=sys.stderr)
+        print(payload["error"]["traceback"], file=sys.stderr)
+        return EXIT_SETUP if phase == "setup" else EXIT_FAILED
+    print(f"harbor-exec runner: sample written to {paths.agent_sample}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- grade
+
+
+def _load_agent_sample(path: Path, label: str | None) -> RolloutSample:
+    data = _read_json(path, "agent sample")
+    if isinstance(data, dict) and "error" in data:
+        error = data["error"] if isinstance(data["error"], dict) else {}
+        raise SetupError(
+            f"the agent phase failed ({error.get('type', 'error')}: "
+            f"{error.get('message', '?')}), so {path} holds no sample to grade"
+        )
+    try:
+        parsed = SampleFile.model_validate(data)
+    except ValidationError as exc:
+        raise SetupError(f"agent sample {path} is invalid: {exc}") from exc
+    return RolloutSample(
+        messages=parsed.messages,
+        label=label,
+        reward=parsed.reward,
+        remove_sample=parsed.remove_sample,
+        metrics=parsed.metrics,
+        extra_fields=parsed.extra_fields,
+    )
+
+
+def _comparable(sample: RolloutSample) -> dict[str, Any]:
+    dumped = _sample_payload(sample)
+    dumped.pop("reward")
+    return dumped
+
+
+def run_grade(paths: RunnerPaths) -> int:
+    """The ``grade`` command; writes ``reward.json`` only when the grader set a reward."""
+    secret: str | None = None
+    phase = "setup"
+    try:
+        manifest = _read_manifest(paths.manifest)
+        rollout = _read_input(paths.grader_input)
+        secret = rollout.api_key
+        if not manifest.grader:
+            raise SetupError(f"bundle manifest {paths.manifest} names no grader")
+        grader_cls = _resolve(manifest.grader, "grader", Grader, paths.manifest)
+        config = None
+        if manifest.grader_config:
+            config = _resolve(manifest.grader_config, "grader_config", GraderConfig, paths.manifest)
+        sample = _load_agent_sample(paths.agent_sample, rollout.label)
+        before = _comparable(sample)
+        context = GraderContext(
+            label=rollout.label,
+            sample=sample,
+            metadata=rollout.metadata,
+            artifacts_dir=_artifacts_dir(paths.artifacts_dir),
+        )
+        phase = "grader"
+        grader = grader_cls(copy.deepcopy(config))
+        asyncio.run(grader.grade(context))
+        graded = context.sample
+        if graded is None:
+            raise ValueError("the grader left no sample (GraderContext.sample is None)")
+        if graded.reward is None and not graded.remove_sample:
+            raise ValueError(
+                "the grader set no reward: call ctx.set_reward(<float>) "
+                "(or set ctx.sample.remove_sample = True to drop the sample)"
+            )
+        if _comparable(graded) != before:
+            _write_json(paths.verifier_sample, _sample_payload(graded))
+        reward = 0.0 if graded.reward is None else float(graded.reward)
+        _write_json(paths.reward, {"reward": reward})
+    except (Exception, KeyboardInterrupt, _Terminated) as exc:
+        payload = _error_payload(exc, phase, secret)
+        with contextlib.suppress(OSError):  # stderr below still carries it
+            _write_json(paths.grader_error, payload)
+        print(f"harbor-exec runner: grading failed: {payload['error']['message']}", file=sys.stderr)
+        print(payload["error"]["traceback"], file=sys.stderr)
+        return EXIT_SETUP if phase == "setup" else EXIT_FAILED
+    print(f"harbor-exec runner: reward {reward} written to {paths.reward}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m harbor_exec.runner",
+        description="Run a bundled workflow (agent) or grader (grade) inside a task container.",
+    )
+    parser.add_argument("command", choices=("agent", "grade"))
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=Path(os.environ.get(MANIFEST_ENV) or DEFAULT_MANIFEST),
+        help=f"bundle manifest (env {MANIFEST_ENV}; default {DEFAULT_MANIFEST})",
+    )
+    parser.add_argument(
+        "--logs-dir",
+        type=Path,
+        default=Path(os.environ.get(LOGS_DIR_ENV) or "/logs"),
+        help=f"Harbor's logs dir (env {LOGS_DIR_ENV}; default /logs)",
+    )
+    parser.add_argument(
+        "--tests-dir",
+        type=Path,
+        default=Path(os.environ.get(TESTS_DIR_ENV) or "/tests"),
+        help=f"Harbor's tests dir (env {TESTS_DIR_ENV}; default /tests)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
+    # Turn the host's SIGTERM into an exception so the error file still gets written.
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return run_agent(paths) if args.command == "agent" else run_grade(paths)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
