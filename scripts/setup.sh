@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Set up harbor-exec on this machine and validate the example dataset.
+#
+#   ./scripts/setup.sh [--no-validate]
+#
+# Idempotent. On a bare Debian 12/13 machine (as root) it:
+#   1. installs Docker (Debian's docker.io), debootstrap and docker-compose when
+#      `docker info` fails, starts dockerd in the background and waits for it;
+#   2. creates .venv (Python 3.12 when available, else python3 >= 3.11) with
+#      harbor-exec and its development extras, and .venv-harbor with the real
+#      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
+#   3. makes the base images (`harbor-exec images bootstrap`);
+#   4. runs `harbor-exec validate tasks_examples/dataset`.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
+DOCKERD_LOG="${HARBOR_EXEC_DOCKERD_LOG:-/var/log/harbor-exec-dockerd.log}"
+VALIDATE=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-validate) VALIDATE=0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
+
+apt_install() {
+  [ "$(id -u)" = 0 ] || die "installing $* needs root (run as root, or install them yourself)"
+  command -v apt-get >/dev/null || die "no apt-get here: install $* with your package manager"
+  if [ -z "${_APT_UPDATED:-}" ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    _APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+ensure_docker() {
+  if docker info >/dev/null 2>&1; then
+    say "Docker engine is running"
+  else
+    if ! command -v dockerd >/dev/null; then
+      say "installing Docker (docker.io)"
+      apt_install docker.io
+    fi
+    [ "$(id -u)" = 0 ] || die "dockerd is not running and starting it needs root"
+    say "starting dockerd (log: $DOCKERD_LOG)"
+    nohup dockerd >"$DOCKERD_LOG" 2>&1 &
+    for _ in $(seq 1 60); do
+      docker info >/dev/null 2>&1 && break
+      sleep 1
+    done
+    docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s; see $DOCKERD_LOG"
+    say "Docker engine is running"
+  fi
+  local missing=()
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || missing+=(docker-compose)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "installing ${missing[*]}"
+      apt_install "${missing[@]}"
+    else
+      echo "note: ${missing[*]} missing; base image bootstrap / service-image tests need them" >&2
+    fi
+  fi
+}
+
+pick_python() {
+  if PYENV_VERSION=3.12.1 python3.12 -V >/dev/null 2>&1; then
+    echo "env PYENV_VERSION=3.12.1 python3.12"
+  elif command -v python3.12 >/dev/null; then
+    echo python3.12
+  elif python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo python3
+  else
+    die "harbor-exec needs Python >= 3.11 (3.12 for the full test suite)"
+  fi
+}
+
+ensure_venvs() {
+  local python
+  python="$(pick_python)"
+  if [ ! -x .venv/bin/python ]; then
+    say "creating .venv with $($python -V)"
+    $python -m venv .venv
+  fi
+  say "installing harbor-exec[dev] into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
+  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i warning || true
+  .venv/bin/python -c "import harbor_exec, fastapi, docker" || die "installing harbor-exec failed"
+  if ! .venv-harbor/bin/python -c "import harbor.models.task.task" >/dev/null 2>&1; then
+    say "creating .venv-harbor with harbor==0.26.0 (the reference implementation, for tests)"
+    $python -m venv .venv-harbor
+    .venv-harbor/bin/python -m pip install -q "harbor==0.26.0" 2>&1 | grep -v -i warning || true
+    .venv-harbor/bin/python -c "import harbor.models.task.task" || die "installing harbor failed"
+  fi
+}
+
+ensure_docker
+ensure_venvs
+say "making base images"
+.venv/bin/harbor-exec images bootstrap
+if [ "$VALIDATE" = 1 ]; then
+  say "validating the example dataset with the oracle"
+  .venv/bin/harbor-exec validate tasks_examples/dataset --jobs-dir "$ROOT/jobs"
+fi
+say "done"

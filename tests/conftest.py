@@ -1,0 +1,59 @@
+"""Shared fixtures: the real Docker engine, base images, and a leftover check.
+
+A test that needs Docker fails (never skips) when the engine is missing: a
+skipped engine test would hide a broken install step. After the whole session
+no container, network or volume of ours may remain; ``pytest_sessionfinish``
+turns any leftover into a failing exit status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.errors import DockerUnavailableError
+from harbor_exec.images import bootstrap
+from harbor_exec.runtime import LABEL_MANAGED
+
+
+@pytest.fixture(scope="session")
+def docker_runtime() -> Iterator[DockerRuntime]:
+    try:
+        runtime = DockerRuntime()
+    except DockerUnavailableError as exc:
+        pytest.fail(f"this test needs a Docker engine: {exc}", pytrace=False)
+    yield runtime
+    runtime.remove_owned()
+    runtime.close()
+
+
+@pytest.fixture(scope="session")
+def base_images(docker_runtime: DockerRuntime) -> dict[str, str]:
+    """The base images the example tasks build on (bootstrapped when missing)."""
+    return bootstrap(docker_runtime, log=lambda line: None)
+
+
+def leftovers() -> list[str]:
+    """Containers, networks and volumes carrying our label."""
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception:
+        return []
+    label = {"label": f"{LABEL_MANAGED}=true"}
+    found = [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
+    found += [f"network {n.name}" for n in client.networks.list(filters=label)]
+    found += [f"volume {v.name}" for v in client.volumes.list(filters=label)]
+    client.close()
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    remaining = leftovers()
+    if remaining:
+        print("\nharbor-exec objects left behind after the test session:", *remaining, sep="\n  ")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
