@@ -3,3 +3,4 @@
 # ruff: noqa: F401, I001  (imported for their side effect: registering commands)
 from harbor_exec.cli import dataset
 from harbor_exec.cli import images
+from harbor_exec.cli import bundle

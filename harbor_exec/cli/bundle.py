@@ -1,0 +1,116 @@
+"""``harbor-exec bundle``: build (or reuse) a workflow project's bundle and show it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from harbor_exec.cli.app import app
+
+_REF_HELP = "a 'module:attr' ref inside the project's package"
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+@app.command()
+def bundle(
+    code_dir: Annotated[Path, typer.Argument(help="the project dir (holds pyproject.toml)")],
+    workflow: Annotated[str, typer.Option(help=f"the AgentWorkflow class: {_REF_HELP}")],
+    grader: Annotated[str | None, typer.Option(help=f"the Grader class: {_REF_HELP}")] = None,
+    workflow_config: Annotated[
+        str | None, typer.Option(help=f"a module-level AgentWorkflowConfig: {_REF_HELP}")
+    ] = None,
+    grader_config: Annotated[
+        str | None, typer.Option(help=f"a module-level GraderConfig: {_REF_HELP}")
+    ] = None,
+    python_version: Annotated[str, typer.Option(help="the task container's Python, X.Y")] = "3.11",
+    platform: Annotated[
+        str | None,
+        typer.Option(help="the container's wheel platform tag [default: manylinux_2_36_x86_64]"),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="bundle cache [default: $HARBOR_EXEC_CACHE_DIR or ~/.cache/...]"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """Build a workflow project into a bundle: its wheel, a dependency wheelhouse for
+    the task container, and manifest.json. Reuses the cached bundle when nothing changed."""
+    # Imported here: the bundler needs the 'bundler' extra, other commands do not.
+    from bundler import DEFAULT_PLATFORM, BundleError, build_bundle
+
+    err = Console(stderr=True)
+    try:
+        built = build_bundle(
+            code_dir,
+            workflow=workflow,
+            grader=grader,
+            workflow_config=workflow_config,
+            grader_config=grader_config,
+            python_version=python_version,
+            platform=platform or DEFAULT_PLATFORM,
+            cache_dir=cache_dir,
+        )
+    except BundleError as exc:
+        err.print(f"[bold red]bundle failed:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(code=1) from None
+
+    manifest = built.manifest
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "root": str(built.root),
+                    "wheel": str(built.wheel),
+                    "wheelhouse": str(built.wheelhouse),
+                    "digest": built.digest,
+                    "requirements_digest": built.requirements_digest,
+                    "cached": built.cached,
+                    "manifest": manifest.model_dump(mode="json"),
+                },
+                indent=2,
+            )
+        )
+        return
+
+    out = Console()
+    summary = Table(
+        title=f"bundle of {manifest.distribution} {manifest.version}", show_header=False
+    )
+    summary.add_column(style="bold")
+    summary.add_column(overflow="fold")
+    summary.add_row("status", "cache hit (reused)" if built.cached else "built (cache miss)")
+    summary.add_row("wheel", f"{manifest.wheel.filename} ({_size(manifest.wheel.size)})")
+    summary.add_row("workflow", manifest.workflow)
+    for label, value in (
+        ("grader", manifest.grader),
+        ("workflow config", manifest.workflow_config),
+        ("grader config", manifest.grader_config),
+    ):
+        if value:
+            summary.add_row(label, value)
+    summary.add_row("requirements", ", ".join(manifest.requirements) or "(none)")
+    summary.add_row("target", f"CPython {manifest.python_version}, {manifest.platform}")
+    summary.add_row("digest", built.digest)
+    summary.add_row("requirements digest", built.requirements_digest)
+    summary.add_row("root", str(built.root))
+    out.print(summary)
+
+    wheels = Table(title=f"dependency wheelhouse ({len(manifest.wheelhouse)} wheels)")
+    wheels.add_column("wheel", overflow="fold")
+    wheels.add_column("size", justify="right")
+    for entry in manifest.wheelhouse:
+        wheels.add_row(entry.filename, _size(entry.size))
+    wheels.add_row("[bold]total[/]", _size(sum(w.size for w in manifest.wheelhouse)))
+    out.print(wheels)

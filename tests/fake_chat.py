@@ -1,0 +1,168 @@
+"""A small fake OpenAI-compatible chat endpoint for tests, on 127.0.0.1 only.
+
+``FakeChat`` serves ``POST <any prefix>/chat/completions`` from a thread:
+it evaluates the arithmetic in the last user message and answers it (or answers
+wrong, or with no number, or fails with HTTP 500, per ``mode``), and records
+every request's path, ``Authorization`` header and body. ``base_url`` is what a
+rollout's ``chat_completions_url`` should be (clients append ``/chat/completions``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+__all__ = ["ChatRequest", "FakeChat", "Mode", "solve"]
+
+Mode = Literal["correct", "wrong", "no_answer", "error"]
+
+_OPS: dict[type[ast.operator], Any] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+_EXPRESSION = re.compile(r"[-+*/().\d\s]+")
+
+
+def _eval(node: ast.expr) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return float(_OPS[type(node.op)](_eval(node.left), _eval(node.right)))
+    raise ValueError("not arithmetic")
+
+
+def solve(question: str) -> float:
+    """The value of the longest arithmetic expression in ``question``."""
+    candidates = sorted(
+        (m.strip() for m in _EXPRESSION.findall(question) if any(c.isdigit() for c in m)),
+        key=len,
+        reverse=True,
+    )
+    for candidate in candidates:
+        try:
+            return _eval(ast.parse(candidate, mode="eval").body)
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            continue
+    raise ValueError(f"no arithmetic in {question!r}")
+
+
+def _format(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One request the endpoint received."""
+
+    path: str
+    authorization: str | None
+    body: dict[str, Any]
+
+
+class FakeChat:
+    """The endpoint; use as a context manager (starts and stops its server thread)."""
+
+    def __init__(self, mode: Mode = "correct") -> None:
+        self.mode: Mode = mode
+        self.requests: list[ChatRequest] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    @property
+    def authorizations(self) -> list[str | None]:
+        with self._lock:
+            return [r.authorization for r in self.requests]
+
+    def reset(self, mode: Mode = "correct") -> None:
+        with self._lock:
+            self.mode = mode
+            self.requests.clear()
+
+    def __enter__(self) -> FakeChat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if self.mode == "error":
+            return 500, {"error": {"message": "fake chat told to fail", "type": "server_error"}}
+        messages = body.get("messages") or []
+        question = next(
+            (str(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), ""
+        )
+        if self.mode == "no_answer":
+            content = "I would rather not say."
+        else:
+            try:
+                value = solve(question)
+            except ValueError:
+                content = "I only do arithmetic."
+            else:
+                content = _format(value + 1 if self.mode == "wrong" else value)
+        return 200, {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "model": body.get("model", "fake"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": len(question.split()), "completion_tokens": 1},
+        }
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        chat = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except json.JSONDecodeError:
+                    self._reply(400, {"error": {"message": "body is not JSON"}})
+                    return
+                with chat._lock:
+                    chat.requests.append(
+                        ChatRequest(self.path, self.headers.get("Authorization"), body)
+                    )
+                if not self.path.rstrip("/").endswith("/chat/completions"):
+                    self._reply(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                self._reply(*chat._answer(body))
+
+            def _reply(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # keep test output quiet
+
+        return Handler

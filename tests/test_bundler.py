@@ -1,0 +1,490 @@
+"""bundler: real builds of the example project and of broken projects."""
+
+# Fixtures imported from bundle_utils are parameters of the same name here.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from bundle_utils import (  # noqa: F401  (fixtures are used by name)
+    EXAMPLE_DIR,
+    EXAMPLE_REFS,
+    WORKFLOW_MODULE,
+    bundle_cache,
+    example_bundle,
+    setuptools_pyproject,
+    write_project,
+)
+from typer.testing import CliRunner
+
+from bundler import (
+    Bundle,
+    BundleBuildError,
+    BundleError,
+    DependencyDownloadError,
+    EntryPointError,
+    Manifest,
+    ProjectLayoutError,
+    build_bundle,
+    platform_tags,
+)
+from bundler.wheels import build_wheel, marker_environment, target_requirements
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tiny_project(root: Path, name: str = "tiny_flow", deps: list[str] | None = None) -> Path:
+    return write_project(
+        root,
+        {
+            "pyproject.toml": setuptools_pyproject(name.replace("_", "-"), deps),
+            f"{name}/__init__.py": "",
+            f"{name}/flow.py": WORKFLOW_MODULE,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
+    bundle = example_bundle
+    manifest = Manifest.read(bundle.manifest_path)
+    assert manifest == bundle.manifest
+    assert manifest.package == "arith_agent"
+    assert manifest.distribution == "arith-agent"
+    assert manifest.workflow == EXAMPLE_REFS["workflow"]
+    assert manifest.grader == EXAMPLE_REFS["grader"]
+    assert manifest.workflow_config == EXAMPLE_REFS["workflow_config"]
+    assert manifest.grader_config == EXAMPLE_REFS["grader_config"]
+    assert manifest.requirements == ["httpx>=0.27"]
+    assert manifest.python_version == "3.11"
+    assert "manylinux_2_36_x86_64" in manifest.platform_tags
+    assert "manylinux2014_x86_64" in manifest.platform_tags
+    assert bundle.digest == manifest.inputs_digest
+    assert bundle.root.name == bundle.digest[:32]
+
+    # The user wheel: built by the project's backend, holds its package, hash matches.
+    assert bundle.wheel.is_file()
+    assert manifest.wheel.sha256 == _sha256(bundle.wheel)
+    with zipfile.ZipFile(bundle.wheel) as wheel:
+        names = wheel.namelist()
+    assert "arith_agent/workflow.py" in names
+    assert not any(n.startswith("harbor_exec/") for n in names)
+
+    # The wheelhouse: exactly the manifest's files, for CPython 3.11 on manylinux.
+    on_disk = sorted(p.name for p in bundle.wheelhouse.iterdir())
+    assert on_disk == [w.filename for w in manifest.wheelhouse]
+    for entry in manifest.wheelhouse:
+        assert _sha256(bundle.wheelhouse / entry.filename) == entry.sha256
+    projects = {name.split("-")[0].lower() for name in on_disk}
+    assert {"httpx", "httpcore", "h11", "anyio", "idna", "certifi", "pip"} <= projects
+    assert {"pydantic", "pydantic_core", "harbor_exec_runtime"} <= projects
+    assert bundle.manifest.wheel.filename not in on_disk
+    core = next(n for n in on_disk if n.startswith("pydantic_core-"))
+    assert "-cp311-" in core and "manylinux" in core
+    assert not any("-cp312-" in n or "macosx" in n or "win_amd64" in n for n in on_disk)
+
+    # The runtime wheel holds only the container side of harbor-exec.
+    with zipfile.ZipFile(bundle.wheelhouse / manifest.runtime_wheel) as runtime:
+        modules = sorted(n for n in runtime.namelist() if n.startswith("harbor_exec/"))
+    assert modules == [
+        "harbor_exec/__init__.py",
+        "harbor_exec/authoring.py",
+        "harbor_exec/runner.py",
+    ]
+    assert manifest.pip_wheel.startswith("pip-")
+
+
+def test_cached_call_reuses_the_bundle_and_is_fast(
+    example_bundle: Bundle, bundle_cache: Path
+) -> None:
+    timings = []
+    for _ in range(7):
+        started = time.perf_counter()
+        again = build_bundle(EXAMPLE_DIR, cache_dir=bundle_cache, **EXAMPLE_REFS)
+        timings.append(time.perf_counter() - started)
+        assert again.cached
+        assert again.root == example_bundle.root
+        assert again.manifest == example_bundle.manifest
+    assert statistics.median(timings) < 0.050, timings
+
+
+def test_source_change_changes_digest_not_requirements_digest(
+    tmp_path: Path, example_bundle: Bundle, bundle_cache: Path
+) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE_DIR, project)
+    first = build_bundle(project, cache_dir=bundle_cache, **EXAMPLE_REFS)
+    # Same content elsewhere: same digest (the path is not an input).
+    assert first.digest == example_bundle.digest
+    assert first.cached
+
+    workflow = project / "src" / "arith_agent" / "workflow.py"
+    workflow.write_text(workflow.read_text() + "\nEXTRA_CONSTANT = 1\n")
+    second = build_bundle(project, cache_dir=bundle_cache, **EXAMPLE_REFS)
+    assert not second.cached
+    assert second.digest != first.digest
+    assert second.root != first.root
+    assert second.manifest.wheel.sha256 != first.manifest.wheel.sha256
+    assert second.requirements_digest == first.requirements_digest
+    assert second.manifest.wheelhouse == first.manifest.wheelhouse
+    # Both stay published and intact.
+    assert first.wheel.is_file() and second.wheel.is_file()
+
+    # Changing a ref changes the digest too (the manifest differs).
+    third = build_bundle(
+        project, cache_dir=bundle_cache, workflow=EXAMPLE_REFS["workflow"], grader=None
+    )
+    assert third.digest not in {first.digest, second.digest}
+    assert third.manifest.grader is None
+
+
+def test_dependency_change_changes_requirements_digest(tmp_path: Path, bundle_cache: Path) -> None:
+    plain = build_bundle(
+        _tiny_project(tmp_path / "a"), workflow="tiny_flow.flow:Flow", cache_dir=bundle_cache
+    )
+    with_dep = build_bundle(
+        _tiny_project(tmp_path / "b", deps=["idna>=3"]),
+        workflow="tiny_flow.flow:Flow",
+        cache_dir=bundle_cache,
+    )
+    assert plain.manifest.requirements == []
+    assert with_dep.manifest.requirements == ["idna>=3"]
+    assert plain.requirements_digest != with_dep.requirements_digest
+    assert any(p.name.startswith("idna-") for p in with_dep.wheelhouse.iterdir())
+    assert not any(p.name.startswith("idna-") for p in plain.wheelhouse.iterdir())
+
+
+def test_markers_are_evaluated_for_the_container_python(
+    tmp_path: Path, bundle_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dependency only 3.11 needs lands in the wheelhouse even from a newer host.
+
+    ``markerdep`` (a real wheel built here, served from a find-links dir) needs
+    ``idna`` on Python < 3.12 only: pip alone, running on a 3.12+ host, would skip it.
+    """
+    dep = write_project(
+        tmp_path / "markerdep",
+        {
+            "pyproject.toml": setuptools_pyproject(
+                "markerdep", ["idna>=3; python_version < '3.12'"]
+            ),
+            "markerdep/__init__.py": "",
+        },
+    )
+    links = tmp_path / "links"
+    build_wheel(dep, links, what="markerdep")
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{links} {os.environ.get('PIP_FIND_LINKS', '')}")
+    bundle = build_bundle(
+        _tiny_project(tmp_path / "p", deps=["markerdep"]),
+        workflow="tiny_flow.flow:Flow",
+        cache_dir=bundle_cache,
+    )
+    names = [p.name for p in bundle.wheelhouse.iterdir()]
+    assert any(n.startswith("markerdep-") for n in names)
+    assert any(n.startswith("idna-") for n in names), names
+    # And for a 3.12 container, idna is not needed: it is left out.
+    newer = build_bundle(
+        tmp_path / "p",
+        workflow="tiny_flow.flow:Flow",
+        cache_dir=bundle_cache,
+        python_version="3.12",
+    )
+    newer_names = [p.name for p in newer.wheelhouse.iterdir()]
+    assert any(n.startswith("markerdep-") for n in newer_names)
+    assert not any(n.startswith("idna-") for n in newer_names), newer_names
+    assert any("-cp312-" in n for n in newer_names)
+
+
+def test_concurrent_builders_publish_one_bundle(tmp_path: Path, bundle_cache: Path) -> None:
+    project = _tiny_project(tmp_path / "p", name="race_flow")
+    results: list[Bundle] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            results.append(
+                build_bundle(project, workflow="race_flow.flow:Flow", cache_dir=bundle_cache)
+            )
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len({b.root for b in results}) == 1
+    assert results[0].manifest == results[1].manifest
+    assert results[0].wheel.is_file()
+    assert not list((bundle_cache / "tmp").iterdir())
+
+
+# --------------------------------------------------------------------------- broken projects
+
+
+def test_no_pyproject(tmp_path: Path) -> None:
+    project = write_project(tmp_path / "p", {"flowpkg/__init__.py": ""})
+    with pytest.raises(ProjectLayoutError, match=r"no pyproject\.toml in .*p") as info:
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+    assert "[build-system]" in str(info.value)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_code_dir(tmp_path: Path) -> None:
+    with pytest.raises(ProjectLayoutError, match="does not exist"):
+        build_bundle(tmp_path / "nowhere", workflow="x:Y", cache_dir=tmp_path / "cache")
+
+
+def test_two_top_level_packages(tmp_path: Path) -> None:
+    project = write_project(
+        tmp_path / "p",
+        {
+            "pyproject.toml": setuptools_pyproject("two"),
+            "alpha/__init__.py": "",
+            "beta/__init__.py": "",
+            "tests/__init__.py": "",  # not a candidate: tests/ is never the package
+        },
+    )
+    with pytest.raises(ProjectLayoutError, match="2 top-level packages") as info:
+        build_bundle(project, workflow="alpha:Flow", cache_dir=tmp_path / "cache")
+    assert "alpha/" in str(info.value) and "beta/" in str(info.value)
+    assert "tests/" not in str(info.value)
+
+
+def test_no_package(tmp_path: Path) -> None:
+    project = write_project(
+        tmp_path / "p", {"pyproject.toml": setuptools_pyproject("none"), "module.py": ""}
+    )
+    with pytest.raises(ProjectLayoutError, match="no importable package"):
+        build_bundle(project, workflow="module:Flow", cache_dir=tmp_path / "cache")
+
+
+def test_invalid_pyproject(tmp_path: Path) -> None:
+    project = write_project(
+        tmp_path / "p", {"pyproject.toml": "[project\nname=", "flowpkg/__init__.py": ""}
+    )
+    with pytest.raises(ProjectLayoutError, match=r"pyproject\.toml is not valid TOML"):
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    ("ref", "expected"),
+    [
+        ("tiny_flow.flow:Missing", r"tiny_flow/flow\.py defines no top-level name 'Missing'"),
+        ("tiny_flow.nope:Flow", r"module 'tiny_flow\.nope' not found"),
+        ("othermod.flow:Flow", r"outside the project's package 'tiny_flow'"),
+        ("tiny_flow.flow.Flow", r"expected the form 'package\.module:Name'"),
+    ],
+)
+def test_unresolvable_refs(tmp_path: Path, ref: str, expected: str) -> None:
+    project = _tiny_project(tmp_path / "p")
+    with pytest.raises(EntryPointError, match=expected) as info:
+        build_bundle(project, workflow="tiny_flow.flow:Flow", grader=ref, cache_dir=tmp_path / "c")
+    assert info.value.field == "grader"
+    assert info.value.ref == ref
+    assert f"grader ref {ref!r}" in str(info.value)
+    # Refs are checked before anything is built.
+    assert not (tmp_path / "c").exists()
+
+
+def test_ref_to_module_with_syntax_error(tmp_path: Path) -> None:
+    project = _tiny_project(tmp_path / "p")
+    (project / "tiny_flow" / "broken.py").write_text("def oops(:\n")
+    with pytest.raises(EntryPointError, match=r"tiny_flow/broken\.py line 1 does not parse"):
+        build_bundle(project, workflow="tiny_flow.broken:oops", cache_dir=tmp_path / "c")
+
+
+def test_refs_resolve_through_reexports_and_src_layout(tmp_path: Path, bundle_cache: Path) -> None:
+    project = write_project(
+        tmp_path / "p",
+        {
+            "pyproject.toml": setuptools_pyproject("src-flow"),
+            "src/src_flow/__init__.py": "from src_flow.impl import Flow as Exported\n",
+            "src/src_flow/impl.py": WORKFLOW_MODULE,
+        },
+    )
+    bundle = build_bundle(project, workflow="src_flow:Exported", cache_dir=bundle_cache)
+    assert bundle.manifest.package == "src_flow"
+    assert bundle.manifest.workflow == "src_flow:Exported"
+
+
+def test_build_error_carries_the_output_tail(tmp_path: Path) -> None:
+    project = write_project(
+        tmp_path / "p",
+        {
+            "pyproject.toml": """
+                [build-system]
+                requires = ["setuptools>=68"]
+                build-backend = "setuptools.build_meta"
+                """,
+            "setup.py": """
+                raise RuntimeError("setup.py exploded: fix the frobnicator")
+                """,
+            "flowpkg/__init__.py": WORKFLOW_MODULE,
+        },
+    )
+    with pytest.raises(BundleBuildError) as info:
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+    message = str(info.value)
+    assert f"building the wheel of the project in {project}" in message
+    assert "last lines of the build output" in message
+    assert "setup.py exploded: fix the frobnicator" in message
+    # Nothing half-built is published; the work dir is gone.
+    assert not (tmp_path / "cache" / "bundles").exists()
+    assert not list((tmp_path / "cache" / "tmp").iterdir())
+
+
+def test_wheel_without_the_package_is_refused(tmp_path: Path) -> None:
+    project = write_project(
+        tmp_path / "p",
+        {
+            "pyproject.toml": setuptools_pyproject("empty-wheel")
+            + "\n[tool.setuptools]\npackages = []\n",
+            "flowpkg/__init__.py": WORKFLOW_MODULE,
+        },
+    )
+    with pytest.raises(BundleBuildError, match="does not contain the package 'flowpkg'"):
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+
+
+def test_dependency_that_does_not_exist(tmp_path: Path, bundle_cache: Path) -> None:
+    project = _tiny_project(tmp_path / "p", deps=["harbor-exec-test-no-such-dist-7f3a==1.0"])
+    with pytest.raises(DependencyDownloadError) as info:
+        build_bundle(project, workflow="tiny_flow.flow:Flow", cache_dir=bundle_cache)
+    message = str(info.value)
+    assert "harbor-exec-test-no-such-dist-7f3a==1.0" in message
+    assert "last lines of pip's output" in message
+
+
+def test_bad_python_version(tmp_path: Path) -> None:
+    project = _tiny_project(tmp_path / "p")
+    with pytest.raises(BundleError, match=r"3\.11 or newer"):
+        build_bundle(
+            project, workflow="tiny_flow.flow:Flow", python_version="3.10", cache_dir=tmp_path / "c"
+        )
+
+
+def test_directory_symlink_is_refused(tmp_path: Path) -> None:
+    project = _tiny_project(tmp_path / "p")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (project / "tiny_flow" / "linked").symlink_to(outside)
+    with pytest.raises(ProjectLayoutError, match="symlink to a directory"):
+        build_bundle(project, workflow="tiny_flow.flow:Flow", cache_dir=tmp_path / "c")
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_platform_tags_for_bookworm() -> None:
+    tags = platform_tags("manylinux_2_36_x86_64")
+    assert tags[0] == "manylinux_2_36_x86_64"
+    assert "manylinux_2_28_x86_64" in tags and "manylinux_2_17_x86_64" in tags
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert "manylinux_2_37_x86_64" not in tags
+    legacy = platform_tags("manylinux2014_x86_64")
+    assert legacy[0] == "manylinux_2_17_x86_64"
+    assert "manylinux_2_28_x86_64" not in legacy
+    assert platform_tags("manylinux_2_28_aarch64")[-1] == "manylinux2014_aarch64"
+    assert platform_tags("linux_x86_64") == ["linux_x86_64"]
+
+
+def test_target_requirements_evaluate_markers_for_the_target() -> None:
+    from packaging.requirements import Requirement
+
+    env = marker_environment("3.11", "manylinux_2_36_x86_64")
+    requires = [
+        Requirement("a>=1"),
+        Requirement("b; python_version < '3.12'"),
+        Requirement("c; python_version >= '3.12'"),
+        Requirement("d; extra == 'dev'"),
+        Requirement("e; sys_platform == 'win32'"),
+        Requirement("f; platform_machine == 'x86_64'"),
+    ]
+    assert target_requirements(requires, env) == ["a>=1", "b", "f"]
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_bundle_prints_what_it_built(example_bundle: Bundle, bundle_cache: Path) -> None:
+    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
+    from harbor_exec.cli.app import app
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "bundle",
+            str(EXAMPLE_DIR),
+            "--workflow",
+            EXAMPLE_REFS["workflow"],
+            "--grader",
+            EXAMPLE_REFS["grader"],
+            "--workflow-config",
+            EXAMPLE_REFS["workflow_config"],
+            "--grader-config",
+            EXAMPLE_REFS["grader_config"],
+            "--cache-dir",
+            str(bundle_cache),
+        ],
+        terminal_width=200,
+    )
+    assert result.exit_code == 0, result.output
+    assert example_bundle.wheel.name in result.output
+    assert example_bundle.digest[:16] in result.output
+    assert "cache hit" in result.output
+    assert "httpx" in result.output
+
+
+def test_cli_bundle_error_exits_1(tmp_path: Path) -> None:
+    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
+    from harbor_exec.cli.app import app
+
+    result = CliRunner().invoke(
+        app,
+        ["bundle", str(tmp_path), "--workflow", "x.y:Z", "--cache-dir", str(tmp_path / "c")],
+        terminal_width=200,
+    )
+    assert result.exit_code == 1
+    assert "no pyproject.toml" in result.output
+
+
+def test_cli_bundle_json_output(example_bundle: Bundle, bundle_cache: Path) -> None:
+    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
+    from harbor_exec.cli.app import app
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "bundle",
+            str(EXAMPLE_DIR),
+            *[
+                arg
+                for key, ref in EXAMPLE_REFS.items()
+                for arg in (f"--{key.replace('_', '-')}", ref)
+            ],
+            "--cache-dir",
+            str(bundle_cache),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["digest"] == example_bundle.digest
+    assert data["cached"] is True
+    assert data["root"] == str(example_bundle.root)
