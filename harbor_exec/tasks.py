@@ -139,7 +139,10 @@ class EnvironmentConfig(_Model):
             if old in data:
                 value = data.pop(old)
                 if isinstance(value, str):
-                    converted = _size_to_mb(value)
+                    try:
+                        converted = _size_to_mb(value)
+                    except ValueError as exc:
+                        raise ValueError(f"{old} (deprecated, use {new}): {exc}") from None
                     if new in data and data[new] != converted:
                         raise ValueError(
                             f"conflicting {old!r} ({value!r} = {converted} MB) and {new!r} "
@@ -224,12 +227,19 @@ class TaskConfig(_Model):
         return self
 
 
+_TYPE_TAGS = {"int", "float", "str", "bool", "none", "list", "dict"}
+_TOP_LEVEL_KEYS = {"schema_version", "source", "multi_step_reward_strategy", "steps", "artifacts"}
+
+
 def _field_path(loc: tuple[int | str, ...]) -> str:
     """``("environment", "cpus")`` -> ``[environment].cpus``."""
-    parts = [str(p) for p in loc]
-    if len(parts) >= 2:
-        return f"[{parts[0]}]." + ".".join(parts[1:])
-    return parts[0] if parts else "(root)"
+    # Drop the union-member tags pydantic adds ("int", "float", "function-after[...]").
+    parts = [str(p) for p in loc if not (str(p) in _TYPE_TAGS or "[" in str(p))]
+    if not parts:
+        return "(top level)"
+    if parts[0] not in TaskConfig.model_fields or parts[0] in _TOP_LEVEL_KEYS:
+        return ".".join(parts)
+    return f"[{parts[0]}]" + "".join(f".{p}" for p in parts[1:])
 
 
 def parse_task_config(text: str, *, task: str) -> TaskConfig:
@@ -241,9 +251,10 @@ def parse_task_config(text: str, *, task: str) -> TaskConfig:
     try:
         return TaskConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{_field_path(err['loc'])}: {err['msg']}" for err in exc.errors(include_url=False)
-        )
+        by_field: dict[str, list[str]] = {}
+        for err in exc.errors(include_url=False):
+            by_field.setdefault(_field_path(err["loc"]), []).append(err["msg"])
+        problems = "; ".join(f"{path}: {' or '.join(msgs)}" for path, msgs in by_field.items())
         raise TaskConfigError(task, problems, file="task.toml") from None
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -34,7 +35,7 @@ def open_runtime() -> DockerRuntime:
     try:
         runtime = DockerRuntime()
     except DockerUnavailableError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     reaped = runtime.reap_orphans()
     if reaped:
@@ -46,7 +47,7 @@ def load_dataset(path: Path) -> Discovery:
     try:
         return discover_tasks(path)
     except DatasetError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
 
 
@@ -60,7 +61,9 @@ def _print_summary(outcome: JobOutcome) -> None:
         rewards = row["rewards"]
         reward = ", ".join(f"{k}={v:g}" for k, v in rewards.items()) if rewards else "-"
         seconds = f"{row['seconds']:.1f}s" if row["seconds"] is not None else "-"
-        verdict = "[green]passed[/green]" if row["passed"] else f"[red]{row['reason']}[/red]"
+        verdict = (
+            "[green]passed[/green]" if row["passed"] else f"[red]{escape(row['reason'])}[/red]"
+        )
         table.add_row(row["task"], reward, seconds, verdict)
     console.print(table)
     n_passed = sum(1 for row in summary_rows(outcome) if row["passed"])
@@ -161,9 +164,11 @@ def prewarm(
         table.add_column(column)
     colours = {"built": "green", "cached": "cyan", "failed": "red"}
     for task, status, seconds, detail in outcomes:
-        table.add_row(task.name, f"[{colours[status]}]{status}[/]", f"{seconds:.1f}s", detail)
+        table.add_row(
+            task.name, f"[{colours[status]}]{status}[/]", f"{seconds:.1f}s", escape(detail)
+        )
     for error in discovery.broken:
-        table.add_row(error.task, "[red]failed[/]", "-", f"{type(error).__name__}: {error}")
+        table.add_row(error.task, "[red]failed[/]", "-", escape(f"{type(error).__name__}: {error}"))
     console.print(table)
     tally = {s: sum(1 for o in outcomes if o[1] == s) for s in colours}
     tally["failed"] += len(discovery.broken)

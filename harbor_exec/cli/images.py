@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from harbor_exec.cli.app import app
@@ -22,7 +23,7 @@ def bootstrap_command() -> None:
     try:
         outcome = bootstrap(runtime, log=console.print)
     except BootstrapError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     for tag, status in outcome.items():
         console.print(f"{tag}: {status}")

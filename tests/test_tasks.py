@@ -1,0 +1,148 @@
+"""The task model: task.toml fields and defaults, loading errors, discovery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
+from harbor_exec.tasks import (
+    NetworkMode,
+    discover_tasks,
+    load_task,
+    parse_task_config,
+    strip_canary,
+    task_dir_for_id,
+)
+from tests.task_factory import make_task
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "tasks_examples" / "dataset"
+
+
+def test_defaults_match_harbor_0_26() -> None:
+    config = parse_task_config("", task="t")
+    assert config.schema_version == "1.4"
+    assert config.agent.timeout_sec is None  # no agent timeout unless set
+    assert config.verifier.timeout_sec == 600.0
+    env = config.environment
+    assert env.build_timeout_sec == 600.0
+    assert (env.cpus, env.memory_mb, env.storage_mb, env.docker_image) == (None, None, None, None)
+    assert env.network_mode is NetworkMode.PUBLIC and env.os == "linux"
+    assert config.solution.env == {} and config.metadata == {}
+
+
+def test_deprecated_keys_are_converted() -> None:
+    config = parse_task_config(
+        'version = "1.0"\n[environment]\nallow_internet = false\nmemory = "2G"\nstorage = "10G"\n',
+        task="t",
+    )
+    assert config.schema_version == "1.0"
+    assert config.environment.network_mode is NetworkMode.NO_NETWORK
+    assert config.environment.memory_mb == 2048
+    assert config.environment.storage_mb == 10240
+    # An explicit network_mode wins over allow_internet, as in Harbor.
+    explicit = parse_task_config(
+        '[environment]\nallow_internet = false\nnetwork_mode = "public"\n', task="t"
+    )
+    assert explicit.environment.network_mode is NetworkMode.PUBLIC
+
+
+def test_unknown_keys_are_ignored_like_harbor() -> None:
+    config = parse_task_config("[environment]\nfuture_key = 1\n[brand_new]\nx = 2\n", task="t")
+    assert config.environment.cpus is None
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ('[environment]\ncpus = "lots"\n', "[environment].cpus"),
+        ("[verifier]\ntimeout_sec = [1]\n", "[verifier].timeout_sec"),
+        ('[task]\nname = "no-slash"\n', "[task].name"),
+        ('[environment]\nnetwork_mode = "sometimes"\n', "[environment].network_mode"),
+        ('[environment]\nmemory = "lots"\n', "[environment]"),
+    ],
+)
+def test_bad_fields_are_named(toml: str, field: str) -> None:
+    with pytest.raises(TaskConfigError) as caught:
+        parse_task_config(toml, task="my-task")
+    message = str(caught.value)
+    assert "my-task/task.toml" in message and field in message
+
+
+def test_invalid_toml_names_the_file_and_line() -> None:
+    with pytest.raises(TaskConfigError, match=r"my-task/task.toml: not valid TOML.*line 2"):
+        parse_task_config("[agent]\ntimeout_sec = = 3\n", task="my-task")
+
+
+def test_canary_lines_are_stripped() -> None:
+    text = "<!-- BENCHMARK canary GUID 1234 -->\n# terminal-bench-canary x\n\n\nDo it.\n# not a canary\n"
+    assert strip_canary(text) == "Do it.\n# not a canary\n"
+    assert load_task(EXAMPLES / "hello-shell").instruction.startswith("Create the file")
+
+
+def test_missing_parts_are_named(tmp_path: Path) -> None:
+    task = make_task(tmp_path, "t1")
+    (task / "tests" / "test.sh").unlink()
+    with pytest.raises(TaskError, match=r"t1/tests/test.sh"):
+        load_task(task)
+    task = make_task(tmp_path, "t2")
+    (task / "instruction.md").unlink()
+    with pytest.raises(TaskError, match=r"t2/instruction.md"):
+        load_task(task)
+    task = make_task(tmp_path, "t3")
+    (task / "environment" / "Dockerfile").unlink()
+    with pytest.raises(TaskError, match=r"t3/environment/Dockerfile"):
+        load_task(task)
+
+
+def test_task_name_from_package_info(tmp_path: Path) -> None:
+    task = make_task(tmp_path, "dir-name", toml='[task]\nname = "org/pretty-name"\n')
+    assert load_task(task).name == "org/pretty-name"
+    assert load_task(make_task(tmp_path, "plain")).name == "plain"
+
+
+def test_symlink_inside_the_task_is_fine_outside_is_refused(tmp_path: Path) -> None:
+    task = make_task(tmp_path, "links")
+    (task / "tests" / "helper.sh").symlink_to(task / "solution" / "solve.sh")
+    load_task(task)
+    (task / "environment" / "secret").symlink_to("/etc/passwd")
+    with pytest.raises(UnsafeTaskPathError, match=r"links/environment/secret"):
+        load_task(task)
+
+
+def test_discovery_sorted_and_reports_broken(tmp_path: Path) -> None:
+    make_task(tmp_path, "b-task")
+    make_task(tmp_path, "a-task")
+    (tmp_path / "not-a-task").mkdir()
+    broken = make_task(tmp_path, "c-broken")
+    (broken / "task.toml").write_text('[environment]\ncpus = "x"\n')
+    found = discover_tasks(tmp_path)
+    assert [t.name for t in found.tasks] == ["a-task", "b-task"]
+    assert len(found.broken) == 1 and "[environment].cpus" in str(found.broken[0])
+    # A valid task directory is itself the whole dataset.
+    assert [t.name for t in discover_tasks(tmp_path / "a-task").tasks] == ["a-task"]
+    with pytest.raises(DatasetError, match="no Harbor task"):
+        discover_tasks(tmp_path / "not-a-task")
+
+
+def test_examples_are_all_valid() -> None:
+    found = discover_tasks(EXAMPLES)
+    assert not found.broken
+    assert len(found.tasks) >= 6
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "/etc", "a/../../x", "\0"])
+def test_task_ids_cannot_escape(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(DatasetError, match="harbor_task_id"):
+        task_dir_for_id(tmp_path, bad)
+    assert task_dir_for_id(tmp_path, "ok-task") == (tmp_path / "ok-task").resolve()
+
+
+def test_environment_digest_tracks_content(tmp_path: Path) -> None:
+    first = load_task(make_task(tmp_path, "d1")).environment_digest()
+    same = load_task(make_task(tmp_path, "d2")).environment_digest()
+    other = load_task(
+        make_task(tmp_path, "d3", dockerfile="FROM debian:bookworm-slim\n")
+    ).environment_digest()
+    assert first == same != other
