@@ -462,6 +462,7 @@ def test_cli_bundle_error_exits_1(tmp_path: Path) -> None:
     )
     assert result.exit_code == 1
     assert "no pyproject.toml" in result.output
+    assert "[build-system]" in result.output  # printed literally, not read as markup
 
 
 def test_cli_bundle_json_output(example_bundle: Bundle, bundle_cache: Path) -> None:

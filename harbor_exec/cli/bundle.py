@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from harbor_exec.cli.app import app
@@ -63,7 +64,7 @@ def bundle(
             cache_dir=cache_dir,
         )
     except BundleError as exc:
-        err.print(f"[bold red]bundle failed:[/] {exc}", markup=True, highlight=False)
+        err.print(f"[bold red]bundle failed:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(code=1) from None
 
     manifest = built.manifest
@@ -90,27 +91,29 @@ def bundle(
     )
     summary.add_column(style="bold")
     summary.add_column(overflow="fold")
-    summary.add_row("status", "cache hit (reused)" if built.cached else "built (cache miss)")
-    summary.add_row("wheel", f"{manifest.wheel.filename} ({_size(manifest.wheel.size)})")
-    summary.add_row("workflow", manifest.workflow)
-    for label, value in (
+    rows = [
+        ("status", "cache hit (reused)" if built.cached else "built (cache miss)"),
+        ("wheel", f"{manifest.wheel.filename} ({_size(manifest.wheel.size)})"),
+        ("workflow", manifest.workflow),
         ("grader", manifest.grader),
         ("workflow config", manifest.workflow_config),
         ("grader config", manifest.grader_config),
-    ):
+        ("requirements", ", ".join(manifest.requirements) or "(none)"),
+        ("target", f"CPython {manifest.python_version}, {manifest.platform}"),
+        ("digest", built.digest),
+        ("requirements digest", built.requirements_digest),
+        ("root", str(built.root)),
+    ]
+    for label, value in rows:
         if value:
-            summary.add_row(label, value)
-    summary.add_row("requirements", ", ".join(manifest.requirements) or "(none)")
-    summary.add_row("target", f"CPython {manifest.python_version}, {manifest.platform}")
-    summary.add_row("digest", built.digest)
-    summary.add_row("requirements digest", built.requirements_digest)
-    summary.add_row("root", str(built.root))
+            # Requirements such as "httpx[http2]" would otherwise read as markup.
+            summary.add_row(label, escape(value))
     out.print(summary)
 
     wheels = Table(title=f"dependency wheelhouse ({len(manifest.wheelhouse)} wheels)")
     wheels.add_column("wheel", overflow="fold")
     wheels.add_column("size", justify="right")
     for entry in manifest.wheelhouse:
-        wheels.add_row(entry.filename, _size(entry.size))
+        wheels.add_row(escape(entry.filename), _size(entry.size))
     wheels.add_row("[bold]total[/]", _size(sum(w.size for w in manifest.wheelhouse)))
     out.print(wheels)
