@@ -175,7 +175,8 @@ def load_project(code_dir: Path) -> Project:
     if not packages:
         raise ProjectLayoutError(
             f"no importable package in {root}: expected one directory with an __init__.py, "
-            f"either at the top level (flat layout) or under src/ (src layout). "
+            "either at the top level (flat layout) or under src/ (src layout); directories "
+            f"named {', '.join(sorted(_NOT_PACKAGES))} never count. "
             "Create <your_package>/__init__.py holding your workflow and grader."
         )
     if len(packages) > 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,12 @@ EXAMPLE_REFS: dict[str, str] = {
     "workflow_config": "arith_agent.workflow:workflow_config",
     "grader_config": "arith_agent.workflow:grader_config",
 }
-PYTHON311 = Path("/root/.pyenv/versions/3.11.7/bin/python3")
+# The container's Python: pyenv's 3.11 here, Debian's python3.11 on a bare bookworm machine.
+PYTHON311_CANDIDATES = (
+    Path("/root/.pyenv/versions/3.11.7/bin/python3"),
+    Path(shutil.which("python3.11") or "/usr/bin/python3.11"),
+)
+PYTHON311 = next((p for p in PYTHON311_CANDIDATES if p.is_file()), PYTHON311_CANDIDATES[0])
 API_KEY = "sk-test-0123456789abcdef"
 
 

@@ -434,7 +434,7 @@ def test_runner_on_python_311_with_only_the_wheelhouse(
     wheelhouse: the same commands a task image's dependency layer runs.
     """
     chat.reset()
-    assert PYTHON311.is_file(), f"{PYTHON311} is required for this test"
+    assert PYTHON311.is_file(), f"a Python 3.11 is required for this test ({PYTHON311})"
     venv = tmp_path / "venv"
     env = clean_env(PIP_CONFIG_FILE=os.devnull)  # no index, no find-links from the host
     subprocess.run([str(PYTHON311), "-m", "venv", "--without-pip", str(venv)], check=True, env=env)
