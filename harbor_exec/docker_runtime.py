@@ -134,6 +134,7 @@ class DockerRuntime:
         owner: str | None = None,
         base_url: str | None = None,
         max_workers: int = 64,
+        max_concurrent_starts: int = 4,
         cache_dir: Path | None = None,
     ) -> None:
         self.owner = owner or current_owner()
@@ -151,6 +152,7 @@ class DockerRuntime:
                 "dockerd and check that /var/run/docker.sock is reachable"
             ) from None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hx-exec")
+        self._start_gate = threading.BoundedSemaphore(max_concurrent_starts)
         self._build_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -271,6 +273,10 @@ class DockerRuntime:
                 found.append(ImageInfo(tag, labels.get(LABEL_KIND, ""), int(image["Size"])))
         return found
 
+    def image_user(self, tag: str) -> str:
+        """The image's configured USER ("" for the default, root)."""
+        return str(self._api.inspect_image(tag).get("Config", {}).get("User") or "")
+
     def remove_image(self, tag: str) -> None:
         with contextlib.suppress(docker.errors.ImageNotFound):
             self._api.remove_image(tag, force=True, noprune=False)
@@ -304,7 +310,9 @@ class DockerRuntime:
 
     def start(self, container_id: str) -> None:
         try:
-            self._api.start(container_id)
+            # Starting is the daemon's most expensive step; too many at once topple it.
+            with self._start_gate:
+                self._api.start(container_id)
         except docker.errors.APIError as exc:
             raise EnvironmentStartError(
                 f"cannot start container: {exc.explanation or exc}"

@@ -81,6 +81,10 @@ class ContainerRuntime(Protocol):
 
     def image_exists(self, tag: str) -> bool: ...
 
+    def image_user(self, tag: str) -> str:
+        """The image's configured USER ("" for the default, root)."""
+        ...
+
     def ensure_present(self, image: str) -> None:
         """Make sure a prebuilt image exists locally; ``EnvironmentStartError`` if not."""
         ...

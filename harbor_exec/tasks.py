@@ -338,6 +338,10 @@ class Task:
         return self.tests_dir / "test.sh"
 
     @property
+    def has_tests(self) -> bool:
+        return self.test_script.is_file()
+
+    @property
     def solve_script(self) -> Path:
         return self.solution_dir / "solve.sh"
 
@@ -363,8 +367,12 @@ def tree_digest(root: Path, *, extra: str = "") -> str:
     return digest.hexdigest()
 
 
-def load_task(path: Path | str) -> Task:
-    """Load the task at ``path``; raise a ``TaskError`` naming the file and field at fault."""
+def load_task(path: Path | str, *, require_tests: bool = True) -> Task:
+    """Load the task at ``path``; raise a ``TaskError`` naming the file and field at fault.
+
+    ``require_tests=False`` accepts a task without ``tests/test.sh`` (Harbor's
+    ``disable_verification``), for rollouts graded by a bundled grader instead.
+    """
     task_dir = Path(path)
     label = task_dir.name or str(task_dir)
     if not task_dir.is_dir():
@@ -397,7 +405,7 @@ def load_task(path: Path | str) -> Task:
     instruction_path = task_dir / "instruction.md"
     if not instruction_path.is_file():
         raise TaskError(name, "missing (the agent's instruction)", file="instruction.md")
-    if not (task_dir / "tests" / "test.sh").is_file():
+    if require_tests and not (task_dir / "tests" / "test.sh").is_file():
         raise TaskError(name, "missing (the verifier's entry point)", file="tests/test.sh")
     instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
     return Task(path=task_dir.resolve(), name=name, config=config, instruction=instruction)

@@ -61,6 +61,12 @@ class ArithWorkflow(AgentWorkflow[ArithWorkflowConfig]):
         data = response.json()
         reply = data["choices"][0]["message"]
         messages.append({"role": "assistant", "content": reply.get("content") or ""})
+        if ctx.artifacts_dir is not None:
+            # Publish the answer as an artifact too, so a task's own tests/test.sh
+            # (which reads /logs/artifacts inside the container) can check it.
+            answer = last_answer(messages)
+            text = "" if answer is None else f"{answer:g}"
+            (ctx.artifacts_dir / "answer.txt").write_text(text + "\n")
         usage = data.get("usage") or {}
         metrics = {k: float(v) for k, v in usage.items() if isinstance(v, int | float)}
         return AgentWorkflowOutput(messages=messages, metrics=metrics)
