@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 __all__ = ["ChatRequest", "FakeChat", "Mode", "solve"]
 
-Mode = Literal["correct", "wrong", "no_answer", "error"]
+Mode = Literal["correct", "wrong", "no_answer", "error", "slow"]
 
 _OPS: dict[type[ast.operator], Any] = {
     ast.Add: operator.add,
@@ -76,6 +76,7 @@ class FakeChat:
         self.mode: Mode = mode
         self.requests: list[ChatRequest] = []
         self._lock = threading.Lock()
+        self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -92,6 +93,8 @@ class FakeChat:
 
     def reset(self, mode: Mode = "correct") -> None:
         with self._lock:
+            self._release.set()  # let any request still held by "slow" finish
+            self._release = threading.Event()
             self.mode = mode
             self.requests.clear()
 
@@ -100,11 +103,17 @@ class FakeChat:
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._release.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
 
     def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if self.mode == "slow":
+            # Hangs the workflow (bounded) so tests can cancel or time it out mid-run.
+            with self._lock:
+                release = self._release
+            release.wait(timeout=60)
         if self.mode == "error":
             return 500, {"error": {"message": "fake chat told to fail", "type": "server_error"}}
         messages = body.get("messages") or []

@@ -320,7 +320,7 @@ class HarborBackend(ExecutionBackend):
         if self.task_mode == "template":
             task = self._load(self.tasks_dir)
             instruction = _instruction_from_prompt(request.prompt)
-            return task.name, replace(task, instruction=instruction)
+            return self.tasks_dir.name, replace(task, instruction=instruction)
         ref = metadata.get("harbor_task")
         if ref is not None:
             if not isinstance(ref, str) or not ref.startswith((".", "/", "~")):
