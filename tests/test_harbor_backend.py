@@ -313,7 +313,7 @@ def test_failed_prewarm_blocks_the_task(
     with serve(create_rollout_server(backend=backend, artifact_root=tmp_path / "sa")) as url:
         result = asyncio.run(one_rollout("ours", url, chat, label="42"))
     assert result.status == "failure" and "failed prewarm" in result.err_message
-    with pytest.raises(RuntimeError, match="prewarm failed"):
+    with pytest.raises(RuntimeError, match=r"prewarm failed"):
 
         async def start() -> None:
             async with backend.prewarm_lifespan()(None):
@@ -335,7 +335,7 @@ def test_bundle_build_failure_is_named_before_any_container(
             'requires = ["setuptools>=68"]\nbackend-path = ["nowhere"]',
         )
     )
-    with pytest.raises(BundleBuildError, match="pyproject.toml|backend"):
+    with pytest.raises(BundleBuildError, match=r"pyproject\.toml|backend"):
         HarborBackend(
             tasks_dir=grader_task,
             agent=REFS["agent"],
