@@ -10,6 +10,7 @@ with ``validation_error`` and a message saying which, not a bare failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -317,25 +318,34 @@ class LocalBackend(ExecutionBackend):
         return ExecutionResult(status=RolloutStatus.SUCCESS, sample=grader_context.sample)
 
     async def _artifacts_dir(self, rollout_id: str) -> Path | None:
-        """Create ``<root>/<id>/artifacts``; None (with a warning) when it stays unusable."""
-        path = self.artifact_root / rollout_id / "artifacts"
+        """Create ``<root>/<id>/artifacts``; None (with a warning) when that keeps failing."""
+        rollout_dir = self.artifact_root / rollout_id
+        path = rollout_dir / "artifacts"
         delay = _ARTIFACT_DIR_BACKOFF_SEC
         for attempt in range(1, _ARTIFACT_DIR_ATTEMPTS + 1):
             try:
-                # A few mkdir syscalls: cheaper inline than a thread hop.
-                path.mkdir(parents=True, exist_ok=True)
-                if os.access(path, os.W_OK):
-                    return path
-            except OSError:
+                _make_dirs(rollout_dir, path)
+                return path
+            except OSError as exc:
                 if attempt == _ARTIFACT_DIR_ATTEMPTS:
-                    logger.warning("rollout %s: no artifacts dir at %s", rollout_id, path)
+                    logger.warning("rollout %s: no artifacts dir at %s: %s", rollout_id, path, exc)
                     return None
-            else:
-                logger.warning("rollout %s: artifacts dir %s is not writable", rollout_id, path)
-                return None
             await asyncio.sleep(delay)
             delay *= 2
         return None
+
+
+def _make_dirs(rollout_dir: Path, path: Path) -> None:
+    # Two plain mkdir calls in the common case (the root exists): cheaper than
+    # Path.mkdir(parents=True) and than a thread hop; a retained id may exist.
+    try:
+        os.mkdir(rollout_dir)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(rollout_dir, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
 
 
 def _overran(deadline: asyncio.Timeout, started: float, budget: float | None) -> bool:

@@ -3,8 +3,8 @@
 ``<artifact_root>/<rollout_id>/trajectory.json`` is an ATIF-style document
 (schema ``ATIF-v1.7``: one step per message) built from the saved sample; backend
 diagnostics go to ``diagnostics.json`` beside it. Documents are built, redacted
-and written on one background thread, so the event loop pays only a queue put
-per rollout. Nothing here ever raises into a rollout.
+and written on one background thread in batches, so the event loop pays only a
+list append per rollout. Nothing here ever raises into a rollout.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -27,6 +27,7 @@ __all__ = [
     "REDACTED",
     "TrajectoryWriter",
     "build_trajectory_document",
+    "encode_redacted",
     "redact_secrets",
 ]
 
@@ -36,9 +37,10 @@ REDACTED: Final = "[REDACTED]"
 # Shorter "secrets" are not worth scrubbing out of every string (and would
 # mangle ordinary text).
 _MIN_SECRET_LEN: Final = 4
-_SECRET_KEY = re.compile(
-    r"(?:^|_)(?:api_?key|authorization|credentials?|password|secret|token)$", re.IGNORECASE
-)
+_SECRET_WORDS = r"(?:api_?key|authorization|credentials?|password|secret|token)"
+_SECRET_KEY = re.compile(rf"(?:^|_){_SECRET_WORDS}$", re.IGNORECASE)
+# The same, as a JSON object key inside encoded text.
+_SECRET_KEY_IN_TEXT = re.compile(rf'"(?:[^"\\]*_)?{_SECRET_WORDS}":', re.IGNORECASE)
 _ROLE_TO_SOURCE: Final = {"system": "system", "developer": "system", "user": "user"}
 _AGENT_ROLES: Final = frozenset({"assistant"})
 _TOOL_ROLES: Final = frozenset({"tool", "function"})
@@ -125,12 +127,32 @@ def build_trajectory_document(
     }
 
 
-def _encode(document: Any) -> bytes:
+def _dumps(document: Any) -> str:
+    # Compact on purpose: with ``indent`` json falls back to its pure-Python
+    # encoder, several times slower.
     try:
-        return json.dumps(document, ensure_ascii=False, indent=2, allow_nan=False).encode()
+        return json.dumps(document, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):
         # Free-form metrics may hold NaN or foreign objects: keep the rest.
-        return json.dumps(_json_clean(document), ensure_ascii=False, indent=2).encode()
+        return json.dumps(_json_clean(document), ensure_ascii=False)
+
+
+def encode_redacted(document: Any, secrets: Iterable[str]) -> bytes:
+    """``document`` as JSON bytes with secrets redacted.
+
+    Fast path on the encoded text: one substring replace per secret (in its
+    JSON-escaped form), and the structural walk for secret-looking keys only
+    when such a key occurs at all.
+    """
+    text = _dumps(document)
+    if _SECRET_KEY_IN_TEXT.search(text):
+        text = _dumps(redact_secrets(document, secrets))
+    for secret in secrets:
+        if secret and len(secret) >= _MIN_SECRET_LEN:
+            escaped = json.dumps(secret, ensure_ascii=False)[1:-1]
+            if escaped in text:
+                text = text.replace(escaped, REDACTED)
+    return text.encode()
 
 
 def _json_clean(value: Any) -> Any:
@@ -145,31 +167,44 @@ def _json_clean(value: Any) -> Any:
     return str(value)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "wb") as handle:
+def _write(path: Path, data: bytes) -> None:
+    try:
+        handle = open(path, "wb")  # noqa: SIM115 - the directory usually exists already
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "wb")  # noqa: SIM115
+    with handle:
         handle.write(data)
-    os.replace(partial, path)
 
 
 _Job = Callable[[], None]
 
 
 class TrajectoryWriter:
-    """Writes trajectory and diagnostics files on one daemon thread.
+    """Writes trajectory and diagnostics files on one daemon thread, in batches.
 
-    ``save`` never blocks: beyond ``max_pending`` queued jobs it drops the file
-    and counts it (``dropped``). ``close`` drains what is queued, up to a timeout.
+    ``save`` never blocks and wakes the thread only when a batch starts (the
+    thread then waits ``batch_delay_sec`` for more), so the event loop does not
+    hand the GIL back and forth per rollout. Beyond ``max_pending`` queued
+    rollouts it drops files and counts them (``dropped``). ``close`` drains the
+    queue, up to a timeout.
     """
 
-    def __init__(self, artifact_root: Path, *, max_pending: int = 10_000) -> None:
+    def __init__(
+        self,
+        artifact_root: Path,
+        *,
+        max_pending: int = 10_000,
+        batch_delay_sec: float = 0.05,
+    ) -> None:
         self.artifact_root = artifact_root
         self.max_pending = max_pending
+        self.batch_delay_sec = batch_delay_sec
         self.dropped = 0
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._batch: list[_Job] = []
         self._pending = 0
-        self._idle = threading.Condition()
+        self._lock = threading.Condition()
+        self._wakeups: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -193,36 +228,32 @@ class TrajectoryWriter:
 
         def job() -> None:
             if diagnostics is not None:
-                payload = redact_secrets(diagnostics, secrets)
-                _write_atomic(directory / "diagnostics.json", _encode(payload))
+                _write(directory / "diagnostics.json", encode_redacted(diagnostics, secrets))
             if sample is not None:
                 document = build_trajectory_document(
-                    rollout_id,
-                    sample,
-                    label=label,
-                    metadata=metadata,
-                    extra_fields=extra_fields,
+                    rollout_id, sample, label=label, metadata=metadata, extra_fields=extra_fields
                 )
-                _write_atomic(
-                    directory / "trajectory.json", _encode(redact_secrets(document, secrets))
-                )
+                _write(directory / "trajectory.json", encode_redacted(document, secrets))
 
-        with self._idle:
+        with self._lock:
             if self._pending >= self.max_pending:
                 self.dropped += 1
                 return
             self._pending += 1
+            self._batch.append(job)
+            start_batch = len(self._batch) == 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._work, name="harbor-exec-trajectories", daemon=True
                 )
                 self._thread.start()
-        self._jobs.put(job)
+        if start_batch:
+            self._wakeups.put(True)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued file is written; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Drain the queue (up to ``timeout``) and stop the thread."""
@@ -230,22 +261,21 @@ class TrajectoryWriter:
         self.flush(timeout)
         thread = self._thread
         if thread is not None:
-            self._jobs.put(None)
+            self._wakeups.put(False)
             thread.join(timeout)
             self._thread = None
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:
-                self.dropped += 1
-                logger.warning("could not write a trajectory file", exc_info=True)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
+        while self._wakeups.get():
+            time.sleep(self.batch_delay_sec)
+            with self._lock:
+                batch, self._batch = self._batch, []
+            for job in batch:
+                try:
+                    job()
+                except Exception:
+                    self.dropped += 1
+                    logger.warning("could not write a trajectory file", exc_info=True)
+            with self._lock:
+                self._pending -= len(batch)
+                self._lock.notify_all()

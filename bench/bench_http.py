@@ -1,0 +1,337 @@
+"""HTTP round trip of a trivial graded rollout: harbor-exec vs the osmosis-ai 0.3.8 server.
+
+Each server runs in its own process on 127.0.0.1 (uvicorn, same settings,
+``LocalBackend`` with its default concurrency and a temporary artifact root);
+this process drives it with the matching client at each concurrency level and
+reads the server's CPU time from ``/proc/<pid>/stat``. It prints rollouts per
+second and server CPU milliseconds per rollout for both, and the ratios
+(targets: >= 2x the throughput, <= 0.5x the CPU per rollout).
+
+Both servers stay up and the rounds alternate between them, so load from
+elsewhere on the machine hits both alike; the summary shows medians. Every
+round is bounded: at most ``--rollouts`` rollouts and ``--time-limit`` seconds.
+
+    .venv/bin/python bench/bench_http.py
+    .venv/bin/python bench/bench_http.py --rollouts 2000 --rounds 5 --concurrency 1,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROMPT = [{"role": "user", "content": "What is 2+2?"}]
+CHAT_URL = "http://127.0.0.1:9/v1/chat/completions"
+IMPLEMENTATIONS = ("harbor-exec", "osmosis-ai")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------- server side
+
+
+def _harbor_exec_app(artifact_root: str) -> Any:
+    from harbor_exec.authoring import (
+        AgentWorkflow,
+        AgentWorkflowConfig,
+        AgentWorkflowContext,
+        Grader,
+        GraderContext,
+    )
+    from harbor_exec.backends.local import LocalBackend
+    from harbor_exec.server import create_rollout_server
+
+    class Answer(AgentWorkflow[AgentWorkflowConfig]):
+        async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> Any:
+            return [*ctx.prompt, {"role": "assistant", "content": "4"}]
+
+    class Exact(Grader):
+        async def grade(self, ctx: GraderContext) -> None:
+            assert ctx.sample is not None
+            ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
+
+    backend = LocalBackend(workflow=Answer, grader=Exact, artifact_root=artifact_root)
+    return create_rollout_server(backend=backend, artifact_root=artifact_root)
+
+
+def _osmosis_app(artifact_root: str) -> Any:
+    os.environ["_OSMOSIS_ROLLOUT_ARTIFACT_ROOT"] = artifact_root
+    from osmosis_ai.rollout import AgentWorkflow, Grader
+    from osmosis_ai.rollout.backend.local import LocalBackend
+    from osmosis_ai.rollout.server import create_rollout_server
+
+    class Answer(AgentWorkflow):  # type: ignore[type-arg]
+        async def run(self, ctx: Any) -> Any:
+            return [*ctx.prompt, {"role": "assistant", "content": "4"}]
+
+    class Exact(Grader):
+        async def grade(self, ctx: Any) -> None:
+            ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
+
+    backend = LocalBackend(workflow=Answer, grader=Exact)
+    return create_rollout_server(backend=backend)
+
+
+def serve(implementation: str, artifact_root: str) -> None:
+    """Server process: print the port, then serve until SIGTERM."""
+    import uvicorn
+
+    app = (
+        _harbor_exec_app(artifact_root)
+        if implementation == "harbor-exec"
+        else _osmosis_app(artifact_root)
+    )
+    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
+    # says TCP, and without it every response waits out a delayed ACK (~40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+# ---------------------------------------------------------------------------- driver side
+
+
+@dataclass
+class Measurement:
+    implementation: str
+    concurrency: int
+    rollouts: int
+    wall_sec: float
+    server_cpu_sec: float
+    client_cpu_sec: float
+
+    @property
+    def per_second(self) -> float:
+        return self.rollouts / self.wall_sec
+
+    @property
+    def cpu_ms(self) -> float:
+        return self.server_cpu_sec * 1000 / self.rollouts
+
+    @property
+    def client_cpu_ms(self) -> float:
+        return self.client_cpu_sec * 1000 / self.rollouts
+
+
+def _process_cpu_sec(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime are fields 14 and 15 of stat; index 11/12 after the name.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _client(implementation: str, url: str) -> Any:
+    """Each client with its own default HTTP stack (ours: the lean asyncio
+    transport; the reference: a plain ``httpx.AsyncClient()``)."""
+    if implementation == "harbor-exec":
+        from harbor_exec.client import RolloutClient
+
+        return RolloutClient(url=url, admission_timeout_sec=60)
+    from osmosis_ai.rollout.client import RolloutClient as OsmosisClient
+
+    return OsmosisClient(url=url, admission_timeout_sec=60)
+
+
+async def _drive(
+    implementation: str,
+    url: str,
+    pid: int,
+    concurrency: int,
+    count: int,
+    time_limit: float,
+    warmup: int,
+) -> Measurement:
+    client = _client(implementation, url)
+    try:
+        issued = completed = 0
+        target = warmup
+        deadline = time.monotonic() + time_limit
+
+        async def worker() -> None:
+            nonlocal issued, completed
+            while issued < target and time.monotonic() < deadline:
+                issued += 1
+                result = await client.run_rollout(PROMPT, CHAT_URL, uuid.uuid4().hex, label="4")
+                if (
+                    result.status != "success"
+                    or result.sample is None
+                    or result.sample.reward != 1.0
+                ):
+                    raise RuntimeError(f"unexpected result: {result}")
+                completed += 1
+
+        # Warm-up (connections, caches), not measured.
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        issued = completed = 0
+        target = count
+        cpu_before = _process_cpu_sec(pid)
+        client_before = time.process_time()
+        started = time.monotonic()
+        deadline = started + time_limit
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.monotonic() - started
+        cpu = _process_cpu_sec(pid) - cpu_before
+        client_cpu = time.process_time() - client_before
+    finally:
+        await client.aclose()
+    return Measurement(implementation, concurrency, completed, wall, cpu, client_cpu)
+
+
+def _start_server(implementation: str, artifact_root: str) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--serve", implementation, "--artifact-root", artifact_root],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    port = process.stdout.readline().strip()
+    if not port:
+        process.kill()
+        raise RuntimeError(f"{implementation} server did not start")
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{implementation} server never became healthy")
+        time.sleep(0.05)
+
+
+def _stop_server(process: subprocess.Popen[str]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+
+
+def _osmosis_available() -> bool:
+    try:
+        import osmosis_ai.rollout.client
+        import osmosis_ai.rollout.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(concurrencies: list[int], count: int, time_limit: float, rounds: int) -> list[Measurement]:
+    """Both servers stay up; rounds alternate between them so that load from
+    elsewhere on the machine hits both alike."""
+    implementations = [
+        impl for impl in IMPLEMENTATIONS if impl == "harbor-exec" or _osmosis_available()
+    ]
+    results: list[Measurement] = []
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
+        for implementation in implementations:
+            root = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=f"bench-{implementation}-")
+            )
+            servers[implementation] = _start_server(implementation, root)
+            stack.callback(_stop_server, servers[implementation][0])
+            # First contact: imports, caches, connection setup.
+            process, url = servers[implementation]
+            asyncio.run(_drive(implementation, url, process.pid, 4, 0, time_limit, warmup=200))
+        for concurrency in concurrencies:
+            for round_index in range(rounds):
+                for implementation in implementations:
+                    process, url = servers[implementation]
+                    measurement = asyncio.run(
+                        _drive(
+                            implementation,
+                            url,
+                            process.pid,
+                            concurrency,
+                            count,
+                            time_limit,
+                            warmup=2 * concurrency,
+                        )
+                    )
+                    results.append(measurement)
+                    print(
+                        f"round {round_index + 1}  {implementation:>11}  c={concurrency:<3}"
+                        f" {measurement.rollouts:>6} rollouts"
+                        f"  {measurement.per_second:8.1f} rollouts/s"
+                        f"  {measurement.cpu_ms:6.3f} ms server CPU/rollout"
+                        f"  ({measurement.client_cpu_ms:.3f} ms client CPU)",
+                        flush=True,
+                    )
+    return results
+
+
+def report(results: list[Measurement]) -> None:
+    """Medians over the rounds, and ours/reference ratios."""
+    levels = sorted({m.concurrency for m in results})
+    rows: dict[tuple[str, int], tuple[float, float]] = {}
+    for implementation in IMPLEMENTATIONS:
+        for level in levels:
+            runs = [
+                m for m in results if (m.implementation, m.concurrency) == (implementation, level)
+            ]
+            if runs:
+                rows[implementation, level] = (
+                    statistics.median(m.per_second for m in runs),
+                    statistics.median(m.cpu_ms for m in runs),
+                )
+    print()
+    print("medians over rounds; server CPU in ms per rollout")
+    print(f"{'concurrency':>11}  {'ours r/s':>9}  {'ref r/s':>9}  {'ratio':>6}  "
+          f"{'ours ms':>8}  {'ref ms':>8}  {'ratio':>6}")  # fmt: skip
+    for level in levels:
+        ours_rate, ours_cpu = rows["harbor-exec", level]
+        if ("osmosis-ai", level) not in rows:
+            print(f"{level:>11}  {ours_rate:9.1f}  {'-':>9}  {'-':>6}  {ours_cpu:8.3f}")
+            continue
+        ref_rate, ref_cpu = rows["osmosis-ai", level]
+        print(
+            f"{level:>11}  {ours_rate:9.1f}  {ref_rate:9.1f}  {ours_rate / ref_rate:5.2f}x  "
+            f"{ours_cpu:8.3f}  {ref_cpu:8.3f}  {ours_cpu / ref_cpu:5.2f}x"
+        )
+    print("targets: throughput ratio >= 2.00x, CPU ratio <= 0.50x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--serve", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--artifact-root", help=argparse.SUPPRESS)
+    parser.add_argument("--rollouts", type=int, default=1000, help="rollouts per round (max)")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per round (max)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
+    parser.add_argument("--concurrency", default="1,32", help="comma-separated levels")
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.artifact_root)
+        return
+    levels = [int(level) for level in args.concurrency.split(",")]
+    report(run(levels, args.rollouts, args.time_limit, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
