@@ -4,3 +4,4 @@
 from harbor_exec.cli import dataset
 from harbor_exec.cli import images
 from harbor_exec.cli import bundle
+from harbor_exec.cli import serve
