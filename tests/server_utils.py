@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -23,38 +25,86 @@ from harbor_exec.authoring import (
     ConcurrencyConfig,
     Grader,
     GraderContext,
+    RolloutSample,
+    SampleSource,
+    get_rollout_context,
+    set_sample_source,
 )
+from harbor_exec.backends.local import LocalBackend
+from harbor_exec.server import create_rollout_server
 
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 CHAT_URL = "http://127.0.0.1:9/v1/chat/completions"
 
 
+# Rollout ids whose workflow saw its cancellation (the server runs in another thread).
+CANCELLED_WORKFLOWS: set[str] = set()
+_cancelled_lock = threading.Lock()
+
+
+def workflow_was_cancelled(rollout_id: str) -> bool:
+    with _cancelled_lock:
+        return rollout_id in CANCELLED_WORKFLOWS
+
+
 class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
     """Answers ``metadata["answer"]`` (default "4"), driven by metadata keys:
-    ``sleep`` (seconds before answering), ``raise`` (message of a RuntimeError)."""
+    ``sleep`` (seconds before answering), ``raise`` (message of a RuntimeError),
+    ``echo_key`` (put the LLM key into the answer, to test redaction),
+    ``block`` (seconds of time.sleep, blocking the loop),
+    ``use_source`` (register a SampleSource and return None)."""
 
-    async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> AgentWorkflowOutput:
+    async def run(
+        self, ctx: AgentWorkflowContext[AgentWorkflowConfig]
+    ) -> AgentWorkflowOutput | None:
         script = ctx.metadata or {}
-        if script.get("sleep"):
-            await asyncio.sleep(float(script["sleep"]))
+        context = get_rollout_context()
+        rollout_id = context.rollout_id if context else ""
+        try:
+            if script.get("sleep"):
+                await asyncio.sleep(float(script["sleep"]))
+        except asyncio.CancelledError:
+            with _cancelled_lock:
+                CANCELLED_WORKFLOWS.add(rollout_id)
+            raise
+        if script.get("block"):
+            time.sleep(float(script["block"]))  # noqa: ASYNC251 - blocking on purpose
         if script.get("raise"):
             raise RuntimeError(str(script["raise"]))
         answer = str(script.get("answer", "4"))
-        return AgentWorkflowOutput(
-            messages=[*ctx.prompt, {"role": "assistant", "content": answer}],
-            metrics={"answer_length": float(len(answer))},
-        )
+        if script.get("echo_key") and context is not None:
+            answer = f"{answer} (key {context.api_key})"
+        messages = [*ctx.prompt, {"role": "assistant", "content": answer}]
+        if script.get("use_source"):
+            set_sample_source(FixedSource(messages))
+            return None
+        return AgentWorkflowOutput(messages=messages, metrics={"answer_length": float(len(answer))})
+
+
+class FixedSource(SampleSource):
+    """A sample source holding fixed messages."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = messages
+
+    async def get_sample(self) -> RolloutSample:
+        return RolloutSample(messages=self.messages, metrics={"from_source": 1.0})
 
 
 class ExactMatchGrader(Grader):
-    """Reward 1.0 when the last message equals the label, else 0.0; ``metadata["remove"]``
-    drops the sample, ``metadata["grader_sleep"]`` delays grading."""
+    """Reward 1.0 when the last message equals the label, else 0.0; metadata keys:
+    ``remove`` (drop the sample), ``grader_sleep`` (delay), ``grader_raise``,
+    ``no_reward`` (set nothing)."""
 
     async def grade(self, ctx: GraderContext) -> None:
         assert ctx.sample is not None
         script = ctx.metadata or {}
         if script.get("grader_sleep"):
             await asyncio.sleep(float(script["grader_sleep"]))
+        if script.get("grader_raise"):
+            raise RuntimeError(str(script["grader_raise"]))
+        if script.get("no_reward"):
+            return
         answer = ctx.sample.messages[-1]["content"]
         ctx.set_reward(1.0 if answer == ctx.label else 0.0)
         if script.get("remove"):
@@ -62,7 +112,9 @@ class ExactMatchGrader(Grader):
 
 
 SINGLE_SLOT = AgentWorkflowConfig(name="single", concurrency=ConcurrencyConfig(max_concurrent=1))
-UNLIMITED = AgentWorkflowConfig(name="unlimited", concurrency=ConcurrencyConfig(max_concurrent=None))
+UNLIMITED = AgentWorkflowConfig(
+    name="unlimited", concurrency=ConcurrencyConfig(max_concurrent=None)
+)
 
 
 class ServerThread:
@@ -108,6 +160,35 @@ def serve(app: Any, *, graceful_shutdown_sec: float = 2.0) -> Iterator[str]:
         yield url
     finally:
         server.stop()
+
+
+def local_app(
+    artifact_root: Path,
+    *,
+    workflow_config: AgentWorkflowConfig | None = None,
+    backend: Any = None,
+    **server_options: Any,
+) -> Any:
+    """Our rollout server over ``LocalBackend(ScriptedWorkflow, ExactMatchGrader)``,
+    with short shutdown waits so that tests stop quickly."""
+    if backend is None:
+        backend = LocalBackend(
+            workflow=ScriptedWorkflow,
+            grader=ExactMatchGrader,
+            workflow_config=workflow_config,
+            artifact_root=artifact_root,
+        )
+    server_options.setdefault("shutdown_drain_sec", 0.5)
+    server_options.setdefault("shutdown_cleanup_sec", 5.0)
+    return create_rollout_server(backend=backend, artifact_root=artifact_root, **server_options)
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> bool:
