@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from harbor_exec.errors import AgentSetupError
 from harbor_exec.results import AgentInfo
 from harbor_exec.runtime import (
     ArchiveEntry,
@@ -28,13 +29,50 @@ from harbor_exec.tasks import Task, resolve_env
 REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
 
 
+_NO_TAR = "harbor-exec:no-tar"
+_UPLOAD_FAILED = "harbor-exec:upload-failed"
+
+
+def with_upload(command: str) -> str:
+    """``command``, preceded by unpacking a tar from stdin at ``/``.
+
+    Sending files with the command saves the daemon an archive round trip. The
+    markers on stderr tell "no tar in this image" and "upload failed" apart from
+    whatever exit code ``command`` itself returns.
+    """
+    return (
+        f"command -v tar >/dev/null || {{ echo {_NO_TAR} >&2; exit 213; }}; "
+        f"tar -xf - -C / || {{ echo {_UPLOAD_FAILED} >&2; exit 214; }}; {command}"
+    )
+
+
+def upload_outcome(result: ExecResult) -> str:
+    """``"ok"``, ``"no-tar"`` or ``"failed"`` for an exec of ``with_upload(...)``."""
+    if result.exit_code == 213 and _NO_TAR.encode() in result.errors:
+        return "no-tar"
+    if result.exit_code == 214 and _UPLOAD_FAILED.encode() in result.errors:
+        return "failed"
+    return "ok"
+
+
+def runs_as_root(user: str | int | None) -> bool:
+    """Whether execs as ``user`` run as root (None: the image's default, root here)."""
+    return user is None or str(user) in ("root", "0")
+
+
 @dataclass
 class TrialSession:
-    """A started trial container, as agents and verifiers see it."""
+    """A started trial container, as agents and verifiers see it.
+
+    ``pending_files`` is a tar of the files the trial placed before the agent
+    (log directories, ``/solution`` or the bundle). When the first command runs
+    as root they travel on its stdin instead of a separate upload.
+    """
 
     runtime: ContainerRuntime
     container_id: str
     task: Task
+    pending_files: bytes | None = None
 
     @property
     def workdir(self) -> str | None:
@@ -47,8 +85,29 @@ class TrialSession:
         user: str | int | None = None,
         env: Mapping[str, str] | None = None,
         timeout_sec: float | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         """``bash -c command`` in the task's workdir, as Harbor runs every exec."""
+        files, self.pending_files = self.pending_files, None
+        if files is not None and stdin is None and runs_as_root(user):
+            result = self._exec(with_upload(command), user, env, timeout_sec, files)
+            outcome = upload_outcome(result)
+            if outcome == "failed":
+                raise AgentSetupError("placing the agent's files in the container failed")
+            if outcome == "ok":
+                return result
+        if files is not None:
+            self.runtime.put_archive(self.container_id, files)
+        return self._exec(command, user, env, timeout_sec, stdin)
+
+    def _exec(
+        self,
+        command: str,
+        user: str | int | None,
+        env: Mapping[str, str] | None,
+        timeout_sec: float | None,
+        stdin: bytes | None,
+    ) -> ExecResult:
         return self.runtime.exec(
             self.container_id,
             ["bash", "-c", command],
@@ -56,10 +115,14 @@ class TrialSession:
             user=None if user is None else str(user),
             workdir=self.workdir,
             timeout_sec=timeout_sec,
+            stdin=stdin,
         )
 
-    def put(self, entries: list[ArchiveEntry]) -> None:
-        self.runtime.put_archive(self.container_id, build_archive(entries))
+    def flush(self) -> None:
+        """Place ``pending_files`` now (when no command carried them)."""
+        files, self.pending_files = self.pending_files, None
+        if files is not None:
+            self.runtime.put_archive(self.container_id, files)
 
 
 @dataclass(frozen=True)
@@ -110,6 +173,8 @@ class OracleAgent:
 class VerifierRun:
     exit_code: int | None
     timed_out: bool
+    upload_failed: bool = False
+    logs: bytes | None = None  # a tar of /logs, when the verifier exec sent it back
 
 
 @dataclass(frozen=True)
@@ -128,21 +193,39 @@ class TestsVerifier:
         return entries + list(self.generated)
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> VerifierRun:
+        """Upload ``/tests``, delete stale rewards, run ``test.sh``; all under ``timeout_sec``.
+
+        As root (the common case) this is ONE exec: the tests arrive as a tar on
+        stdin and ``/logs`` leaves as a tar on stdout, which saves the daemon two
+        archive round trips per trial. Without ``tar`` in the image, or for a
+        non-root verifier user, it falls back to the archive API.
+        """
         config = session.task.config
         env = {
             **resolve_env(config.verifier.env, task=session.task.name, field="[verifier].env"),
             **self.extra_env,
         }
+        archive = build_archive(self.files())
         remove_stale = "rm -f -- " + " ".join(shlex.quote(p) for p in REWARD_FILES)
         run_tests = "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1"
         user = config.verifier.user
-        if user is None or str(user) in ("root", "0"):
-            # One exec instead of two: the stale rewards go right before test.sh runs.
-            command = f"{remove_stale}; {run_tests}"
-        else:
-            session.bash(remove_stale, user="root")
-            command = run_tests
-        result = session.bash(command, user=user, env=env, timeout_sec=timeout_sec)
+        if runs_as_root(user):
+            command = with_upload(f"{remove_stale}; {run_tests}; tar -C / -cf - logs")
+            result = session.bash(command, env=env, timeout_sec=timeout_sec, stdin=archive)
+            outcome = upload_outcome(result)
+            if outcome != "no-tar" or result.timed_out:
+                return VerifierRun(
+                    exit_code=result.exit_code,
+                    timed_out=result.timed_out,
+                    upload_failed=outcome == "failed",
+                    logs=result.output if result.exit_code == 0 and not result.timed_out else None,
+                )
+        try:
+            session.runtime.put_archive(session.container_id, archive)
+        except Exception:
+            return VerifierRun(exit_code=None, timed_out=False, upload_failed=True)
+        session.bash(remove_stale, user="root")
+        result = session.bash(run_tests, user=user, env=env, timeout_sec=timeout_sec)
         return VerifierRun(exit_code=result.exit_code, timed_out=result.timed_out)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 import uuid
@@ -31,11 +32,13 @@ from typing import Any
 import docker
 import docker.errors
 import requests.exceptions
+from docker.utils.socket import frames_iter
 
 from harbor_exec.errors import (
     DockerUnavailableError,
     EnvironmentStartError,
     EnvironmentStartTimeoutError,
+    HarborExecError,
     SandboxBuildFailedError,
 )
 from harbor_exec.runtime import (
@@ -337,6 +340,7 @@ class DockerRuntime:
         user: str | None = None,
         workdir: str | None = None,
         timeout_sec: float | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         marker = f"{PHASE_MARKER}={uuid.uuid4().hex}"
         environment = [f"{k}={v}" for k, v in (env or {}).items()] + [marker]
@@ -348,39 +352,52 @@ class DockerRuntime:
                 environment=environment,
                 user=user or "",
                 workdir=workdir,
+                stdin=stdin is not None,
             )["Id"]
         except docker.errors.APIError as exc:
             message = exc.explanation or exc
             raise EnvironmentStartError(f"cannot run {command[0]!r}: {message}") from None
         timed_out = False
         if timeout_sec is None:
-            output = self._exec_start(exec_id)
+            stdout, stderr = self._exec_start(exec_id, stdin)
         else:
-            future = self._pool.submit(self._exec_start, exec_id)
+            future = self._pool.submit(self._exec_start, exec_id, stdin)
             try:
-                output = future.result(timeout=max(timeout_sec, 0.0))
+                stdout, stderr = future.result(timeout=max(timeout_sec, 0.0))
             except FutureTimeout:
                 timed_out = True
                 self.kill_marked(container_id, marker)
                 try:
-                    output = future.result(timeout=5)
-                except (FutureTimeout, docker.errors.APIError):
-                    output = b""
+                    stdout, stderr = future.result(timeout=5)
+                except (FutureTimeout, HarborExecError):
+                    stdout, stderr = b"", b""
         duration = time.monotonic() - started
         exit_code = self._api.exec_inspect(exec_id).get("ExitCode")
-        return ExecResult(exit_code, output, timed_out, duration)
+        return ExecResult(exit_code, stdout, timed_out, duration, stderr)
 
-    def _exec_start(self, exec_id: str) -> bytes:
+    def _exec_start(self, exec_id: str, stdin: bytes | None) -> tuple[bytes, bytes]:
+        """Run a created exec to its end: ``(stdout, stderr)``."""
         try:
-            result = self._exec_api.exec_start(exec_id)
+            sock = self._exec_api.exec_start(exec_id, socket=True)
         except docker.errors.APIError as exc:
             message = str(exc.explanation or exc)
+            hint = ""
             if "chdir" in message or "no such file or directory" in message.lower():
-                raise EnvironmentStartError(
-                    f"exec failed: {message} (does [environment].workdir exist in the image?)"
-                ) from None
-            raise EnvironmentStartError(f"exec failed: {message}") from None
-        return bytes(result)
+                hint = " (does [environment].workdir exist in the image?)"
+            raise EnvironmentStartError(f"exec failed: {message}{hint}") from None
+        raw = getattr(sock, "_sock", sock)
+        streams: dict[int, list[bytes]] = {1: [], 2: []}
+        try:
+            if stdin is not None:
+                raw.sendall(stdin)
+                raw.shutdown(socket.SHUT_WR)  # EOF on the process's stdin
+            for stream, data in frames_iter(sock, tty=False):
+                streams.setdefault(stream, []).append(data)
+        except OSError as exc:
+            raise EnvironmentStartError(f"exec stream broke: {exc}") from None
+        finally:
+            sock.close()
+        return b"".join(streams[1]), b"".join(streams[2])
 
     def kill_marked(self, container_id: str, marker: str) -> None:
         """SIGKILL every process in the container whose environment holds ``marker``."""

@@ -45,9 +45,10 @@ class ExecResult:
     """Outcome of one command run in a container."""
 
     exit_code: int | None
-    output: bytes
+    output: bytes  # stdout
     timed_out: bool
     duration_sec: float
+    errors: bytes = b""  # stderr
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,10 @@ class ContainerRuntime(Protocol):
         user: str | None = None,
         workdir: str | None = None,
         timeout_sec: float | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
-        """Run ``command``; past ``timeout_sec`` every process it started is killed."""
+        """Run ``command`` (fed ``stdin`` when given); past ``timeout_sec`` every
+        process it started is killed."""
         ...
 
     def remove(self, container_id: str) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, TrialSession
+from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
 from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
@@ -266,12 +266,18 @@ class Trial:
                 # Harbor uploads environment/ into the workdir for prebuilt images.
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
-            self.runtime.put_archive(self._container_id, build_archive(entries))
+            archive = build_archive(entries)
+            if runs_as_root(task.config.agent.user):
+                # The agent's first command carries these files on its stdin (one fewer call).
+                pending: bytes | None = archive
+            else:
+                self.runtime.put_archive(self._container_id, archive)
+                pending = None
             self.runtime.start(self._container_id)
             self._check_cancelled()
         finally:
             timing.finished_at = utcnow()
-        return TrialSession(self.runtime, self._container_id, task)
+        return TrialSession(self.runtime, self._container_id, task, pending_files=pending)
 
     def _agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
@@ -315,12 +321,6 @@ class Trial:
         self._phase("verifier")
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            try:
-                session.put(verifier.files())
-            except HarborExecError:
-                raise
-            except Exception as exc:
-                raise AddTestsDirError(f"uploading tests/ failed: {exc}") from exc
             remaining = None if timeout is None else timeout - _elapsed(timing.started_at)
             run = verifier.run(session, remaining)
             self._check_cancelled()
@@ -328,7 +328,12 @@ class Trial:
                 raise VerifierTimeoutError(
                     f"tests/test.sh ran past the {timeout:g}s verifier timeout; no reward"
                 )
-            self._download_logs(session.container_id)
+            if run.upload_failed:
+                raise AddTestsDirError("uploading tests/ to /tests in the container failed")
+            if run.logs:
+                self._store_logs(run.logs)
+            else:
+                self._download_logs(session.container_id)
             result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
         except TrialError as exc:
             self._record(exc)
@@ -340,8 +345,11 @@ class Trial:
     def _download_logs(self, container_id: str) -> None:
         """Download ``/logs`` once, into ``agent/``, ``verifier/`` and ``artifacts/``."""
         data = self.runtime.get_archive(container_id, "/logs")
-        if data is None:
-            return
+        if data is not None:
+            self._store_logs(data)
+
+    def _store_logs(self, data: bytes) -> None:
+        """Unpack a tar of ``/logs`` into the trial directory (Harbor's layout)."""
         staging = self.dir / ".logs"
         extract_archive(data, staging)
         for name, target in (

@@ -280,3 +280,35 @@ def test_reaper_removes_containers_of_dead_owners(docker_runtime: DockerRuntime)
         docker_runtime.remove(container)
         docker_runtime.remove(live)
         dead.close()
+
+
+def test_non_root_users_and_an_image_without_tar(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """The fallbacks of the one-exec transfers: the archive API does the uploads."""
+    toml = """
+        [agent]
+        timeout_sec = 30.0
+        user = "nobody"
+        [verifier]
+        timeout_sec = 30.0
+        user = "nobody"
+    """
+    solve = 'echo "$(id -un)" > /logs/agent/who; echo 1 > /tmp/solved'
+    test = '[ "$(cat /logs/agent/who)" = nobody ] && [ "$(id -un)" = nobody ] && [ -f /tmp/solved ] && echo 1 > /logs/verifier/reward.txt'
+    result = run(
+        docker_runtime,
+        make_task(tmp_path, "nobody", solve=solve, test=test, toml=toml),
+        tmp_path / "trials",
+    )
+    assert result.exception_info is None and result.reward == 1.0
+    no_tar = make_task(
+        tmp_path,
+        "no-tar",
+        dockerfile="FROM debian:bookworm-slim\nRUN rm -f /usr/bin/tar /bin/tar\nWORKDIR /app\n",
+        solve="echo done > /app/done",
+        test="[ -f /app/done ] && ! command -v tar && echo 1 > /logs/verifier/reward.txt",
+    )
+    result = run(docker_runtime, no_tar, tmp_path / "trials")
+    assert result.exception_info is None and result.reward == 1.0
+    assert (tmp_path / "trials" / result.trial_name / "verifier" / "test-stdout.txt").is_file()
