@@ -6,10 +6,12 @@ the reference are fixed:
 
 * **No busy loop.** The reference re-polls ``/result`` at once after every
   in-progress answer, which spins against a server that does not long-poll.
-  Here, an in-progress answer that came back quickly *with the status
-  unchanged* is followed by a pause that doubles from 50 ms up to 2 s (never
-  more than a quarter of the lease). A status change, or a poll that really
-  parked, resets the pause.
+  Here, an in-progress answer that came back quickly (under a second, or half
+  the server's wait) *without forward progress* (queued < running < grading)
+  is followed by a pause that doubles from 50 ms up to 2 s (never more than a
+  quarter of the lease). Progress, or a poll that really parked, resets the
+  pause; progress can happen at most three times, so flip-flopping or
+  ``unknown`` statuses cannot make it spin either.
 * **``wait_for_running``/``wait_for_grading`` return promptly.** On the
   reference server a poll made while ``running`` parks until grading or the
   end, so waiting for ``running`` through ``/result`` alone can stall for the
@@ -412,7 +414,7 @@ class RolloutHandle:
                     return
                 await self._set_status(status, None)
                 delay = backoff.next_delay(
-                    changed=status is not seen,
+                    changed=_STATUS_ORDER.get(status, -1) > _STATUS_ORDER.get(seen, -1),
                     elapsed=monotonic() - started,
                     quick_threshold=min(_QUICK_ANSWER_MAX_SEC, wait / 2),
                 )
@@ -437,9 +439,14 @@ class RolloutHandle:
                 await self._set_status(result.status, result)
                 if result.status in TERMINAL_STATUSES:
                     return result
-                changed, previous = result.status is not previous, result.status
+                # Only forward progress earns an immediate re-poll: at most three
+                # times per rollout, so a server flip-flopping between statuses
+                # (or answering "unknown") is backed off like any quick answer.
+                progressed = _STATUS_ORDER.get(result.status, -1) > _STATUS_ORDER.get(previous, -1)
+                if progressed:
+                    previous = result.status
                 delay = backoff.next_delay(
-                    changed=changed,
+                    changed=progressed,
                     elapsed=monotonic() - started,
                     quick_threshold=quick,
                 )
