@@ -343,3 +343,93 @@ def test_bundle_build_failure_is_named_before_any_container(
             code_dir=project,
             trials_dir=tmp_path / "trials",
         )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_cli_runs_harbor_rollouts(
+    tmp_path: Path, chat: FakeChat, docker_runtime: DockerRuntime
+) -> None:
+    import signal
+    import subprocess
+
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "harbor_exec.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--tasks-dir",
+        str(DATASET),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "oracle",
+        "--max-queue-depth",
+        "4",
+        "--prewarm",
+        "--trials-dir",
+        str(tmp_path / "trials"),
+        "--artifact-root",
+        str(tmp_path / "sa"),
+    ]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(healthy, timeout=120, interval=0.2), "serve never answered /health"
+        result = asyncio.run(
+            one_rollout(
+                "ours", url, chat, prompt=[], metadata={"harbor_task_id": "subtract-numbers"}
+            )
+        )
+        queue = httpx.get(f"{url}/queue").json()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=60)
+    assert result.status == "success" and result.sample.reward == 1.0, output
+    assert queue["max_queue_depth"] == 4 and queue["capacity"] == 4
+    # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
+    assert server.returncode in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output
+    assert not [
+        c for c in docker_runtime.our_containers() if (c.get("Labels") or {}).get(LABEL_ROLLOUT)
+    ]
+
+    broken = tmp_path / "no-project"
+    broken.mkdir()
+    (broken / "mod.py").write_text("class W: pass\n")
+    failed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harbor_exec.cli",
+            "serve",
+            "--tasks-dir",
+            str(TEMPLATE),
+            "--agent",
+            "mod:W",
+            "--code-dir",
+            str(broken),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=broken,
+    )
+    assert failed.returncode == 1
+    assert "pyproject.toml" in failed.stderr

@@ -1,7 +1,12 @@
 """``harbor-exec serve``: serve rollouts over HTTP (the osmosis-ai 0.3.8 protocol).
 
-Either ``--workflow module:Class`` (with optional ``--grader`` and configs),
-served by ``LocalBackend``, or ``--app module:attr`` for an app built in code.
+Three ways to choose what runs:
+
+* ``--workflow module:Class`` (with optional ``--grader`` and configs): ``LocalBackend``,
+  in-process;
+* ``--tasks-dir DIR --agent oracle|module:Class``: ``HarborBackend``, every rollout an
+  isolated Docker trial of a Harbor task (template or dataset mode);
+* ``--app module:attr``: an app built in code.
 Building the backend is its own function (``build_backend``), so that other
 backends can be chosen from more options without touching the rest.
 """
@@ -32,12 +37,57 @@ class ServeOptions:
     workflow_config: str | None = None
     grader_config: str | None = None
     artifact_root: Path | None = None
+    tasks_dir: Path | None = None
+    task_mode: str = "template"
+    agent: str | None = None
+    code_dir: Path | None = None
+    trials_dir: Path | None = None
+    max_concurrent_trials: int = 4
+    max_queue_depth: int | None = None
+    prewarm: bool = False
+
+
+def build_harbor_backend(options: ServeOptions) -> Any:
+    """``HarborBackend`` for ``--tasks-dir``; bundle and Docker errors end the command."""
+    from bundler.errors import BundleError
+    from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.errors import DockerUnavailableError
+
+    if options.workflow is not None:
+        raise typer.BadParameter("with --tasks-dir, name the workflow with --agent module:Class")
+    if options.task_mode not in ("template", "dataset"):
+        raise typer.BadParameter("--task-mode must be 'template' or 'dataset'")
+    try:
+        return HarborBackend(
+            tasks_dir=options.tasks_dir or Path("."),
+            task_mode="dataset" if options.task_mode == "dataset" else "template",
+            agent=options.agent or "oracle",
+            workflow_config=options.workflow_config,
+            grader=options.grader,
+            grader_config=options.grader_config,
+            code_dir=options.code_dir,
+            trials_dir=options.trials_dir,
+            max_concurrent_trials=options.max_concurrent_trials,
+            max_queue_depth=options.max_queue_depth,
+        )
+    except BundleError as exc:
+        typer.echo(f"error: the workflow bundle cannot be built: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except DockerUnavailableError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (ImportError, ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def build_backend(options: ServeOptions) -> Any:
-    """The ``ExecutionBackend`` for these options (today: ``LocalBackend``)."""
+    """The ``ExecutionBackend`` for these options: Harbor with ``--tasks-dir``, else local."""
     from harbor_exec.backends.local import LocalBackend
 
+    if options.tasks_dir is not None:
+        return build_harbor_backend(options)
+    if options.agent is not None or options.prewarm:
+        raise typer.BadParameter("--agent and --prewarm need --tasks-dir")
     if options.workflow is None:
         raise typer.BadParameter("give --workflow module:Class (or --app module:attr)")
     try:
@@ -56,8 +106,12 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
     """The FastAPI rollout server for these options."""
     from harbor_exec.server import create_rollout_server
 
+    backend = build_backend(options)
     return create_rollout_server(
-        backend=build_backend(options), api_key=api_key, artifact_root=options.artifact_root
+        backend=backend,
+        api_key=api_key,
+        artifact_root=options.artifact_root,
+        lifespan=backend.prewarm_lifespan() if options.prewarm else None,
     )
 
 
@@ -109,11 +163,42 @@ def serve(
         typer.Option(help="Where per-rollout artifacts and trajectories go."),
     ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every HTTP request.")] = False,
+    tasks_dir: Annotated[
+        Path | None,
+        typer.Option(help="Harbor task (template mode) or dataset dir: run rollouts in Docker."),
+    ] = None,
+    task_mode: Annotated[str, typer.Option(help="template or dataset.")] = "template",
+    agent: Annotated[
+        str | None, typer.Option(help="With --tasks-dir: oracle, or an AgentWorkflow module:Class.")
+    ] = None,
+    code_dir: Annotated[
+        Path | None, typer.Option(help="The workflow's project (default: found from --agent).")
+    ] = None,
+    trials_dir: Annotated[Path | None, typer.Option(help="Where trial directories go.")] = None,
+    max_concurrent_trials: Annotated[int, typer.Option(min=1)] = 4,
+    max_queue_depth: Annotated[
+        int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
+    ] = None,
+    prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     import uvicorn
 
-    options = ServeOptions(workflow, grader, workflow_config, grader_config, artifact_root)
+    options = ServeOptions(
+        workflow,
+        grader,
+        workflow_config,
+        grader_config,
+        artifact_root,
+        tasks_dir=tasks_dir,
+        task_mode=task_mode,
+        agent=agent,
+        code_dir=code_dir,
+        trials_dir=trials_dir,
+        max_concurrent_trials=max_concurrent_trials,
+        max_queue_depth=max_queue_depth,
+        prewarm=prewarm,
+    )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):
             raise typer.BadParameter(

@@ -1,0 +1,80 @@
+"""The service image (``Dockerfile``): built and started with pytest-docker, it runs one
+oracle rollout end to end through the host's Docker socket."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harbor_exec.runtime import LABEL_ROLLOUT
+
+HERE = Path(__file__).resolve().parent
+PORT = int(os.environ.get("HARBOR_EXEC_SERVICE_PORT", "18765"))
+URL = f"http://127.0.0.1:{PORT}"
+
+pytestmark = [pytest.mark.usefixtures("base_images"), pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="session")
+def docker_compose_file() -> str:
+    return str(HERE / "service" / "docker-compose.yml")
+
+
+@pytest.fixture(scope="session")
+def docker_compose_command() -> str:
+    # Debian ships Compose v1 as docker-compose; scripts/setup.sh installs it.
+    return "docker-compose"
+
+
+@pytest.fixture(scope="session")
+def docker_compose_project_name() -> str:
+    return "harbor-exec-service-test"
+
+
+def _healthy() -> bool:
+    try:
+        return httpx.get(f"{URL}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_service_image_runs_a_rollout(docker_services: Any, docker_runtime: Any) -> None:
+    docker_services.wait_until_responsive(check=_healthy, timeout=300.0, pause=0.5)
+    health = httpx.get(f"{URL}/health", timeout=5).json()
+    assert health["backend"] == "harbor" and health["agent"] == "oracle"
+    rollout_id = uuid.uuid4().hex
+    admitted = httpx.post(
+        f"{URL}/rollout",
+        json={
+            "initial_messages": [],
+            "rollout_id": rollout_id,
+            "chat_completions_url": "http://127.0.0.1:9/unused",
+            "metadata": {"harbor_task_id": "multiply-numbers"},
+        },
+        timeout=10,
+    )
+    assert admitted.status_code == 202, admitted.text
+    lease = admitted.json()["polling_lease_token"]
+    deadline = time.monotonic() + 300
+    result: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        result = httpx.get(
+            f"{URL}/rollout/{rollout_id}/result",
+            headers={"X-Osmosis-Rollout-Lease": lease},
+            timeout=60,
+        ).json()
+        if result["status"] in ("success", "failure", "cancelled"):
+            break
+    assert result["status"] == "success", result
+    assert result["sample"]["reward"] == 1.0
+    # The trial ran as a sibling container through the socket, and is gone.
+    leftover = [
+        c for c in docker_runtime.our_containers() if (c.get("Labels") or {}).get(LABEL_ROLLOUT) == rollout_id
+    ]
+    assert leftover == []
