@@ -9,9 +9,9 @@ what the server hands to and gets back from an ``ExecutionBackend``.
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from harbor_exec.authoring import (
     TERMINAL_STATUSES,
@@ -46,6 +46,10 @@ __all__ = [
 POLLING_LEASE_HEADER: Final = "X-Osmosis-Rollout-Lease"
 
 MessageDict = dict[str, Any]
+
+# pydantic caches parsed JSON strings process-wide by default; ids and tokens
+# are unique per rollout, so caching them only pins memory. Keys still cache.
+_WIRE_CONFIG = ConfigDict(cache_strings="keys")
 
 
 class CancelDisposition:
@@ -86,6 +90,8 @@ def ensure_single_path_segment(value: str, *, field: str = "rollout_id") -> str:
 class RolloutInitRequest(BaseModel):
     """Body of ``POST /rollout``. Unknown fields are ignored, as in the reference."""
 
+    model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
+
     initial_messages: list[MessageDict]
     label: str | None = None
     metadata: dict[str, Any] | None = None
@@ -115,6 +121,8 @@ class RolloutInitRequest(BaseModel):
 class RolloutInitResponse(BaseModel):
     """Body of the 202 answer to ``POST /rollout``."""
 
+    model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
+
     rollout_id: str
     status: RolloutStatus
     polling_lease_token: str = Field(min_length=1)
@@ -137,6 +145,8 @@ class RolloutInitResponse(BaseModel):
 class RolloutResultResponse(BaseModel):
     """Body of ``GET /rollout/{id}/result``: in progress it has only id and status."""
 
+    model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
+
     rollout_id: str
     status: RolloutStatus
     sample: RolloutSample | None = None
@@ -146,6 +156,8 @@ class RolloutResultResponse(BaseModel):
 
 class CancelRolloutsRequest(BaseModel):
     """Body of ``POST /rollout/cancel``; exactly one selector must be given."""
+
+    model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
 
     ids: list[str] | None = None
     prefix: str | None = None
@@ -158,6 +170,8 @@ class CancelRolloutsRequest(BaseModel):
 
 class CancelRolloutsResponse(BaseModel):
     """Per-id disposition: ``cancelled_queued``, ``cancelled_running`` or ``not_found``."""
+
+    model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
 
     dispositions: dict[str, str]
 

@@ -319,13 +319,15 @@ class LocalBackend(ExecutionBackend):
 
     async def _artifacts_dir(self, rollout_id: str) -> Path | None:
         """Create ``<root>/<id>/artifacts``; None (with a warning) when that keeps failing."""
-        rollout_dir = self.artifact_root / rollout_id
-        path = rollout_dir / "artifacts"
+        # Plain strings, not pathlib: on CPython 3.12 every path component that
+        # pathlib parses is interned for good, one leaked string per rollout id.
+        rollout_dir = os.path.join(os.fspath(self.artifact_root), rollout_id)
+        path = os.path.join(rollout_dir, "artifacts")
         delay = _ARTIFACT_DIR_BACKOFF_SEC
         for attempt in range(1, _ARTIFACT_DIR_ATTEMPTS + 1):
             try:
                 _make_dirs(rollout_dir, path)
-                return path
+                return Path(path)  # parsed (and interned) only if the workflow uses it
             except OSError as exc:
                 if attempt == _ARTIFACT_DIR_ATTEMPTS:
                     logger.warning("rollout %s: no artifacts dir at %s: %s", rollout_id, path, exc)
@@ -335,7 +337,7 @@ class LocalBackend(ExecutionBackend):
         return None
 
 
-def _make_dirs(rollout_dir: Path, path: Path) -> None:
+def _make_dirs(rollout_dir: str, path: str) -> None:
     # Two plain mkdir calls in the common case (the root exists): cheaper than
     # Path.mkdir(parents=True) and than a thread hop; a retained id may exist.
     try:

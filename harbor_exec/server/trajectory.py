@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import re
 import threading
@@ -167,11 +168,12 @@ def _json_clean(value: Any) -> Any:
     return str(value)
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(directory: str, name: str, data: bytes) -> None:
+    path = os.path.join(directory, name)
     try:
         handle = open(path, "wb")  # noqa: SIM115 - the directory usually exists already
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         handle = open(path, "wb")  # noqa: SIM115
     with handle:
         handle.write(data)
@@ -224,16 +226,17 @@ class TrajectoryWriter:
             sample = None  # trajectory persistence turned off by the workflow
         if (sample is None and diagnostics is None) or self._closed:
             return
-        directory = self.artifact_root / rollout_id
+        # A string path: pathlib would intern the id for good on CPython 3.12.
+        directory = os.path.join(os.fspath(self.artifact_root), rollout_id)
 
         def job() -> None:
             if diagnostics is not None:
-                _write(directory / "diagnostics.json", encode_redacted(diagnostics, secrets))
+                _write(directory, "diagnostics.json", encode_redacted(diagnostics, secrets))
             if sample is not None:
                 document = build_trajectory_document(
                     rollout_id, sample, label=label, metadata=metadata, extra_fields=extra_fields
                 )
-                _write(directory / "trajectory.json", encode_redacted(document, secrets))
+                _write(directory, "trajectory.json", encode_redacted(document, secrets))
 
         with self._lock:
             if self._pending >= self.max_pending:
