@@ -1,18 +1,27 @@
 # harbor-exec as a service. It drives the host's Docker engine through its socket:
-#   docker build -t harbor-exec .
+#   .venv/bin/python scripts/service_wheels.py && docker build -t harbor-exec .
 #   docker run --network host -v /var/run/docker.sock:/var/run/docker.sock harbor-exec \
 #     serve --tasks-dir /opt/harbor-exec/tasks_examples/template --agent oracle --port 8000
 # Host networking keeps the service on the host's loopback, where trial containers
 # that talk to a loopback chat endpoint (host networking too) can be reached.
 FROM python:3.11-slim-bookworm
 
+# scripts/service_wheels.py collects every wheel on the host into build/service-wheels;
+# with it the build needs no registry. Without it, pip installs from PyPI.
 WORKDIR /opt/harbor-exec/src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md build* ./
 COPY harbor_exec ./harbor_exec
 COPY bundler ./bundler
 COPY images ./images
 RUN python3 -m venv /opt/harbor-exec/venv \
- && /opt/harbor-exec/venv/bin/pip install --no-cache-dir --disable-pip-version-check ".[server,bundler]"
+ && if [ -d service-wheels ]; then \
+      /opt/harbor-exec/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+        --no-index --find-links service-wheels "harbor-exec[server,bundler]"; \
+    else \
+      /opt/harbor-exec/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+        ".[server,bundler]"; \
+    fi \
+ && rm -rf service-wheels
 COPY tasks_examples /opt/harbor-exec/tasks_examples
 
 ENV PATH=/opt/harbor-exec/venv/bin:$PATH \

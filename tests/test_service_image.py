@@ -27,6 +27,18 @@ def docker_compose_file() -> str:
 
 
 @pytest.fixture(scope="session")
+def docker_setup() -> list[str]:
+    # Collect the image's wheels on the host first: the build then needs no registry.
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, str(HERE.parent / "scripts" / "service_wheels.py")], check=True, timeout=600
+    )
+    return ["up --build -d"]
+
+
+@pytest.fixture(scope="session")
 def docker_compose_command() -> str:
     # Debian ships Compose v1 as docker-compose; scripts/setup.sh installs it.
     return "docker-compose"

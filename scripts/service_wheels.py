@@ -1,0 +1,41 @@
+"""Collect the wheels the service image installs, on the host, for its CPython 3.11.
+
+    .venv/bin/python scripts/service_wheels.py [DEST]     (default: build/service-wheels)
+
+The Dockerfile installs from DEST with --no-index when it exists, so building the
+image needs no registry (and no trust in the host's TLS set-up) inside the build.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from bundler.wheels import DEFAULT_PLATFORM, Target, build_wheel, download_wheels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "service-wheels"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = [*project["dependencies"], *extras["server"], *extras["bundler"]]
+    shutil.rmtree(dest, ignore_errors=True)
+    scratch = dest.parent / "service-wheel-build"
+    shutil.rmtree(scratch, ignore_errors=True)
+    own = build_wheel(ROOT, scratch, what="harbor-exec")
+    wheels = download_wheels(
+        [Requirement(r) for r in requirements], [own], dest, Target("3.11", DEFAULT_PLATFORM)
+    )
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{len(wheels)} wheels in {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
