@@ -117,7 +117,9 @@ def main() -> int:
             started = time.perf_counter()
             asyncio.run(rollouts(url, chat, 1, 1))
             first = time.perf_counter() - started
-            latest = max((scratch / "artifacts").glob("*/diagnostics.json"), key=lambda p: p.stat().st_mtime)
+            latest = max(
+                (scratch / "artifacts").glob("*/diagnostics.json"), key=lambda p: p.stat().st_mtime
+            )
             import json
 
             timings = json.loads(latest.read_text())["timings_sec"]
@@ -137,13 +139,17 @@ def main() -> int:
             one = statistics.median(walls)
             print(
                 f"concurrency 1: rollout {one * 1000:.0f} ms vs oracle trial floor "
-                f"{floor * 1000:.0f} ms: overhead {(one - floor) * 1000:+.0f} ms ({one / floor:.2f}x)"
+                f"{floor * 1000:.0f} ms: overhead {(one - floor) * 1000:+.0f} ms "
+                f"({one / floor:.2f}x)"
             )
             totals = []
             for _ in range(args.rounds):
                 total, _w = asyncio.run(rollouts(url, chat, 16, 4))
                 totals.append(total)
-            print(f"16 rollouts at concurrency 4: {statistics.median(totals):.2f}s wall (target < 5 s)")
+            print(
+                f"16 rollouts at concurrency 4: {statistics.median(totals):.2f}s wall "
+                "(target < 5 s)"
+            )
     finally:
         asyncio.run(backend.shutdown())
         deps = backend._deps_image(image)

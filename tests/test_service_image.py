@@ -33,7 +33,9 @@ def docker_setup() -> list[str]:
     import sys
 
     subprocess.run(
-        [sys.executable, str(HERE.parent / "scripts" / "service_wheels.py")], check=True, timeout=600
+        [sys.executable, str(HERE.parent / "scripts" / "service_wheels.py")],
+        check=True,
+        timeout=600,
     )
     return ["up --build -d"]
 
@@ -87,6 +89,8 @@ def test_service_image_runs_a_rollout(docker_services: Any, docker_runtime: Any)
     assert result["sample"]["reward"] == 1.0
     # The trial ran as a sibling container through the socket, and is gone.
     leftover = [
-        c for c in docker_runtime.our_containers() if (c.get("Labels") or {}).get(LABEL_ROLLOUT) == rollout_id
+        c
+        for c in docker_runtime.our_containers()
+        if (c.get("Labels") or {}).get(LABEL_ROLLOUT) == rollout_id
     ]
     assert leftover == []
