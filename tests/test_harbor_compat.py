@@ -71,7 +71,7 @@ def test_every_example_task_is_accepted_by_harbor() -> None:
         '[environment]\ncpus = "lots"\n',
         '[task]\nname = "no-slash"\n',
         '[environment]\nnetwork_mode = "sometimes"\n',
-        'schema_version = [1]\n',
+        "schema_version = [1]\n",
         "[agent]\ntimeout_sec = = 3\n",
     ],
 )
