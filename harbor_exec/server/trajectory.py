@@ -40,8 +40,9 @@ REDACTED: Final = "[REDACTED]"
 _MIN_SECRET_LEN: Final = 4
 _SECRET_WORDS = r"(?:api_?key|authorization|credentials?|password|secret|token)"
 _SECRET_KEY = re.compile(rf"(?:^|_){_SECRET_WORDS}$", re.IGNORECASE)
-# The same, as a JSON object key inside encoded text.
-_SECRET_KEY_IN_TEXT = re.compile(rf'"(?:[^"\\]*_)?{_SECRET_WORDS}":', re.IGNORECASE)
+# A cheap pre-filter on lower-cased encoded text: could any object key be a
+# secret one? (A false hit only costs the structural walk.)
+_SECRET_KEY_HINT = re.compile(r'(?:key|authorization|credentials?|password|secret|token)":')
 _ROLE_TO_SOURCE: Final = {"system": "system", "developer": "system", "user": "user"}
 _AGENT_ROLES: Final = frozenset({"assistant"})
 _TOOL_ROLES: Final = frozenset({"tool", "function"})
@@ -132,10 +133,10 @@ def _dumps(document: Any) -> str:
     # Compact on purpose: with ``indent`` json falls back to its pure-Python
     # encoder, several times slower.
     try:
-        return json.dumps(document, ensure_ascii=False, allow_nan=False)
+        return json.dumps(document, allow_nan=False)
     except (TypeError, ValueError):
         # Free-form metrics may hold NaN or foreign objects: keep the rest.
-        return json.dumps(_json_clean(document), ensure_ascii=False)
+        return json.dumps(_json_clean(document))
 
 
 def encode_redacted(document: Any, secrets: Iterable[str]) -> bytes:
@@ -146,11 +147,11 @@ def encode_redacted(document: Any, secrets: Iterable[str]) -> bytes:
     when such a key occurs at all.
     """
     text = _dumps(document)
-    if _SECRET_KEY_IN_TEXT.search(text):
+    if _SECRET_KEY_HINT.search(text.lower()):
         text = _dumps(redact_secrets(document, secrets))
     for secret in secrets:
         if secret and len(secret) >= _MIN_SECRET_LEN:
-            escaped = json.dumps(secret, ensure_ascii=False)[1:-1]
+            escaped = json.dumps(secret)[1:-1]  # as it appears in the encoded text
             if escaped in text:
                 text = text.replace(escaped, REDACTED)
     return text.encode()
