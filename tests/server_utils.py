@@ -111,6 +111,20 @@ class ExactMatchGrader(Grader):
             ctx.sample.remove_sample = True
 
 
+class FullBackend(LocalBackend):
+    """Refuses the first ``refusals`` admissions (``has_capacity`` is False)."""
+
+    def __init__(self, root: Path, refusals: int) -> None:
+        super().__init__(workflow=ScriptedWorkflow, grader=ExactMatchGrader, artifact_root=root)
+        self.refusals = refusals
+
+    def has_capacity(self) -> bool:
+        if self.refusals > 0:
+            self.refusals -= 1
+            return False
+        return True
+
+
 SINGLE_SLOT = AgentWorkflowConfig(name="single", concurrency=ConcurrencyConfig(max_concurrent=1))
 UNLIMITED = AgentWorkflowConfig(
     name="unlimited", concurrency=ConcurrencyConfig(max_concurrent=None)

@@ -23,8 +23,7 @@ from harbor_exec.client import (
     _retry_after,
 )
 from harbor_exec.protocol import RolloutErrorCategory, RolloutInitResponse, RolloutStatus
-from tests.server_utils import CHAT_URL, PROMPT, SINGLE_SLOT, local_app, serve
-from tests.test_server import FullBackend
+from tests.server_utils import CHAT_URL, PROMPT, SINGLE_SLOT, FullBackend, local_app, serve
 
 
 def new_id() -> str:

@@ -31,12 +31,12 @@ from tests.server_utils import (
     CHAT_URL,
     PROMPT,
     SINGLE_SLOT,
+    FullBackend,
     local_app,
     serve,
     wait_until,
     workflow_was_cancelled,
 )
-from tests.test_server import FullBackend
 
 
 def new_id() -> str:

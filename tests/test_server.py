@@ -43,6 +43,7 @@ from tests.server_utils import (
     PROMPT,
     SINGLE_SLOT,
     ExactMatchGrader,
+    FullBackend,
     ScriptedWorkflow,
     ServerThread,
     free_port,
@@ -535,20 +536,6 @@ async def test_bearer_key_on_every_route(tmp_path: Path, http: httpx.AsyncClient
         assert (await http.get(f"{url}/health", headers=auth)).status_code == 200
         response = await http.post(f"{url}/rollout", json=rollout_body(), headers=auth)
         assert response.status_code == 202
-
-
-class FullBackend(LocalBackend):
-    """Refuses the first ``refusals`` admissions."""
-
-    def __init__(self, root: Path, refusals: int) -> None:
-        super().__init__(workflow=ScriptedWorkflow, grader=ExactMatchGrader, artifact_root=root)
-        self.refusals = refusals
-
-    def has_capacity(self) -> bool:
-        if self.refusals > 0:
-            self.refusals -= 1
-            return False
-        return True
 
 
 async def test_full_backend_gets_429_and_shutdown_gets_503(
