@@ -79,6 +79,14 @@ _CATEGORIES: dict[str, RolloutErrorCategory] = {
     "VerifierOutputParseError": RolloutErrorCategory.VALIDATION_ERROR,
     "TaskConfigError": RolloutErrorCategory.VALIDATION_ERROR,
 }
+# Exceptions of the verifier phase: the workflow itself succeeded.
+_VERIFIER_SIDE = {
+    "VerifierTimeoutError",
+    "RewardFileNotFoundError",
+    "RewardFileEmptyError",
+    "VerifierOutputParseError",
+    "AddTestsDirError",
+}
 _AGENT_SIDE = {
     "SandboxBuildFailedError",
     "EnvironmentStartTimeoutError",
@@ -126,11 +134,11 @@ def _ref_for(obj: Any, *, what: str) -> str | None:
         return obj
     if isinstance(obj, type):
         return f"{obj.__module__}:{obj.__qualname__}"
-    module = sys.modules.get(type(obj).__module__)
-    for candidate in [module, *sys.modules.values()]:
-        for name, value in vars(candidate or object()).items():
-            if value is obj and candidate is not None:
-                return f"{candidate.__name__}:{name}"
+    # A config instance: find the module-level name it is bound to.
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is obj:
+                return f"{module.__name__}:{name}"
     raise ValueError(
         f"{what}: pass a 'module:attr' string (the bundle imports it inside the container); "
         f"{obj!r} is not a module-level object"
@@ -139,10 +147,12 @@ def _ref_for(obj: Any, *, what: str) -> str | None:
 
 def _project_dir_of(ref: str) -> Path:
     """The first parent of ``ref``'s module file that has a ``pyproject.toml``."""
-    import importlib
+    import importlib.util
 
-    module = importlib.import_module(ref.split(":", 1)[0])
-    path = Path(module.__file__ or ".").resolve()
+    spec = importlib.util.find_spec(ref.split(":", 1)[0])
+    if spec is None or spec.origin is None:
+        raise ValueError(f"cannot find the module of {ref!r} on sys.path; pass code_dir=")
+    path = Path(spec.origin).resolve()
     for parent in path.parents:
         if (parent / "pyproject.toml").is_file():
             return parent
@@ -532,13 +542,7 @@ class HarborBackend(ExecutionBackend):
             limit = trial.request.agent_timeout_sec
             text = f"workflow exceeded its {limit:g}s deadline" if limit is not None else message
             return _failure(text, RolloutErrorCategory.TIMEOUT, diagnostics), None
-        if exc_type in _AGENT_SIDE or (exc_type is not None and not plan.verify):
-            return _failure(message, _category(exc_type), diagnostics), None
-        if (
-            plan.verify
-            and exc_type is not None
-            and _category(exc_type) is RolloutErrorCategory.AGENT_ERROR
-        ):
+        if exc_type is not None and (exc_type not in _VERIFIER_SIDE or not plan.verify):
             return _failure(message, _category(exc_type), diagnostics), None
         if self.is_oracle:
             sample = RolloutSample(messages=[], label=request.label)
