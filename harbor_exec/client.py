@@ -367,10 +367,11 @@ class RolloutHandle:
         async with self.status_changed:
             if result is not None:
                 self.latest_result = result
-                self.status = status
-            elif _STATUS_ORDER.get(status, -1) > _STATUS_ORDER.get(self.status, -1):
-                # A status-route hint only moves forward, never to a terminal
-                # status without its result.
+            # Status only moves forward (answers to concurrent requests may arrive
+            # out of order), and becomes terminal only with its result.
+            if (result is not None and status in TERMINAL_STATUSES) or (
+                _STATUS_ORDER.get(status, -1) > _STATUS_ORDER.get(self.status, -1)
+            ):
                 self.status = status
             self.status_changed.notify_all()
 

@@ -213,20 +213,23 @@ async def test_fresh_instances_deep_copied_config_and_artifacts_dir(tmp_path: Pa
     assert (tmp_path / "b" / "artifacts" / "note.txt").read_text() == "written by the workflow"
 
 
-async def test_artifacts_dir_is_none_when_it_cannot_be_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_artifacts_dir_is_made_on_first_use_or_is_none(tmp_path: Path) -> None:
+    # A workflow that never reads ctx.artifacts_dir leaves no directory behind.
+    outcome, _ = await run(backend(tmp_path), request("untouched"))
+    assert outcome.result.status is RolloutStatus.SUCCESS
+    assert not (tmp_path / "untouched").exists()
+
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    local = backend(tmp_path, workflow=RecordingWorkflow)
-    local.artifact_root = blocker
+    local = backend(blocker, workflow=RecordingWorkflow)
     RecordingWorkflow.contexts.clear()
-    # The backoff between attempts is real; keep it short for the test.
-    monkeypatch.setattr("harbor_exec.backends.local._ARTIFACT_DIR_BACKOFF_SEC", 0.01)
     outcome, _ = await run(local, request())
     # RecordingWorkflow asserts a usable dir, so its failure proves None was passed.
     assert outcome.result.status is RolloutStatus.FAILURE
     assert RecordingWorkflow.contexts[-1].artifacts_dir is None
+    # Assigning still works like on the plain dataclass.
+    RecordingWorkflow.contexts[-1].artifacts_dir = tmp_path
+    assert RecordingWorkflow.contexts[-1].artifacts_dir == tmp_path
 
 
 async def test_concurrency_limits(tmp_path: Path) -> None:

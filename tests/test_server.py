@@ -791,7 +791,7 @@ def test_cli_serve_runs_a_workflow(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught.
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
-    assert (tmp_path / "cli-1" / "artifacts").is_dir()
+    assert wait_until((tmp_path / "cli-1" / "trajectory.json").exists)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ with ``validation_error`` and a message saying which, not a bare failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import os
@@ -44,6 +43,7 @@ from harbor_exec.protocol import (
 __all__ = [
     "ARTIFACT_ROOT_ENV",
     "DEFAULT_MAX_CONCURRENT",
+    "LazyArtifactsDir",
     "LocalBackend",
     "default_artifact_root",
 ]
@@ -52,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
 DEFAULT_MAX_CONCURRENT = 4
-_ARTIFACT_DIR_ATTEMPTS = 3
-_ARTIFACT_DIR_BACKOFF_SEC = 0.5
 # Below this, time spent queued is not worth mentioning in a deadline message.
 _QUEUED_NOTE_MIN_SEC = 0.1
 
@@ -101,7 +99,8 @@ class LocalBackend(ExecutionBackend):
     ``workflow``/``grader`` are classes or ``"module:attr"`` strings; configs are
     instances or ``"module:attr"``. Concurrency comes from
     ``workflow_config.concurrency.max_concurrent`` (4 without a config, no cap
-    when the config says None). Each rollout gets ``<artifact_root>/<id>/artifacts/``.
+    when the config says None). Each rollout gets ``<artifact_root>/<id>/artifacts/``,
+    created when the workflow or grader first reads ``ctx.artifacts_dir``.
     """
 
     reports_running: ClassVar[bool] = True
@@ -180,9 +179,9 @@ class LocalBackend(ExecutionBackend):
         try:
             queued_sec = time.monotonic() - enqueued
             await context.set_status(RolloutStatus.RUNNING)
-            artifacts_dir = await self._artifacts_dir(request.id)
+            artifacts = LazyArtifactsDir(self.artifact_root, request.id)
             workflow_result = await self.run_workflow(
-                request, context, queued_sec=queued_sec, artifacts_dir=artifacts_dir
+                request, context, queued_sec=queued_sec, artifacts=artifacts
             )
             if not request.grade or workflow_result.status is not RolloutStatus.SUCCESS:
                 return ExecutionOutcome(workflow=workflow_result)
@@ -196,9 +195,7 @@ class LocalBackend(ExecutionBackend):
                 )
             else:
                 await context.set_status(RolloutStatus.GRADING)
-                grader_result = await self.run_grader(
-                    request, workflow_result, artifacts_dir=artifacts_dir
-                )
+                grader_result = await self.run_grader(request, workflow_result, artifacts=artifacts)
             return ExecutionOutcome(workflow=workflow_result, grader=grader_result)
         finally:
             self._limiter.release()
@@ -222,15 +219,15 @@ class LocalBackend(ExecutionBackend):
         context: RolloutContext,
         *,
         queued_sec: float = 0.0,
-        artifacts_dir: Path | None = None,
+        artifacts: LazyArtifactsDir | None = None,
     ) -> ExecutionResult:
         """Run a fresh workflow instance under the agent deadline (less the time queued)."""
         config = copy.deepcopy(self.workflow_config)
-        workflow_context: AgentWorkflowContext[Any] = AgentWorkflowContext(
+        workflow_context = _WorkflowContext(
             prompt=request.prompt,
             config=config,
             metadata=request.metadata,
-            artifacts_dir=artifacts_dir,
+            artifacts=artifacts or LazyArtifactsDir(self.artifact_root, request.id),
         )
         limit = request.agent_timeout_sec
         budget = None if limit is None else max(limit - queued_sec, 0.0)
@@ -276,16 +273,16 @@ class LocalBackend(ExecutionBackend):
         request: ExecutionRequest,
         workflow_result: ExecutionResult,
         *,
-        artifacts_dir: Path | None = None,
+        artifacts: LazyArtifactsDir | None = None,
     ) -> ExecutionResult:
         """Run a fresh grader instance under its own deadline; it must leave a reward."""
         if self.grader_cls is None:
             return workflow_result
-        grader_context = GraderContext(
+        grader_context = _GraderContext(
             label=request.label,
             sample=workflow_result.sample,
             metadata=request.metadata,
-            artifacts_dir=artifacts_dir,
+            artifacts=artifacts or LazyArtifactsDir(self.artifact_root, request.id),
         )
         budget = request.grader_timeout_sec
         started = time.monotonic()
@@ -317,37 +314,96 @@ class LocalBackend(ExecutionBackend):
             )
         return ExecutionResult(status=RolloutStatus.SUCCESS, sample=grader_context.sample)
 
-    async def _artifacts_dir(self, rollout_id: str) -> Path | None:
-        """Create ``<root>/<id>/artifacts``; None (with a warning) when that keeps failing."""
+
+class LazyArtifactsDir:
+    """``<root>/<id>/artifacts``, created the first time a workflow or grader asks for it.
+
+    Most rollouts never write artifacts; creating two directories for each of
+    them up front costs more than the rest of a trivial rollout and leaves
+    millions of empty directories behind a training run. The contexts below
+    expose it as the usual ``artifacts_dir`` attribute (None when it cannot
+    be created).
+    """
+
+    __slots__ = ("_made", "_path", "_rollout_id", "_value")
+
+    def __init__(self, root: Path | str, rollout_id: str) -> None:
         # Plain strings, not pathlib: on CPython 3.12 every path component that
         # pathlib parses is interned for good, one leaked string per rollout id.
-        rollout_dir = os.path.join(os.fspath(self.artifact_root), rollout_id)
-        path = os.path.join(rollout_dir, "artifacts")
-        delay = _ARTIFACT_DIR_BACKOFF_SEC
-        for attempt in range(1, _ARTIFACT_DIR_ATTEMPTS + 1):
+        self._path = os.path.join(os.fspath(root), rollout_id, "artifacts")
+        self._rollout_id = rollout_id
+        self._made = False
+        self._value: Path | None = None
+
+    def get(self) -> Path | None:
+        if not self._made:
+            self._made = True
             try:
-                _make_dirs(rollout_dir, path)
-                return Path(path)  # parsed (and interned) only if the workflow uses it
+                os.makedirs(self._path, exist_ok=True)
+                self._value = Path(self._path)
             except OSError as exc:
-                if attempt == _ARTIFACT_DIR_ATTEMPTS:
-                    logger.warning("rollout %s: no artifacts dir at %s: %s", rollout_id, path, exc)
-                    return None
-            await asyncio.sleep(delay)
-            delay *= 2
-        return None
+                logger.warning(
+                    "rollout %s: no artifacts dir at %s: %s", self._rollout_id, self._path, exc
+                )
+        return self._value
 
 
-def _make_dirs(rollout_dir: str, path: str) -> None:
-    # Two plain mkdir calls in the common case (the root exists): cheaper than
-    # Path.mkdir(parents=True) and than a thread hop; a retained id may exist.
-    try:
-        os.mkdir(rollout_dir)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(rollout_dir, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path)
+class _WorkflowContext(AgentWorkflowContext[Any]):
+    """An ``AgentWorkflowContext`` whose ``artifacts_dir`` is made on first access."""
+
+    def __init__(
+        self,
+        *,
+        prompt: list[dict[str, Any]],
+        config: AgentWorkflowConfig | None,
+        metadata: dict[str, Any] | None,
+        artifacts: LazyArtifactsDir,
+    ) -> None:
+        # The dataclass __init__ would assign artifacts_dir; set the fields directly.
+        self.prompt = prompt
+        self.config = config
+        self.metadata = metadata
+        self._artifacts = artifacts
+        self._artifacts_override: tuple[Path | None] | None = None
+
+    @property
+    def artifacts_dir(self) -> Path | None:
+        if self._artifacts_override is not None:
+            return self._artifacts_override[0]
+        return self._artifacts.get()
+
+    @artifacts_dir.setter
+    def artifacts_dir(self, value: Path | None) -> None:
+        self._artifacts_override = (value,)
+
+
+class _GraderContext(GraderContext):
+    """A ``GraderContext`` whose ``artifacts_dir`` is made on first access."""
+
+    def __init__(
+        self,
+        *,
+        label: str | None,
+        sample: RolloutSample | None,
+        metadata: dict[str, Any] | None,
+        artifacts: LazyArtifactsDir,
+    ) -> None:
+        self.label = label
+        self.sample = sample
+        self.project_path = None
+        self.metadata = metadata
+        self._artifacts = artifacts
+        self._artifacts_override: tuple[Path | None] | None = None
+
+    @property
+    def artifacts_dir(self) -> Path | None:
+        if self._artifacts_override is not None:
+            return self._artifacts_override[0]
+        return self._artifacts.get()
+
+    @artifacts_dir.setter
+    def artifacts_dir(self, value: Path | None) -> None:
+        self._artifacts_override = (value,)
 
 
 def _overran(deadline: asyncio.Timeout, started: float, budget: float | None) -> bool:
