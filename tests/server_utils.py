@@ -134,7 +134,9 @@ UNLIMITED = AgentWorkflowConfig(
 class ServerThread:
     """A uvicorn server for ``app`` on 127.0.0.1 (ephemeral port) in its own thread and loop."""
 
-    def __init__(self, app: Any, *, graceful_shutdown_sec: float = 2.0) -> None:
+    def __init__(
+        self, app: Any, *, graceful_shutdown_sec: float = 2.0, keep_alive_sec: float = 5.0
+    ) -> None:
         config = uvicorn.Config(
             app,
             host="127.0.0.1",
@@ -142,6 +144,7 @@ class ServerThread:
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=graceful_shutdown_sec,
+            timeout_keep_alive=keep_alive_sec,  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
@@ -166,9 +169,13 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def serve(app: Any, *, graceful_shutdown_sec: float = 2.0) -> Iterator[str]:
+def serve(
+    app: Any, *, graceful_shutdown_sec: float = 2.0, keep_alive_sec: float = 5.0
+) -> Iterator[str]:
     """Serve ``app`` for the duration of the block; yields its base URL."""
-    server = ServerThread(app, graceful_shutdown_sec=graceful_shutdown_sec)
+    server = ServerThread(
+        app, graceful_shutdown_sec=graceful_shutdown_sec, keep_alive_sec=keep_alive_sec
+    )
     url = server.start()
     try:
         yield url

@@ -274,12 +274,17 @@ class TrajectoryWriter:
             time.sleep(self.batch_delay_sec)
             with self._lock:
                 batch, self._batch = self._batch, []
-            for job in batch:
+            done = len(batch)
+            while batch:
+                # Popped, not iterated: a finished job (and the sample it holds)
+                # must not stay referenced until the next batch.
+                job = batch.pop()
                 try:
                     job()
                 except Exception:
                     self.dropped += 1
                     logger.warning("could not write a trajectory file", exc_info=True)
+                del job
             with self._lock:
-                self._pending -= len(batch)
+                self._pending -= done
                 self._lock.notify_all()
