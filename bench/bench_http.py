@@ -137,8 +137,7 @@ def _process_cpu_sec(pid: int) -> float:
 
 
 def _client(implementation: str, url: str) -> Any:
-    """Each client with its own default HTTP stack (ours: the lean asyncio
-    transport; the reference: a plain ``httpx.AsyncClient()``)."""
+    """Each client with its default HTTP stack (both: a plain ``httpx.AsyncClient()``)."""
     if implementation == "harbor-exec":
         from harbor_exec.client import RolloutClient
 

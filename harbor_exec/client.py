@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from collections.abc import Generator
 from time import monotonic
 from typing import Any, Final
@@ -48,7 +47,6 @@ from harbor_exec.protocol import (
 )
 
 __all__ = [
-    "AsyncioHTTPTransport",
     "RolloutAdmissionTimeoutError",
     "RolloutClient",
     "RolloutHandle",
@@ -82,197 +80,6 @@ _STATUS_ORDER: Final = {
     RolloutStatus.CANCELLED: 3,
 }
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
-
-
-class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
-    """A lean HTTP/1.1 keep-alive transport for plain ``http://`` on asyncio streams.
-
-    httpx's default transport (httpcore over anyio) costs about a millisecond
-    of CPU per request on a small machine, ten times the work itself; a
-    rollout client issuing thousands of short long-polls spends most of its CPU
-    there. This transport keeps httpx's client API (and error types) and does
-    the wire part directly: one write per request, ``Content-Length``, chunked
-    and read-to-close bodies, a LIFO pool of idle connections per origin, and
-    one retry on a fresh connection when a reused one turns out to be closed
-    before any response byte arrived (the server dropped it while idle).
-    """
-
-    def __init__(self, *, max_idle_per_origin: int = 64) -> None:
-        self.max_idle_per_origin = max_idle_per_origin
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._closed = False
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        if url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"{type(self).__name__} handles http:// only")
-        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
-        origin = (url.host, url.port or 80)
-        body = await request.aread()
-        head = [f"{request.method} ".encode(), url.raw_path, b" HTTP/1.1\r\n"]
-        for name, value in request.headers.raw:
-            head += (name, b": ", value, b"\r\n")
-        head.append(b"\r\n")
-        payload = b"".join(head) + body
-        for attempt in (1, 2):
-            connection = self._checkout(origin)
-            reused = connection is not None
-            if connection is None:
-                connection = await _Connection.open(*origin, timeouts.get("connect"))
-            try:
-                connection.writer.write(payload)
-                async with asyncio.timeout(timeouts.get("write")):
-                    await connection.writer.drain()
-                async with asyncio.timeout(timeouts.get("read")):
-                    status, reason, headers, content, keep_alive = await connection.read_response(
-                        request.method
-                    )
-            except _StaleConnection as exc:
-                connection.close()
-                if reused and attempt == 1:
-                    continue
-                raise httpx.RemoteProtocolError(
-                    "Server disconnected without sending a response.", request=request
-                ) from exc
-            except TimeoutError as exc:
-                connection.close()
-                raise httpx.ReadTimeout("timed out reading the response", request=request) from exc
-            except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                connection.close()
-                raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-            except (ValueError, asyncio.LimitOverrunError) as exc:
-                connection.close()
-                raise httpx.RemoteProtocolError(
-                    f"malformed response: {exc}", request=request
-                ) from exc
-            except BaseException:
-                # Cancelled mid-exchange: the connection's state is unknown.
-                connection.close()
-                raise
-            if keep_alive and not self._closed:
-                self._checkin(origin, connection)
-            else:
-                connection.close()
-            return httpx.Response(
-                status,
-                headers=headers,
-                stream=httpx.ByteStream(content),
-                extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason},
-            )
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _checkout(self, origin: tuple[str, int]) -> _Connection | None:
-        idle = self._idle.get(origin)
-        while idle:
-            connection = idle.pop()
-            if not connection.reader.at_eof() and not connection.writer.is_closing():
-                return connection
-            connection.close()
-        return None
-
-    def _checkin(self, origin: tuple[str, int], connection: _Connection) -> None:
-        idle = self._idle.setdefault(origin, [])
-        if len(idle) >= self.max_idle_per_origin:
-            connection.close()
-        else:
-            idle.append(connection)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        for idle in self._idle.values():
-            for connection in idle:
-                connection.close()
-        self._idle.clear()
-
-
-class _StaleConnection(Exception):
-    """The connection closed before any byte of the response arrived."""
-
-
-class _Connection:
-    __slots__ = ("reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    @classmethod
-    async def open(cls, host: str, port: int, connect_timeout: float | None) -> _Connection:
-        try:
-            async with asyncio.timeout(connect_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
-        except OSError as exc:
-            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
-        return cls(reader, writer)
-
-    def close(self) -> None:
-        self.writer.close()
-
-    async def read_response(
-        self, method: str
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]], bytes, bool]:
-        """Read one response: (status, reason, headers, body, keep-alive)."""
-        reader = self.reader
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    raise _StaleConnection from exc
-                raise
-            lines = head[:-4].split(b"\r\n")
-            version, _, rest = lines[0].partition(b" ")
-            code, _, reason = rest.partition(b" ")
-            status = int(code)
-            if not 100 <= status < 200 or status == 101:
-                break  # skip interim responses such as 100 Continue
-        headers: list[tuple[bytes, bytes]] = []
-        length: int | None = None
-        chunked = False
-        close = version != b"HTTP/1.1"
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError(f"bad header line {line!r}")
-            value = value.strip()
-            headers.append((name, value))
-            lowered = name.lower()
-            if lowered == b"content-length":
-                length = int(value)
-            elif lowered == b"transfer-encoding":
-                chunked = value.lower().endswith(b"chunked")
-            elif lowered == b"connection":
-                close = value.lower() == b"close"
-        if method == "HEAD" or status in (204, 304):
-            body = b""
-        elif chunked:
-            parts: list[bytes] = []
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-                if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":
-                        pass  # trailers
-                    break
-                parts.append((await reader.readexactly(size + 2))[:-2])
-            body = b"".join(parts)
-        elif length is not None:
-            body = await reader.readexactly(length)
-        else:
-            body = await reader.read()
-            close = True
-        return status, reason, headers, body, not close
-
-
-def _default_http_client() -> httpx.AsyncClient:
-    """httpx with the lean transport for http:// (unless a proxy is configured)."""
-    proxied = any(
-        os.environ.get(name) for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-    )
-    if proxied:
-        return httpx.AsyncClient()
-    return httpx.AsyncClient(mounts={"http://": AsyncioHTTPTransport()})
 
 
 class RolloutAdmissionTimeoutError(TimeoutError):
@@ -500,7 +307,7 @@ class RolloutClient:
             raise ValueError("api_key must be non-empty when given")
         self.url = url.rstrip("/")
         self.owns_http_client = http_client is None
-        self.http_client = http_client or _default_http_client()
+        self.http_client = http_client or httpx.AsyncClient()
         self.admission_timeout_sec = admission_timeout_sec
         self._auth: dict[str, str] = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 

@@ -16,7 +16,6 @@ import pytest
 from fastapi import FastAPI, Request, Response
 
 from harbor_exec.client import (
-    AsyncioHTTPTransport,
     RolloutAdmissionTimeoutError,
     RolloutClient,
     RolloutProtocolError,
@@ -384,94 +383,6 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
         if line.lower().startswith(b"content-length:"):
             await reader.readexactly(int(line.split(b":")[1]))
     return head
-
-
-async def test_transport_chunked_close_and_empty_bodies() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        while True:
-            head = await read_request(reader)
-            if head.startswith(b"GET /chunked"):
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: y\r\n\r\n"
-                )
-            elif head.startswith(b"HEAD"):
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n")
-            elif head.startswith(b"GET /nocontent"):
-                writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n")
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil close")
-                await writer.drain()
-                return
-            await writer.drain()
-
-    transport = AsyncioHTTPTransport()
-    async with RawServer(handler) as server, httpx.AsyncClient(transport=transport) as http:
-        chunked = await http.get(f"{server.url}/chunked")
-        assert (chunked.status_code, chunked.text) == (200, "hello world")
-        head = await http.head(f"{server.url}/x")
-        assert (head.status_code, head.content) == (200, b"")
-        empty = await http.get(f"{server.url}/nocontent")
-        assert (empty.status_code, empty.content) == (204, b"")
-        assert server.connections == 1  # all on one kept-alive connection
-        closing = await http.get(f"{server.url}/close")
-        assert closing.text == "until close"
-        again = await http.get(f"{server.url}/chunked")
-        assert again.text == "hello world" and server.connections == 2
-
-
-async def test_transport_replaces_connections_the_server_dropped() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        if n == 2:
-            # Read the next request, then drop the connection without an answer,
-            # as a server does when its keep-alive timer fires at that moment.
-            await read_request(reader)
-        # Connection 1 closes at once: noticed while idle in the pool.
-
-    transport = AsyncioHTTPTransport()
-    async with RawServer(handler) as server, httpx.AsyncClient(transport=transport) as http:
-        assert (await http.get(server.url)).text == "ok"
-        await asyncio.sleep(0.05)
-        assert (await http.get(server.url)).text == "ok"  # idle one was closed: new one
-        assert server.connections == 2
-        assert (await http.post(server.url, content=b"{}")).text == "ok"  # retried once
-        assert server.connections == 3
-
-
-async def test_transport_errors_map_to_httpx_errors() -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        await asyncio.sleep(5)
-
-    async def rude(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort")
-        await writer.drain()
-
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 abc OK\r\n\r\n")
-        await writer.drain()
-
-    async with httpx.AsyncClient(transport=AsyncioHTTPTransport()) as http:
-        async with RawServer(silent) as server:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.get(server.url, timeout=0.2)
-        async with RawServer(rude) as server:
-            with pytest.raises(httpx.ReadError):
-                await http.get(server.url)
-        async with RawServer(garbage) as server:
-            with pytest.raises(httpx.RemoteProtocolError):
-                await http.get(server.url)
-        async with RawServer(silent) as server:
-            url = server.url
-        with pytest.raises(httpx.ConnectError):
-            await http.get(url)
-        with pytest.raises(httpx.UnsupportedProtocol):
-            await AsyncioHTTPTransport().handle_async_request(httpx.Request("GET", "https://x/"))
 
 
 async def test_polls_survive_dropped_connections() -> None:
