@@ -348,7 +348,28 @@ class LazyArtifactsDir:
         return self._value
 
 
-class _WorkflowContext(AgentWorkflowContext[Any]):
+class _LazyArtifacts:
+    """``artifacts_dir`` made on first access (most rollouts never touch it).
+
+    Listed before the context dataclass in the bases, so this property wins
+    over the dataclass field; assigning it still works.
+    """
+
+    _artifacts: LazyArtifactsDir
+    _artifacts_override: tuple[Path | None] | None = None
+
+    @property
+    def artifacts_dir(self) -> Path | None:
+        if self._artifacts_override is not None:
+            return self._artifacts_override[0]
+        return self._artifacts.get()
+
+    @artifacts_dir.setter
+    def artifacts_dir(self, value: Path | None) -> None:
+        self._artifacts_override = (value,)
+
+
+class _WorkflowContext(_LazyArtifacts, AgentWorkflowContext[Any]):
     """An ``AgentWorkflowContext`` whose ``artifacts_dir`` is made on first access."""
 
     def __init__(
@@ -364,20 +385,9 @@ class _WorkflowContext(AgentWorkflowContext[Any]):
         self.config = config
         self.metadata = metadata
         self._artifacts = artifacts
-        self._artifacts_override: tuple[Path | None] | None = None
-
-    @property
-    def artifacts_dir(self) -> Path | None:
-        if self._artifacts_override is not None:
-            return self._artifacts_override[0]
-        return self._artifacts.get()
-
-    @artifacts_dir.setter
-    def artifacts_dir(self, value: Path | None) -> None:
-        self._artifacts_override = (value,)
 
 
-class _GraderContext(GraderContext):
+class _GraderContext(_LazyArtifacts, GraderContext):
     """A ``GraderContext`` whose ``artifacts_dir`` is made on first access."""
 
     def __init__(
@@ -393,17 +403,6 @@ class _GraderContext(GraderContext):
         self.project_path = None
         self.metadata = metadata
         self._artifacts = artifacts
-        self._artifacts_override: tuple[Path | None] | None = None
-
-    @property
-    def artifacts_dir(self) -> Path | None:
-        if self._artifacts_override is not None:
-            return self._artifacts_override[0]
-        return self._artifacts.get()
-
-    @artifacts_dir.setter
-    def artifacts_dir(self, value: Path | None) -> None:
-        self._artifacts_override = (value,)
 
 
 def _overran(deadline: asyncio.Timeout, started: float, budget: float | None) -> bool:
