@@ -65,14 +65,18 @@ class PackageInfo(_Model):
         return value
 
 
+def _check_allowlist(mode: NetworkMode | None, hosts: list[str] | None) -> None:
+    if hosts and mode is not NetworkMode.ALLOWLIST:
+        raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+
+
 class _PhaseNetwork(_Model):
     network_mode: NetworkMode | None = None
     allowed_hosts: list[str] | None = None
 
     @model_validator(mode="after")
     def _allowlist_only(self) -> _PhaseNetwork:
-        if self.allowed_hosts and self.network_mode is not NetworkMode.ALLOWLIST:
-            raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+        _check_allowlist(self.network_mode, self.allowed_hosts)
         return self
 
 
@@ -153,8 +157,7 @@ class EnvironmentConfig(_Model):
 
     @model_validator(mode="after")
     def _allowlist_only(self) -> EnvironmentConfig:
-        if self.allowed_hosts and self.network_mode is not NetworkMode.ALLOWLIST:
-            raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+        _check_allowlist(self.network_mode, self.allowed_hosts)
         return self
 
 
