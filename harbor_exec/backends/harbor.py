@@ -242,7 +242,7 @@ class HarborBackend(ExecutionBackend):
         self._slots = asyncio.Semaphore(max_concurrent_trials)
         self._threads = anyio.CapacityLimiter(max_concurrent_trials + 4)
         self._tasks: dict[Path, Task] = {}
-        self._deps_images: dict[str, str] = {}
+        self._deps_images: set[str] = set()  # dependency layers known to exist
         self._deps_lock = threading.Lock()
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
@@ -290,7 +290,7 @@ class HarborBackend(ExecutionBackend):
         tag = f"harbor-exec/deps:{key[:32]}"
         with self._deps_lock:
             if tag in self._deps_images or self.runtime.image_exists(tag):
-                self._deps_images[tag] = tag
+                self._deps_images.add(tag)
                 return tag
             user = self.runtime.image_user(task_image)
             with tempfile.TemporaryDirectory(prefix="hx-deps-") as scratch:
@@ -309,7 +309,7 @@ class HarborBackend(ExecutionBackend):
                 )
             if result.built:
                 self._count_build()
-            self._deps_images[tag] = tag
+            self._deps_images.add(tag)
             return tag
 
     def _count_build(self) -> None:
