@@ -40,7 +40,7 @@ from harbor_exec.server.app import create_rollout_server  # noqa: E402
 from harbor_exec.tasks import load_task  # noqa: E402
 from harbor_exec.trials import ensure_task_image  # noqa: E402
 from tests.fake_chat import FakeChat  # noqa: E402
-from tests.server_utils import serve  # noqa: E402
+from tests.server_utils import serve, wait_until  # noqa: E402
 
 PROJECT = ROOT / "tasks_examples" / "workflow_project"
 TEMPLATE = ROOT / "tasks_examples" / "template"
@@ -102,6 +102,7 @@ def main() -> int:
         grader=REFS["grader"],
         bundle=bundle,
         trials_dir=scratch / "trials",
+        artifacts_dir=scratch / "artifacts",
         max_concurrent_trials=4,
     )
     app = create_rollout_server(backend=backend, artifact_root=scratch / "artifacts")
@@ -117,9 +118,11 @@ def main() -> int:
             started = time.perf_counter()
             asyncio.run(rollouts(url, chat, 1, 1))
             first = time.perf_counter() - started
-            latest = max(
-                (scratch / "artifacts").glob("*/diagnostics.json"), key=lambda p: p.stat().st_mtime
+            written = wait_until(
+                lambda: any((scratch / "artifacts").glob("*/diagnostics.json")), timeout=10
             )
+            assert written, "the server wrote no diagnostics.json"
+            latest = next((scratch / "artifacts").glob("*/diagnostics.json"))
             import json
 
             timings = json.loads(latest.read_text())["timings_sec"]

@@ -19,13 +19,29 @@ Status contract:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
 
-__all__ = ["ExecutionBackend", "empty_prewarm_summary"]
+__all__ = [
+    "ARTIFACT_ROOT_ENV",
+    "ExecutionBackend",
+    "default_artifact_root",
+    "empty_prewarm_summary",
+]
+
+
+ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
+
+
+def default_artifact_root() -> Path:
+    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``~/.harbor-exec/rollouts``."""
+    configured = os.environ.get(ARTIFACT_ROOT_ENV)
+    return Path(configured) if configured else Path.home() / ".harbor-exec" / "rollouts"
 
 
 def empty_prewarm_summary() -> dict[str, Any]:

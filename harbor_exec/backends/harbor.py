@@ -55,7 +55,7 @@ from harbor_exec.authoring import (
     RolloutStatus,
     get_rollout_context,
 )
-from harbor_exec.backends.base import ExecutionBackend
+from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
@@ -218,9 +218,8 @@ class HarborBackend(ExecutionBackend):
         self.cleanup_successful_trials = cleanup_successful_trials
         base = Path(tempfile.gettempdir()) / "harbor-exec" / self.tasks_dir.name
         self.trials_dir = Path(trials_dir) if trials_dir else base / "trials"
-        self.artifacts_dir = (
-            Path(artifacts_dir) if artifacts_dir else self.trials_dir.parent / "artifacts"
-        )
+        # The same root the server writes trajectories and diagnostics to, by default.
+        self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else default_artifact_root()
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
 
@@ -519,14 +518,10 @@ class HarborBackend(ExecutionBackend):
             request, plan, trial, exc_type, message, diagnostics
         )
         if workflow.status is not RolloutStatus.SUCCESS or not plan.verify:
-            self._archive(
-                request.id, trial, diagnostics, success=workflow.status is RolloutStatus.SUCCESS
-            )
+            self._archive(request.id, trial, success=workflow.status is RolloutStatus.SUCCESS)
             return ExecutionOutcome(workflow=workflow)
         grader = self._grader_result(trial, result, sample, exc_type, message, diagnostics)
-        self._archive(
-            request.id, trial, diagnostics, success=grader.status is RolloutStatus.SUCCESS
-        )
+        self._archive(request.id, trial, success=grader.status is RolloutStatus.SUCCESS)
         return ExecutionOutcome(workflow=workflow, grader=grader)
 
     def _workflow_result(
@@ -620,19 +615,15 @@ class HarborBackend(ExecutionBackend):
             status=RolloutStatus.SUCCESS, sample=sample, extra_fields=diagnostics
         )
 
-    def _archive(
-        self, rollout_id: str, trial: Trial, diagnostics: dict[str, Any], *, success: bool
-    ) -> None:
-        """Keep artifacts and diagnostics per rollout; drop successful trial dirs if asked."""
+    def _archive(self, rollout_id: str, trial: Trial, *, success: bool) -> None:
+        """Keep the rollout's artifacts (the server writes its diagnostics beside them);
+        drop successful trial dirs if asked."""
         target = self.artifacts_dir / rollout_id
         try:
             target.mkdir(parents=True, exist_ok=True)
             produced = trial.dir / "artifacts" / "logs" / "artifacts"
             if produced.is_dir() and any(produced.iterdir()):
                 shutil.copytree(produced, target / "artifacts", dirs_exist_ok=True, symlinks=False)
-            (target / "diagnostics.json").write_text(
-                json.dumps(diagnostics, indent=2, sort_keys=True)
-            )
             if trial.request.secrets:
                 scrub_secrets(target, trial.request.secrets)
             if success and self.cleanup_successful_trials:

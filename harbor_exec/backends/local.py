@@ -32,7 +32,7 @@ from harbor_exec.authoring import (
     get_rollout_context,
     resolve_import_path,
 )
-from harbor_exec.backends.base import ExecutionBackend
+from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     ExecutionOutcome,
     ExecutionRequest,
@@ -50,16 +50,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
 DEFAULT_MAX_CONCURRENT = 4
 # Below this, time spent queued is not worth mentioning in a deadline message.
 _QUEUED_NOTE_MIN_SEC = 0.1
-
-
-def default_artifact_root() -> Path:
-    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``~/.harbor-exec/rollouts``."""
-    configured = os.environ.get(ARTIFACT_ROOT_ENV)
-    return Path(configured) if configured else Path.home() / ".harbor-exec" / "rollouts"
 
 
 def _deadline_message(phase: str, limit: float | None, queued_sec: float) -> str:

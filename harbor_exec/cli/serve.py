@@ -67,6 +67,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             grader_config=options.grader_config,
             code_dir=options.code_dir,
             trials_dir=options.trials_dir,
+            artifacts_dir=options.artifact_root,
             max_concurrent_trials=options.max_concurrent_trials,
             max_queue_depth=options.max_queue_depth,
         )

@@ -32,8 +32,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harbor_exec.authoring import RolloutContext
-from harbor_exec.backends.base import ExecutionBackend
-from harbor_exec.backends.local import default_artifact_root
+from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     CANCEL_DISPOSITIONS,
     POLLING_LEASE_HEADER,
