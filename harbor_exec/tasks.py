@@ -318,6 +318,8 @@ class Task:
     name: str
     config: TaskConfig
     instruction: str
+    # (environment digest, task checksum), hashed once at load: every trial needs them.
+    digests: tuple[str, str] = ("", "")
 
     @property
     def environment_dir(self) -> Path:
@@ -350,12 +352,11 @@ class Task:
 
     def environment_digest(self) -> str:
         """Content hash of ``environment/`` plus ``docker_image``: the image cache key."""
-        extra = f"docker_image={self.config.environment.docker_image}"
-        return tree_digest(self.environment_dir, extra=extra)
+        return self.digests[0]
 
     def checksum(self) -> str:
         """Content hash of the whole task directory (Harbor's ``task_checksum``)."""
-        return tree_digest(self.path)
+        return self.digests[1]
 
 
 def tree_digest(root: Path, *, extra: str = "") -> str:
@@ -411,7 +412,11 @@ def load_task(path: Path | str, *, require_tests: bool = True) -> Task:
     if require_tests and not (task_dir / "tests" / "test.sh").is_file():
         raise TaskError(name, "missing (the verifier's entry point)", file="tests/test.sh")
     instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
-    return Task(path=task_dir.resolve(), name=name, config=config, instruction=instruction)
+    digests = (
+        tree_digest(env_dir, extra=f"docker_image={config.environment.docker_image}"),
+        tree_digest(task_dir),
+    )
+    return Task(task_dir.resolve(), name, config, instruction, digests)
 
 
 def is_task_dir(path: Path) -> bool:
