@@ -118,12 +118,6 @@ class TrialSession:
             stdin=stdin,
         )
 
-    def flush(self) -> None:
-        """Place ``pending_files`` now (when no command carried them)."""
-        files, self.pending_files = self.pending_files, None
-        if files is not None:
-            self.runtime.put_archive(self.container_id, files)
-
 
 @dataclass(frozen=True)
 class AgentRun:
