@@ -9,7 +9,6 @@ generated grader test are the same verifier over different directories.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,6 @@ from harbor_exec.runtime import (
     tree_entries,
 )
 from harbor_exec.tasks import Task, resolve_env
-
-REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
-
 
 _NO_TAR = "harbor-exec:no-tar"
 _UPLOAD_FAILED = "harbor-exec:upload-failed"
@@ -152,7 +148,12 @@ class OracleAgent:
         config = session.task.config
         env = {
             "DEBIAN_FRONTEND": "noninteractive",
-            **resolve_env(config.solution.env, task=session.task.name, field="[solution].env"),
+            **resolve_env(
+                config.solution.env,
+                task=session.task.name,
+                field="[solution].env",
+                allowed=session.task.env_allow,
+            ),
         }
         result = session.bash(
             "(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1",
@@ -168,7 +169,6 @@ class VerifierRun:
     exit_code: int | None
     timed_out: bool
     upload_failed: bool = False
-    logs: bytes | None = None  # a tar of /logs, when the verifier exec sent it back
 
 
 @dataclass(frozen=True)
@@ -179,47 +179,59 @@ class TestsVerifier:
     tests_dir: Path | None = None
     generated: Sequence[ArchiveEntry] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Agent outputs this verifier reads (a bundled grader grades the agent's sample);
+    # a separate verifier container gets them beside the task's declared artifacts.
+    agent_files: Sequence[str] = ()
 
-    def files(self) -> list[ArchiveEntry]:
-        entries = [ArchiveEntry("/tests", None, 0o755)]
+    def files(self, *, upload_tests: bool = True) -> list[ArchiveEntry]:
+        """``/tests`` (replacing whatever the agent left there) and the generated files.
+
+        ``upload_tests=False``: the verifier image bundles the tests itself (a
+        separate verifier built from ``tests/Dockerfile``); only generated files go in.
+        """
+        if not upload_tests:
+            return list(self.generated)
+        entries = [ArchiveEntry("/tests", None, 0o755, fresh=True)]
         if self.tests_dir is not None and self.tests_dir.is_dir():
-            entries = tree_entries(self.tests_dir, "/tests", executable=["test.sh"])
+            entries += tree_entries(self.tests_dir, "/tests", executable=["test.sh"])[1:]
         return entries + list(self.generated)
 
-    def run(self, session: TrialSession, timeout_sec: float | None) -> VerifierRun:
-        """Upload ``/tests``, delete stale rewards, run ``test.sh``; all under ``timeout_sec``.
+    def run(
+        self, session: TrialSession, timeout_sec: float | None, *, upload_tests: bool = True
+    ) -> VerifierRun:
+        """Place ``/tests`` and an empty ``/logs/verifier`` through the engine, then run
+        ``test.sh`` under ``timeout_sec``.
 
-        As root (the common case) this is ONE exec: the tests arrive as a tar on
-        stdin and ``/logs`` leaves as a tar on stdout, which saves the daemon two
-        archive round trips per trial. Without ``tar`` in the image, or for a
-        non-root verifier user, it falls back to the archive API.
+        Both go through the engine's archive API, not through programs in the
+        container (which the agent may have replaced): the archive's ``/logs/verifier``
+        and ``/tests`` entries replace whatever the agent left at those paths, stale
+        reward files included. The trial reads ``/logs`` back the same way.
         """
         config = session.task.config
         env = {
-            **resolve_env(config.verifier.env, task=session.task.name, field="[verifier].env"),
+            **resolve_env(
+                config.verifier.env,
+                task=session.task.name,
+                field="[verifier].env",
+                allowed=session.task.env_allow,
+            ),
             **self.extra_env,
         }
-        archive = build_archive(self.files())
-        remove_stale = "rm -f -- " + " ".join(shlex.quote(p) for p in REWARD_FILES)
-        run_tests = "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1"
-        user = config.verifier.user
-        if runs_as_root(user):
-            command = with_upload(f"{remove_stale}; {run_tests}; tar -C / -cf - logs")
-            result = session.bash(command, env=env, timeout_sec=timeout_sec, stdin=archive)
-            outcome = upload_outcome(result)
-            if outcome != "no-tar" or result.timed_out:
-                return VerifierRun(
-                    exit_code=result.exit_code,
-                    timed_out=result.timed_out,
-                    upload_failed=outcome == "failed",
-                    logs=result.output if result.exit_code == 0 and not result.timed_out else None,
-                )
+        entries = [
+            ArchiveEntry("/logs", None, 0o755),
+            ArchiveEntry("/logs/verifier", None, 0o777, fresh=True),
+            *self.files(upload_tests=upload_tests),
+        ]
         try:
-            session.runtime.put_archive(session.container_id, archive)
+            session.runtime.put_archive(session.container_id, build_archive(entries))
         except Exception:
             return VerifierRun(exit_code=None, timed_out=False, upload_failed=True)
-        session.bash(remove_stale, user="root")
-        result = session.bash(run_tests, user=user, env=env, timeout_sec=timeout_sec)
+        result = session.bash(
+            "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1",
+            user=config.verifier.user,
+            env=env,
+            timeout_sec=timeout_sec,
+        )
         return VerifierRun(exit_code=result.exit_code, timed_out=result.timed_out)
 
 
@@ -274,5 +286,6 @@ def grader_verifier(grader_input: bytes) -> TestsVerifier:
         generated=[
             ArchiveEntry("/tests/test.sh", GRADER_TEST_SH.encode(), 0o755),
             ArchiveEntry("/tests/rollout.json", grader_input, 0o644),
-        ]
+        ],
+        agent_files=["/logs/agent/sample.json"],
     )

@@ -7,9 +7,14 @@ Why the details are as they are:
 
 * containers run ``sleep infinity`` under Docker's init (tini) as PID 1, so a
   forced removal takes milliseconds instead of the 10 s stop timeout;
-* each exec carries a unique ``HARBOR_EXEC_PHASE`` marker in its environment;
-  past its deadline every process that inherited the marker is SIGKILLed inside
-  the container, so a hung ``solve.sh`` cannot keep writing during verification;
+* past an exec's deadline, and between the agent and the verifier, every process
+  in the container but its init is killed from the host through the container's
+  cgroup (``harbor_exec.cgroups``), or, without the host's view, by restarting
+  the container: nothing has to fork inside a container whose pids limit a fork
+  bomb has filled, and nothing the agent detached survives;
+* containers drop ``DROPPED_CAPABILITIES``, keep ``no-new-privileges`` and
+  Docker's seccomp profile, never get host networking, and log to nowhere (what a
+  container prints to its init's stdout would otherwise fill the host's disk);
 * image builds are serialised per tag inside the process, and an existing tag is
   never rebuilt: tags are content hashes of the environment directory.
 """
@@ -21,7 +26,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,6 +38,7 @@ import docker.errors
 import requests.exceptions
 from docker.utils.socket import frames_iter
 
+from harbor_exec.cgroups import HostCgroup
 from harbor_exec.errors import (
     DockerUnavailableError,
     EnvironmentStartError,
@@ -42,28 +47,22 @@ from harbor_exec.errors import (
     SandboxBuildFailedError,
 )
 from harbor_exec.runtime import (
+    DROPPED_CAPABILITIES,
     LABEL_KIND,
     LABEL_MANAGED,
     LABEL_OWNER,
     BuildResult,
     ContainerSpec,
     ExecResult,
+    cut_marker,
 )
+from harbor_exec.tasks import default_cache_dir
 
-PHASE_MARKER = "HARBOR_EXEC_PHASE"
 _LOG_TAIL_LINES = 25
-# Kills every process whose environment carries the phase marker (argument $1).
-_KILL_MARKED = (
-    "for p in /proc/[0-9]*; do "
-    'if tr "\\0" "\\n" < "$p/environ" 2>/dev/null | grep -qx "$1"; then '
-    'kill -9 "${p#/proc/}" 2>/dev/null; fi; done; true'
-)
-
-
-def default_cache_dir() -> Path:
-    """Where build logs and other host-side caches live."""
-    base = os.environ.get("HARBOR_EXEC_CACHE_DIR")
-    return Path(base) if base else Path.home() / ".cache" / "harbor-exec"
+# What one exec may return on stdout/stderr (the tail is kept): phases redirect
+# their output to files under /logs, so only a hostile process prints more.
+_MAX_EXEC_OUTPUT = 8 * 2**20
+_ARCHIVE_CHUNK = 1 << 20
 
 
 # --------------------------------------------------------------------------- owners
@@ -119,6 +118,26 @@ def owner_is_alive(owner: str) -> bool:
 # --------------------------------------------------------------------------- runtime
 
 
+class _Tail:
+    """The last ``cap`` bytes of a stream, with a marker when more came."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.total = 0
+        self._kept = bytearray()
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        self._kept += data
+        if len(self._kept) > 2 * self.cap:
+            del self._kept[: len(self._kept) - self.cap]
+
+    def value(self) -> bytes:
+        if self.total <= self.cap:
+            return bytes(self._kept)
+        return cut_marker(self.total - self.cap, self.cap) + bytes(self._kept[-self.cap :])
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     """One image we made."""
@@ -158,6 +177,10 @@ class DockerRuntime:
         self._start_gate = threading.BoundedSemaphore(max_concurrent_starts)
         self._build_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        #: Whether processes are killed through the host's cgroups (False: by restart).
+        self.host_kill: bool | None = None
+        # Image configs by tag; task and dependency tags are content hashes.
+        self._image_configs: dict[str, dict[str, Any]] = {}
 
     def _client(self, *, timeout: int | None, max_pool_size: int) -> Any:
         kwargs: dict[str, Any] = {"timeout": timeout, "max_pool_size": max_pool_size}
@@ -276,24 +299,52 @@ class DockerRuntime:
                 found.append(ImageInfo(tag, labels.get(LABEL_KIND, ""), int(image["Size"])))
         return found
 
+    def _image_config(self, tag: str) -> dict[str, Any]:
+        config = self._image_configs.get(tag)
+        if config is None:
+            try:
+                config = self._api.inspect_image(tag).get("Config") or {}
+            except docker.errors.ImageNotFound:
+                raise EnvironmentStartError(f"image {tag} is not present") from None
+            self._image_configs[tag] = config
+        return config
+
     def image_user(self, tag: str) -> str:
         """The image's configured USER ("" for the default, root)."""
-        return str(self._api.inspect_image(tag).get("Config", {}).get("User") or "")
+        return str(self._image_config(tag).get("User") or "")
+
+    def image_labels(self, tag: str) -> Mapping[str, str]:
+        return dict(self._image_config(tag).get("Labels") or {})
 
     def remove_image(self, tag: str) -> None:
+        self._image_configs.pop(tag, None)
         with contextlib.suppress(docker.errors.ImageNotFound):
             self._api.remove_image(tag, force=True, noprune=False)
 
     # ----------------------------------------------------------------- containers
 
     def create(self, spec: ContainerSpec) -> str:
+        if spec.network not in ("bridge", "none"):
+            raise EnvironmentStartError(
+                f"network {spec.network!r}: trial containers get "
+                "'bridge' or 'none', never the host's network"
+            )
+        given_back = set(spec.cap_add)
         host_config = self._api.create_host_config(
             init=True,
             nano_cpus=int(spec.cpus * 1e9) if spec.cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
             pids_limit=spec.pids_limit,
             security_opt=["no-new-privileges"],
+            cap_drop=[c for c in DROPPED_CAPABILITIES if c not in given_back],
+            cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,
             network_mode=spec.network if spec.network != "bridge" else None,
+            binds={
+                m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
+                for m in spec.mounts
+            }
+            or None,
+            log_config={"type": "none", "config": {}},
         )
         try:
             created = self._api.create_container(
@@ -324,12 +375,38 @@ class DockerRuntime:
     def put_archive(self, container_id: str, data: bytes) -> None:
         self._api.put_archive(container_id, "/", data)
 
-    def get_archive(self, container_id: str, path: str) -> bytes | None:
+    def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
         try:
-            stream, _stat = self._api.get_archive(container_id, path)
+            stream, _stat = self._api.get_archive(container_id, path, chunk_size=_ARCHIVE_CHUNK)
         except docker.errors.NotFound:
             return None
-        return b"".join(stream)
+        chunks: Iterator[bytes] = iter(stream)
+        return chunks
+
+    def stop_processes(self, container_id: str) -> None:
+        try:
+            state = self._api.inspect_container(container_id)["State"]
+        except docker.errors.NotFound:
+            return  # no container, no processes
+        if not state.get("Running"):
+            return
+        init_pid = int(state.get("Pid") or 0)
+        cgroup = HostCgroup.of(init_pid, container_id) if init_pid else None
+        self.host_kill = cgroup is not None
+        if cgroup is not None:
+            with contextlib.suppress(OSError):
+                if cgroup.kill_all_but_init(init_pid):
+                    return
+        # Without the host's view: SIGKILL the init, which ends its PID namespace and
+        # every process in it; the container's filesystem (and /logs) stays.
+        try:
+            self._api.kill(container_id)
+            self._api.wait(container_id, timeout=10)
+            self._api.start(container_id)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EnvironmentStartError(
+                f"could not stop the container's processes: {exc}"
+            ) from None
 
     def exec(
         self,
@@ -342,8 +419,7 @@ class DockerRuntime:
         timeout_sec: float | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
-        marker = f"{PHASE_MARKER}={uuid.uuid4().hex}"
-        environment = [f"{k}={v}" for k, v in (env or {}).items()] + [marker]
+        environment = [f"{k}={v}" for k, v in (env or {}).items()]
         started = time.monotonic()
         try:
             exec_id = self._api.exec_create(
@@ -366,7 +442,7 @@ class DockerRuntime:
                 stdout, stderr = future.result(timeout=max(timeout_sec, 0.0))
             except FutureTimeout:
                 timed_out = True
-                self.kill_marked(container_id, marker)
+                self.stop_processes(container_id)
                 try:
                     stdout, stderr = future.result(timeout=5)
                 except (FutureTimeout, HarborExecError):
@@ -386,28 +462,19 @@ class DockerRuntime:
                 hint = " (does [environment].workdir exist in the image?)"
             raise EnvironmentStartError(f"exec failed: {message}{hint}") from None
         raw = getattr(sock, "_sock", sock)
-        streams: dict[int, list[bytes]] = {1: [], 2: []}
+        streams = {1: _Tail(_MAX_EXEC_OUTPUT), 2: _Tail(_MAX_EXEC_OUTPUT)}
         try:
             if stdin is not None:
                 raw.sendall(stdin)
                 raw.shutdown(socket.SHUT_WR)  # EOF on the process's stdin
             for stream, data in frames_iter(sock, tty=False):
-                streams.setdefault(stream, []).append(data)
+                if stream in streams:
+                    streams[stream].add(data)
         except OSError as exc:
             raise EnvironmentStartError(f"exec stream broke: {exc}") from None
         finally:
             sock.close()
-        return b"".join(streams[1]), b"".join(streams[2])
-
-    def kill_marked(self, container_id: str, marker: str) -> None:
-        """SIGKILL every process in the container whose environment holds ``marker``."""
-        try:
-            exec_id = self._api.exec_create(
-                container_id, ["sh", "-c", _KILL_MARKED, "kill-marked", marker], user="0"
-            )["Id"]
-            self._api.exec_start(exec_id)
-        except docker.errors.APIError:
-            pass  # the container is gone: so are its processes
+        return streams[1].value(), streams[2].value()
 
     def ensure_present(self, image: str) -> None:
         """Make sure a prebuilt ``docker_image`` is available locally (pull if we can)."""
@@ -459,3 +526,10 @@ class DockerRuntime:
     def engine_info(self) -> dict[str, Any]:
         info = self._api.version()
         return {"version": info.get("Version"), "api": info.get("ApiVersion")}
+
+    def pid_max(self) -> int:
+        """The host's ``kernel.pid_max`` (the limit every container's pids share)."""
+        try:
+            return int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, ValueError):
+            return 32768

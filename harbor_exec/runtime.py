@@ -10,12 +10,12 @@ from __future__ import annotations
 import io
 import tarfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-NetworkKind = Literal["bridge", "none", "host"]
+NetworkKind = Literal["bridge", "none"]
 
 #: Label keys every object we create carries.
 LABEL_MANAGED = "harbor-exec.managed"
@@ -26,9 +26,29 @@ LABEL_ROLLOUT = "harbor-exec.rollout"
 LABEL_KIND = "harbor-exec.kind"
 
 
+#: Capabilities every trial container loses on top of Docker's defaults: none of them
+#: is needed to install packages or run tests, and each widens what a hostile agent
+#: can do (raw sockets, device nodes, audit writes, file capabilities, chroot).
+DROPPED_CAPABILITIES = ("NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP", "SYS_CHROOT")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host directory bind-mounted into a container."""
+
+    source: str  # absolute host path
+    target: str  # absolute container path
+    read_only: bool = True
+
+
 @dataclass(frozen=True)
 class ContainerSpec:
-    """Everything needed to create one trial container."""
+    """Everything needed to create one trial container.
+
+    Containers never get host networking (``network`` is ``bridge`` or ``none``);
+    they always run with ``no-new-privileges``, Docker's seccomp profile and without
+    ``DROPPED_CAPABILITIES`` (``cap_add`` may give back some of those only).
+    """
 
     image: str
     name: str
@@ -38,6 +58,8 @@ class ContainerSpec:
     memory_mb: int | None = None
     pids_limit: int = 4096
     network: NetworkKind = "bridge"
+    mounts: Sequence[Mount] = ()
+    cap_add: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,10 @@ class ContainerRuntime(Protocol):
         """The image's configured USER ("" for the default, root)."""
         ...
 
+    def image_labels(self, tag: str) -> Mapping[str, str]:
+        """The image's labels (a task asks for capabilities back through one)."""
+        ...
+
     def ensure_present(self, image: str) -> None:
         """Make sure a prebuilt image exists locally; ``EnvironmentStartError`` if not."""
         ...
@@ -100,8 +126,18 @@ class ContainerRuntime(Protocol):
         """Extract a tar archive at ``/`` in the container (works before start too)."""
         ...
 
-    def get_archive(self, container_id: str, path: str) -> bytes | None:
-        """A tar archive of ``path`` in the container, or None if it does not exist."""
+    def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
+        """A tar archive of ``path`` in the container as a stream of chunks, or None if
+        it does not exist. Read by the engine from the container's filesystem: no
+        program inside the container takes part."""
+        ...
+
+    def stop_processes(self, container_id: str) -> None:
+        """Kill every process in the container but its init (and init's own child),
+        however they detached, without running anything inside the container.
+
+        Raises ``EnvironmentStartError`` when that cannot be confirmed.
+        """
         ...
 
     def exec(
@@ -134,6 +170,10 @@ class ArchiveEntry:
     path: str  # absolute container path
     data: bytes | None = None  # None: a directory
     mode: int = 0o644
+    # A directory that replaces whatever is at ``path`` (a tree, a symlink, a file):
+    # the engine's extraction removes an existing path whose type differs from the
+    # archive's entry, so a file entry first and then the directory empties it.
+    fresh: bool = False
 
 
 def build_archive(entries: Iterable[ArchiveEntry]) -> bytes:
@@ -145,6 +185,10 @@ def build_archive(entries: Iterable[ArchiveEntry]) -> bytes:
             info = tarfile.TarInfo(PurePosixPath(entry.path).relative_to("/").as_posix())
             info.mtime = int(now)
             info.mode = entry.mode
+            if entry.fresh:
+                placeholder = tarfile.TarInfo(info.name)
+                placeholder.mtime = int(now)
+                tar.addfile(placeholder, io.BytesIO(b""))
             if entry.data is None:
                 info.type = tarfile.DIRTYPE
                 tar.addfile(info)
@@ -176,26 +220,137 @@ def tree_entries(
     return entries
 
 
-def extract_archive(data: bytes, dest: Path, *, strip: int = 1) -> None:
-    """Extract a tar from ``get_archive`` into ``dest``, dropping ``strip`` leading parts.
+@dataclass(frozen=True)
+class OutputLimits:
+    """Bounds on what is copied back from a container (its content is hostile).
 
-    Only regular files and directories are written and nothing may land outside
-    ``dest``: what a container wrote is untrusted.
+    A file over ``max_file_bytes`` keeps its last ``max_file_bytes`` bytes after a
+    marker line saying how much was cut; past ``max_total_bytes`` or ``max_files``
+    nothing more is written.
     """
+
+    max_file_bytes: int = 4 * 2**20
+    max_total_bytes: int = 256 * 2**20
+    max_files: int = 10_000
+
+
+@dataclass
+class ExtractReport:
+    """What ``extract_archive`` wrote and what it left out."""
+
+    files: int = 0
+    bytes_written: int = 0
+    truncated: list[str] = field(default_factory=list)  # files cut to their tail
+    skipped: list[str] = field(default_factory=list)  # links, devices, escaping paths
+    incomplete: bool = False  # a total limit stopped the copy
+
+
+class _ChunkReader(io.RawIOBase):
+    """A read-only file over an iterator of chunks (no chunk kept once consumed)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks: Iterator[bytes] = iter(chunks)
+        self._buffer = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._buffer:
+            try:
+                self._buffer = next(self._chunks)
+            except StopIteration:
+                return 0
+        size = min(len(target), len(self._buffer))
+        target[:size] = self._buffer[:size]
+        self._buffer = self._buffer[size:]
+        return size
+
+
+def cut_marker(cut: int, kept: int) -> bytes:
+    return f"[harbor-exec: {cut} bytes cut here; the last {kept} bytes follow]\n".encode()
+
+
+def _copy_capped(source: io.BufferedReader | Any, target: Path, cap: int) -> tuple[int, bool]:
+    """Copy ``source`` to ``target`` keeping at most ``cap`` bytes (the tail);
+    returns (bytes read, truncated). Memory stays under 2 x ``cap``."""
+    kept = bytearray()
+    total = 0
+    while True:
+        block = source.read(1 << 20)
+        if not block:
+            break
+        total += len(block)
+        kept += block
+        if len(kept) > 2 * cap:
+            del kept[: len(kept) - cap]
+    if total > cap:
+        target.write_bytes(cut_marker(total - cap, cap) + bytes(kept[-cap:]))
+        return total, True
+    target.write_bytes(bytes(kept))
+    return total, False
+
+
+def extract_archive(
+    data: bytes | Iterable[bytes],
+    dest: Path,
+    *,
+    strip: int = 1,
+    limits: OutputLimits | None = None,
+) -> ExtractReport:
+    """Extract a tar (bytes, or the chunk stream of ``get_archive``) into ``dest``,
+    dropping ``strip`` leading path parts.
+
+    What a container wrote is untrusted: only regular files and directories are
+    written (symlinks, hardlinks and devices are skipped), nothing lands outside
+    ``dest``, modes lose setuid/setgid, and ``limits`` bound every file and the total.
+    The archive is read as a stream, so memory stays bounded whatever its size.
+    """
+    limits = limits or OutputLimits()
+    report = ExtractReport()
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+    chunks: Iterable[bytes] = [data] if isinstance(data, bytes) else data
+    with tarfile.open(fileobj=_ChunkReader(chunks), mode="r|") as tar:
         for member in tar:
             parts = PurePosixPath(member.name).parts[strip:]
-            if not parts or any(part in ("..", "") for part in parts):
+            if not parts:
                 continue
+            name = "/".join(parts)
             target = root.joinpath(*parts)
-            if not target.resolve().is_relative_to(root):
+            if any(part in ("..", "") for part in parts) or not _inside(target, root):
+                report.skipped.append(name)
                 continue
             if member.isdir():
                 target.mkdir(parents=True, exist_ok=True)
-            elif member.isfile():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                if source is not None:
-                    target.write_bytes(source.read())
+                continue
+            if not member.isfile():
+                report.skipped.append(name)
+                continue
+            if report.files >= limits.max_files or report.bytes_written >= limits.max_total_bytes:
+                report.incomplete = True
+                break
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or target.is_dir():
+                report.skipped.append(name)
+                continue
+            source = tar.extractfile(member)
+            if source is None:
+                continue
+            cap = min(limits.max_file_bytes, limits.max_total_bytes - report.bytes_written)
+            _total, truncated = _copy_capped(source, target, max(cap, 0))
+            target.chmod(member.mode & 0o777)
+            report.files += 1
+            report.bytes_written += target.stat().st_size
+            if truncated:
+                report.truncated.append(name)
+    return report
+
+
+def _inside(path: Path, root: Path) -> bool:
+    # The parent is resolved (it exists or will be made by us); the leaf itself may
+    # not exist yet and is checked for symlinks before writing.
+    try:
+        return path.parent.resolve().is_relative_to(root)
+    except OSError:
+        return False

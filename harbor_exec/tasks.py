@@ -4,6 +4,13 @@ Matches Harbor 0.26 (``harbor.models.task``): every ``task.toml`` field with its
 default, deprecated keys converted, canary lines stripped from the instruction,
 and the same rules for which directories count as tasks. Errors name the task,
 the file and the field. Symlinks that leave the task directory are refused.
+
+A loaded task is a *snapshot*: its files are checked (no symlink leaves the task,
+checked on the file actually opened) and copied, content-addressed, into the
+cache directory; builds and uploads read the snapshot, never the task directory,
+so a file changed or a symlink added after loading cannot reach a container.
+``task_fingerprint`` tells a caller when a task directory changed and must be
+loaded (and checked) again.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ import hashlib
 import math
 import os
 import re
+import shutil
+import stat
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from enum import StrEnum
@@ -272,8 +282,15 @@ def strip_canary(text: str) -> str:
     return "\n".join(lines[index:])
 
 
-def resolve_env(env: dict[str, str], *, task: str, field: str) -> dict[str, str]:
-    """Resolve ``${VAR}`` / ``${VAR:-default}`` values from the host environment."""
+def resolve_env(
+    env: dict[str, str], *, task: str, field: str, allowed: frozenset[str] | None = None
+) -> dict[str, str]:
+    """Resolve ``${VAR}`` / ``${VAR:-default}`` values from the host environment.
+
+    ``allowed`` (for tasks named by a request) limits which host variables may be
+    read; any other name resolves as if unset, so a request cannot read the
+    server's secrets nor learn which variables exist.
+    """
     resolved: dict[str, str] = {}
     for key, value in env.items():
         match = _ENV_TEMPLATE.fullmatch(value)
@@ -281,10 +298,17 @@ def resolve_env(env: dict[str, str], *, task: str, field: str) -> dict[str, str]
             resolved[key] = value
             continue
         name, default = match.group(1), match.group(2)
-        if name in os.environ:
+        if name in os.environ and (allowed is None or name in allowed):
             resolved[key] = os.environ[name]
         elif default is not None:
             resolved[key] = default
+        elif allowed is not None:
+            raise TaskConfigError(
+                task,
+                f"{field}.{key}: environment variable {name!r} is not one the operator "
+                "allows for request tasks (serve --task-env-allow NAME) and has no default",
+                file="task.toml",
+            )
         else:
             raise TaskConfigError(
                 task,
@@ -295,35 +319,128 @@ def resolve_env(env: dict[str, str], *, task: str, field: str) -> dict[str, str]
     return resolved
 
 
-def check_no_escaping_symlinks(root: Path, *, task: str) -> None:
-    """Refuse any symlink under ``root`` whose target leaves ``root``."""
-    resolved_root = root.resolve()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            path = Path(dirpath) / name
-            if path.is_symlink() and not path.resolve().is_relative_to(resolved_root):
-                raise UnsafeTaskPathError(
-                    task,
-                    f"symlink points outside the task directory (to {os.readlink(path)}); "
-                    "copy the file into the task instead",
-                    file=str(path.relative_to(root)),
-                )
+def default_cache_dir() -> Path:
+    """Where task snapshots, build logs and other host-side caches live."""
+    base = os.environ.get("HARBOR_EXEC_CACHE_DIR")
+    return Path(base) if base else Path.home() / ".cache" / "harbor-exec"
+
+
+def task_fingerprint(task_dir: Path) -> str:
+    """A cheap digest of every entry's metadata (no content read): changes whenever a
+    file is written, added, removed, renamed or replaced by a symlink."""
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(task_dir):
+        dirnames.sort()
+        for name in sorted([*dirnames, *filenames]):
+            path = os.path.join(dirpath, name)
+            try:
+                info = os.lstat(path)
+                link = os.readlink(path) if stat.S_ISLNK(info.st_mode) else ""
+            except OSError:
+                continue
+            digest.update(
+                f"{path}\0{info.st_mode}\0{info.st_size}\0{info.st_mtime_ns}\0"
+                f"{info.st_ino}\0{link}\n".encode()
+            )
+    return digest.hexdigest()
+
+
+def _open_inside(path: Path, root: Path, *, task: str, rel: str) -> int:
+    """Open ``path`` for reading; refuse it unless the file actually opened is under ``root``.
+
+    Checking the opened file (not the name) closes the gap in which a checked path
+    could be swapped for a symlink before it is read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise UnsafeTaskPathError(
+            task, f"cannot be read safely ({exc.strerror})", file=rel
+        ) from None
+    real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    if not real.is_relative_to(root):
+        os.close(fd)
+        raise UnsafeTaskPathError(
+            task,
+            f"resolves outside the task directory (to {real}); copy the file into the task",
+            file=rel,
+        )
+    return fd
+
+
+def _copy_tree_checked(source: Path, target: Path, root: Path, *, task: str) -> None:
+    """Copy ``source`` (inside ``root``) to ``target``, following symlinks that stay
+    inside ``root`` and refusing any that leave it. Only files and directories."""
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        path = Path(entry.path)
+        rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(root):
+            raise UnsafeTaskPathError(
+                task,
+                f"symlink points outside the task directory (to {os.readlink(path)}); "
+                "copy the file into the task instead",
+                file=rel,
+            )
+        if real.is_dir():
+            if entry.is_symlink() and (real == root or path.is_relative_to(real)):
+                raise UnsafeTaskPathError(task, "symlink loops back into its parent", file=rel)
+            _copy_tree_checked(real, target / entry.name, root, task=task)
+        elif real.is_file():
+            fd = _open_inside(real, root, task=task, rel=rel)
+            with os.fdopen(fd, "rb") as handle, open(target / entry.name, "wb") as out:
+                shutil.copyfileobj(handle, out, 1 << 20)
+                mode = os.fstat(handle.fileno()).st_mode
+            (target / entry.name).chmod(0o755 if mode & 0o111 else 0o644)
+
+
+def snapshot_task(task_dir: Path, *, task: str, store: Path | None = None) -> Path:
+    """Check and copy ``task_dir`` into ``store`` (default: ``<cache>/snapshots``),
+    named by its content hash; returns the snapshot's directory."""
+    store = store or default_cache_dir() / "snapshots"
+    store.mkdir(parents=True, exist_ok=True)
+    root = task_dir.resolve()
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=store))
+    try:
+        _copy_tree_checked(root, staging / "task", root, task=task)
+        final = store / tree_digest(staging / "task")
+        if not final.exists():
+            try:
+                (staging / "task").rename(final)
+            except OSError:  # another process made the same snapshot meanwhile
+                if not final.is_dir():
+                    raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
 
 
 @dataclass(frozen=True)
 class Task:
-    """A loaded, validated single-step Harbor task."""
+    """A loaded, validated single-step Harbor task.
+
+    ``path`` is where it was loaded from (what results report); ``files`` is its
+    checked snapshot, which every build and upload reads.
+    """
 
     path: Path
     name: str
     config: TaskConfig
     instruction: str
-    # (environment digest, task checksum), hashed once at load: every trial needs them.
-    digests: tuple[str, str] = ("", "")
+    # (environment digest, task checksum, tests digest), hashed once at load.
+    digests: tuple[str, str, str] = ("", "", "")
+    files: Path | None = None
+    # Host variables its ${VAR} templates may read (None: any; request-named tasks: a few).
+    env_allow: frozenset[str] | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.files or self.path
 
     @property
     def environment_dir(self) -> Path:
-        return self.path / "environment"
+        return self.root / "environment"
 
     @property
     def dockerfile(self) -> Path | None:
@@ -332,11 +449,20 @@ class Task:
 
     @property
     def tests_dir(self) -> Path:
-        return self.path / "tests"
+        return self.root / "tests"
 
     @property
     def solution_dir(self) -> Path:
-        return self.path / "solution"
+        return self.root / "solution"
+
+    @property
+    def verifier_dockerfile(self) -> Path | None:
+        """``tests/Dockerfile``: a separate verifier's image, built with ``tests/`` as context."""
+        candidate = self.tests_dir / "Dockerfile"
+        return candidate if candidate.is_file() else None
+
+    def tests_digest(self) -> str:
+        return self.digests[2]
 
     @property
     def test_script(self) -> Path:
@@ -371,22 +497,29 @@ def tree_digest(root: Path, *, extra: str = "") -> str:
     return digest.hexdigest()
 
 
-def load_task(path: Path | str, *, require_tests: bool = True) -> Task:
+def load_task(
+    path: Path | str,
+    *,
+    require_tests: bool = True,
+    env_allow: frozenset[str] | None = None,
+    snapshots: Path | None = None,
+) -> Task:
     """Load the task at ``path``; raise a ``TaskError`` naming the file and field at fault.
 
     ``require_tests=False`` accepts a task without ``tests/test.sh`` (Harbor's
     ``disable_verification``), for rollouts graded by a bundled grader instead.
+    The task is checked and snapshotted (see the module doc) into ``snapshots``.
     """
-    task_dir = Path(path)
-    label = task_dir.name or str(task_dir)
-    if not task_dir.is_dir():
-        raise TaskError(label, f"no such task directory: {task_dir}")
-    config_path = task_dir / "task.toml"
-    if not config_path.is_file():
+    source_dir = Path(path)
+    label = source_dir.name or str(source_dir)
+    if not source_dir.is_dir():
+        raise TaskError(label, f"no such task directory: {source_dir}")
+    if not (source_dir / "task.toml").is_file():
         raise TaskError(label, "missing (every Harbor task has one)", file="task.toml")
-    check_no_escaping_symlinks(task_dir, task=label)
+    task_dir = snapshot_task(source_dir, task=label, store=snapshots)
+    config_path = task_dir / "task.toml"
     config = parse_task_config(config_path.read_text(encoding="utf-8"), task=label)
-    name = config.task.name if config.task is not None else task_dir.resolve().name
+    name = config.task.name if config.task is not None else source_dir.resolve().name
     if config.steps:
         raise TaskError(name, "multi-step tasks ([[steps]]) are not supported", file="task.toml")
     if config.environment.os is not TaskOS.LINUX:
@@ -414,9 +547,10 @@ def load_task(path: Path | str, *, require_tests: bool = True) -> Task:
     instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
     digests = (
         tree_digest(env_dir, extra=f"docker_image={config.environment.docker_image}"),
-        tree_digest(task_dir),
+        task_dir.name,  # the snapshot is named by tree_digest(task_dir)
+        tree_digest(task_dir / "tests"),
     )
-    return Task(task_dir.resolve(), name, config, instruction, digests)
+    return Task(source_dir.resolve(), name, config, instruction, digests, task_dir, env_allow)
 
 
 def is_task_dir(path: Path) -> bool:

@@ -10,24 +10,38 @@ Order (reference harbor-tasks.md §4), with the calls each step costs:
 1. environment: build or reuse the image; create the container; one archive
    upload places ``/logs/{agent,verifier,artifacts}`` (mode 777) and the agent's
    files (``/solution`` for the oracle); start.
-2. agent: run under ``[agent].timeout_sec``; on expiry the whole phase is
-   killed inside the container, ``AgentTimeoutError`` is recorded, and the trial
-   still verifies. A non-zero exit is written to ``agent/exit-code.txt``.
-3. verifier: upload ``/tests`` (only now), delete stale reward files, run
-   ``test.sh`` under ``[verifier].timeout_sec``; then read the reward.
-4. teardown: download ``/logs`` once, remove the container (milliseconds, thanks
-   to the init process), write ``result.json``.
+2. agent: run under ``[agent].timeout_sec``; on expiry ``AgentTimeoutError`` is
+   recorded and the trial still verifies. A non-zero exit is written to
+   ``agent/exit-code.txt``. Then every process of the agent phase is killed from
+   outside the container (``ContainerRuntime.stop_processes``), however it detached.
+3. verifier, in the task's mode (or ``SandboxPolicy.verifier_mode``):
+   *shared*: ``/tests`` and an empty ``/logs/verifier`` are placed through the
+   engine (replacing whatever the agent left there), ``test.sh`` runs, its leftovers
+   are killed, and ``/logs`` is read back through the engine's archive API;
+   *separate* (Harbor 0.26): ``/logs/agent``, ``/logs/artifacts`` and the task's
+   declared ``artifacts`` are copied out, the agent's container is removed, and
+   ``test.sh`` runs in a fresh container of the verifier image with only those
+   artifacts copied in.
+4. teardown: remove the container (milliseconds, thanks to the init process),
+   write ``result.json``.
+
+Everything copied back from a container is bounded by ``SandboxPolicy.output``.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import re
 import secrets as secrets_module
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Literal
 
 from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
 from harbor_exec.errors import (
@@ -50,6 +64,7 @@ from harbor_exec.results import (
     utcnow,
 )
 from harbor_exec.runtime import (
+    DROPPED_CAPABILITIES,
     LABEL_KIND,
     LABEL_ROLLOUT,
     LABEL_TASK,
@@ -57,16 +72,42 @@ from harbor_exec.runtime import (
     ArchiveEntry,
     ContainerRuntime,
     ContainerSpec,
+    Mount,
     NetworkKind,
+    OutputLimits,
     build_archive,
     extract_archive,
     tree_entries,
 )
-from harbor_exec.tasks import NetworkMode, Task, resolve_env
+from harbor_exec.tasks import EnvironmentConfig, NetworkMode, Task, resolve_env
 
 PhaseCallback = Callable[[str], None]
+VerifierMode = Literal["shared", "separate"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
+#: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
+#: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
+CAP_ADD_LABEL = "harbor-exec.cap-add"
+
+
+def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
+    """A per-container pids limit under which twice ``max_concurrent_trials`` full
+    containers still leave a quarter of the host's ``pid_max`` free."""
+    share = int(pid_max * 0.75) // max(2 * max_concurrent_trials, 1)
+    return max(128, min(4096, share))
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """The operator's settings for every trial container."""
+
+    #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
+    #: None: each task's own ``[verifier].environment_mode``.
+    verifier_mode: VerifierMode | None = None
+    pids_limit: int = 4096
+    default_cpus: float | None = None  # for tasks that set no [environment].cpus
+    default_memory_mb: int | None = None  # for tasks that set no [environment].memory_mb
+    output: OutputLimits = field(default_factory=OutputLimits)
 
 
 def image_tag_for(task: Task) -> str:
@@ -111,10 +152,11 @@ class TrialRequest:
     network: NetworkKind | None = None  # override the task's network_mode
     agent_timeout_sec: float | None = None  # override [agent].timeout_sec
     verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
-    extra_files: Sequence[ArchiveEntry] = ()  # placed before start, beside the agent's
     labels: Mapping[str, str] = field(default_factory=dict)
     rollout_id: str | None = None
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
+    mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
+    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
 class Trial:
@@ -138,6 +180,8 @@ class Trial:
         self._container_id: str | None = None
         self._exception: ExceptionInfo | None = None
         self._logs_downloaded = False
+        self.image = request.image or ""
+        self.verifier_mode: VerifierMode = self._choose_verifier_mode()
 
     # ----------------------------------------------------------------- control
 
@@ -179,6 +223,7 @@ class Trial:
             task_checksum=task.checksum(),
             config=self._config_summary(),
             agent_info=request.agent.info,
+            verifier_environment_mode=self.verifier_mode,
             started_at=utcnow(),
         )
         session: TrialSession | None = None
@@ -187,7 +232,11 @@ class Trial:
             if self._exception is None:
                 self._agent(session, result)
             if self._should_verify():
-                self._verifier(session, result)
+                assert session is not None
+                if self.verifier_mode == "separate":
+                    self._verify_separate(session, result)
+                else:
+                    self._verify_shared(session, result)
         except (HarborExecError, OSError) as exc:
             self._record(exc if not self.cancelled else CancelledError("the trial was cancelled"))
         except BaseException as exc:  # keep the container accounting right on Ctrl-C too
@@ -214,8 +263,17 @@ class Trial:
                 "build_sec": config.environment.build_timeout_sec,
             },
             "verify": request.verify,
+            "verifier_environment_mode": self.verifier_mode,
             "rollout_id": request.rollout_id,
         }
+
+    def _choose_verifier_mode(self) -> VerifierMode:
+        if self.request.policy.verifier_mode == "separate":
+            return "separate"
+        config = self.request.task.config.verifier
+        if config.environment_mode in ("shared", "separate"):
+            return "separate" if config.environment_mode == "separate" else "shared"
+        return "separate" if config.environment is not None else "shared"
 
     def _network(self) -> NetworkKind:
         if self.request.network is not None:
@@ -230,54 +288,70 @@ class Trial:
             )
         return "bridge"
 
+    def _spec(
+        self, image: str, env_config: EnvironmentConfig, *, kind: str, mounts: Sequence[Mount]
+    ) -> ContainerSpec:
+        request, task, policy = self.request, self.request.task, self.request.policy
+        label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
+        wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
+        return ContainerSpec(
+            image=image,
+            name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
+            labels={
+                **request.labels,
+                LABEL_TRIAL: self.name,
+                LABEL_TASK: task.name,
+                LABEL_KIND: kind,
+                **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
+            },
+            env=resolve_env(
+                env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
+            ),
+            cpus=float(env_config.cpus) if env_config.cpus else policy.default_cpus,
+            memory_mb=env_config.memory_mb or policy.default_memory_mb,
+            pids_limit=policy.pids_limit,
+            network=self._network(),
+            mounts=mounts,
+            cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
+        )
+
+    def _create(self, spec: ContainerSpec) -> str:
+        with self._container_lock:
+            self._check_cancelled()
+            container_id = self._container_id = self.runtime.create(spec)
+            return container_id
+
     def _environment(self, result: TrialResult) -> TrialSession:
         request, task = self.request, self.request.task
         env_config = task.config.environment
         self._phase("environment")
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
-            if request.image is not None:
-                image = request.image
-            else:
-                image, self.image_built = ensure_task_image(self.runtime, task)
+            if request.image is None:
+                self.image, self.image_built = ensure_task_image(self.runtime, task)
             self._check_cancelled()
-            spec = ContainerSpec(
-                image=image,
-                name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
-                labels={
-                    **request.labels,
-                    LABEL_TRIAL: self.name,
-                    LABEL_TASK: task.name,
-                    LABEL_KIND: "trial",
-                    **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
-                },
-                env=resolve_env(env_config.env, task=task.name, field="[environment].env"),
-                cpus=float(env_config.cpus) if env_config.cpus else None,
-                memory_mb=env_config.memory_mb,
-                network=self._network(),
+            container_id = self._create(
+                self._spec(self.image, env_config, kind="trial", mounts=request.mounts)
             )
-            with self._container_lock:
-                self._check_cancelled()
-                self._container_id = self.runtime.create(spec)
             entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
             entries += request.agent.files(task)
-            entries += request.extra_files
             if task.dockerfile is None and task.environment_dir.is_dir():
                 # Harbor uploads environment/ into the workdir for prebuilt images.
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
             archive = build_archive(entries)
             if runs_as_root(task.config.agent.user):
-                # The agent's first command carries these files on its stdin (one fewer call).
+                # The agent's first command carries these files on its stdin (one fewer
+                # call); nothing of the agent's has run yet, so the image's tar is trusted.
                 pending: bytes | None = archive
             else:
-                self.runtime.put_archive(self._container_id, archive)
+                self.runtime.put_archive(container_id, archive)
                 pending = None
-            self.runtime.start(self._container_id)
+            self.runtime.start(container_id)
             self._check_cancelled()
         finally:
             timing.finished_at = utcnow()
-        return TrialSession(self.runtime, self._container_id, task, pending_files=pending)
+        return TrialSession(self.runtime, container_id, task, pending_files=pending)
 
     def _agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
@@ -292,6 +366,9 @@ class Trial:
             run = request.agent.run(session, timeout)
         finally:
             timing.finished_at = utcnow()
+            # Nothing the agent started may run on into the verifier phase.
+            if not self.cancelled:
+                self.runtime.stop_processes(session.container_id)
         self._check_cancelled()
         result.agent_result = AgentResult()
         if run.timed_out:
@@ -312,56 +389,171 @@ class Trial:
             return True
         return policy_for(self._exception.exception_type).should_grade
 
-    def _verifier(self, session: TrialSession, result: TrialResult) -> None:
-        request, task = self.request, self.request.task
-        verifier = request.verifier or TestsVerifier(task.tests_dir)
-        timeout = request.verifier_timeout_sec
-        if timeout is None:
-            timeout = task.config.verifier.timeout_sec
+    def _verifier_timeout(self) -> float | None:
+        timeout = self.request.verifier_timeout_sec
+        return self.request.task.config.verifier.timeout_sec if timeout is None else timeout
+
+    def _run_verifier(
+        self,
+        session: TrialSession,
+        result: TrialResult,
+        *,
+        upload_tests: bool = True,
+        keep: Sequence[str] = (),
+    ) -> None:
+        """Run ``test.sh`` in ``session``, then read ``/logs`` through the engine."""
+        verifier = self.request.verifier or TestsVerifier(self.request.task.tests_dir)
+        timeout = self._verifier_timeout()
+        started = result.verifier.started_at if result.verifier else None
+        remaining = None if timeout is None else timeout - _elapsed(started)
+        run = verifier.run(session, remaining, upload_tests=upload_tests)
+        self._check_cancelled()
+        if run.timed_out:
+            raise VerifierTimeoutError(
+                f"tests/test.sh ran past the {timeout:g}s verifier timeout; no reward"
+            )
+        if run.upload_failed:
+            raise AddTestsDirError("uploading tests/ to /tests in the container failed")
+        # Whatever test.sh left running (or started through a binary the agent
+        # replaced) stops before the reward is read.
+        self.runtime.stop_processes(session.container_id)
+        self._download_logs(session.container_id, keep=keep)
+        result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
+
+    def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
         self._phase("verifier")
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            remaining = None if timeout is None else timeout - _elapsed(timing.started_at)
-            run = verifier.run(session, remaining)
-            self._check_cancelled()
-            if run.timed_out:
-                raise VerifierTimeoutError(
-                    f"tests/test.sh ran past the {timeout:g}s verifier timeout; no reward"
-                )
-            if run.upload_failed:
-                raise AddTestsDirError("uploading tests/ to /tests in the container failed")
-            if run.logs:
-                self._store_logs(run.logs)
-            else:
-                self._download_logs(session.container_id)
-            result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
+            self._run_verifier(session, result)
         except TrialError as exc:
             self._record(exc)
         finally:
             timing.finished_at = utcnow()
 
+    def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
+        """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts."""
+        task, request = self.request.task, self.request
+        self._phase("verifier")
+        timing = result.verifier = TimingInfo(started_at=utcnow())
+        try:
+            self._download_logs(session.container_id, keep=("agent", "artifacts"))
+            carried = self._collect_artifacts(session.container_id)
+            self._remove_container()
+            verifier = request.verifier or TestsVerifier(task.tests_dir)
+            for path in verifier.agent_files:  # e.g. the sample a bundled grader grades
+                local = self.dir / "agent" / PurePosixPath(path).relative_to("/logs/agent")
+                if local.is_file():
+                    carried.append(ArchiveEntry(path, local.read_bytes(), 0o644))
+            image, upload_tests = self._verifier_image()
+            env_config = task.config.verifier.environment or task.config.environment
+            container_id = self._create(self._spec(image, env_config, kind="verifier", mounts=()))
+            entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
+            self.runtime.put_archive(container_id, build_archive(entries + carried))
+            self.runtime.start(container_id)
+            self._check_cancelled()
+            fresh = TrialSession(self.runtime, container_id, task)
+            self._run_verifier(fresh, result, upload_tests=upload_tests, keep=("verifier",))
+        except TrialError as exc:
+            self._record(exc)
+        finally:
+            timing.finished_at = utcnow()
+
+    def _verifier_image(self) -> tuple[str, bool]:
+        """Harbor's order: ``[verifier.environment].docker_image``; an image built from
+        ``tests/Dockerfile`` (both bundle the tests); else the trial's own image, with
+        ``tests/`` uploaded. Returns ``(image, upload_tests)``."""
+        task = self.request.task
+        config = task.config.verifier.environment
+        if config is not None and config.docker_image:
+            self.runtime.ensure_present(config.docker_image)
+            return config.docker_image, False
+        if task.verifier_dockerfile is not None:
+            built = self.runtime.ensure_image(
+                context_dir=task.tests_dir,
+                tag=f"harbor-exec/verifier:{task.tests_digest()[:32]}",
+                timeout_sec=(config or task.config.environment).build_timeout_sec,
+                labels={LABEL_KIND: "verifier-env", LABEL_TASK: task.name},
+            )
+            return built.tag, False
+        return self.image, True
+
+    def _collect_artifacts(self, container_id: str) -> list[ArchiveEntry]:
+        """Copy the task's declared ``artifacts`` out of the agent's container (bounded,
+        sanitized) into ``artifacts/``; returns the entries that put them, and
+        ``/logs/artifacts``, back at their source paths in a verifier container."""
+        limits = self.request.policy.output
+        root = self.dir / "artifacts"
+        carried: list[ArchiveEntry] = []
+        convention = root / "logs" / "artifacts"
+        if convention.is_dir():
+            carried += tree_entries(convention, "/logs/artifacts")[1:]
+        manifest: list[dict[str, object]] = []
+        for item in self.request.task.config.artifacts:
+            spec = {"source": item} if isinstance(item, str) else dict(item)
+            source = str(spec.get("source") or "")
+            destination = str(spec.get("destination") or PurePosixPath(source).name)
+            target = (root / destination.lstrip("/")).resolve()
+            if not source.startswith("/") or not target.is_relative_to(root.resolve()):
+                manifest.append({"source": source, "status": "skipped: not a safe path"})
+                continue
+            stream = self.runtime.get_archive(container_id, source)
+            if stream is None:
+                manifest.append({"source": source, "status": "missing"})
+                continue
+            with tempfile.TemporaryDirectory(dir=self.dir) as scratch:
+                report = extract_archive(stream, Path(scratch), strip=0, limits=limits)
+                fetched = Path(scratch) / PurePosixPath(source).name
+                _drop_excluded(fetched, [str(e) for e in spec.get("exclude") or []])
+                if target.exists():
+                    _remove_path(target)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if fetched.exists():
+                    shutil.move(str(fetched), target)
+            if target.is_file():
+                mode = target.stat().st_mode & 0o755
+                carried.append(ArchiveEntry(source, target.read_bytes(), mode))
+            elif target.is_dir():
+                carried += tree_entries(target, source)
+            status = "ok" if target.exists() else "missing"
+            manifest.append(
+                {
+                    "source": source,
+                    "destination": destination,
+                    "status": status,
+                    "truncated": report.truncated,
+                }
+            )
+        if manifest:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return carried
+
     # ----------------------------------------------------------------- teardown
 
-    def _download_logs(self, container_id: str) -> None:
-        """Download ``/logs`` once, into ``agent/``, ``verifier/`` and ``artifacts/``."""
-        data = self.runtime.get_archive(container_id, "/logs")
-        if data is not None:
-            self._store_logs(data)
-
-    def _store_logs(self, data: bytes) -> None:
-        """Unpack a tar of ``/logs`` into the trial directory (Harbor's layout)."""
+    def _download_logs(self, container_id: str, *, keep: Sequence[str] = ()) -> None:
+        """Read ``/logs`` through the engine, bounded, into ``agent/``, ``verifier/`` and
+        ``artifacts/`` (only the parts named in ``keep``, when given)."""
+        stream = self.runtime.get_archive(container_id, "/logs")
+        if stream is None:
+            return
         staging = self.dir / ".logs"
-        extract_archive(data, staging)
+        extract_archive(stream, staging, limits=self.request.policy.output)
         for name, target in (
             ("agent", self.dir / "agent"),
             ("verifier", self.dir / "verifier"),
             ("artifacts", self.dir / "artifacts" / "logs" / "artifacts"),
         ):
             source = staging / name
-            if source.is_dir():
+            if source.is_dir() and (not keep or name in keep):
                 _merge_tree(source, target)
-        _remove_tree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
         self._logs_downloaded = True
+
+    def _remove_container(self) -> None:
+        with self._container_lock:
+            container_id, self._container_id = self._container_id, None
+        if container_id is not None:
+            self.runtime.remove(container_id)
 
     def _teardown(self, session: TrialSession | None) -> None:
         with self._container_lock:
@@ -398,10 +590,21 @@ def _merge_tree(source: Path, target: Path) -> None:
             path.replace(destination)
 
 
-def _remove_tree(path: Path) -> None:
-    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        child.rmdir() if child.is_dir() else child.unlink()
-    path.rmdir()
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _drop_excluded(root: Path, patterns: Sequence[str]) -> None:
+    """Remove what an artifact's ``exclude`` globs match (relative paths or names)."""
+    if not patterns or not root.is_dir():
+        return
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        rel = path.relative_to(root).as_posix()
+        if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns):
+            _remove_path(path)
 
 
 def scrub_secrets(root: Path, secrets: Sequence[str]) -> None:

@@ -60,9 +60,16 @@ from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
 from harbor_exec.results import TrialResult
-from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime
-from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id
-from harbor_exec.trials import Trial, TrialRequest, ensure_task_image, scrub_secrets
+from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime, OutputLimits
+from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id, task_fingerprint
+from harbor_exec.trials import (
+    SandboxPolicy,
+    Trial,
+    TrialRequest,
+    default_pids_limit,
+    ensure_task_image,
+    scrub_secrets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +126,6 @@ class _Plan:
     agent: Agent
     verifier: TestsVerifier | None
     verify: bool
-    network: Literal["host"] | None
     image: str | None
     secrets: list[str] = field(default_factory=list)
 
@@ -202,6 +208,13 @@ class HarborBackend(ExecutionBackend):
         max_concurrent_trials: int = 4,
         max_queue_depth: int | None = None,
         runtime: ContainerRuntime | None = None,
+        task_roots: Sequence[str | Path] = (),
+        task_env_allow: Sequence[str] = (),
+        verifier_mode: Literal["task", "separate"] = "task",
+        default_cpus: float | None = None,
+        default_memory_mb: int | None = None,
+        pids_limit: int | None = None,
+        output_limits: OutputLimits | None = None,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset'; got {task_mode!r}")
@@ -222,6 +235,13 @@ class HarborBackend(ExecutionBackend):
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else default_artifact_root()
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        # Where metadata.harbor_task may point: the tasks dir and the operator's roots,
+        # never a directory we write into.
+        self.task_roots = [self.tasks_dir, *(Path(r).resolve() for r in task_roots)]
+        self._written_roots = [self.trials_dir.resolve(), self.artifacts_dir.resolve()]
+        self.task_env_allow = frozenset(task_env_allow)
+        if verifier_mode not in ("task", "separate"):
+            raise ValueError(f"verifier_mode must be 'task' or 'separate'; got {verifier_mode!r}")
 
         self.is_oracle = agent == "oracle"
         self._bundle: Any = None
@@ -236,11 +256,21 @@ class HarborBackend(ExecutionBackend):
         self.runtime: ContainerRuntime = runtime or DockerRuntime()
         if isinstance(self.runtime, DockerRuntime):
             self.runtime.reap_orphans()
+            pid_max = self.runtime.pid_max()
+        else:
+            pid_max = 32768
+        self.policy = SandboxPolicy(
+            verifier_mode="separate" if verifier_mode == "separate" else None,
+            pids_limit=pids_limit or default_pids_limit(max_concurrent_trials, pid_max),
+            default_cpus=default_cpus,
+            default_memory_mb=default_memory_mb,
+            output=output_limits or OutputLimits(),
+        )
         self._pending: dict[str, _Pending] = {}
         self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrent_trials)
         self._threads = anyio.CapacityLimiter(max_concurrent_trials + 4)
-        self._tasks: dict[Path, Task] = {}
+        self._tasks: dict[tuple[Path, bool], tuple[str, Task]] = {}
         self._deps_images: set[str] = set()  # dependency layers known to exist
         self._deps_lock = threading.Lock()
         self._blocked: dict[str, str] = {}
@@ -317,12 +347,34 @@ class HarborBackend(ExecutionBackend):
 
     # ----------------------------------------------------------------- tasks
 
-    def _load(self, path: Path) -> Task:
-        task = self._tasks.get(path)
-        if task is None:
-            task = load_task(path, require_tests=not self.has_grader)
-            self._tasks[path] = task
+    def _load(self, path: Path, *, from_request: bool = False) -> Task:
+        """The task at ``path``, loaded again (checked and snapshotted) whenever its
+        directory changed since the last load."""
+        fingerprint = task_fingerprint(path)
+        cached = self._tasks.get((path, from_request))
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+        task = load_task(
+            path,
+            require_tests=not self.has_grader,
+            env_allow=self.task_env_allow if from_request else None,
+        )
+        self._tasks[(path, from_request)] = (fingerprint, task)
         return task
+
+    def _served_task_path(self, ref: str) -> Path:
+        """``ref`` resolved inside a served task root, or one refusal that says nothing
+        about whether the path exists."""
+        refusal = RolloutRejected(f"harbor_task {ref!r} is not under a served task root")
+        if "\0" in ref:
+            raise refusal
+        path = Path(ref).expanduser()
+        path = (self.tasks_dir / path if not path.is_absolute() else path).resolve()
+        if any(path.is_relative_to(w) for w in self._written_roots):
+            raise refusal
+        if not any(path.is_relative_to(root) for root in self.task_roots) or not path.is_dir():
+            raise refusal
+        return path
 
     def _task_for(self, request: ExecutionRequest) -> tuple[str, Task]:
         metadata = request.metadata or {}
@@ -337,9 +389,7 @@ class HarborBackend(ExecutionBackend):
                     f"metadata.harbor_task {ref!r}: only local task paths (starting with '/', "
                     "'.' or '~') are supported"
                 )
-            path = Path(ref).expanduser()
-            path = (self.tasks_dir / path if not path.is_absolute() else path).resolve()
-            return str(ref), self._load(path)
+            return str(ref), self._load(self._served_task_path(ref), from_request=True)
         task_id = metadata.get("harbor_task_id")
         if task_id is None:
             raise RolloutRejected(
@@ -391,7 +441,7 @@ class HarborBackend(ExecutionBackend):
         elif verify:
             verifier = grader_verifier(grader_input.encode())
         if self.is_oracle:
-            return _Plan(task, task_id, OracleAgent(), verifier, verify, None, None)
+            return _Plan(task, task_id, OracleAgent(), verifier, verify, None)
         if not url:
             raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
         agent = WorkflowAgent(
@@ -406,8 +456,6 @@ class HarborBackend(ExecutionBackend):
             agent,
             verifier,
             verify,
-            # Host networking is the only way a container reaches the host's loopback.
-            network="host" if _is_loopback_url(url) else None,
             image=None,
             secrets=[api_key] if api_key and len(api_key) >= 3 else [],
         )
@@ -480,11 +528,11 @@ class HarborBackend(ExecutionBackend):
                 verify=plan.verify,
                 trial_name=f"{request.id}__{secrets.token_hex(4)[:7]}",
                 image=image,
-                network=plan.network,
                 agent_timeout_sec=agent_budget,
                 verifier_timeout_sec=request.grader_timeout_sec,
                 rollout_id=request.id,
                 secrets=plan.secrets,
+                policy=self.policy,
             )
             trial = Trial(self.runtime, trial_request, on_phase=on_phase)
             pending.trial = trial

@@ -1,0 +1,121 @@
+"""Kill a container's processes from the host, through its cgroup.
+
+A hostile agent can detach from anything we start (``setsid``, double forks) and
+can fill its pids limit so that no kill command can fork inside the container.
+From the host none of that matters: freeze the container's cgroup (nothing in it
+runs or forks any more), SIGKILL every process in it but the init and init's own
+child (``sleep infinity``), thaw, and confirm that only those two remain.
+
+This needs the host's view of the container (its PID namespace and a writable
+cgroup filesystem: ``harbor-exec`` running on the Docker host as root). Where
+that view is missing, ``HostCgroup.of`` returns None and the runtime falls back
+to restarting the container through the engine. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SETTLE_SEC = 2.0
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` fields after the command name (field 3 onwards)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+@dataclass(frozen=True)
+class HostCgroup:
+    """The freezer of one container's cgroup, as the host sees it."""
+
+    directory: Path
+    version: int  # 1: the v1 freezer controller; 2: the unified hierarchy
+
+    @classmethod
+    def of(cls, init_pid: int, container_id: str) -> HostCgroup | None:
+        """The cgroup of ``init_pid`` when it is ``container_id``'s and we can freeze it."""
+        try:
+            lines = Path(f"/proc/{init_pid}/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            _id, controllers, path = line.split(":", 2)
+            # The container id in the path guards against a PID seen from another namespace.
+            if container_id not in path:
+                continue
+            if "freezer" in controllers.split(","):
+                found = cls(CGROUP_ROOT / "freezer" / path.lstrip("/"), 1)
+            elif controllers == "" and _id == "0":
+                found = cls(CGROUP_ROOT / path.lstrip("/"), 2)
+            else:
+                continue
+            if os.access(found._freeze_file, os.W_OK):
+                return found
+        return None
+
+    @property
+    def _freeze_file(self) -> Path:
+        return self.directory / ("freezer.state" if self.version == 1 else "cgroup.freeze")
+
+    def pids(self) -> set[int]:
+        text = (self.directory / "cgroup.procs").read_text()
+        return {int(line) for line in text.split()}
+
+    def _set_frozen(self, frozen: bool) -> None:
+        if self.version == 1:
+            self._freeze_file.write_text("FROZEN" if frozen else "THAWED")
+        else:
+            self._freeze_file.write_text("1" if frozen else "0")
+
+    def _is_frozen(self) -> bool:
+        if self.version == 1:
+            return self._freeze_file.read_text().strip() == "FROZEN"
+        return "frozen 1" in (self.directory / "cgroup.events").read_text()
+
+    def kill_all_but_init(self, init_pid: int) -> bool:
+        """SIGKILL every process but ``init_pid`` and its first child; True once confirmed."""
+        deadline = time.monotonic() + _SETTLE_SEC
+        self._set_frozen(True)
+        try:
+            while not self._is_frozen():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+            keep = {init_pid} | _first_child(init_pid, self.pids())
+            for pid in self.pids() - keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            self._set_frozen(False)
+        while not self.pids() <= keep:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+
+def _first_child(init_pid: int, pids: set[int]) -> set[int]:
+    """The child of the init that started first: the container's own command.
+
+    Everything else init is parent of was reparented to it after its parent died
+    (a detached agent process), so it started later.
+    """
+    children: list[tuple[int, int]] = []
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None and int(fields[1]) == init_pid:
+            children.append((int(fields[19]), pid))  # (starttime, pid)
+    return {min(children)[1]} if children else set()
+
+
+__all__ = ["HostCgroup"]
