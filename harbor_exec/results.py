@@ -190,10 +190,27 @@ def _check_number(value: Any, path: Path) -> float | int:
     return value
 
 
+#: Bounds on a reward file (written in a container, so possibly hostile): larger
+#: files are refused before they are parsed.
+MAX_REWARD_FILE_BYTES = 1 << 20
+MAX_REWARD_KEYS = 1024
+
+
+def _check_reward_size(path: Path) -> None:
+    size = path.stat().st_size
+    if size > MAX_REWARD_FILE_BYTES:
+        raise VerifierOutputParseError(
+            f"{path} is {size} bytes; a reward file may hold at most {MAX_REWARD_FILE_BYTES}"
+        )
+
+
 def parse_rewards(verifier_dir: Path) -> Rewards:
     """Harbor's reward rules over a downloaded ``/logs/verifier`` directory."""
     json_path = verifier_dir / "reward.json"
     text_path = verifier_dir / "reward.txt"
+    for path in (json_path, text_path):
+        if path.is_file():
+            _check_reward_size(path)
     if json_path.is_file():
         if json_path.stat().st_size == 0:
             raise RewardFileEmptyError(f"reward file is empty: {json_path}")
@@ -205,6 +222,11 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
             raise VerifierOutputParseError(
                 f"{json_path} must be a flat JSON object of numbers, like "
                 f'{{"reward": 1.0}}; got {str(data)[:80]!r}'
+            )
+        if len(data) > MAX_REWARD_KEYS:
+            raise VerifierOutputParseError(
+                f"{json_path} has {len(data)} keys; a reward file may hold at most "
+                f"{MAX_REWARD_KEYS}"
             )
         return {str(key): _check_number(value, json_path) for key, value in data.items()}
     if text_path.is_file():

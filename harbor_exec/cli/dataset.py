@@ -14,6 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harbor_exec.cli.app import app
+from harbor_exec.cli.sandbox import (
+    DEFAULT_MAX_LOG_BYTES,
+    DefaultCpusOption,
+    DefaultMemoryOption,
+    MaxLogBytesOption,
+    VerifierModeChoice,
+    VerifierModeOption,
+    sandbox_policy,
+)
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
 from harbor_exec.jobs import (
@@ -25,7 +34,7 @@ from harbor_exec.jobs import (
     summary_rows,
 )
 from harbor_exec.tasks import Discovery, Task, discover_tasks
-from harbor_exec.trials import ensure_task_image
+from harbor_exec.trials import TrialRequest, ensure_task_image
 
 console = Console()
 
@@ -81,10 +90,22 @@ def validate(
     n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name")] = None,
+    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
+    default_cpus: DefaultCpusOption = None,
+    default_memory_mb: DefaultMemoryOption = None,
+    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
 ) -> None:
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
     discovery = load_dataset(path)
     runtime = open_runtime()
+    policy = sandbox_policy(
+        verifier_mode=verifier_mode,
+        default_cpus=default_cpus,
+        default_memory_mb=default_memory_mb,
+        max_log_bytes=max_log_bytes,
+        max_concurrent_trials=n_concurrent,
+        pid_max=runtime.pid_max(),
+    )
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
     progress = Progress(
         TextColumn("[bold]validate[/bold]"),
@@ -126,6 +147,7 @@ def validate(
                 n_attempts=n_attempts,
                 dataset_name=path.resolve().name,
                 invalid_tasks=discovery.broken,
+                make_request=lambda task, job_dir: TrialRequest(task, job_dir, policy=policy),
                 on_event=on_event,
             )
     except JobInterrupted as interrupted:

@@ -14,13 +14,22 @@ backends can be chosen from more options without touching the rest.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from harbor_exec.cli.app import app
+from harbor_exec.cli.sandbox import (
+    DEFAULT_MAX_LOG_BYTES,
+    DefaultCpusOption,
+    DefaultMemoryOption,
+    MaxLogBytesOption,
+    VerifierModeChoice,
+    VerifierModeOption,
+)
+from harbor_exec.runtime import OutputLimits
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
 
@@ -45,6 +54,12 @@ class ServeOptions:
     max_concurrent_trials: int = 4
     max_queue_depth: int | None = None
     prewarm: bool = False
+    task_roots: list[Path] = field(default_factory=list)
+    task_env_allow: list[str] = field(default_factory=list)
+    verifier_mode: str = "task"
+    default_cpus: float | None = None
+    default_memory_mb: int | None = None
+    max_log_bytes: int = OutputLimits().max_file_bytes
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -70,6 +85,12 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             artifacts_dir=options.artifact_root,
             max_concurrent_trials=options.max_concurrent_trials,
             max_queue_depth=options.max_queue_depth,
+            task_roots=options.task_roots,
+            task_env_allow=options.task_env_allow,
+            verifier_mode="separate" if options.verifier_mode == "separate" else "task",
+            default_cpus=options.default_cpus,
+            default_memory_mb=options.default_memory_mb,
+            output_limits=OutputLimits(max_file_bytes=options.max_log_bytes),
         )
     except BundleError as exc:
         typer.echo(f"error: the workflow bundle cannot be built: {exc}", err=True)
@@ -181,6 +202,18 @@ def serve(
         int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
     ] = None,
     prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
+    task_root: Annotated[
+        list[Path] | None,
+        typer.Option(help="Another directory metadata.harbor_task may point into (repeatable)."),
+    ] = None,
+    task_env_allow: Annotated[
+        list[str] | None,
+        typer.Option(help="A host variable ${VAR} in a request-named task may read (repeatable)."),
+    ] = None,
+    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
+    default_cpus: DefaultCpusOption = None,
+    default_memory_mb: DefaultMemoryOption = None,
+    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     import uvicorn
@@ -199,6 +232,12 @@ def serve(
         max_concurrent_trials=max_concurrent_trials,
         max_queue_depth=max_queue_depth,
         prewarm=prewarm,
+        task_roots=list(task_root or []),
+        task_env_allow=list(task_env_allow or []),
+        verifier_mode=verifier_mode.value,
+        default_cpus=default_cpus,
+        default_memory_mb=default_memory_mb,
+        max_log_bytes=max_log_bytes,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

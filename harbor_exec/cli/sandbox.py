@@ -1,0 +1,62 @@
+"""Sandbox options shared by ``serve`` and ``validate``."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from harbor_exec.runtime import OutputLimits
+from harbor_exec.trials import SandboxPolicy, default_pids_limit
+
+
+class VerifierModeChoice(StrEnum):
+    """Where verifiers run: as each task says, or always in a fresh container."""
+
+    TASK = "task"
+    SEPARATE = "separate"
+
+
+VerifierModeOption = Annotated[
+    VerifierModeChoice,
+    typer.Option(
+        help="task: each task's own \\[verifier].environment_mode; separate: every verifier "
+        "runs in a fresh container that sees only the artifacts (recommended for RL).",
+    ),
+]
+DefaultCpusOption = Annotated[
+    float | None, typer.Option(min=0.01, help="CPUs for tasks that set no [environment].cpus.")
+]
+DefaultMemoryOption = Annotated[
+    int | None,
+    typer.Option(min=16, help="Memory (MB) for tasks that set no \\[environment].memory_mb."),
+]
+DEFAULT_MAX_LOG_BYTES = OutputLimits().max_file_bytes
+MaxLogBytesOption = Annotated[
+    int,
+    typer.Option(
+        min=1024,
+        help="Cap on each file copied back from a container (oracle.txt, test-stdout.txt, "
+        "artifacts); the tail is kept after a marker.",
+    ),
+]
+
+
+def sandbox_policy(
+    *,
+    verifier_mode: VerifierModeChoice,
+    default_cpus: float | None,
+    default_memory_mb: int | None,
+    max_log_bytes: int,
+    max_concurrent_trials: int,
+    pid_max: int,
+) -> SandboxPolicy:
+    """The ``SandboxPolicy`` these options describe."""
+    return SandboxPolicy(
+        verifier_mode="separate" if verifier_mode is VerifierModeChoice.SEPARATE else None,
+        pids_limit=default_pids_limit(max_concurrent_trials, pid_max),
+        default_cpus=default_cpus,
+        default_memory_mb=default_memory_mb,
+        output=OutputLimits(max_file_bytes=max_log_bytes),
+    )
