@@ -227,6 +227,9 @@ class TestsVerifier:
         except Exception:
             return VerifierRun(exit_code=None, timed_out=False, upload_failed=True)
         result = session.bash(
+            # Harbor makes test.sh executable as root first; an image that bundles
+            # its tests may have copied it without the bit.
+            "chmod +x /tests/test.sh 2>/dev/null; "
             "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1",
             user=config.verifier.user,
             env=env,

@@ -1,0 +1,305 @@
+"""The sandbox against a hostile agent: each attack is a task that tries it.
+
+A policy under RL training finds every way to raise its reward that we leave
+open. These tasks detach background writers, replace ``tar``/``rm``/``cat``,
+fork-bomb their pids limit, print hundreds of megabytes, plant symlinks and
+write huge reward files; the recorded reward must stay the one ``test.sh`` wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import harbor_exec.docker_runtime as docker_runtime_module
+from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.results import TrialResult
+from harbor_exec.runtime import DROPPED_CAPABILITIES, OutputLimits
+from harbor_exec.tasks import load_task
+from harbor_exec.trials import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
+from tests.task_factory import make_task
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+# Linux capability numbers (include/uapi/linux/capability.h).
+CAP_BITS = {"NET_RAW": 13, "SYS_CHROOT": 18, "MKNOD": 27, "AUDIT_WRITE": 29, "SETFCAP": 31}
+
+
+def run(
+    runtime: DockerRuntime, task_dir: Path, trials: Path, policy: SandboxPolicy | None = None
+) -> TrialResult:
+    request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
+    if policy is not None:
+        request.policy = policy
+    return run_trial(runtime, request)
+
+
+def rewards(result: TrialResult) -> dict[str, float | int] | None:
+    return result.verifier_result.rewards if result.verifier_result else None
+
+
+@pytest.fixture(params=["host-cgroup", "engine-restart"])
+def kill_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of killing the agent's processes: through the host's cgroup, and (as
+    when harbor-exec cannot see the host) by restarting the container."""
+    if request.param == "engine-restart":
+        monkeypatch.setattr(docker_runtime_module.HostCgroup, "of", classmethod(lambda *a: None))
+    return str(request.param)
+
+
+def test_detached_background_writers_die_before_the_verifier(
+    docker_runtime: DockerRuntime, tmp_path: Path, kill_path: str
+) -> None:
+    solve = """
+        cat > /tmp/attacker.sh <<'EOF'
+        #!/bin/bash
+        while true; do echo 1 > /logs/verifier/reward.txt; echo '{"reward": 1}' > /logs/verifier/reward.json; sleep 0.01; done
+        EOF
+        chmod +x /tmp/attacker.sh
+        setsid /tmp/attacker.sh >/dev/null 2>&1 < /dev/null &
+        nohup /tmp/attacker.sh >/dev/null 2>&1 &
+        ( ( /tmp/attacker.sh >/dev/null 2>&1 & ) & )
+        sleep 0.5
+    """
+    test = """
+        sleep 1
+        for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done > /logs/verifier/procs.txt
+        echo 0 > /logs/verifier/reward.txt
+        sleep 1
+    """
+    task = make_task(tmp_path, "bg-writer", solve=solve, test=test)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert rewards(result) == {"reward": 0.0}
+    procs = (tmp_path / "trials" / result.trial_name / "verifier" / "procs.txt").read_text()
+    assert "attacker" not in procs
+    assert docker_runtime.host_kill is (kill_path == "host-cgroup")
+
+
+def test_replaced_tar_rm_and_cat_cannot_forge_the_reward(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    solve = """
+        mkdir -p /tmp/fake/logs/verifier /tmp/fake/logs/agent
+        echo 1 > /tmp/fake/logs/verifier/reward.txt
+        echo '{"reward": 1}' > /tmp/fake/logs/verifier/reward.json
+        tar -C /tmp/fake -cf /tmp/forged.tar logs
+        echo 1 > /logs/verifier/reward.txt
+        echo '{"reward": 1}' > /logs/verifier/reward.json
+        mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/test.sh
+        for bin in tar rm cat; do
+            for dir in /usr/bin /bin; do
+                [ -e $dir/$bin ] || continue
+                printf '#!/bin/bash\\n[ "$1" = "-xf" ] && exit 0\\n/usr/bin/head -c 99999999 /tmp/forged.tar\\n' > $dir/$bin
+                chmod +x $dir/$bin
+            done
+        done
+    """
+    task = make_task(tmp_path, "forge", solve=solve, test="echo 0 > /logs/verifier/reward.txt")
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert rewards(result) == {"reward": 0.0}
+
+    # A test.sh that writes nothing must not inherit the planted reward files.
+    silent = make_task(tmp_path, "forge-silent", solve=solve, test="true")
+    result = run(docker_runtime, silent, tmp_path / "trials")
+    assert result.exception_type == "RewardFileNotFoundError"
+    assert rewards(result) is None
+
+
+def test_fork_bomb_is_dead_before_test_sh(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    solve = """
+        bomb() { bomb | bomb & }
+        bomb
+        sleep 300
+    """
+    test = """
+        n=$(ls -d /proc/[0-9]* | wc -l)
+        echo "$n" > /logs/verifier/nprocs.txt
+        if [ "$n" -lt 20 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+    """
+    toml = "[agent]\ntimeout_sec = 4.0\n[verifier]\ntimeout_sec = 30.0\n"
+    task = make_task(tmp_path, "fork-bomb", solve=solve, test=test, toml=toml)
+    started = time.monotonic()
+    result = run(docker_runtime, task, tmp_path / "trials", SandboxPolicy(pids_limit=256))
+    assert time.monotonic() - started < 60
+    assert result.exception_type == "AgentTimeoutError"
+    assert rewards(result) == {"reward": 1.0}, (
+        tmp_path / "trials" / result.trial_name / "verifier" / "nprocs.txt"
+    ).read_text()
+
+
+def test_symlink_added_after_load_never_reaches_the_container(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("host-secret-" + "x" * 16)
+    test = """
+        if [ -e /tests/leak ]; then cp /tests/leak /logs/verifier/leak; echo 0 > /logs/verifier/reward.txt
+        else echo 1 > /logs/verifier/reward.txt; fi
+    """
+    task_dir = make_task(tmp_path, "late-symlink", test=test)
+    task = load_task(task_dir)
+    (task_dir / "tests" / "leak").symlink_to(secret)
+    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\necho 0 > /logs/verifier/reward.txt\n")
+    result = run_trial(docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials"))
+    # The snapshot taken at load runs: neither the link nor the rewritten test.sh.
+    assert rewards(result) == {"reward": 1.0}
+    for path in (tmp_path / "trials").rglob("*"):
+        assert not path.is_file() or b"host-secret" not in path.read_bytes()
+
+
+def test_hostile_output_is_bounded(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    solve = """
+        head -c 200000000 /dev/zero | tr '\\0' 'x'
+        echo THE-END
+        ln -s /etc/shadow /logs/agent/shadow-link
+        ln /etc/passwd /logs/agent/passwd-hardlink 2>/dev/null || true
+        mknod /logs/agent/device c 1 3 2>/dev/null || true
+    """
+    task = make_task(tmp_path, "big-print", solve=solve)
+    cap = 1 << 20
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
+    before = _rss_kib("VmRSS")
+    result = run(
+        docker_runtime,
+        task,
+        tmp_path / "trials",
+        SandboxPolicy(output=OutputLimits(max_file_bytes=cap)),
+    )
+    peak = _rss_kib("VmHWM")
+    assert result.exception_info is None and rewards(result) == {"reward": 1.0}
+    agent = tmp_path / "trials" / result.trial_name / "agent"
+    kept = (agent / "oracle.txt").read_bytes()
+    assert len(kept) < cap + 200
+    assert kept.startswith(b"[harbor-exec: ") and b"bytes cut here" in kept
+    assert kept.endswith(b"THE-END\n")
+    assert not (agent / "shadow-link").exists() and not (agent / "device").exists()
+    assert (peak - before) < 64 * 1024, f"RSS grew by {(peak - before) // 1024} MiB"
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def test_huge_reward_file_is_a_named_error_fast(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    test = """
+        awk 'BEGIN { printf "{"; for (i = 0; i < 400000; i++) printf "%s\\"k%d\\": 1", (i ? "," : ""), i; print "}" }' > /logs/verifier/reward.json
+    """
+    task = make_task(tmp_path, "huge-reward", test=test)
+    started = time.monotonic()
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert time.monotonic() - started < 30
+    assert result.exception_type == "VerifierOutputParseError"
+    assert result.exception_info is not None
+    assert "at most" in result.exception_info.exception_message
+
+
+def test_capabilities_are_dropped_and_can_be_asked_back(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    solve = "grep CapEff /proc/self/status | awk '{print $2}' > /logs/agent/capeff"
+    plain = make_task(tmp_path, "caps", solve=solve)
+    result = run(docker_runtime, plain, tmp_path / "trials")
+    capeff = int((tmp_path / "trials" / result.trial_name / "agent" / "capeff").read_text(), 16)
+    for name in DROPPED_CAPABILITIES:
+        assert not capeff & (1 << CAP_BITS[name]), name
+    assert capeff & (1 << 0)  # CHOWN: package installs still work
+
+    dockerfile = 'FROM debian:bookworm-slim\nLABEL harbor-exec.cap-add="SYS_CHROOT, NET_ADMIN"\nWORKDIR /app\n'
+    asking = make_task(tmp_path, "caps-back", solve=solve, dockerfile=dockerfile)
+    result = run(docker_runtime, asking, tmp_path / "trials")
+    capeff = int((tmp_path / "trials" / result.trial_name / "agent" / "capeff").read_text(), 16)
+    assert capeff & (1 << CAP_BITS["SYS_CHROOT"])
+    assert not capeff & (1 << 12)  # NET_ADMIN is not one we give back
+
+
+def test_default_pids_limit_keeps_twice_the_trials_under_pid_max() -> None:
+    for concurrency in (1, 4, 8, 32):
+        for pid_max in (32768, 4194304):
+            limit = default_pids_limit(concurrency, pid_max)
+            assert 2 * concurrency * limit < pid_max or limit == 128
+            assert limit <= 4096
+
+
+SEPARATE_TOML = """
+artifacts = ["/app/result.txt", {source = "/app/out", destination = "out-dir", exclude = ["*.tmp"]}]
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+environment_mode = "separate"
+"""
+
+SEPARATE_SOLVE = """
+    echo 42 > /app/result.txt
+    mkdir -p /app/out && echo kept > /app/out/a.txt && echo junk > /app/out/b.tmp
+    echo agent-only > /app/other.txt
+    mkdir -p /logs/artifacts && echo art > /logs/artifacts/a.txt
+    echo 1 > /logs/verifier/reward.txt
+"""
+
+SEPARATE_TEST = """
+    ok=1
+    [ -f /opt/verifier-tool/marker ] || ok=0
+    [ "$(cat /app/result.txt)" = 42 ] || ok=0
+    [ -f /app/out/a.txt ] && [ ! -e /app/out/b.tmp ] || ok=0
+    [ ! -e /app/other.txt ] || ok=0
+    [ "$(cat /logs/artifacts/a.txt)" = art ] || ok=0
+    [ -e /logs/verifier/reward.txt ] && ok=0
+    echo $ok > /logs/verifier/reward.txt
+"""
+
+
+def test_separate_verifier_sees_only_the_artifacts(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    task = make_task(
+        tmp_path, "separate", solve=SEPARATE_SOLVE, test=SEPARATE_TEST, toml=SEPARATE_TOML
+    )
+    # Harbor's tests/Dockerfile: the verifier image, built with tests/ as its context.
+    (task / "tests" / "Dockerfile").write_text(
+        "FROM debian:bookworm-slim\nRUN mkdir -p /opt/verifier-tool /app && "
+        "echo ok > /opt/verifier-tool/marker\nCOPY . /tests/\n"
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_environment_mode == "separate"
+    assert rewards(result) == {"reward": 1.0}
+    out = tmp_path / "trials" / result.trial_name
+    assert (out / "artifacts" / "result.txt").read_text() == "42\n"
+    assert (out / "artifacts" / "out-dir" / "a.txt").read_text() == "kept\n"
+    assert not (out / "artifacts" / "out-dir" / "b.tmp").exists()
+    manifest = json.loads((out / "artifacts" / "manifest.json").read_text())
+    assert [m["status"] for m in manifest] == ["ok", "ok"]
+    written = json.loads((out / "result.json").read_text())
+    assert written["verifier_environment_mode"] == "separate"
+
+
+def test_forced_separate_mode_hides_the_agents_files(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    solve = "echo planted > /app/planted.txt; mkdir -p /logs/artifacts; echo art > /logs/artifacts/a.txt"
+    test = """
+        if [ -e /app/planted.txt ] || [ ! -f /logs/artifacts/a.txt ]; then echo 0 > /logs/verifier/reward.txt
+        else echo 1 > /logs/verifier/reward.txt; fi
+    """
+    task = make_task(tmp_path, "force-separate", solve=solve, test=test)
+    shared = run(docker_runtime, task, tmp_path / "trials")
+    assert shared.verifier_environment_mode == "shared" and rewards(shared) == {"reward": 0.0}
+    separate = run(
+        docker_runtime, task, tmp_path / "trials", SandboxPolicy(verifier_mode="separate")
+    )
+    assert separate.verifier_environment_mode == "separate"
+    assert rewards(separate) == {"reward": 1.0}
+    assert not docker_runtime.our_containers(owner=docker_runtime.owner)
