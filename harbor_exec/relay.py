@@ -57,6 +57,8 @@ _READ_SIZE: Final = 64 * 1024
 _MAX_HEAD_BYTES: Final = 64 * 1024
 # An SSE event larger than this is not parsed for usage (it is still forwarded).
 _MAX_SSE_EVENT: Final = 1 * 2**20
+# How long a finished connection may take to deliver its last bytes and close.
+_LINGER_SEC: Final = 2.0
 
 _HOP_BY_HOP: Final = frozenset(
     {
@@ -426,7 +428,8 @@ class ModelRelay:
         self._writers.add(writer)
         try:
             await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, _Cut):
+            await self._lingering_close(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         except asyncio.CancelledError:
             # Only aclose() cancels; ending normally keeps asyncio's stream callback
@@ -439,6 +442,22 @@ class ModelRelay:
             self._writers.discard(writer)
             self._connections.discard(task)
             writer.transport.abort()
+
+    @staticmethod
+    async def _lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Flush, half-close, and drain what the client still sends, for a bounded time.
+
+        Closing a socket with unread input resets the connection, and a reset can
+        destroy an answer (a 413, the start of a cut stream) before the client reads it.
+        """
+        async with asyncio.timeout(_LINGER_SEC):
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+            while await reader.read(_READ_SIZE):
+                pass
+            writer.close()
+            await writer.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
@@ -455,6 +474,8 @@ class ModelRelay:
                 return
             try:
                 body = await self._admit(conn, reader, writer, event)
+            except _Cut:
+                return
             except _Reject as rejected:
                 self._count("rejected")
                 await self._send_error(
@@ -462,7 +483,10 @@ class ModelRelay:
                 )
                 return
             self._count("requests")
-            await self._forward(conn, writer, event, body)
+            try:
+                await self._forward(conn, writer, event, body)
+            except _Cut:
+                return
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()

@@ -359,6 +359,8 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> NoReturn:
 # --------------------------------------------------------------------------- relay forwarder
 
 _PIPE_CHUNK = 64 * 1024
+# How long a finished connection may take to deliver its last bytes to the workflow.
+_CLOSE_GRACE_SEC = 2.0
 
 
 class RelayForwarder:
@@ -421,6 +423,11 @@ class RelayForwarder:
             # (3.12.0/3.12.1) from logging the cancellation as an error.
             pass
         finally:
+            # Close, not abort: bytes still buffered for the client are delivered.
+            client_writer.close()
+            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
+                async with asyncio.timeout(_CLOSE_GRACE_SEC):
+                    await client_writer.wait_closed()
             self._writers.discard(client_writer)
             client_writer.transport.abort()
             if task is not None:
@@ -438,8 +445,9 @@ class RelayForwarder:
             if sink.can_write_eof() and not sink.is_closing():
                 sink.write_eof()
         except OSError:
-            # One side broke: the other cannot finish its exchange either.
-            sink.transport.abort()
+            # One side broke: the other cannot finish its exchange either, but what
+            # was already read is still delivered (close flushes, abort would not).
+            sink.close()
             other.transport.abort()
 
 
