@@ -260,7 +260,8 @@ class _SseUsage:
 def _safe_path(target: bytes, prefix: str) -> bool:
     """Whether the request target is an origin-form path under ``prefix``, no dot segments."""
     path = target.split(b"?", 1)[0]
-    if not path.startswith(b"/") or b"\\" in path or b"#" in path:
+    # "//" first would read as an authority to some URL parsers.
+    if not path.startswith(b"/") or path.startswith(b"//") or b"\\" in path or b"#" in path:
         return False
     try:
         text = unquote(path.decode("ascii"), errors="strict")
@@ -521,10 +522,7 @@ class ModelRelay:
             raise _Reject(401, "invalid_token", "missing or invalid relay token")
         if not _safe_path(request.target, self.path_prefix):
             raise _Reject(404, "path_not_allowed", f"only paths under {self.path_prefix or '/'}")
-        if self.usage.requests >= self.limits.max_requests:
-            raise _Reject(
-                429, "request_limit", f"this rollout's {self.limits.max_requests} calls are used up"
-            )
+        self._check_count()
         limit = self.limits.max_request_bytes
         if length is not None and length > limit:
             raise _Reject(413, "request_too_large", f"request body over {limit} bytes")
@@ -541,9 +539,18 @@ class ModelRelay:
                 if len(body) > limit:
                     raise _Reject(413, "request_too_large", f"request body over {limit} bytes")
             elif isinstance(event, h11.EndOfMessage):
+                # Again, now that no await separates the check from the count: calls
+                # on parallel connections must not overshoot the limit.
+                self._check_count()
                 return bytes(body)
             else:  # ConnectionClosed mid-body
                 raise _Cut
+
+    def _check_count(self) -> None:
+        if self.usage.requests >= self.limits.max_requests:
+            raise _Reject(
+                429, "request_limit", f"this rollout's {self.limits.max_requests} calls are used up"
+            )
 
     async def _send_error(
         self,

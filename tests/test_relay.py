@@ -308,6 +308,7 @@ async def test_a_missing_or_wrong_token_is_refused_before_the_model(
         b"/v1/%2e%2e/admin",
         b"/v1/%2E%2E/%2e%2e/metrics",
         b"http://127.0.0.1:1/v1/chat/completions",
+        b"//127.0.0.1:1/v1/chat/completions",
         b"*",
     ],
 )
@@ -355,6 +356,39 @@ async def test_the_request_count_limit_answers_429(tmp_path: Path, chat: FakeCha
         assert statuses == [200, 200, 200, 429, 429]
         assert len(chat.requests) == 3
         assert (rig.relay.usage.requests, rig.relay.usage.rejected) == (3, 2)
+        assert rig.totals.requests == 3
+
+
+async def test_parallel_calls_do_not_overshoot_the_request_limit(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    limits = RelayLimits(max_requests=4)
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", limits) as rig:
+        responses = await asyncio.gather(*(rig.chat_call() for _ in range(12)))
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200] * 4 + [429] * 8
+        assert len(chat.requests) == 4
+
+
+async def test_expect_100_continue_is_answered(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        body = json.dumps(CHAT_BODY).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", rig.forwarder.port)
+        try:
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                b"Authorization: Bearer " + rig.relay.token.encode() + b"\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+            )
+            await writer.drain()
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100 ")
+            writer.write(body)
+            final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert final.startswith(b"HTTP/1.1 200 ")
+        finally:
+            writer.close()
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"]
 
 
 async def test_a_declared_oversized_response_is_refused(tmp_path: Path, chat: FakeChat) -> None:
