@@ -27,6 +27,19 @@ the grader and their configs as ``module:attr``; only those four fields are read
                    "category": "timeout" | "validation_error" | "http_error" | "agent_error",
                    "phase": "setup" | "workflow" | "grader", "traceback": "..."}}
 
+    With the optional ``relay`` object::
+
+        "relay": {"socket": "/run/harbor-exec/relay/relay.sock", "path": "/v1"}
+
+    the model is reached through the host's per-rollout relay
+    (``harbor_exec.relay``) on that unix socket, and ``api_key`` is the
+    rollout's relay token, not the model's key; ``chat_completions_url`` is then
+    ignored. Before the workflow starts, the runner listens on a free port of
+    127.0.0.1 inside the container and pipes every connection's bytes both ways
+    to the socket (no HTTP parsing here); the workflow's chat URL is
+    ``http://127.0.0.1:<port><path>``. The listener and its connections close
+    when the workflow ends. A missing socket is a setup failure.
+
     A host detects agent failure by a non-zero exit code or, reading only the
     file, by the presence of the ``error`` key. ``category`` follows the SDK's
     ``categorize_exception``; ``phase`` is ``setup`` when the run never started
@@ -75,7 +88,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from harbor_exec.authoring import (
     AgentWorkflow,
@@ -96,6 +109,8 @@ __all__ = [
     "EXIT_OK",
     "EXIT_SETUP",
     "ManifestRefs",
+    "RelayForwarder",
+    "RelayInput",
     "RolloutInput",
     "RunnerPaths",
     "main",
@@ -130,6 +145,22 @@ class ManifestRefs(BaseModel):
     grader_config: str | None = None
 
 
+class RelayInput(BaseModel):
+    """``rollout.json``'s ``relay``: the model relay's socket in the container and URL path."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    socket: str
+    path: str = ""
+
+    @field_validator("path")
+    @classmethod
+    def _origin_path(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f"relay.path must be empty or start with '/': {value!r}")
+        return value.rstrip("/")
+
+
 class RolloutInput(BaseModel):
     """``rollout.json``: the agent's copy has no label; the grader's has it."""
 
@@ -142,6 +173,7 @@ class RolloutInput(BaseModel):
     metadata: dict[str, Any] | None = None
     chat_completions_url: str = ""
     api_key: str | None = None
+    relay: RelayInput | None = None
 
 
 class SampleFile(BaseModel):
@@ -324,14 +356,128 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> NoReturn:
     raise _Terminated
 
 
+# --------------------------------------------------------------------------- relay forwarder
+
+_PIPE_CHUNK = 64 * 1024
+# How long a finished connection may take to deliver its last bytes to the workflow.
+_CLOSE_GRACE_SEC = 2.0
+
+
+class RelayForwarder:
+    """A loopback TCP port whose connections are piped, byte for byte, to a unix socket.
+
+    The host's relay speaks HTTP on the socket; this end only copies bytes, so it
+    adds no parsing and works in a container without any network.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        """Listen on 127.0.0.1 (a free port) and return the port."""
+        self._server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def aclose(self) -> None:
+        """Stop listening and cut every open connection."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _on_connection(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        self._writers.add(client_writer)
+        try:
+            try:
+                relay_reader, relay_writer = await asyncio.open_unix_connection(self.socket_path)
+            except OSError as exc:
+                logger.warning("model relay %s is unreachable: %s", self.socket_path, exc)
+                return
+            self._writers.add(relay_writer)
+            try:
+                await asyncio.gather(
+                    self._pipe(client_reader, relay_writer, client_writer),
+                    self._pipe(relay_reader, client_writer, relay_writer),
+                )
+            finally:
+                self._writers.discard(relay_writer)
+                relay_writer.transport.abort()
+        except asyncio.CancelledError:
+            # Only aclose() cancels; ending normally keeps asyncio's stream callback
+            # (3.12.0/3.12.1) from logging the cancellation as an error.
+            pass
+        finally:
+            # Close, not abort: bytes still buffered for the client are delivered.
+            client_writer.close()
+            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
+                async with asyncio.timeout(_CLOSE_GRACE_SEC):
+                    await client_writer.wait_closed()
+            self._writers.discard(client_writer)
+            client_writer.transport.abort()
+            if task is not None:
+                self._tasks.discard(task)
+
+    @staticmethod
+    async def _pipe(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, other: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while data := await source.read(_PIPE_CHUNK):
+                sink.write(data)
+                await sink.drain()
+            # Pass the half-close on: an HTTP peer may still be answering.
+            if sink.can_write_eof() and not sink.is_closing():
+                sink.write_eof()
+        except OSError:
+            # One side broke: the other cannot finish its exchange either, but what
+            # was already read is still delivered (close flushes, abort would not).
+            sink.close()
+            other.transport.abort()
+
+
 # --------------------------------------------------------------------------- agent
 
 
 async def _run_workflow(
     workflow: AgentWorkflow[Any], context: AgentWorkflowContext[Any], rollout: RolloutInput
 ) -> RolloutSample:
+    forwarder: RelayForwarder | None = None
+    chat_url = rollout.chat_completions_url
+    if rollout.relay is not None:
+        forwarder = RelayForwarder(rollout.relay.socket)
+        port = await forwarder.start()
+        chat_url = f"http://127.0.0.1:{port}{rollout.relay.path}"
+    try:
+        return await _run_in_context(workflow, context, rollout, chat_url)
+    finally:
+        if forwarder is not None:
+            await forwarder.aclose()
+
+
+async def _run_in_context(
+    workflow: AgentWorkflow[Any],
+    context: AgentWorkflowContext[Any],
+    rollout: RolloutInput,
+    chat_url: str,
+) -> RolloutSample:
     with RolloutContext(
-        chat_completions_url=rollout.chat_completions_url,
+        chat_completions_url=chat_url,
         api_key=rollout.api_key,
         rollout_id=rollout.rollout_id,
     ) as rollout_context:
@@ -362,6 +508,11 @@ def run_agent(paths: RunnerPaths) -> int:
         secret = rollout.api_key
         if not manifest.workflow:
             raise SetupError(f"bundle manifest {paths.manifest} names no workflow")
+        if rollout.relay is not None and not os.path.exists(rollout.relay.socket):
+            raise SetupError(
+                f"the model relay socket {rollout.relay.socket} does not exist "
+                "(the host mounts it into the container)"
+            )
         workflow_cls = _resolve(manifest.workflow, "workflow", AgentWorkflow, paths.manifest)
         config = None
         if manifest.workflow_config:

@@ -5,6 +5,12 @@ it evaluates the arithmetic in the last user message and answers it (or answers
 wrong, or with no number, or fails with HTTP 500, per ``mode``), and records
 every request's path, ``Authorization`` header and body. ``base_url`` is what a
 rollout's ``chat_completions_url`` should be (clients append ``/chat/completions``).
+
+A request with ``"stream": true`` gets server-sent events as OpenAI sends them
+(a role/content chunk, a finish chunk, a usage chunk when
+``stream_options.include_usage`` is set, then ``[DONE]``); while ``stream_gate``
+is set and not released, the stream pauses after its first chunk. ``padding``
+adds that many bytes to the answer's content (in 1 KiB chunks when streaming).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import operator
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -76,7 +83,10 @@ class FakeChat:
         self.mode: Mode = mode
         self.requests: list[ChatRequest] = []
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._release = threading.Event()
+        self.stream_gate: threading.Event | None = None
+        self.padding = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -91,12 +101,21 @@ class FakeChat:
         with self._lock:
             return [r.authorization for r in self.requests]
 
+    def wait_for_requests(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` requests arrived (True) or ``timeout`` seconds passed."""
+        with self._arrived:
+            return self._arrived.wait_for(lambda: len(self.requests) >= count, timeout)
+
     def reset(self, mode: Mode = "correct") -> None:
         with self._lock:
             self._release.set()  # let any request still held by "slow" finish
             self._release = threading.Event()
             self.mode = mode
             self.requests.clear()
+            if self.stream_gate is not None:
+                self.stream_gate.set()
+            self.stream_gate = None
+            self.padding = 0
 
     def __enter__(self) -> FakeChat:
         self._thread.start()
@@ -143,6 +162,26 @@ class FakeChat:
             "usage": {"prompt_tokens": len(question.split()), "completion_tokens": 1},
         }
 
+    def _events(self, body: dict[str, Any], answer: dict[str, Any]) -> Iterator[bytes]:
+        """The SSE stream of ``answer``, paused after the first event while the gate is shut."""
+        content = answer["choices"][0]["message"]["content"]
+        base = {"id": answer["id"], "object": "chat.completion.chunk", "model": answer["model"]}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n"
+
+        yield event([{"index": 0, "delta": {"role": "assistant", "content": content}}])
+        for start in range(0, self.padding, 1024):
+            filler = "x" * min(1024, self.padding - start)
+            yield event([{"index": 0, "delta": {"content": filler}}])
+        gate = self.stream_gate
+        if gate is not None:
+            gate.wait(timeout=30)
+        yield event([{"index": 0, "delta": {}, "finish_reason": "stop"}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield event([], usage=answer["usage"])
+        yield b"data: [DONE]\n\n"
+
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         chat = self
 
@@ -158,10 +197,27 @@ class FakeChat:
                     chat.requests.append(
                         ChatRequest(self.path, self.headers.get("Authorization"), body)
                     )
-                if not self.path.rstrip("/").endswith("/chat/completions"):
+                    chat._arrived.notify_all()
+                if not self.path.split("?")[0].rstrip("/").endswith("/chat/completions"):
                     self._reply(404, {"error": {"message": f"no route {self.path}"}})
                     return
-                self._reply(*chat._answer(body))
+                status, answer = chat._answer(body)
+                if status == 200 and chat.padding and not body.get("stream"):
+                    answer["choices"][0]["message"]["content"] += "x" * chat.padding
+                if status != 200 or not body.get("stream"):
+                    self._reply(status, answer)
+                    return
+                # HTTP/1.0 and no length: the stream ends when the connection closes.
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                try:
+                    for data in chat._events(body, answer):
+                        self.wfile.write(data)
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client (or a relay) cut the stream: expected in tests
 
             def _reply(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()

@@ -1,0 +1,686 @@
+"""Per-rollout model relay: the only way a containerised workflow reaches the model.
+
+A ``ModelRelay`` is an HTTP/1.1 server (``h11`` over ``asyncio``) on a unix
+socket in a fresh directory that the trial mounts into the container. The
+workflow gets a per-rollout token instead of the trainer's API key; the relay
+checks the token, swaps in the real key and forwards the call to the upstream
+chat endpoint with ``httpx``, streaming the answer back as it arrives. It
+enforces size and count limits and records token usage per rollout (and in the
+process-wide ``RELAY_TOTALS`` for ``/metrics``).
+
+Inside the container, ``harbor_exec.runner`` pipes a loopback TCP port to the
+socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
+network at all (``network=none`` works).
+
+The real key lives only in this object's memory and in the upstream request
+headers: it is never logged, never written to disk and never in an error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import os
+import secrets
+import shutil
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+from urllib.parse import unquote, urlsplit
+
+import h11
+import httpx
+
+__all__ = [
+    "RELAY_TOTALS",
+    "SOCKET_NAME",
+    "ModelRelay",
+    "RelayLimits",
+    "RelayTotals",
+    "RelayUsage",
+    "render_relay_metrics",
+]
+
+logger = logging.getLogger("harbor_exec.relay")
+
+SOCKET_NAME: Final = "relay.sock"
+# sockaddr_un.sun_path is 108 bytes on Linux, NUL included.
+_MAX_SOCKET_PATH: Final = 107
+_READ_SIZE: Final = 64 * 1024
+# Request line plus headers; a chat call's headers are a few hundred bytes.
+_MAX_HEAD_BYTES: Final = 64 * 1024
+# An SSE event larger than this is not parsed for usage (it is still forwarded).
+_MAX_SSE_EVENT: Final = 1 * 2**20
+# How long a finished connection may take to deliver its last bytes and close.
+_LINGER_SEC: Final = 2.0
+
+_HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Never forwarded upstream: the relay sets the key, httpx sets host and length,
+# and identity encoding keeps the body parseable for usage.
+_REQUEST_DROP: Final = _HOP_BY_HOP | {
+    b"host",
+    b"authorization",
+    b"content-length",
+    b"accept-encoding",
+    b"expect",
+}
+_RESPONSE_DROP: Final = _HOP_BY_HOP | {b"content-length"}
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """Per-relay (that is, per-rollout) bounds."""
+
+    max_request_bytes: int = 8 * 2**20
+    max_response_bytes: int = 64 * 2**20
+    max_requests: int = 1000
+    upstream_timeout_sec: float = 600.0
+    # Open client connections at once; a hostile agent must not exhaust the host's fds.
+    max_connections: int = 32
+
+
+@dataclass
+class RelayUsage:
+    """What one relay saw; read it after the rollout (or live, from the same event loop)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    rejected: int = 0  # bad token, over limits, wrong path
+    upstream_errors: int = 0  # 502s: the upstream failed, timed out or answered too much
+
+
+@dataclass
+class RelayTotals:
+    """Process-wide sums over every relay, for ``/metrics``."""
+
+    relays_started: int = 0
+    relays_active: int = 0
+    requests: int = 0
+    rejected: int = 0
+    upstream_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+RELAY_TOTALS: Final = RelayTotals()
+
+
+def render_relay_metrics(totals: RelayTotals = RELAY_TOTALS) -> str:
+    """Prometheus text lines for ``totals``, ending in a newline (append to ``/metrics``)."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value: int) -> None:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.append(f"{name} {value}")
+
+    metric(
+        "harbor_exec_relay_started_total", "counter", "Model relays started.", totals.relays_started
+    )
+    metric("harbor_exec_relay_active", "gauge", "Model relays open now.", totals.relays_active)
+    metric(
+        "harbor_exec_relay_requests_total",
+        "counter",
+        "Model calls forwarded upstream by the relays.",
+        totals.requests,
+    )
+    metric(
+        "harbor_exec_relay_rejected_total",
+        "counter",
+        "Relay requests refused: bad token, wrong path or over a limit.",
+        totals.rejected,
+    )
+    metric(
+        "harbor_exec_relay_upstream_errors_total",
+        "counter",
+        "Relay calls answered 502: upstream failure, timeout or oversized answer.",
+        totals.upstream_errors,
+    )
+    out.append("# HELP harbor_exec_relay_tokens_total Tokens reported by the model, by kind.")
+    out.append("# TYPE harbor_exec_relay_tokens_total counter")
+    out.append(f'harbor_exec_relay_tokens_total{{kind="prompt"}} {totals.prompt_tokens}')
+    out.append(f'harbor_exec_relay_tokens_total{{kind="completion"}} {totals.completion_tokens}')
+    out.append("")
+    return "\n".join(out)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # Loading the CA bundle takes milliseconds; do it once per process, not per relay.
+    return httpx.create_ssl_context()
+
+
+class _Reject(Exception):
+    """Answer the client with ``status`` and a short JSON error, then close."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class _Cut(Exception):
+    """Drop the client connection without an answer (the response already started)."""
+
+
+def _error_body(code: str, message: str) -> bytes:
+    # OpenAI's error shape, so SDK clients surface the message.
+    return json.dumps({"error": {"message": message, "type": "relay_error", "code": code}}).encode()
+
+
+def _usage_numbers(payload: Any) -> tuple[int, int, int] | None:
+    """(prompt, completion, total) from a response object's ``usage``, if it has one."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+
+    def number(key: str) -> int:
+        value = usage.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    prompt, completion = number("prompt_tokens"), number("completion_tokens")
+    return prompt, completion, number("total_tokens") or prompt + completion
+
+
+class _SseUsage:
+    """Finds ``usage`` in an SSE stream chunk by chunk, holding at most one event."""
+
+    def __init__(self) -> None:
+        self._line = bytearray()
+        self._data = bytearray()
+        self._oversized = False
+        self.found: tuple[int, int, int] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._line += chunk
+        while True:
+            end = self._line.find(b"\n")
+            if end < 0:
+                if len(self._line) > _MAX_SSE_EVENT:
+                    self._line.clear()
+                    self._oversized = True
+                return
+            line = bytes(self._line[:end]).rstrip(b"\r")
+            del self._line[: end + 1]
+            self._on_line(line)
+
+    def _on_line(self, line: bytes) -> None:
+        if not line:
+            self._dispatch()
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            if self._data:
+                self._data += b"\n"
+            self._data += value[1:] if value.startswith(b" ") else value
+            if len(self._data) > _MAX_SSE_EVENT:
+                self._data.clear()
+                self._oversized = True
+
+    def _dispatch(self) -> None:
+        data, oversized = bytes(self._data), self._oversized
+        self._data.clear()
+        self._oversized = False
+        # Cheap substring test first: most chunks carry no usage.
+        if oversized or b'"usage"' not in data:
+            return
+        with contextlib.suppress(ValueError):
+            found = _usage_numbers(json.loads(data))
+            if found is not None:
+                # Servers that send usage on every chunk send running totals: keep the last.
+                self.found = found
+
+    def close(self) -> None:
+        self._on_line(bytes(self._line).rstrip(b"\r"))
+        self._dispatch()
+
+
+def _safe_path(target: bytes, prefix: str) -> bool:
+    """Whether the request target is an origin-form path under ``prefix``, no dot segments."""
+    path = target.split(b"?", 1)[0]
+    # "//" first would read as an authority to some URL parsers.
+    if not path.startswith(b"/") or path.startswith(b"//") or b"\\" in path or b"#" in path:
+        return False
+    try:
+        text = unquote(path.decode("ascii"), errors="strict")
+    except (UnicodeDecodeError, ValueError):
+        return False
+    # Decoded too: an upstream that decodes %2e%2e before routing must not escape the prefix.
+    segments = text.split("/")
+    if any(s in (".", "..") for s in segments) or "\x00" in text:
+        return False
+    return not prefix or text == prefix or text.startswith(prefix + "/")
+
+
+class ModelRelay:
+    """One rollout's model relay; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        upstream_url: str,
+        api_key: str | None,
+        directory: Path,
+        limits: RelayLimits = RelayLimits(),
+        transport: httpx.AsyncBaseTransport | None = None,
+        totals: RelayTotals | None = RELAY_TOTALS,
+    ) -> None:
+        """Only reads the configuration; ``start()`` creates ``directory`` and binds.
+
+        ``transport`` (e.g. one shared by every relay, for pooled upstream
+        connections) is used but never closed by the relay; without one the
+        relay owns a fresh pool. ``totals`` receives this relay's counts as
+        they happen (None: only ``usage``).
+        """
+        parts = urlsplit(upstream_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            # No URL in the message: it may carry credentials.
+            raise ValueError("upstream_url must be an absolute http(s) URL")
+        self.upstream_origin = f"{parts.scheme}://{parts.netloc}"
+        self.path_prefix: str = parts.path.rstrip("/")
+        self.directory = Path(directory)
+        self.socket_path: Path = self.directory / SOCKET_NAME
+        self.limits = limits
+        self.token: str = secrets.token_urlsafe(32)
+        self.usage = RelayUsage()
+        self._api_key = api_key
+        self._token_bytes = self.token.encode()
+        self._transport = transport
+        self._totals = totals
+        self._client: httpx.AsyncClient | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        # Never the key, nor the token.
+        return f"ModelRelay(socket={str(self.socket_path)!r}, prefix={self.path_prefix!r})"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the directory (0755; it must not exist), bind the socket (0666) and listen."""
+        if self._server is not None or self._closed:
+            raise RuntimeError("a ModelRelay starts once")
+        if len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH:
+            raise ValueError(
+                f"relay socket path {self.socket_path} is longer than {_MAX_SOCKET_PATH} "
+                "bytes; use a shorter directory"
+            )
+        self.directory.mkdir(mode=0o755)
+        try:
+            # Explicit chmods: the umask must not decide who in the container may connect.
+            os.chmod(self.directory, 0o755)
+            self._server = await asyncio.start_unix_server(
+                self._on_connection, path=self.socket_path, limit=_READ_SIZE
+            )
+            os.chmod(self.socket_path, 0o666)
+            timeout = httpx.Timeout(self.limits.upstream_timeout_sec)
+            if self._transport is not None:
+                self._client = httpx.AsyncClient(
+                    transport=self._transport, timeout=timeout, trust_env=False
+                )
+            else:
+                self._client = httpx.AsyncClient(
+                    verify=_ssl_context(), timeout=timeout, trust_env=False
+                )
+        except BaseException:
+            await self._teardown()
+            raise
+        if self._totals is not None:
+            self._totals.relays_started += 1
+            self._totals.relays_active += 1
+
+    async def aclose(self) -> None:
+        """Stop accepting, cut open connections, remove the socket and the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        started = self._server is not None
+        await self._teardown()
+        if started and self._totals is not None:
+            self._totals.relays_active -= 1
+
+    async def _teardown(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        # Removing the path first means no new connect can even reach the listener.
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if server is not None:
+            # Bounded: a connection accepted in this very moment closes itself on its first step.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await server.wait_closed()
+        client, self._client = self._client, None
+        if client is not None and self._transport is None:
+            await client.aclose()
+        # Only our socket should be in there; anything else is removed with it.
+        if self.directory.is_dir() and not self.directory.is_symlink():
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    async def __aenter__(self) -> ModelRelay:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ counting
+
+    def _count(self, what: str, amount: int = 1) -> None:
+        setattr(self.usage, what, getattr(self.usage, what) + amount)
+        if self._totals is not None and hasattr(self._totals, what):
+            setattr(self._totals, what, getattr(self._totals, what) + amount)
+
+    def _record_usage(self, numbers: tuple[int, int, int]) -> None:
+        prompt, completion, total = numbers
+        self._count("prompt_tokens", prompt)
+        self._count("completion_tokens", completion)
+        self.usage.total_tokens += total
+
+    # ------------------------------------------------------------------ connections
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        if self._closed or task is None or len(self._connections) >= self.limits.max_connections:
+            self._count("rejected")
+            writer.transport.abort()
+            return
+        self._connections.add(task)
+        self._writers.add(writer)
+        try:
+            await self._serve(reader, writer)
+            await self._lingering_close(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        except asyncio.CancelledError:
+            # Only aclose() cancels; ending normally keeps asyncio's stream callback
+            # (3.12.0/3.12.1) from logging the cancellation as an error.
+            pass
+        except Exception:
+            # A relay bug must not take the server down; the message names no secret.
+            logger.exception("model relay connection failed")
+        finally:
+            self._writers.discard(writer)
+            self._connections.discard(task)
+            writer.transport.abort()
+
+    @staticmethod
+    async def _lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Flush, half-close, and drain what the client still sends, for a bounded time.
+
+        Closing a socket with unread input resets the connection, and a reset can
+        destroy an answer (a 413, the start of a cut stream) before the client reads it.
+        """
+        async with asyncio.timeout(_LINGER_SEC):
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+            while await reader.read(_READ_SIZE):
+                pass
+            writer.close()
+            await writer.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        while True:
+            try:
+                event = await self._next_event(conn, reader)
+            except h11.RemoteProtocolError:
+                self._count("rejected")
+                await self._send_error(conn, writer, 400, "bad_request", "malformed HTTP request")
+                return
+            if isinstance(event, h11.ConnectionClosed):
+                return
+            if not isinstance(event, h11.Request):  # pragma: no cover - h11 orders events
+                return
+            try:
+                body = await self._admit(conn, reader, writer, event)
+            except _Cut:
+                return
+            except _Reject as rejected:
+                self._count("rejected")
+                await self._send_error(
+                    conn, writer, rejected.status, rejected.code, rejected.message
+                )
+                return
+            self._count("requests")
+            try:
+                await self._forward(conn, writer, event, body)
+            except _Cut:
+                return
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+
+    async def _next_event(self, conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await reader.read(_READ_SIZE))
+
+    async def _admit(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+    ) -> bytes:
+        """Check the token, path, count and size; return the whole request body."""
+        authorization = b""
+        length: int | None = None
+        for name, value in request.headers:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-length":
+                length = int(value)  # h11 has validated it
+        scheme, _, presented = authorization.partition(b" ")
+        # compare_digest: the time taken must not reveal how much of the token matched.
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(
+            presented.strip(), self._token_bytes
+        ):
+            raise _Reject(401, "invalid_token", "missing or invalid relay token")
+        if not _safe_path(request.target, self.path_prefix):
+            raise _Reject(404, "path_not_allowed", f"only paths under {self.path_prefix or '/'}")
+        self._check_count()
+        limit = self.limits.max_request_bytes
+        if length is not None and length > limit:
+            raise _Reject(413, "request_too_large", f"request body over {limit} bytes")
+        if conn.they_are_waiting_for_100_continue:
+            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+        body = bytearray()
+        while True:
+            try:
+                event = await self._next_event(conn, reader)
+            except h11.RemoteProtocolError:
+                raise _Reject(400, "bad_request", "malformed request body") from None
+            if isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > limit:
+                    raise _Reject(413, "request_too_large", f"request body over {limit} bytes")
+            elif isinstance(event, h11.EndOfMessage):
+                # Again, now that no await separates the check from the count: calls
+                # on parallel connections must not overshoot the limit.
+                self._check_count()
+                return bytes(body)
+            else:  # ConnectionClosed mid-body
+                raise _Cut
+
+    def _check_count(self) -> None:
+        if self.usage.requests >= self.limits.max_requests:
+            raise _Reject(
+                429, "request_limit", f"this rollout's {self.limits.max_requests} calls are used up"
+            )
+
+    async def _send_error(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        status: int,
+        code: str,
+        message: str,
+    ) -> None:
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        if conn.our_state is h11.IDLE and conn.their_state is h11.IDLE:
+            return  # h11 cannot answer before a request line; just close
+        body = _error_body(code, message)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            # The rest of a refused request is never read, so the connection cannot be reused.
+            (b"connection", b"close"),
+        ]
+        with contextlib.suppress(h11.LocalProtocolError):
+            data = conn.send(h11.Response(status_code=status, headers=headers))
+            data = (data or b"") + (conn.send(h11.Data(data=body)) or b"")
+            data += conn.send(h11.EndOfMessage()) or b""
+            writer.write(data)
+            await writer.drain()
+
+    # ------------------------------------------------------------------ forwarding
+
+    def _upstream_headers(self, request: h11.Request) -> list[tuple[bytes, bytes]]:
+        named_by_connection = {
+            token.strip().lower()
+            for name, value in request.headers
+            if name == b"connection"
+            for token in value.split(b",")
+        }
+        headers = [
+            (name, value)
+            for name, value in request.headers
+            if name not in _REQUEST_DROP and name not in named_by_connection
+        ]
+        headers.append((b"accept-encoding", b"identity"))
+        if self._api_key:
+            headers.append((b"authorization", b"Bearer " + self._api_key.encode()))
+        return headers
+
+    async def _forward(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, body: bytes
+    ) -> None:
+        client = self._client
+        if client is None:
+            raise _Cut
+        upstream = client.build_request(
+            request.method.decode("ascii"),
+            self.upstream_origin + request.target.decode("ascii"),
+            headers=self._upstream_headers(request),
+            content=body,
+        )
+        try:
+            async with asyncio.timeout(self.limits.upstream_timeout_sec):
+                response = await client.send(upstream, stream=True)
+                try:
+                    await self._relay_response(conn, writer, response)
+                finally:
+                    await response.aclose()
+        except (_Cut, ConnectionError):
+            raise
+        except _Reject as rejected:
+            self._count("rejected")
+            if rejected.status == 502:
+                self._count("upstream_errors")
+            await self._send_error(conn, writer, rejected.status, rejected.code, rejected.message)
+            raise _Cut from None
+        except (httpx.HTTPError, TimeoutError, OSError) as exc:
+            self._count("upstream_errors")
+            # The type only: httpx messages hold URLs, and the URL is the trainer's business.
+            message = f"upstream model call failed: {type(exc).__name__}"
+            logger.warning("model relay: %s", message)
+            # A no-op once the response has started: the cut connection tells the client.
+            await self._send_error(conn, writer, 502, "upstream_error", message)
+            raise _Cut from None
+
+    async def _relay_response(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, response: httpx.Response
+    ) -> None:
+        limit = self.limits.max_response_bytes
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Reject(502, "response_too_large", f"the model's answer is over {limit} bytes")
+        content_type = response.headers.get("content-type", "").lower()
+        encoded = response.headers.get("content-encoding", "identity").lower() != "identity"
+        sse = (not encoded) and content_type.startswith("text/event-stream")
+        as_json = (not encoded) and "json" in content_type
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _RESPONSE_DROP]
+        if declared is not None and declared.isdigit():
+            headers.append((b"content-length", declared.encode()))
+        head = conn.send(
+            h11.Response(
+                status_code=response.status_code,
+                headers=headers,
+                reason=response.reason_phrase.encode("ascii", "replace"),
+            )
+        )
+        writer.write(head or b"")
+        sse_usage = _SseUsage() if sse else None
+        json_body = bytearray() if as_json else None
+        size = 0
+        async for chunk in response.aiter_raw():
+            size += len(chunk)
+            if size > limit:
+                self._count("rejected")
+                self._count("upstream_errors")
+                logger.warning("model relay: the model's answer is over %d bytes; cut", limit)
+                raise _Cut
+            if sse_usage is not None:
+                sse_usage.feed(chunk)
+            elif json_body is not None:
+                json_body += chunk
+            writer.write(conn.send(h11.Data(data=chunk)) or b"")
+            # Drain per chunk: SSE tokens reach the client as they arrive, and a slow
+            # reader applies back-pressure instead of filling memory.
+            await writer.drain()
+        writer.write(conn.send(h11.EndOfMessage()) or b"")
+        await writer.drain()
+        found: tuple[int, int, int] | None = None
+        if sse_usage is not None:
+            sse_usage.close()
+            found = sse_usage.found
+        elif json_body:
+            with contextlib.suppress(ValueError):
+                found = _usage_numbers(json.loads(json_body))
+        if found is not None:
+            self._record_usage(found)

@@ -1,0 +1,565 @@
+"""The per-rollout model relay and the runner's forwarder, with real sockets only.
+
+A fake OpenAI-compatible model (``FakeChat``) listens on 127.0.0.1 and records
+the key it is called with; the relay listens on a unix socket under tmp_path;
+the runner's ``RelayForwarder`` pipes a loopback port to it, as in a container.
+The first test runs the real ``python -m harbor_exec.runner agent`` subprocess.
+Every test checks afterwards that the real key is in no file under tmp_path and
+in no log record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import stat
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from bundle_utils import REPO_ROOT, clean_env
+from fake_chat import FakeChat
+
+from harbor_exec.relay import (
+    ModelRelay,
+    RelayLimits,
+    RelayTotals,
+    render_relay_metrics,
+)
+from harbor_exec.runner import RelayForwarder
+
+pytestmark = pytest.mark.timeout(60)
+
+REAL_KEY = "sk-real-model-key-5f1e9c0a7b"
+QUESTION = "What is 17 + 25?"
+CHAT_BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
+PROMPT_TOKENS = len(QUESTION.split())
+
+
+@pytest.fixture(scope="module")
+def chat() -> Iterator[FakeChat]:
+    with FakeChat() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def no_key_leaks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, chat: FakeChat
+) -> Iterator[None]:
+    chat.reset()
+    caplog.set_level(logging.DEBUG)
+    yield
+    chat.reset()  # releases anything a test left waiting
+    for record in caplog.get_records("setup") + caplog.get_records("call"):
+        text = record.getMessage() + (record.exc_text or "") + str(record.exc_info or "")
+        assert REAL_KEY not in text, record
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert REAL_KEY.encode() not in path.read_bytes(), path
+
+
+@dataclass
+class Rig:
+    """Fake model <- relay (unix socket) <- forwarder (127.0.0.1:port) <- client."""
+
+    relay: ModelRelay
+    forwarder: RelayForwarder
+    totals: RelayTotals
+    client: httpx.AsyncClient
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.forwarder.port}{self.relay.path_prefix}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.relay.token}"}
+
+    async def chat_call(self, body: dict[str, Any] = CHAT_BODY, **kwargs: Any) -> httpx.Response:
+        headers = kwargs.pop("headers", self.auth)
+        return await self.client.post(
+            f"{self.base_url}/chat/completions", json=body, headers=headers, **kwargs
+        )
+
+
+@asynccontextmanager
+async def open_rig(
+    tmp_path: Path, upstream: str, limits: RelayLimits | None = None
+) -> AsyncIterator[Rig]:
+    totals = RelayTotals()
+    relay = ModelRelay(
+        upstream_url=upstream,
+        api_key=REAL_KEY,
+        directory=tmp_path / "relay",
+        limits=limits or RelayLimits(),
+        totals=totals,
+    )
+    async with relay:
+        forwarder = RelayForwarder(str(relay.socket_path))
+        await forwarder.start()
+        try:
+            async with httpx.AsyncClient(timeout=15) as client:
+                yield Rig(relay, forwarder, totals, client)
+        finally:
+            await forwarder.aclose()
+
+
+async def _raw_status(port: int, request: bytes) -> int:
+    """Send raw bytes to the forwarder and return the answer's status code."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+    return int(line.split()[1])
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+RELAYED_FLOW = """
+    import json
+
+    import httpx
+
+    from harbor_exec.authoring import AgentWorkflow, get_rollout_context
+
+    class Relayed(AgentWorkflow):
+        async def run(self, ctx):
+            rollout = get_rollout_context()
+            async with httpx.AsyncClient(timeout=20) as client:
+                response = await client.post(
+                    rollout.chat_completions_url + "/chat/completions",
+                    json={"model": "m", "messages": ctx.prompt},
+                    headers={"Authorization": f"Bearer {rollout.api_key}"},
+                )
+                response.raise_for_status()
+            seen = {"url": rollout.chat_completions_url, "key": rollout.api_key}
+            return [
+                *ctx.prompt,
+                response.json()["choices"][0]["message"],
+                {"role": "user", "content": json.dumps(seen)},
+            ]
+    """
+
+
+async def _run_agent(tmp_path: Path, rollout: dict[str, Any]) -> tuple[int, str]:
+    """``python -m harbor_exec.runner agent`` as a subprocess; (exit code, stdout+stderr)."""
+    mods = tmp_path / "mods"
+    mods.mkdir(exist_ok=True)
+    (mods / "relayed_flow.py").write_text(textwrap.dedent(RELAYED_FLOW))
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"format_version": 1, "workflow": "relayed_flow:Relayed"}))
+    logs = tmp_path / "logs"
+    (logs / "agent").mkdir(parents=True, exist_ok=True)
+    (logs / "agent" / "rollout.json").write_text(json.dumps(rollout))
+    command = [sys.executable, "-m", "harbor_exec.runner", "agent", "--manifest", str(manifest)]
+    command += ["--logs-dir", str(logs), "--tests-dir", str(tmp_path / "tests")]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        env=clean_env(PYTHONPATH=f"{REPO_ROOT}:{mods}"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), 45)
+    assert process.returncode is not None
+    return process.returncode, output.decode()
+
+
+async def test_runner_workflow_reaches_the_model_with_the_real_key_and_sees_only_the_token(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    totals = RelayTotals()
+    relay = ModelRelay(
+        upstream_url=f"{chat.base_url}/v1",
+        api_key=REAL_KEY,
+        directory=tmp_path / "relay",
+        totals=totals,
+    )
+    async with relay:
+        rollout = {
+            "version": 1,
+            "rollout_id": "r-relay",
+            "prompt": [{"role": "user", "content": QUESTION}],
+            # The real URL must not matter: the relay is the way out.
+            "chat_completions_url": "http://198.51.100.1:9/unused",
+            "api_key": relay.token,
+            "relay": {"socket": str(relay.socket_path), "path": relay.path_prefix},
+        }
+        code, output = await _run_agent(tmp_path, rollout)
+    assert code == 0, output
+    assert REAL_KEY not in output
+    sample = json.loads((tmp_path / "logs" / "agent" / "sample.json").read_text())
+    assert sample["messages"][1] == {"role": "assistant", "content": "42"}
+    seen = json.loads(sample["messages"][2]["content"])
+    assert seen["key"] == relay.token != REAL_KEY
+    assert seen["url"].startswith("http://127.0.0.1:") and seen["url"].endswith("/v1")
+    # The model got the real key, on the upstream path, exactly once.
+    assert chat.authorizations == [f"Bearer {REAL_KEY}"]
+    assert chat.requests[0].path == "/v1/chat/completions"
+    assert (relay.usage.requests, relay.usage.prompt_tokens) == (1, PROMPT_TOKENS)
+    assert (totals.requests, totals.relays_started, totals.relays_active) == (1, 1, 0)
+
+
+async def test_runner_without_the_relay_socket_fails_at_setup(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    rollout = {
+        "version": 1,
+        "rollout_id": "r-nosock",
+        "prompt": [{"role": "user", "content": QUESTION}],
+        "api_key": "token-that-goes-nowhere",
+        "relay": {"socket": str(tmp_path / "missing" / "relay.sock"), "path": "/v1"},
+    }
+    code, output = await _run_agent(tmp_path, rollout)
+    assert code == 2, output
+    error = json.loads((tmp_path / "logs" / "agent" / "sample.json").read_text())["error"]
+    assert error["phase"] == "setup"
+    assert "relay socket" in error["message"]
+    assert chat.requests == []
+
+
+async def test_forwarder_stops_listening_when_closed(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        port = rig.forwarder.port
+        assert (await rig.chat_call()).status_code == 200
+        await rig.forwarder.aclose()
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+
+
+# --------------------------------------------------------------------------- relay behaviour
+
+
+async def test_json_call_swaps_the_key_forwards_the_query_and_records_usage(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1/") as rig:
+        assert rig.relay.path_prefix == "/v1"
+        first = await rig.chat_call(params={"api-version": "2024"})
+        second = await rig.chat_call()  # the same kept-alive connection
+        assert first.status_code == second.status_code == 200
+        assert first.json()["choices"][0]["message"]["content"] == "42"
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"] * 2
+        assert chat.requests[0].path == "/v1/chat/completions?api-version=2024"
+        assert chat.requests[0].body == CHAT_BODY
+        usage = rig.relay.usage
+        assert (usage.requests, usage.rejected) == (2, 0)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (2 * PROMPT_TOKENS, 2)
+        assert usage.total_tokens == 2 * (PROMPT_TOKENS + 1)
+        assert (rig.totals.prompt_tokens, rig.totals.completion_tokens) == (2 * PROMPT_TOKENS, 2)
+
+
+async def test_no_api_key_means_no_authorization_upstream(tmp_path: Path, chat: FakeChat) -> None:
+    relay = ModelRelay(upstream_url=chat.base_url, api_key=None, directory=tmp_path / "relay")
+    async with relay:
+        assert relay.path_prefix == ""
+        transport = httpx.AsyncHTTPTransport(uds=str(relay.socket_path))
+        async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+            response = await client.post(
+                "http://relay/chat/completions",
+                json=CHAT_BODY,
+                headers={"Authorization": f"Bearer {relay.token}"},
+            )
+    assert response.status_code == 200
+    assert chat.authorizations == [None]
+
+
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer", "Bearer wrong-token", "Bearer SAME-LENGTH", "Basic TOKEN"]
+)
+async def test_a_missing_or_wrong_token_is_refused_before_the_model(
+    tmp_path: Path, chat: FakeChat, authorization: str | None
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        headers = {}
+        if authorization is not None:
+            value = authorization.replace("SAME-LENGTH", "A" * len(rig.relay.token))
+            headers["Authorization"] = value.replace("TOKEN", rig.relay.token)
+        response = await rig.chat_call(headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_token"
+        # A real key presented as the token is no better.
+        response = await rig.chat_call(headers={"Authorization": f"Bearer {REAL_KEY}"})
+        assert response.status_code == 401
+        assert chat.requests == []
+        assert (rig.relay.usage.rejected, rig.relay.usage.requests) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/v2/chat/completions",
+        b"/chat/completions",
+        b"/v1x/chat/completions",
+        b"/v1/../admin",
+        b"/v1/%2e%2e/admin",
+        b"/v1/%2E%2E/%2e%2e/metrics",
+        b"http://127.0.0.1:1/v1/chat/completions",
+        b"//127.0.0.1:1/v1/chat/completions",
+        b"*",
+    ],
+)
+async def test_paths_outside_the_prefix_are_refused(
+    tmp_path: Path, chat: FakeChat, target: bytes
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        method = b"OPTIONS" if target == b"*" else b"POST"
+        request = (
+            method + b" " + target + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + rig.relay.token.encode() + b"\r\n"
+            b"Content-Length: 2\r\n\r\n{}"
+        )
+        assert await _raw_status(rig.forwarder.port, request) == 404
+        assert chat.requests == []
+        assert rig.relay.usage.rejected == 1
+
+
+async def test_a_request_over_the_size_limit_gets_413(tmp_path: Path, chat: FakeChat) -> None:
+    limits = RelayLimits(max_request_bytes=1024)
+    big = {**CHAT_BODY, "pad": "y" * 2048}
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", limits) as rig:
+        response = await rig.chat_call(big)
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+
+        # Chunked, so the relay only finds out while reading the body.
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(8):
+                yield b"z" * 512
+
+        response = await rig.client.post(
+            f"{rig.base_url}/chat/completions", content=chunks(), headers=rig.auth
+        )
+        assert response.status_code == 413
+        # Under the limit still passes.
+        assert (await rig.chat_call()).status_code == 200
+        assert len(chat.requests) == 1
+        assert rig.relay.usage.rejected == 2
+
+
+async def test_the_request_count_limit_answers_429(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", RelayLimits(max_requests=3)) as rig:
+        statuses = [(await rig.chat_call()).status_code for _ in range(5)]
+        assert statuses == [200, 200, 200, 429, 429]
+        assert len(chat.requests) == 3
+        assert (rig.relay.usage.requests, rig.relay.usage.rejected) == (3, 2)
+        assert rig.totals.requests == 3
+
+
+async def test_parallel_calls_do_not_overshoot_the_request_limit(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    limits = RelayLimits(max_requests=4)
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", limits) as rig:
+        responses = await asyncio.gather(*(rig.chat_call() for _ in range(12)))
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses == [200] * 4 + [429] * 8
+        assert len(chat.requests) == 4
+
+
+async def test_expect_100_continue_is_answered(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        body = json.dumps(CHAT_BODY).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", rig.forwarder.port)
+        try:
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                b"Authorization: Bearer " + rig.relay.token.encode() + b"\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+            )
+            await writer.drain()
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100 ")
+            writer.write(body)
+            final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert final.startswith(b"HTTP/1.1 200 ")
+        finally:
+            writer.close()
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"]
+
+
+async def test_a_declared_oversized_response_is_refused(tmp_path: Path, chat: FakeChat) -> None:
+    chat.padding = 64 * 1024
+    async with open_rig(
+        tmp_path, f"{chat.base_url}/v1", RelayLimits(max_response_bytes=16384)
+    ) as rig:
+        response = await rig.chat_call()
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "response_too_large"
+        assert rig.relay.usage.upstream_errors == 1
+
+
+async def test_a_streamed_oversized_response_is_cut(tmp_path: Path, chat: FakeChat) -> None:
+    chat.padding = 256 * 1024
+    limit = 16384
+    async with open_rig(
+        tmp_path, f"{chat.base_url}/v1", RelayLimits(max_response_bytes=limit)
+    ) as rig:
+        received = 0
+        with pytest.raises(httpx.HTTPError):  # the chunked body never completes
+            async with rig.client.stream(
+                "POST",
+                f"{rig.base_url}/chat/completions",
+                json={**CHAT_BODY, "stream": True},
+                headers=rig.auth,
+            ) as response:
+                assert response.status_code == 200
+                async for chunk in response.aiter_raw():
+                    received += len(chunk)
+        # Cut at the first upstream read that would cross the limit (may be the first).
+        assert received <= limit
+        assert rig.relay.usage.upstream_errors == 1
+        assert rig.relay.usage.prompt_tokens == 0
+
+
+async def test_sse_arrives_incrementally_and_the_final_usage_is_recorded(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    gate = threading.Event()
+    chat.stream_gate = gate
+    body = {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        async with rig.client.stream(
+            "POST", f"{rig.base_url}/chat/completions", json=body, headers=rig.auth
+        ) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            assert response.headers["transfer-encoding"] == "chunked"
+            lines = response.aiter_lines()
+            # The model holds the rest of the stream until the gate opens.
+            first = await asyncio.wait_for(anext(lines), 10)
+            assert not gate.is_set()
+            assert (
+                json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] == "42"
+            )
+            assert rig.relay.usage.completion_tokens == 0
+            gate.set()
+            rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2].removeprefix("data: "))
+        assert final["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1}
+        usage = rig.relay.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (PROMPT_TOKENS, 1)
+        assert usage.total_tokens == PROMPT_TOKENS + 1
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"]
+
+
+async def test_upstream_failure_is_a_502_without_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    async with open_rig(tmp_path, f"http://127.0.0.1:{closed_port}/v1") as rig:
+        response = await rig.chat_call()
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_error"
+        assert REAL_KEY not in response.text
+        assert rig.relay.usage.upstream_errors == 1
+    assert any("upstream model call failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_aclose_cuts_calls_in_flight_and_removes_the_socket(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    chat.reset("slow")
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        relay = rig.relay
+        call = asyncio.create_task(rig.chat_call())
+        reached = await asyncio.to_thread(chat.wait_for_requests, 1, 10.0)
+        assert reached, "the call never reached the model"
+        started = time.monotonic()
+        await relay.aclose()
+        with pytest.raises(httpx.HTTPError):
+            await asyncio.wait_for(call, 5)
+        assert time.monotonic() - started < 3
+        assert not relay.socket_path.exists()
+        assert not relay.directory.exists()
+        with pytest.raises(OSError):
+            await asyncio.open_unix_connection(str(relay.socket_path))
+        # Through the forwarder, a new call finds nothing behind it either.
+        with pytest.raises(httpx.HTTPError):
+            await rig.chat_call()
+        assert rig.totals.relays_active == 0
+
+
+async def test_socket_is_open_to_any_container_user(tmp_path: Path, chat: FakeChat) -> None:
+    relay = ModelRelay(upstream_url=chat.base_url, api_key=REAL_KEY, directory=tmp_path / "relay")
+    await relay.start()
+    try:
+        assert relay.socket_path == tmp_path / "relay" / "relay.sock"
+        assert stat.S_ISSOCK(relay.socket_path.stat().st_mode)
+        assert stat.S_IMODE(relay.directory.stat().st_mode) == 0o755
+        assert stat.S_IMODE(relay.socket_path.stat().st_mode) == 0o666
+        assert REAL_KEY not in repr(relay) and relay.token not in repr(relay)
+    finally:
+        await relay.aclose()
+    with pytest.raises(FileExistsError):  # a relay's directory is always fresh
+        (tmp_path / "taken").mkdir()
+        await ModelRelay(
+            upstream_url=chat.base_url, api_key=None, directory=tmp_path / "taken"
+        ).start()
+
+
+async def test_start_is_cheap(tmp_path: Path, chat: FakeChat) -> None:
+    timings = []
+    for index in range(20):
+        relay = ModelRelay(
+            upstream_url=chat.base_url, api_key=REAL_KEY, directory=tmp_path / f"r{index}"
+        )
+        started = time.perf_counter()
+        await relay.start()
+        timings.append(time.perf_counter() - started)
+        await relay.aclose()
+    # The first may load the CA bundle (once per process); the rest are sub-millisecond here.
+    assert sorted(timings)[len(timings) // 2] < 0.005
+
+
+async def test_too_many_connections_are_dropped(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", RelayLimits(max_connections=2)) as rig:
+        path = str(rig.relay.socket_path)
+        held = [await asyncio.open_unix_connection(path) for _ in range(2)]
+        await asyncio.sleep(0.05)  # let the relay register them
+        reader, writer = await asyncio.open_unix_connection(path)
+        assert await asyncio.wait_for(reader.read(100), 5) == b""
+        writer.close()
+        for _, held_writer in held:
+            held_writer.close()
+        assert rig.relay.usage.rejected == 1
+
+
+async def test_totals_render_as_prometheus_text(tmp_path: Path, chat: FakeChat) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        assert (await rig.chat_call()).status_code == 200
+        assert (await rig.chat_call(headers={})).status_code == 401
+    text = render_relay_metrics(rig.totals)
+    lines = text.splitlines()
+    assert text.endswith("\n")
+    assert "# TYPE harbor_exec_relay_requests_total counter" in lines
+    assert "harbor_exec_relay_requests_total 1" in lines
+    assert "harbor_exec_relay_rejected_total 1" in lines
+    assert "harbor_exec_relay_active 0" in lines
+    assert f'harbor_exec_relay_tokens_total{{kind="prompt"}} {PROMPT_TOKENS}' in lines
+    assert 'harbor_exec_relay_tokens_total{kind="completion"} 1' in lines
+
+
+async def test_a_socket_path_too_long_for_unix_sockets_is_refused(tmp_path: Path) -> None:
+    relay = ModelRelay(
+        upstream_url="http://127.0.0.1:9/v1", api_key=REAL_KEY, directory=tmp_path / ("d" * 120)
+    )
+    with pytest.raises(ValueError, match="longer than"):
+        await relay.start()
+    assert not relay.directory.exists()
