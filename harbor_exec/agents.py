@@ -245,6 +245,9 @@ VENV_PYTHON = "/opt/harbor-exec/venv/bin/python"
 USER_CODE_DIR = "/opt/harbor-exec/user"
 MANIFEST_PATH = "/opt/harbor-exec/manifest.json"
 RUNNER_ENV = {"PYTHONPATH": USER_CODE_DIR, "HARBOR_EXEC_MANIFEST": MANIFEST_PATH}
+#: Where the rollout's model relay directory is mounted (read-only) in the container.
+RELAY_DIR = "/run/harbor-exec/relay"
+RELAY_SOCKET = f"{RELAY_DIR}/relay.sock"
 
 
 class WorkflowAgent:

@@ -9,9 +9,11 @@ The agent is the ``oracle`` or a bundled ``AgentWorkflow`` (built once by
 ``bundler``; its dependencies live in a cached image layer FROM the task image,
 so a trial only adds the user's small unpacked wheel). The verifier is the
 task's own ``tests/test.sh`` when it has one, otherwise the bundled grader
-through a generated ``test.sh``. The chat URL and key reach the workflow only
-through ``/logs/agent/rollout.json``; the key is scrubbed from everything the
-trial writes on the host.
+through a generated ``test.sh``. The workflow reaches the model only through a
+per-rollout ``ModelRelay`` on a unix socket mounted into its container: it gets
+a loopback URL and a token, never the trainer's URL on its own network nor the
+real key (which is also scrubbed from everything the trial writes on the host).
+Containers never get host networking.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import ipaddress
 import json
 import logging
 import secrets
@@ -34,13 +35,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
 
 from harbor_exec.agents import (
     MANIFEST_PATH,
+    RELAY_DIR,
+    RELAY_SOCKET,
     USER_CODE_DIR,
     Agent,
     OracleAgent,
@@ -60,7 +62,7 @@ from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
 from harbor_exec.results import TrialResult
-from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime, OutputLimits
+from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime, Mount, OutputLimits
 from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id, task_fingerprint
 from harbor_exec.trials import (
     SandboxPolicy,
@@ -128,6 +130,7 @@ class _Plan:
     verify: bool
     image: str | None
     secrets: list[str] = field(default_factory=list)
+    relay: Any = None  # the rollout's ModelRelay (workflow agents only)
 
 
 def _ref_for(obj: Any, *, what: str) -> str | None:
@@ -165,18 +168,6 @@ def _project_dir_of(ref: str) -> Path:
     raise ValueError(
         f"cannot find the project of {ref!r} (no pyproject.toml above {path}); pass code_dir="
     )
-
-
-def _is_loopback_url(url: str) -> bool:
-    host = (urlsplit(url).hostname or "").strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 def _instruction_from_prompt(prompt: Sequence[dict[str, Any]]) -> str:
@@ -273,6 +264,8 @@ class HarborBackend(ExecutionBackend):
         self._tasks: dict[tuple[Path, bool], tuple[str, Task]] = {}
         self._deps_images: set[str] = set()  # dependency layers known to exist
         self._deps_lock = threading.Lock()
+        # One upstream connection pool for every rollout's relay (made in the event loop).
+        self._relay_transport: Any = None
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
         self.image_builds = 0  # task images and dependency layers built by this backend
@@ -423,13 +416,13 @@ class HarborBackend(ExecutionBackend):
         url = context.chat_completions_url if context else ""
         api_key = context.api_key if context else None
         prompt = request.prompt or [{"role": "user", "content": task.instruction}]
-        rollout_input = {
+        rollout_input: dict[str, Any] = {
             "version": 1,
             "rollout_id": request.id,
             "prompt": prompt,
             "metadata": request.metadata,
-            "chat_completions_url": url,
-            "api_key": api_key,
+            "chat_completions_url": "",
+            "api_key": None,
         }
         # The verifier's copy carries the label and never the key. A task's own
         # tests may read it too (template tasks check answers against the label).
@@ -444,6 +437,25 @@ class HarborBackend(ExecutionBackend):
             return _Plan(task, task_id, OracleAgent(), verifier, verify, None)
         if not url:
             raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
+        import httpx  # the server extra; workflows need it
+
+        from harbor_exec.relay import ModelRelay
+
+        if self._relay_transport is None:
+            self._relay_transport = httpx.AsyncHTTPTransport(retries=1)
+        try:
+            relay = ModelRelay(
+                upstream_url=url,
+                api_key=api_key,
+                directory=_relay_root() / f"r-{secrets.token_hex(6)}",
+                transport=self._relay_transport,
+            )
+        except ValueError as exc:
+            raise RolloutRejected(f"chat_completions_url: {exc}") from None
+        # The workflow sees the relay's token as its key and a loopback URL that the
+        # runner opens onto the mounted socket.
+        rollout_input["api_key"] = relay.token
+        rollout_input["relay"] = {"socket": RELAY_SOCKET, "path": relay.path_prefix}
         agent = WorkflowAgent(
             name=self.agent_name,
             version=self._bundle.digest[:12],
@@ -458,6 +470,7 @@ class HarborBackend(ExecutionBackend):
             verify,
             image=None,
             secrets=[api_key] if api_key and len(api_key) >= 3 else [],
+            relay=relay,
         )
 
     # ----------------------------------------------------------------- execute
@@ -533,6 +546,7 @@ class HarborBackend(ExecutionBackend):
                 rollout_id=request.id,
                 secrets=plan.secrets,
                 policy=self.policy,
+                mounts=mounts,
             )
             trial = Trial(self.runtime, trial_request, on_phase=on_phase)
             pending.trial = trial
@@ -540,16 +554,23 @@ class HarborBackend(ExecutionBackend):
                 trial.cancel()
             return trial.run(), trial
 
-        try:
-            result, trial = await anyio.to_thread.run_sync(
-                run_trial, limiter=self._threads, abandon_on_cancel=True
-            )
-        except asyncio.CancelledError:
-            if pending.trial is not None:
-                pending.trial.cancel()  # frees the container; the worker thread ends soon
-            raise
-        except HarborExecError as exc:  # the image could not be built or found
-            return ExecutionOutcome(workflow=_failure(str(exc), _category(type(exc).__name__)))
+        mounts: list[Mount] = []
+        async with contextlib.AsyncExitStack() as stack:
+            if plan.relay is not None:
+                # Open for this rollout's trial only: a leftover process cannot call on.
+                await stack.enter_async_context(plan.relay)
+                mounts.append(Mount(str(plan.relay.directory), RELAY_DIR, read_only=True))
+            try:
+                result, trial = await anyio.to_thread.run_sync(
+                    run_trial, limiter=self._threads, abandon_on_cancel=True
+                )
+            except asyncio.CancelledError:
+                if pending.trial is not None:
+                    pending.trial.cancel()  # frees the container; the worker thread ends soon
+                raise
+            except HarborExecError as exc:  # the image could not be built or found
+                failure = _failure(str(exc), _category(type(exc).__name__))
+                return ExecutionOutcome(workflow=failure)
         return self._outcome(request, plan, result, trial)
 
     # ----------------------------------------------------------------- results
@@ -607,6 +628,15 @@ class HarborBackend(ExecutionBackend):
             category = RolloutErrorCategory(error.get("category", "agent_error"))
             return _failure(str(error.get("message", "")), category, diagnostics), None
         sample = RolloutSample.model_validate({**payload, "label": request.label, "reward": None})
+        if plan.relay is not None:
+            usage = plan.relay.usage
+            sample.metrics = {
+                **sample.metrics,
+                "llm_requests": usage.requests,
+                "llm_prompt_tokens": usage.prompt_tokens,
+                "llm_completion_tokens": usage.completion_tokens,
+                "llm_total_tokens": usage.total_tokens,
+            }
         return ExecutionResult(
             status=RolloutStatus.SUCCESS, sample=sample, extra_fields=diagnostics
         ), sample
@@ -861,6 +891,8 @@ class HarborBackend(ExecutionBackend):
         running = [p.task for p in self._pending.values() if p.task is not None]
         if running:
             await asyncio.wait(running, timeout=30)
+        if self._relay_transport is not None:
+            await self._relay_transport.aclose()
         if isinstance(self.runtime, DockerRuntime):
             left = await anyio.to_thread.run_sync(self.runtime.remove_owned)
             if left:
@@ -885,6 +917,13 @@ RUN set -e; \\
     rm -rf "$wh"
 USER {user}
 """
+
+
+def _relay_root() -> Path:
+    """Where rollouts' relay sockets live (short: a socket path has 107 bytes at most)."""
+    root = Path(tempfile.gettempdir()) / "hx-relay"
+    root.mkdir(mode=0o755, exist_ok=True)
+    return root
 
 
 def _category(exc_type: str | None) -> RolloutErrorCategory:

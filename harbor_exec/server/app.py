@@ -48,6 +48,7 @@ from harbor_exec.protocol import (
     RolloutStatus,
     categorize_exception,
 )
+from harbor_exec.relay import render_relay_metrics
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from harbor_exec.server.registry import (
     DuplicateRolloutError,
@@ -448,7 +449,8 @@ class RolloutService:
             ),
             "harbor_exec_accepting_rollouts": ("1 while admitting.", int(self.accepting)),
         }
-        return self.metrics.render(gauges)
+        text = self.metrics.render(gauges)
+        return text + ("" if text.endswith("\n") else "\n") + render_relay_metrics()
 
     # ------------------------------------------------------------------ shutdown
 
