@@ -314,6 +314,7 @@ class ModelRelay:
         self._connections: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
+        self._made_directory = False
 
     def __repr__(self) -> str:
         # Never the key, nor the token.
@@ -331,6 +332,7 @@ class ModelRelay:
                 "bytes; use a shorter directory"
             )
         self.directory.mkdir(mode=0o755)
+        self._made_directory = True
         try:
             # Explicit chmods: the umask must not decide who in the container may connect.
             os.chmod(self.directory, 0o755)
@@ -386,8 +388,9 @@ class ModelRelay:
         client, self._client = self._client, None
         if client is not None and self._transport is None:
             await client.aclose()
-        # Only our socket should be in there; anything else is removed with it.
-        if self.directory.is_dir() and not self.directory.is_symlink():
+        # Ours alone (start() made it fresh): anything else in it goes with the socket.
+        if self._made_directory:
+            self._made_directory = False
             shutil.rmtree(self.directory, ignore_errors=True)
 
     async def __aenter__(self) -> ModelRelay:
