@@ -636,6 +636,36 @@ class ModelRelay:
             await self._send_error(conn, writer, 502, "upstream_error", message)
             raise _Cut from None
 
+    async def _relay_error_answer(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        response: httpx.Response,
+        headers: list[tuple[bytes, bytes]],
+        key: bytes,
+    ) -> None:
+        limit = self.limits.max_response_bytes
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) > limit:
+                raise _Reject(
+                    502, "response_too_large", f"the model's answer is over {limit} bytes"
+                )
+        scrubbed = bytes(body).replace(key, b"[REDACTED]")
+        headers = [(k, v.replace(key, b"[REDACTED]")) for k, v in headers]
+        headers.append((b"content-length", str(len(scrubbed)).encode()))
+        data = conn.send(
+            h11.Response(
+                status_code=response.status_code,
+                headers=headers,
+                reason=response.reason_phrase.encode("ascii", "replace"),
+            )
+        )
+        data = (data or b"") + (conn.send(h11.Data(data=scrubbed)) or b"")
+        writer.write(data + (conn.send(h11.EndOfMessage()) or b""))
+        await writer.drain()
+
     async def _relay_response(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, response: httpx.Response
     ) -> None:
@@ -648,6 +678,11 @@ class ModelRelay:
         sse = (not encoded) and content_type.startswith("text/event-stream")
         as_json = (not encoded) and "json" in content_type
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _RESPONSE_DROP]
+        if response.status_code >= 400 and self._api_key:
+            # Some upstreams echo the presented key in an auth error: scrub it before
+            # the agent sees it. Error bodies are small, so buffering them is cheap.
+            await self._relay_error_answer(conn, writer, response, headers, self._api_key.encode())
+            return
         if declared is not None and declared.isdigit():
             headers.append((b"content-length", declared.encode()))
         head = conn.send(
@@ -679,6 +714,8 @@ class ModelRelay:
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
         found: tuple[int, int, int] | None = None
+        if response.status_code >= 400:
+            return
         if sse_usage is not None:
             sse_usage.close()
             found = sse_usage.found

@@ -482,6 +482,22 @@ async def test_upstream_failure_is_a_502_without_the_key(
     assert any("upstream model call failed" in r.getMessage() for r in caplog.records)
 
 
+async def test_an_upstream_error_quoting_the_key_is_scrubbed(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    chat.reset("unauthorized")
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        response = await rig.chat_call()
+        assert response.status_code == 401  # the model's own status passes through
+        assert response.json()["error"]["message"] == "Incorrect API key: Bearer [REDACTED]"
+        assert REAL_KEY not in response.text
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"]
+        assert rig.relay.usage.prompt_tokens == 0
+        # The connection stays usable.
+        chat.mode = "correct"
+        assert (await rig.chat_call()).status_code == 200
+
+
 async def test_aclose_cuts_calls_in_flight_and_removes_the_socket(
     tmp_path: Path, chat: FakeChat
 ) -> None:
