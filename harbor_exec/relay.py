@@ -309,7 +309,10 @@ class ModelRelay:
         self._token_bytes = self.token.encode()
         self._transport = transport
         self._totals = totals
-        self._client: httpx.AsyncClient | None = None
+        # The transport, not a Client: the relay needs none of a Client's redirects,
+        # cookies or auth flows, and skipping them is a good part of its overhead.
+        self._owned_transport: httpx.AsyncHTTPTransport | None = None
+        self._timeout = httpx.Timeout(limits.upstream_timeout_sec).as_dict()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -340,14 +343,9 @@ class ModelRelay:
                 self._on_connection, path=self.socket_path, limit=_READ_SIZE
             )
             os.chmod(self.socket_path, 0o666)
-            timeout = httpx.Timeout(self.limits.upstream_timeout_sec)
-            if self._transport is not None:
-                self._client = httpx.AsyncClient(
-                    transport=self._transport, timeout=timeout, trust_env=False
-                )
-            else:
-                self._client = httpx.AsyncClient(
-                    verify=_ssl_context(), timeout=timeout, trust_env=False
+            if self._transport is None:
+                self._owned_transport = httpx.AsyncHTTPTransport(
+                    verify=_ssl_context(), trust_env=False
                 )
         except BaseException:
             await self._teardown()
@@ -385,9 +383,9 @@ class ModelRelay:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2.0):
                     await server.wait_closed()
-        client, self._client = self._client, None
-        if client is not None and self._transport is None:
-            await client.aclose()
+        owned, self._owned_transport = self._owned_transport, None
+        if owned is not None:
+            await owned.aclose()
         # Ours alone (start() made it fresh): anything else in it goes with the socket.
         if self._made_directory:
             self._made_directory = False
@@ -603,18 +601,19 @@ class ModelRelay:
     async def _forward(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, body: bytes
     ) -> None:
-        client = self._client
-        if client is None:
+        transport = self._transport or self._owned_transport
+        if transport is None:
             raise _Cut
-        upstream = client.build_request(
+        upstream = httpx.Request(
             request.method.decode("ascii"),
             self.upstream_origin + request.target.decode("ascii"),
             headers=self._upstream_headers(request),
             content=body,
+            extensions={"timeout": self._timeout},
         )
         try:
             async with asyncio.timeout(self.limits.upstream_timeout_sec):
-                response = await client.send(upstream, stream=True)
+                response = await transport.handle_async_request(upstream)
                 try:
                     await self._relay_response(conn, writer, response)
                 finally:
