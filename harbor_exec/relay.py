@@ -13,7 +13,11 @@ socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
 network at all (``network=none`` works).
 
 The real key lives only in this object's memory and in the upstream request
-headers: it is never logged, never written to disk and never in an error body.
+headers: it is never logged, never written to disk, never in the relay's own
+error answers, and scrubbed from upstream error answers that quote it.
+``upstream_timeout_sec`` bounds a whole call, streaming included. Proxy
+environment variables are ignored (``trust_env=False``): the upstream is
+reached directly, loopback or remote.
 """
 
 from __future__ import annotations
