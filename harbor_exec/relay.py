@@ -13,7 +13,11 @@ socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
 network at all (``network=none`` works).
 
 The real key lives only in this object's memory and in the upstream request
-headers: it is never logged, never written to disk and never in an error body.
+headers: it is never logged, never written to disk, never in the relay's own
+error answers, and scrubbed from upstream error answers that quote it.
+``upstream_timeout_sec`` bounds a whole call, streaming included. Proxy
+environment variables are ignored (``trust_env=False``): the upstream is
+reached directly, loopback or remote.
 """
 
 from __future__ import annotations
@@ -309,11 +313,15 @@ class ModelRelay:
         self._token_bytes = self.token.encode()
         self._transport = transport
         self._totals = totals
-        self._client: httpx.AsyncClient | None = None
+        # The transport, not a Client: the relay needs none of a Client's redirects,
+        # cookies or auth flows, and skipping them is a good part of its overhead.
+        self._owned_transport: httpx.AsyncHTTPTransport | None = None
+        self._timeout = httpx.Timeout(limits.upstream_timeout_sec).as_dict()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
+        self._made_directory = False
 
     def __repr__(self) -> str:
         # Never the key, nor the token.
@@ -331,6 +339,7 @@ class ModelRelay:
                 "bytes; use a shorter directory"
             )
         self.directory.mkdir(mode=0o755)
+        self._made_directory = True
         try:
             # Explicit chmods: the umask must not decide who in the container may connect.
             os.chmod(self.directory, 0o755)
@@ -338,14 +347,9 @@ class ModelRelay:
                 self._on_connection, path=self.socket_path, limit=_READ_SIZE
             )
             os.chmod(self.socket_path, 0o666)
-            timeout = httpx.Timeout(self.limits.upstream_timeout_sec)
-            if self._transport is not None:
-                self._client = httpx.AsyncClient(
-                    transport=self._transport, timeout=timeout, trust_env=False
-                )
-            else:
-                self._client = httpx.AsyncClient(
-                    verify=_ssl_context(), timeout=timeout, trust_env=False
+            if self._transport is None:
+                self._owned_transport = httpx.AsyncHTTPTransport(
+                    verify=_ssl_context(), trust_env=False
                 )
         except BaseException:
             await self._teardown()
@@ -383,11 +387,12 @@ class ModelRelay:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2.0):
                     await server.wait_closed()
-        client, self._client = self._client, None
-        if client is not None and self._transport is None:
-            await client.aclose()
-        # Only our socket should be in there; anything else is removed with it.
-        if self.directory.is_dir() and not self.directory.is_symlink():
+        owned, self._owned_transport = self._owned_transport, None
+        if owned is not None:
+            await owned.aclose()
+        # Ours alone (start() made it fresh): anything else in it goes with the socket.
+        if self._made_directory:
+            self._made_directory = False
             shutil.rmtree(self.directory, ignore_errors=True)
 
     async def __aenter__(self) -> ModelRelay:
@@ -600,18 +605,19 @@ class ModelRelay:
     async def _forward(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request, body: bytes
     ) -> None:
-        client = self._client
-        if client is None:
+        transport = self._transport or self._owned_transport
+        if transport is None:
             raise _Cut
-        upstream = client.build_request(
+        upstream = httpx.Request(
             request.method.decode("ascii"),
             self.upstream_origin + request.target.decode("ascii"),
             headers=self._upstream_headers(request),
             content=body,
+            extensions={"timeout": self._timeout},
         )
         try:
             async with asyncio.timeout(self.limits.upstream_timeout_sec):
-                response = await client.send(upstream, stream=True)
+                response = await transport.handle_async_request(upstream)
                 try:
                     await self._relay_response(conn, writer, response)
                 finally:
@@ -633,6 +639,36 @@ class ModelRelay:
             await self._send_error(conn, writer, 502, "upstream_error", message)
             raise _Cut from None
 
+    async def _relay_error_answer(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        response: httpx.Response,
+        headers: list[tuple[bytes, bytes]],
+        key: bytes,
+    ) -> None:
+        limit = self.limits.max_response_bytes
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) > limit:
+                raise _Reject(
+                    502, "response_too_large", f"the model's answer is over {limit} bytes"
+                )
+        scrubbed = bytes(body).replace(key, b"[REDACTED]")
+        headers = [(k, v.replace(key, b"[REDACTED]")) for k, v in headers]
+        headers.append((b"content-length", str(len(scrubbed)).encode()))
+        data = conn.send(
+            h11.Response(
+                status_code=response.status_code,
+                headers=headers,
+                reason=response.reason_phrase.encode("ascii", "replace"),
+            )
+        )
+        data = (data or b"") + (conn.send(h11.Data(data=scrubbed)) or b"")
+        writer.write(data + (conn.send(h11.EndOfMessage()) or b""))
+        await writer.drain()
+
     async def _relay_response(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, response: httpx.Response
     ) -> None:
@@ -645,6 +681,11 @@ class ModelRelay:
         sse = (not encoded) and content_type.startswith("text/event-stream")
         as_json = (not encoded) and "json" in content_type
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _RESPONSE_DROP]
+        if response.status_code >= 400 and self._api_key:
+            # Some upstreams echo the presented key in an auth error: scrub it before
+            # the agent sees it. Error bodies are small, so buffering them is cheap.
+            await self._relay_error_answer(conn, writer, response, headers, self._api_key.encode())
+            return
         if declared is not None and declared.isdigit():
             headers.append((b"content-length", declared.encode()))
         head = conn.send(
@@ -676,6 +717,8 @@ class ModelRelay:
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
         found: tuple[int, int, int] | None = None
+        if response.status_code >= 400:
+            return
         if sse_usage is not None:
             sse_usage.close()
             found = sse_usage.found

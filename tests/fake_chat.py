@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 __all__ = ["ChatRequest", "FakeChat", "Mode", "solve"]
 
-Mode = Literal["correct", "wrong", "no_answer", "error", "slow"]
+# "unauthorized" answers 401 quoting the Authorization header it got, as careless servers do.
+Mode = Literal["correct", "wrong", "no_answer", "error", "slow", "unauthorized"]
 
 _OPS: dict[type[ast.operator], Any] = {
     ast.Add: operator.add,
@@ -198,6 +199,10 @@ class FakeChat:
                         ChatRequest(self.path, self.headers.get("Authorization"), body)
                     )
                     chat._arrived.notify_all()
+                if chat.mode == "unauthorized":
+                    quoted = self.headers.get("Authorization")
+                    self._reply(401, {"error": {"message": f"Incorrect API key: {quoted}"}})
+                    return
                 if not self.path.split("?")[0].rstrip("/").endswith("/chat/completions"):
                     self._reply(404, {"error": {"message": f"no route {self.path}"}})
                     return

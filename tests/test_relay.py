@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from bundle_utils import REPO_ROOT, clean_env
+from bundle_utils import PYTHON311, REPO_ROOT, clean_env
 from fake_chat import FakeChat
 
 from harbor_exec.relay import (
@@ -129,33 +129,42 @@ async def _raw_status(port: int, request: bytes) -> int:
 # --------------------------------------------------------------------------- the runner
 
 
+# Standard library only, so it also runs on the container's bare Python 3.11.
 RELAYED_FLOW = """
+    import asyncio
     import json
-
-    import httpx
+    import urllib.request
 
     from harbor_exec.authoring import AgentWorkflow, get_rollout_context
+
+    def call(url, key, messages):
+        request = urllib.request.Request(
+            url + "/chat/completions",
+            data=json.dumps({"model": "m", "messages": messages}).encode(),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return json.load(response)
 
     class Relayed(AgentWorkflow):
         async def run(self, ctx):
             rollout = get_rollout_context()
-            async with httpx.AsyncClient(timeout=20) as client:
-                response = await client.post(
-                    rollout.chat_completions_url + "/chat/completions",
-                    json={"model": "m", "messages": ctx.prompt},
-                    headers={"Authorization": f"Bearer {rollout.api_key}"},
-                )
-                response.raise_for_status()
+            # In a thread: the runner's forwarder shares this event loop.
+            answer = await asyncio.to_thread(
+                call, rollout.chat_completions_url, rollout.api_key, ctx.prompt
+            )
             seen = {"url": rollout.chat_completions_url, "key": rollout.api_key}
             return [
                 *ctx.prompt,
-                response.json()["choices"][0]["message"],
+                answer["choices"][0]["message"],
                 {"role": "user", "content": json.dumps(seen)},
             ]
     """
 
 
-async def _run_agent(tmp_path: Path, rollout: dict[str, Any]) -> tuple[int, str]:
+async def _run_agent(
+    tmp_path: Path, rollout: dict[str, Any], python: str = sys.executable
+) -> tuple[int, str]:
     """``python -m harbor_exec.runner agent`` as a subprocess; (exit code, stdout+stderr)."""
     mods = tmp_path / "mods"
     mods.mkdir(exist_ok=True)
@@ -165,7 +174,7 @@ async def _run_agent(tmp_path: Path, rollout: dict[str, Any]) -> tuple[int, str]
     logs = tmp_path / "logs"
     (logs / "agent").mkdir(parents=True, exist_ok=True)
     (logs / "agent" / "rollout.json").write_text(json.dumps(rollout))
-    command = [sys.executable, "-m", "harbor_exec.runner", "agent", "--manifest", str(manifest)]
+    command = [python, "-m", "harbor_exec.runner", "agent", "--manifest", str(manifest)]
     command += ["--logs-dir", str(logs), "--tests-dir", str(tmp_path / "tests")]
     process = await asyncio.create_subprocess_exec(
         *command,
@@ -178,8 +187,9 @@ async def _run_agent(tmp_path: Path, rollout: dict[str, Any]) -> tuple[int, str]
     return process.returncode, output.decode()
 
 
+@pytest.mark.parametrize("python", [sys.executable, str(PYTHON311)], ids=["venv", "py311"])
 async def test_runner_workflow_reaches_the_model_with_the_real_key_and_sees_only_the_token(
-    tmp_path: Path, chat: FakeChat
+    tmp_path: Path, chat: FakeChat, python: str
 ) -> None:
     totals = RelayTotals()
     relay = ModelRelay(
@@ -198,7 +208,7 @@ async def test_runner_workflow_reaches_the_model_with_the_real_key_and_sees_only
             "api_key": relay.token,
             "relay": {"socket": str(relay.socket_path), "path": relay.path_prefix},
         }
-        code, output = await _run_agent(tmp_path, rollout)
+        code, output = await _run_agent(tmp_path, rollout, python)
     assert code == 0, output
     assert REAL_KEY not in output
     sample = json.loads((tmp_path / "logs" / "agent" / "sample.json").read_text())
@@ -472,6 +482,22 @@ async def test_upstream_failure_is_a_502_without_the_key(
     assert any("upstream model call failed" in r.getMessage() for r in caplog.records)
 
 
+async def test_an_upstream_error_quoting_the_key_is_scrubbed(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    chat.reset("unauthorized")
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        response = await rig.chat_call()
+        assert response.status_code == 401  # the model's own status passes through
+        assert response.json()["error"]["message"] == "Incorrect API key: Bearer [REDACTED]"
+        assert REAL_KEY not in response.text
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"]
+        assert rig.relay.usage.prompt_tokens == 0
+        # The connection stays usable.
+        chat.mode = "correct"
+        assert (await rig.chat_call()).status_code == 200
+
+
 async def test_aclose_cuts_calls_in_flight_and_removes_the_socket(
     tmp_path: Path, chat: FakeChat
 ) -> None:
@@ -507,11 +533,15 @@ async def test_socket_is_open_to_any_container_user(tmp_path: Path, chat: FakeCh
         assert REAL_KEY not in repr(relay) and relay.token not in repr(relay)
     finally:
         await relay.aclose()
-    with pytest.raises(FileExistsError):  # a relay's directory is always fresh
-        (tmp_path / "taken").mkdir()
-        await ModelRelay(
-            upstream_url=chat.base_url, api_key=None, directory=tmp_path / "taken"
-        ).start()
+    # A relay's directory is always fresh, and one it did not make it never removes.
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep").write_text("someone else's")
+    other = ModelRelay(upstream_url=chat.base_url, api_key=None, directory=taken)
+    with pytest.raises(FileExistsError):
+        await other.start()
+    await other.aclose()
+    assert (taken / "keep").read_text() == "someone else's"
 
 
 async def test_start_is_cheap(tmp_path: Path, chat: FakeChat) -> None:
