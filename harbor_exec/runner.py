@@ -81,6 +81,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -454,20 +455,47 @@ class RelayForwarder:
 # --------------------------------------------------------------------------- agent
 
 
+class ForwarderThread:
+    """A ``RelayForwarder`` on its own event loop in a daemon thread.
+
+    Workflows may block their own loop (a synchronous HTTP client, ``requests``,
+    the sync ``openai`` client); the forwarder must keep piping bytes meanwhile.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        self.forwarder = RelayForwarder(socket_path)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="harbor-exec-relay", daemon=True
+        )
+
+    def start(self) -> int:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self.forwarder.start(), self._loop).result(10)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.forwarder.aclose(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
 async def _run_workflow(
     workflow: AgentWorkflow[Any], context: AgentWorkflowContext[Any], rollout: RolloutInput
 ) -> RolloutSample:
-    forwarder: RelayForwarder | None = None
+    forwarder: ForwarderThread | None = None
     chat_url = rollout.chat_completions_url
     if rollout.relay is not None:
-        forwarder = RelayForwarder(rollout.relay.socket)
-        port = await forwarder.start()
+        forwarder = ForwarderThread(rollout.relay.socket)
+        port = forwarder.start()
         chat_url = f"http://127.0.0.1:{port}{rollout.relay.path}"
     try:
         return await _run_in_context(workflow, context, rollout, chat_url)
     finally:
         if forwarder is not None:
-            await forwarder.aclose()
+            forwarder.close()
 
 
 async def _run_in_context(

@@ -35,7 +35,11 @@ TEMPLATE = ROOT / "tasks_examples" / "template"
 KEY = "sk-test-" + uuid.uuid4().hex
 
 SPY_WORKFLOW = r'''
-    """A workflow that does what a hostile policy would, and reports what it found."""
+    """A workflow that does what a hostile policy would, and reports what it found.
+
+    It calls the model with a synchronous client (urllib) on purpose: blocking the
+    workflow's event loop must not block the relay forwarder.
+    """
 
     import json
     import os

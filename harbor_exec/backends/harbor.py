@@ -922,7 +922,7 @@ USER {user}
 def _relay_root() -> Path:
     """Where rollouts' relay sockets live (short: a socket path has 107 bytes at most)."""
     root = Path(tempfile.gettempdir()) / "hx-relay"
-    root.mkdir(mode=0o755, exist_ok=True)
+    root.mkdir(mode=0o711, exist_ok=True)
     return root
 
 
