@@ -147,6 +147,20 @@ def test_template_mode_grader_and_task_tests(
     assert mismatch.status == "success" and mismatch.sample.reward == 0.0
 
 
+def test_separate_verifier_grades_the_sample_in_a_fresh_container(
+    tmp_path: Path, bundle: Any, chat: FakeChat, grader_task: Path
+) -> None:
+    """The bundled grader in separate mode: it sees the agent's sample, nothing else."""
+    chat.reset("correct")
+    backend = make_backend(tmp_path, bundle, grader_task, verifier_mode="separate")
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with serve(app) as url:
+        right = asyncio.run(one_rollout("ours", url, chat, label="42"))
+        wrong = asyncio.run(one_rollout("ours", url, chat, label="41"))
+    assert right.status == "success", right.err_message
+    assert right.sample.reward == 1.0 and wrong.sample.reward == 0.0
+
+
 @pytest.mark.parametrize("kind", CLIENTS)
 def test_dataset_mode(kind: str, tmp_path: Path, bundle: Any, chat: FakeChat) -> None:
     chat.reset("correct")

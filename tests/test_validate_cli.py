@@ -188,3 +188,42 @@ def test_missing_dataset_is_a_clear_error(tmp_path: Path) -> None:
     done = cli("validate", str(tmp_path / "nope"), cwd=tmp_path)
     assert done.returncode == 2
     assert "not a directory" in done.stdout
+
+
+def test_validate_sandbox_options(tmp_path: Path) -> None:
+    """--verifier-mode separate, --default-cpus/--default-memory-mb and --max-log-bytes
+    reach every trial."""
+    solve = """
+        echo planted > /app/planted.txt
+        head -c 300000 /dev/zero | tr '\\0' 'x'
+        cat /sys/fs/cgroup/memory/memory.limit_in_bytes > /logs/artifacts/memory 2>/dev/null || true
+    """
+    test = """
+        if [ -e /app/planted.txt ]; then echo 0 > /logs/verifier/reward.txt
+        else echo 1 > /logs/verifier/reward.txt; fi
+    """
+    make_task(tmp_path / "ds", "sandboxed", solve=solve, test=test)
+    result = cli(
+        "validate",
+        str(tmp_path / "ds"),
+        "--jobs-dir",
+        str(tmp_path / "jobs"),
+        "--job-name",
+        "sandbox",
+        "--verifier-mode",
+        "separate",
+        "--default-memory-mb",
+        "300",
+        "--max-log-bytes",
+        "100000",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (trial,) = [p for p in (tmp_path / "jobs" / "sandbox").iterdir() if p.is_dir()]
+    written = json.loads((trial / "result.json").read_text())
+    assert written["verifier_environment_mode"] == "separate"
+    assert (trial / "artifacts" / "logs" / "artifacts" / "memory").read_text().strip() == str(
+        300 * 1024 * 1024
+    )
+    oracle = (trial / "agent" / "oracle.txt").read_bytes()
+    assert len(oracle) < 100_200 and b"200000 bytes cut here" in oracle
