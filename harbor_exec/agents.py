@@ -285,11 +285,14 @@ exec {VENV_PYTHON} -m harbor_exec.runner grade
 """
 
 
-def grader_verifier(grader_input: bytes) -> TestsVerifier:
-    """The bundled grader as a verifier: a generated ``/tests/test.sh`` plus
-    ``/tests/rollout.json`` (the grader's input, with the label)."""
+def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -> TestsVerifier:
+    """The bundled grader as a verifier: a generated ``/tests/test.sh``,
+    ``/tests/rollout.json`` (the grader's input, with the label) and the bundle's
+    code placed again (the agent may have changed its copy; a separate verifier
+    container has none)."""
     return TestsVerifier(
         generated=[
+            *bundle_files,
             ArchiveEntry("/tests/test.sh", GRADER_TEST_SH.encode(), 0o755),
             ArchiveEntry("/tests/rollout.json", grader_input, 0o644),
         ],

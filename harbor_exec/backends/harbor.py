@@ -432,7 +432,7 @@ class HarborBackend(ExecutionBackend):
             tests_input = ArchiveEntry("/tests/rollout.json", grader_input.encode(), 0o644)
             verifier = TestsVerifier(task.tests_dir, generated=[tests_input])
         elif verify:
-            verifier = grader_verifier(grader_input.encode())
+            verifier = grader_verifier(grader_input.encode(), self._bundle_files)
         if self.is_oracle:
             return _Plan(task, task_id, OracleAgent(), verifier, verify, None)
         if not url:
