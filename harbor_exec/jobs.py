@@ -9,6 +9,7 @@ re-raises, so nothing is left behind.
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from collections import defaultdict
@@ -28,12 +29,24 @@ from harbor_exec.tasks import Task
 from harbor_exec.trials import Trial, TrialRequest
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, else None (stats must never raise on odd rewards)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def is_full_reward(result: TrialResult) -> bool:
-    """Every reward key is valid and at least 1.0."""
+    """Passed: the ``reward`` key is >= 1.0 (trainers read only that key); without a
+    ``reward`` key, every key is >= 1.0. The reward must be valid."""
     if not result.reward_valid or result.verifier_result is None:
         return False
     rewards = result.verifier_result.rewards or {}
-    return bool(rewards) and all(float(v) >= 1.0 for v in rewards.values())
+    if "reward" in rewards:
+        rewards = {"reward": rewards["reward"]}
+    return bool(rewards) and all((_finite(v) or 0.0) >= 1.0 for v in rewards.values())
 
 
 def failure_reason(result: TrialResult) -> str | None:
@@ -44,7 +57,9 @@ def failure_reason(result: TrialResult) -> str | None:
         lines = result.exception_info.exception_message.strip().splitlines()
         return f"{result.exception_type}: {lines[0] if lines else ''}"
     rewards = result.verifier_result.rewards if result.verifier_result else None
-    return f"wrong reward {rewards} (full reward is 1.0 for every key)"
+    rewards = rewards or {}
+    rule = "the reward key" if "reward" in rewards else "every key"
+    return f"wrong reward {rewards} (full reward is 1.0 for {rule})"
 
 
 # --------------------------------------------------------------------------- Harbor stats
@@ -91,9 +106,9 @@ def mean_metric(rewards: Sequence[dict[str, float | int]]) -> dict[str, float]:
     if not rewards:
         return {}
     if len(keys) <= 1:
-        values = [float(next(iter(r.values()), 0)) for r in rewards]
+        values = [_finite(next(iter(r.values()), 0)) or 0.0 for r in rewards]
         return {"mean": sum(values) / len(values)}
-    return {k: sum(float(r.get(k, 0)) for r in rewards) / len(rewards) for k in keys}
+    return {k: sum(_finite(r.get(k, 0)) or 0.0 for r in rewards) / len(rewards) for k in keys}
 
 
 def _pass_at_k_for_task(n: int, c: int, k: int) -> float:
@@ -138,7 +153,9 @@ def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> Jo
             evals.n_trials += 1
             valid_rewards.append(result.verifier_result.rewards)
             for key, value in result.verifier_result.rewards.items():
-                evals.reward_stats.setdefault(key, {}).setdefault(str(value), []).append(
+                number = _finite(value)
+                shown = "invalid" if number is None else str(value)
+                evals.reward_stats.setdefault(key, {}).setdefault(shown, []).append(
                     result.trial_name
                 )
         if result.exception_type is not None:

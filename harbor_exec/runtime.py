@@ -38,6 +38,7 @@ class ContainerSpec:
     memory_mb: int | None = None
     pids_limit: int = 4096
     network: NetworkKind = "bridge"
+    gpus: int = 0  # requested through the engine's device requests
 
 
 @dataclass(frozen=True)

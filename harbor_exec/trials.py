@@ -34,7 +34,9 @@ from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
     CancelledError,
+    EngineUnavailableError,
     EnvironmentStartError,
+    GpuUnavailableError,
     HarborExecError,
     TrialError,
     VerifierTimeoutError,
@@ -138,6 +140,7 @@ class Trial:
         self._container_id: str | None = None
         self._exception: ExceptionInfo | None = None
         self._logs_downloaded = False
+        self._current_phase: str | None = None
 
     # ----------------------------------------------------------------- control
 
@@ -159,9 +162,12 @@ class Trial:
 
     def _record(self, exc: BaseException) -> None:
         if self._exception is None:  # Harbor keeps only the first exception
+            if isinstance(exc, EngineUnavailableError) and self._current_phase:
+                exc = exc.during(self._current_phase)
             self._exception = ExceptionInfo.from_exception(exc)
 
     def _phase(self, name: str) -> None:
+        self._current_phase = name
         if self._on_phase is not None:
             self._on_phase(name)
 
@@ -230,12 +236,32 @@ class Trial:
             )
         return "bridge"
 
+    def _check_gpus(self) -> int:
+        """GPUs to request; ``GpuUnavailableError`` before anything starts when the task
+        needs some and the engine has none (Harbor refuses such tasks too)."""
+        env = self.request.task.config.environment
+        wanted = env.gpus or 0
+        if wanted <= 0:
+            return 0
+        # Runtimes without GPU support (fakes, other engines) report none.
+        count_gpus = getattr(self.runtime, "gpu_count", None)
+        available = int(count_gpus()) if callable(count_gpus) else 0
+        if available == 0 or 0 < available < wanted:
+            types = f" of type {', '.join(env.gpu_types)}" if env.gpu_types else ""
+            raise GpuUnavailableError(
+                f"task {self.request.task.name}: [environment].gpus = {wanted}{types} but the "
+                f"Docker engine has {available if available > 0 else 'no'} GPU(s) to give "
+                "(install the NVIDIA container toolkit, or run this task elsewhere)"
+            )
+        return wanted
+
     def _environment(self, result: TrialResult) -> TrialSession:
         request, task = self.request, self.request.task
         env_config = task.config.environment
         self._phase("environment")
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
+            gpus = self._check_gpus()
             if request.image is not None:
                 image = request.image
             else:
@@ -255,6 +281,7 @@ class Trial:
                 cpus=float(env_config.cpus) if env_config.cpus else None,
                 memory_mb=env_config.memory_mb,
                 network=self._network(),
+                gpus=gpus,
             )
             with self._container_lock:
                 self._check_cancelled()
@@ -374,7 +401,12 @@ class Trial:
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
         finally:
-            self.runtime.remove(container_id)
+            try:
+                # Teardown never raises: an engine fault leaves the id with the
+                # runtime, whose periodic reap removes it once the engine is back.
+                self.runtime.remove(container_id)
+            except Exception as exc:
+                self._record(exc)
 
     def _write(self, result: TrialResult) -> None:
         if self._exception is not None:

@@ -29,6 +29,7 @@ from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
 
 __all__ = [
     "ARTIFACT_ROOT_ENV",
+    "OSMOSIS_ARTIFACT_ROOT_ENV",
     "ExecutionBackend",
     "default_artifact_root",
     "empty_prewarm_summary",
@@ -36,12 +37,18 @@ __all__ = [
 
 
 ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
+# Set by `osmosis eval run` (osmosis-ai[eval]) for the rollout server it starts: it
+# waits for <root>/<id>/trajectory.json there, so we honour it when nothing of ours says.
+OSMOSIS_ARTIFACT_ROOT_ENV = "_OSMOSIS_ROLLOUT_ARTIFACT_ROOT"
 
 
 def default_artifact_root() -> Path:
-    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``~/.harbor-exec/rollouts``."""
-    configured = os.environ.get(ARTIFACT_ROOT_ENV)
-    return Path(configured) if configured else Path.home() / ".harbor-exec" / "rollouts"
+    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, else
+    ``~/.harbor-exec/rollouts``."""
+    for name in (ARTIFACT_ROOT_ENV, OSMOSIS_ARTIFACT_ROOT_ENV):
+        if configured := os.environ.get(name):
+            return Path(configured)
+    return Path.home() / ".harbor-exec" / "rollouts"
 
 
 def empty_prewarm_summary() -> dict[str, Any]:

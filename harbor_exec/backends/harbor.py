@@ -58,7 +58,12 @@ from harbor_exec.authoring import (
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
-from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
+from harbor_exec.protocol import (
+    ExecutionOutcome,
+    ExecutionRequest,
+    ExecutionResult,
+    rollout_dir_name,
+)
 from harbor_exec.results import TrialResult
 from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime
 from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id
@@ -78,6 +83,10 @@ _CATEGORIES: dict[str, RolloutErrorCategory] = {
     "RewardFileEmptyError": RolloutErrorCategory.VALIDATION_ERROR,
     "VerifierOutputParseError": RolloutErrorCategory.VALIDATION_ERROR,
     "TaskConfigError": RolloutErrorCategory.VALIDATION_ERROR,
+    "GpuUnavailableError": RolloutErrorCategory.VALIDATION_ERROR,
+    "FileNotFoundError": RolloutErrorCategory.VALIDATION_ERROR,
+    # Infrastructure, not the agent: a trainer may retry these elsewhere.
+    "EngineUnavailableError": RolloutErrorCategory.INTERNAL_ERROR,
 }
 # Exceptions of the verifier phase: the workflow itself succeeded.
 _VERIFIER_SIDE = {
@@ -478,7 +487,7 @@ class HarborBackend(ExecutionBackend):
                 agent=plan.agent,
                 verifier=plan.verifier,
                 verify=plan.verify,
-                trial_name=f"{request.id}__{secrets.token_hex(4)[:7]}",
+                trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
                 image=image,
                 network=plan.network,
                 agent_timeout_sec=agent_budget,
@@ -618,7 +627,7 @@ class HarborBackend(ExecutionBackend):
     def _archive(self, rollout_id: str, trial: Trial, *, success: bool) -> None:
         """Keep the rollout's artifacts (the server writes its diagnostics beside them);
         drop successful trial dirs if asked."""
-        target = self.artifacts_dir / rollout_id
+        target = self.artifacts_dir / rollout_dir_name(rollout_id)
         try:
             target.mkdir(parents=True, exist_ok=True)
             produced = trial.dir / "artifacts" / "logs" / "artifacts"

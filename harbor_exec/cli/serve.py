@@ -24,9 +24,6 @@ from harbor_exec.cli.app import app
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
 
-# Outlives common load balancers' idle timeouts (2100 s), as the reference scaffold does.
-KEEP_ALIVE_SEC = 2160
-
 
 @dataclass
 class ServeOptions:
@@ -154,7 +151,10 @@ def serve(
         typer.Option("--app", help="A rollout server app built in code, as module:attr."),
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[
+        int | None,
+        typer.Option(help="Port to listen on [default: $_OSMOSIS_ROLLOUT_PORT, else 8000]."),
+    ] = None,
     api_key_env: Annotated[
         str | None,
         typer.Option(help="Name of an environment variable holding the bearer key to require."),
@@ -183,8 +183,12 @@ def serve(
     prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
-    import uvicorn
+    from harbor_exec.server.run import resolve_port, serve_app
 
+    try:
+        port = resolve_port(port)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--port") from None
     options = ServeOptions(
         workflow,
         grader,
@@ -209,11 +213,4 @@ def serve(
         application = _load_app(app_ref)
     else:
         application = build_app(options, api_key=_api_key(api_key_env))
-    uvicorn.run(
-        application,
-        host=host,
-        port=port,
-        timeout_keep_alive=KEEP_ALIVE_SEC,
-        access_log=access_log,
-        log_level="info",
-    )
+    serve_app(application, host=host, port=port, access_log=access_log)

@@ -35,6 +35,7 @@ from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     CANCEL_DISPOSITIONS,
+    DEFAULT_MAX_TIMEOUT_SEC,
     POLLING_LEASE_HEADER,
     TERMINAL_STATUSES,
     CancelDisposition,
@@ -47,6 +48,7 @@ from harbor_exec.protocol import (
     RolloutSample,
     RolloutStatus,
     categorize_exception,
+    check_timeouts,
 )
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from harbor_exec.server.registry import (
@@ -569,6 +571,7 @@ def create_rollout_server(
     retry_after_sec: int = DEFAULT_RETRY_AFTER_SEC,
     shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
     shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
+    max_timeout_sec: float = DEFAULT_MAX_TIMEOUT_SEC,
 ) -> FastAPI:
     """Build the FastAPI app that serves rollouts from ``backend``.
 
@@ -589,6 +592,8 @@ def create_rollout_server(
         )
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must be non-empty when given")
+    if not math.isfinite(max_timeout_sec) or max_timeout_sec <= 0:
+        raise ValueError("max_timeout_sec must be finite and greater than zero")
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
 
@@ -644,6 +649,11 @@ def create_rollout_server(
         except ValidationError as exc:
             service.metrics.reject("invalid")
             return _detail(422, _validation_errors(exc, "body"))
+        if (init.agent_timeout_sec is not None or init.grader_timeout_sec is not None) and (
+            errors := check_timeouts(init, max_timeout_sec)
+        ):
+            service.metrics.reject("invalid")
+            return _detail(422, errors)
         return service.admit(init)
 
     @app.get("/rollout/{rollout_id}/result")
