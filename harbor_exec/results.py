@@ -197,6 +197,13 @@ def _check_number(value: Any, path: Path, key: str) -> float | int:
     return value
 
 
+def _parse_int(text: str) -> int | float:
+    # Past Python's int-conversion digit limit json.loads would raise before we
+    # know the key; such a value is far beyond any float anyway, so make it inf
+    # and let the per-key check name it.
+    return int(text) if len(text) <= 1000 else math.inf
+
+
 def parse_rewards(verifier_dir: Path) -> Rewards:
     """Harbor's reward rules over a downloaded ``/logs/verifier`` directory."""
     json_path = verifier_dir / "reward.json"
@@ -205,7 +212,9 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
         if json_path.stat().st_size == 0:
             raise RewardFileEmptyError(f"reward file is empty: {json_path}")
         try:
-            data = json.loads(json_path.read_text(encoding="utf-8", errors="replace"))
+            data = json.loads(
+                json_path.read_text(encoding="utf-8", errors="replace"), parse_int=_parse_int
+            )
         except (ValueError, RecursionError) as exc:
             # ValueError also covers JSONDecodeError and integers past Python's
             # digit limit for int conversion (4300 digits).

@@ -102,6 +102,14 @@ class ExecutionBackend(ABC):
         """Backend part of ``GET /health``."""
         return {"status": "ok"}
 
+    def unavailable_reason(self) -> str | None:
+        """Why rollouts cannot run right now (e.g. the container engine is down), else None.
+
+        While it is not None the server answers ``POST /rollout`` with 503 and this
+        reason, and ``/health`` reports ``accepting_rollouts: false``. Must be cheap.
+        """
+        return None
+
     def queue_info(self) -> dict[str, Any]:
         """Backend part of ``GET /queue``: queued, running, capacity, max_queue_depth.
 

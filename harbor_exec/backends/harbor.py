@@ -254,6 +254,8 @@ class HarborBackend(ExecutionBackend):
         self._deps_lock = threading.Lock()
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
+        self.reap_interval_sec = 5.0
+        self._monitor: asyncio.Task[None] | None = None
         self.image_builds = 0  # task images and dependency layers built by this backend
         self._builds_lock = threading.Lock()
 
@@ -658,6 +660,42 @@ class HarborBackend(ExecutionBackend):
         running = sum(1 for p in self._pending.values() if p.started)
         return len(self._pending) - running, running
 
+    # ----------------------------------------------------------------- engine health
+
+    def _ensure_monitor(self) -> None:
+        """Start the engine watcher on the running loop (once; constructors stay passive)."""
+        if self._monitor is not None or self._shutting_down:
+            return
+        if not isinstance(self.runtime, DockerRuntime):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._monitor = loop.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """Reap periodically (owed removals, dead owners' containers), and poll the
+        engine quickly while it is down so admissions resume as soon as it is back."""
+        runtime = self.runtime
+        assert isinstance(runtime, DockerRuntime)
+        while not self._shutting_down:
+            try:
+                await anyio.to_thread.run_sync(runtime.reap)
+            except Exception:
+                logger.warning("periodic reap failed", exc_info=True)
+            await asyncio.sleep(self.reap_interval_sec if runtime.engine_available else 0.5)
+
+    def unavailable_reason(self) -> str | None:
+        self._ensure_monitor()
+        runtime = self.runtime
+        if isinstance(runtime, DockerRuntime) and not runtime.engine_available:
+            return (
+                f"the Docker engine at {runtime.engine_url} is not answering; rollouts are "
+                "admitted again as soon as it is back"
+            )
+        return None
+
     def has_capacity(self) -> bool:
         if self._shutting_down:
             return False
@@ -714,11 +752,20 @@ class HarborBackend(ExecutionBackend):
     def health(self) -> dict[str, Any]:
         queued, running = self._counts()
         images: dict[str, int] = {}
+        docker_state = "ok"
         if isinstance(self.runtime, DockerRuntime):
-            for info in self.runtime.list_images():
-                images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
+            self._ensure_monitor()
+            try:
+                if not self.runtime.engine_available:
+                    raise HarborExecError("engine down")
+                for info in self.runtime.list_images():
+                    images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
+            except HarborExecError:
+                docker_state = "unavailable"
+        status = "ok" if docker_state == "ok" else "degraded"
         return {
-            "status": "ok" if not self._shutting_down else "shutting_down",
+            "status": status if not self._shutting_down else "shutting_down",
+            "docker": docker_state,
             "backend": "harbor",
             "agent": self.agent_name,
             "task_mode": self.task_mode,
@@ -818,6 +865,8 @@ class HarborBackend(ExecutionBackend):
     async def shutdown(self) -> None:
         """Cancel everything, wait for trials to end, remove every container of ours."""
         self._shutting_down = True
+        if self._monitor is not None:
+            self._monitor.cancel()
         self.cancel_rollouts(all=True)
         running = [p.task for p in self._pending.values() if p.task is not None]
         if running:

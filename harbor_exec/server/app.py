@@ -250,6 +250,9 @@ class RolloutService:
         if not self.accepting:
             self.metrics.reject("shutting_down")
             return _detail(503, "rollout server is shutting down")
+        if (reason := self.backend.unavailable_reason()) is not None:
+            self.metrics.reject("unavailable")
+            return _detail(503, reason, {"Retry-After": self.retry_after})
         if not self.backend.has_capacity():
             self.metrics.reject("queue_full")
             return _detail(
@@ -411,7 +414,8 @@ class RolloutService:
     # ------------------------------------------------------------------ reporting
 
     def lifecycle(self) -> dict[str, Any]:
-        return {"accepting_rollouts": self.accepting, "active_rollouts": len(self.tasks)}
+        accepting = self.accepting and self.backend.unavailable_reason() is None
+        return {"accepting_rollouts": accepting, "active_rollouts": len(self.tasks)}
 
     def queue_info(self) -> dict[str, Any]:
         info = dict(self.backend.queue_info())
@@ -630,7 +634,13 @@ def create_rollout_server(
 
     @app.get("/health")
     async def health() -> Response:
-        payload = dict(backend.health())
+        try:
+            payload = dict(backend.health())
+        except Exception as exc:
+            # /health answers 200 whatever the backend's state: it is how operators
+            # and harnesses learn that state.
+            logger.warning("backend.health() failed", exc_info=True)
+            payload = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
         payload["instance_id"] = service.instance_id
         payload["process_id"] = service.process_id
         payload["lifecycle"] = service.lifecycle()
