@@ -139,7 +139,9 @@ def test_timeouts_above_the_maximum_are_422(server: Any, field: str) -> None:
 def test_default_timeout_maximum_is_a_day(tmp_path: Path) -> None:
     with serve(local_app(tmp_path)) as url:
         day = 24 * 3600.0
-        assert httpx.post(f"{url}/rollout", json=body("a", agent_timeout_sec=day)).status_code == 202
+        assert (
+            httpx.post(f"{url}/rollout", json=body("a", agent_timeout_sec=day)).status_code == 202
+        )
         assert (
             httpx.post(f"{url}/rollout", json=body("b", agent_timeout_sec=day + 1)).status_code
             == 422
