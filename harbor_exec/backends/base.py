@@ -102,6 +102,11 @@ class ExecutionBackend(ABC):
         """Backend part of ``GET /health``."""
         return {"status": "ok"}
 
+    def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:
+        """A restarted server found these rollouts unfinished (they now end as
+        ``internal_error``); release what the dead process left for them. Default: nothing."""
+        return None
+
     def unavailable_reason(self) -> str | None:
         """Why rollouts cannot run right now (e.g. the container engine is down), else None.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import hashlib
 import ipaddress
 import json
@@ -685,6 +686,16 @@ class HarborBackend(ExecutionBackend):
             except Exception:
                 logger.warning("periodic reap failed", exc_info=True)
             await asyncio.sleep(self.reap_interval_sec if runtime.engine_available else 0.5)
+
+    def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:
+        """Remove the empty trial directories a killed server left for these rollouts
+        (their containers were reaped at start-up); trials with a result stay."""
+        for rollout_id in rollout_ids:
+            for trial_dir in self.trials_dir.glob(
+                f"{glob.escape(rollout_dir_name(rollout_id))}__*"
+            ):
+                if trial_dir.is_dir() and not (trial_dir / "result.json").is_file():
+                    shutil.rmtree(trial_dir, ignore_errors=True)
 
     def unavailable_reason(self) -> str | None:
         self._ensure_monitor()

@@ -42,6 +42,8 @@ class ServeOptions:
     max_concurrent_trials: int = 4
     max_queue_depth: int | None = None
     prewarm: bool = False
+    data_dir: Path | None = None
+    max_timeout_sec: float | None = None
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -102,15 +104,26 @@ def build_backend(options: ServeOptions) -> Any:
 
 def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
     """The FastAPI rollout server for these options."""
+    from harbor_exec.errors import HarborExecError
     from harbor_exec.server import create_rollout_server
+    from harbor_exec.server.store import default_data_dir
 
     backend = build_backend(options)
-    return create_rollout_server(
-        backend=backend,
-        api_key=api_key,
-        artifact_root=options.artifact_root,
-        lifespan=backend.prewarm_lifespan() if options.prewarm else None,
-    )
+    extra: dict[str, Any] = {}
+    if options.max_timeout_sec is not None:
+        extra["max_timeout_sec"] = options.max_timeout_sec
+    try:
+        return create_rollout_server(
+            backend=backend,
+            api_key=api_key,
+            data_dir=options.data_dir or default_data_dir(),
+            artifact_root=options.artifact_root,
+            lifespan=backend.prewarm_lifespan() if options.prewarm else None,
+            **extra,
+        )
+    except HarborExecError as exc:  # e.g. the data dir is owned by another server
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _load_app(ref: str) -> Any:
@@ -181,6 +194,17 @@ def serve(
         int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
     ] = None,
     prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where admitted rollouts are kept (SQLite) so a restart loses none "
+            "[default: $HARBOR_EXEC_DATA_DIR, else ~/.local/state/harbor-exec/server]."
+        ),
+    ] = None,
+    max_timeout_sec: Annotated[
+        float | None,
+        typer.Option(help="Largest agent/grader timeout a request may ask for [default: 86400]."),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -203,6 +227,8 @@ def serve(
         max_concurrent_trials=max_concurrent_trials,
         max_queue_depth=max_queue_depth,
         prewarm=prewarm,
+        data_dir=data_dir,
+        max_timeout_sec=max_timeout_sec,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

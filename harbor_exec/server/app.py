@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -57,6 +58,7 @@ from harbor_exec.server.registry import (
     RolloutEntry,
     RolloutRegistry,
 )
+from harbor_exec.server.store import RESTARTED_MESSAGE, RolloutStore
 from harbor_exec.server.trajectory import TrajectoryWriter
 
 __all__ = [
@@ -214,8 +216,11 @@ class RolloutService:
         retry_after_sec: int = DEFAULT_RETRY_AFTER_SEC,
         shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
         shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
+        store: RolloutStore | None = None,
     ) -> None:
         self.backend = backend
+        self.store = store
+        self.result_retention_sec = result_retention_sec
         self.result_wait_timeout_sec = result_wait_timeout_sec
         self.polling_lease_timeout_sec = polling_lease_timeout_sec
         self.retry_after = str(retry_after_sec)
@@ -234,6 +239,7 @@ class RolloutService:
             polling_lease_timeout_sec=polling_lease_timeout_sec,
             result_retention_sec=result_retention_sec,
             on_lease_expired=self._expire_lease,
+            on_removed=store.forget if store is not None else None,
         )
         self.writer = TrajectoryWriter(artifact_root)
         self._server_secrets = tuple(server_secrets)
@@ -270,6 +276,12 @@ class RolloutService:
             raise
         entry.task = task
         self.tasks.add(task)
+        if self.store is not None:
+            self.store.admitted(
+                request.rollout_id,
+                entry.lease_digest,
+                request.model_dump_json(exclude={"llm_api_key"}),
+            )
         task.add_done_callback(partial(self._task_done, entry))
         self.metrics.admitted += 1
         body = b"".join(
@@ -291,7 +303,7 @@ class RolloutService:
             chat_completions_url=request.chat_completions_url,
             api_key=request.llm_api_key,
             rollout_id=request.rollout_id,
-            on_status=partial(self.registry.set_status, entry),
+            on_status=partial(self._set_status, entry),
         )
         if not self.backend.reports_running:
             context.update_status(RolloutStatus.RUNNING)
@@ -344,8 +356,23 @@ class RolloutService:
         else:
             self._finish(entry, _final_result(request.rollout_id, result))
 
+    def _set_status(self, entry: RolloutEntry, status: RolloutStatus) -> None:
+        before = entry.status
+        self.registry.set_status(entry, status)
+        if self.store is not None and entry.status is not before:
+            self.store.status(entry.rollout_id, entry.status.value)
+
     def _finish(self, entry: RolloutEntry, final: FinalResult) -> None:
         if self.registry.finish(entry, final):
+            if self.store is not None:
+                self.store.finished(
+                    entry.rollout_id,
+                    status=final.status.value,
+                    body=final.body,
+                    reward=final.reward,
+                    err_message=final.err_message,
+                    err_category=final.err_category.value if final.err_category else None,
+                )
             now = self.registry.loop.time()
             category = final.err_category.value if final.err_category else None
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
@@ -456,6 +483,60 @@ class RolloutService:
         }
         return self.metrics.render(gauges)
 
+    # ------------------------------------------------------------------ restart
+
+    def restore(self) -> None:
+        """Serve again what a previous process admitted (from ``store``): finished
+        results within their retention, and a terminal ``internal_error`` for what
+        was queued or running when it died."""
+        if self.store is None:
+            return
+        now = time.time()
+        restored: list[tuple[float, str, bytes, FinalResult]] = []
+        interrupted: list[str] = []
+        for row in self.store.load():
+            if row.final_body is not None and row.finished_at is not None:
+                left = row.finished_at + self.result_retention_sec - now
+                if left <= 0:
+                    self.store.forget(row.rollout_id)
+                    continue
+                category = RolloutErrorCategory(row.err_category) if row.err_category else None
+                final = FinalResult(
+                    status=RolloutStatus(row.status),
+                    body=row.final_body,
+                    reward=row.reward,
+                    err_message=row.err_message,
+                    err_category=category,
+                )
+            else:
+                interrupted.append(row.rollout_id)
+                final = _failure(
+                    row.rollout_id, RESTARTED_MESSAGE, RolloutErrorCategory.INTERNAL_ERROR
+                )
+                left = self.result_retention_sec
+                self.store.finished(
+                    row.rollout_id,
+                    status=final.status.value,
+                    body=final.body,
+                    reward=None,
+                    err_message=final.err_message,
+                    err_category=RolloutErrorCategory.INTERNAL_ERROR.value,
+                )
+            restored.append((left, row.rollout_id, row.lease_digest, final))
+        for left, rollout_id, digest, final in sorted(restored, key=lambda item: item[0]):
+            self.registry.restore(rollout_id, digest, final, left)
+        if interrupted:
+            logger.warning(
+                "%d rollout(s) were running when the previous server stopped; they end as "
+                "internal_error",
+                len(interrupted),
+            )
+            try:
+                self.backend.recover_interrupted(interrupted)
+            except Exception:
+                logger.exception("backend.recover_interrupted failed")
+        self.store.flush()
+
     # ------------------------------------------------------------------ shutdown
 
     async def shutdown(self) -> None:
@@ -482,6 +563,8 @@ class RolloutService:
             logger.exception("backend shutdown failed")
         self.registry.close()
         await asyncio.to_thread(self.writer.close)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
 
 
 def _number_or_none(value: Any) -> float | int | None:
@@ -576,6 +659,7 @@ def create_rollout_server(
     shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
     shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
     max_timeout_sec: float = DEFAULT_MAX_TIMEOUT_SEC,
+    data_dir: Path | str | None = None,
 ) -> FastAPI:
     """Build the FastAPI app that serves rollouts from ``backend``.
 
@@ -613,6 +697,7 @@ def create_rollout_server(
         retry_after_sec=retry_after_sec,
         shutdown_drain_sec=shutdown_drain_sec,
         shutdown_cleanup_sec=shutdown_cleanup_sec,
+        store=RolloutStore(data_dir) if data_dir is not None else None,
     )
     registry = service.registry
     wait_sec = result_wait_timeout_sec
@@ -620,6 +705,7 @@ def create_rollout_server(
     @asynccontextmanager
     async def app_lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            service.restore()
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
             try:
