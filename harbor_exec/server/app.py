@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harbor_exec.authoring import RolloutContext
@@ -52,6 +52,7 @@ from harbor_exec.protocol import (
     check_timeouts,
 )
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from harbor_exec.server.openapi import route_docs
 from harbor_exec.server.registry import (
     DuplicateRolloutError,
     FinalResult,
@@ -701,6 +702,7 @@ def create_rollout_server(
     )
     registry = service.registry
     wait_sec = result_wait_timeout_sec
+    docs = route_docs(max_timeout_sec=max_timeout_sec, auth=api_key is not None)
 
     @asynccontextmanager
     async def app_lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -718,7 +720,7 @@ def create_rollout_server(
     if api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
 
-    @app.get("/health")
+    @app.get("/health", **docs["health"])
     async def health() -> Response:
         try:
             payload = dict(backend.health())
@@ -732,7 +734,7 @@ def create_rollout_server(
         payload["lifecycle"] = service.lifecycle()
         return _json(200, payload)
 
-    @app.post("/rollout", status_code=202)
+    @app.post("/rollout", status_code=202, **docs["submit"])
     async def submit_rollout(request: Request) -> Response:
         """Admit a rollout (body: RolloutInitRequest); 202 with a polling lease token."""
         try:
@@ -752,7 +754,7 @@ def create_rollout_server(
             return _detail(422, errors)
         return service.admit(init)
 
-    @app.get("/rollout/{rollout_id}/result")
+    @app.get("/rollout/{rollout_id}/result", **docs["result"])
     async def rollout_result(request: Request) -> Response:
         """Long-poll: parks until the status changes or the wait passes. Needs the lease."""
         token = request.headers.get(POLLING_LEASE_HEADER)
@@ -774,7 +776,7 @@ def create_rollout_server(
         body = final.body if final is not None else _in_progress(rollout_id, entry.status)
         return Response(body, 200, None, _JSON)
 
-    @app.get("/rollout/{rollout_id}/status")
+    @app.get("/rollout/{rollout_id}/status", **docs["status"])
     async def rollout_status(request: Request) -> Response:
         """Current status without a lease. With ``?status=<seen>&wait=<sec>`` it parks
         until the status differs from ``seen`` (at most the server's result wait)."""
@@ -815,7 +817,7 @@ def create_rollout_server(
             },
         )
 
-    @app.post("/rollout/cancel")
+    @app.post("/rollout/cancel", **docs["cancel"])
     async def cancel_rollouts(request: Request) -> Response:
         """Cancel by exactly one selector: ``ids``, ``prefix`` or ``all``."""
         try:
@@ -831,12 +833,12 @@ def create_rollout_server(
         dispositions = service.cancel(ids=selector.ids, prefix=selector.prefix, all=selector.all)
         return _json(200, {"dispositions": dispositions})
 
-    @app.get("/queue")
+    @app.get("/queue", **docs["queue"])
     async def queue() -> Response:
         """Backend queue depth: ``queued``, ``running``, ``capacity``, ``max_queue_depth``."""
         return _json(200, service.queue_info())
 
-    @app.post("/prewarm")
+    @app.post("/prewarm", **docs["prewarm"])
     async def prewarm(request: Request) -> Response:
         """Prepare tasks ahead of rollouts: ``{"task_ids": [...]}`` or ``{"all": true}``."""
         try:
@@ -860,7 +862,7 @@ def create_rollout_server(
             return _detail(500, f"prewarm failed: {type(exc).__name__}: {exc}")
         return _json(200, summary)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **docs["metrics"])
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(service.render_metrics(), 200, None, PROMETHEUS_CONTENT_TYPE)
