@@ -9,8 +9,10 @@ Writes are cheap on the event loop: each change only updates a pending row in a
 dict; a writer thread upserts the pending rows in one transaction every
 ``flush_interval_sec`` (WAL mode, ``synchronous=NORMAL``: no fsync per commit). A
 rollout that is admitted and finished within one interval costs one row write.
-One server process owns a data dir, enforced with an exclusive ``flock`` on
-``server.lock``.
+Rows are keyed by an admission sequence number, not by the (random) rollout id, so
+every write lands on the last few pages of the table and a commit rewrites few pages;
+the id is unique in memory (the registry), so it needs no index. One server
+process owns a data dir, enforced with an exclusive ``flock`` on ``server.lock``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ RESTARTED_MESSAGE: Final = "harbor-exec restarted while this rollout was running
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY,
+    seq INTEGER PRIMARY KEY,
+    id TEXT NOT NULL,
     lease_digest BLOB NOT NULL,
     request TEXT,
     status TEXT NOT NULL,
@@ -51,10 +54,10 @@ CREATE TABLE IF NOT EXISTS rollouts (
 )
 """
 _UPSERT: Final = """
-INSERT INTO rollouts (id, lease_digest, request, status, admitted_at, finished_at,
+INSERT INTO rollouts (seq, id, lease_digest, request, status, admitted_at, finished_at,
                       final_body, reward, err_message, err_category)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT(id) DO UPDATE SET
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(seq) DO UPDATE SET
     status = excluded.status,
     finished_at = excluded.finished_at,
     final_body = excluded.final_body,
@@ -96,7 +99,7 @@ class StoredRollout:
 class RolloutStore:
     """The SQLite file and its batching writer (see the module doc)."""
 
-    def __init__(self, data_dir: Path | str, *, flush_interval_sec: float = 0.05) -> None:
+    def __init__(self, data_dir: Path | str, *, flush_interval_sec: float = 0.1) -> None:
         self.data_dir = Path(data_dir).expanduser()
         self.flush_interval_sec = flush_interval_sec
         try:
@@ -123,9 +126,12 @@ class RolloutStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(_SCHEMA)
-        # id -> full row tuple (as _UPSERT takes it); rows to delete.
+        # id -> full row (as _UPSERT takes it); sequence numbers to delete.
         self._pending: dict[str, list[Any]] = {}
-        self._deletes: list[str] = []
+        self._deletes: list[int] = []
+        self._seq_of: dict[str, int] = {}  # rows held, by rollout id
+        last = self._db.execute("SELECT max(seq) FROM rollouts").fetchone()[0]
+        self._next_seq = 1 + (last or 0)
         self._guard = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -137,24 +143,28 @@ class RolloutStore:
     def load(self) -> list[StoredRollout]:
         """Every stored rollout (call before serving)."""
         rows = self._db.execute(
-            "SELECT id, lease_digest, request, status, admitted_at, finished_at, final_body,"
-            " reward, err_message, err_category FROM rollouts"
+            "SELECT seq, id, lease_digest, request, status, admitted_at, finished_at, final_body,"
+            " reward, err_message, err_category FROM rollouts ORDER BY seq"
         ).fetchall()
         loaded: list[StoredRollout] = []
-        for row in rows:
+        for seq, *row in rows:
             try:
                 request = json.loads(row[2]) if row[2] else None
             except ValueError:
                 request = None
+            self._seq_of[row[0]] = seq
             loaded.append(StoredRollout(row[0], bytes(row[1]), request, *row[3:]))
         return loaded
 
     # ------------------------------------------------------------------ writing (event loop)
 
     def admitted(self, rollout_id: str, lease_digest: bytes, request_json: str) -> None:
-        row = [rollout_id, lease_digest, request_json, "queued", time.time()]
-        row += [None, None, None, None, None]
         with self._guard:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._seq_of[rollout_id] = seq
+            row = [seq, rollout_id, lease_digest, request_json, "queued", time.time()]
+            row += [None, None, None, None, None]
             self._pending[rollout_id] = row
         self._kick()
 
@@ -162,8 +172,10 @@ class RolloutStore:
         with self._guard:
             row = self._pending.get(rollout_id)
             if row is None:
-                self._pending[rollout_id] = row = self._stub(rollout_id)
-            row[3] = status
+                if (stub := self._stub(rollout_id)) is None:
+                    return
+                self._pending[rollout_id] = row = stub
+            row[4] = status
         self._kick()
 
     def finished(
@@ -179,22 +191,28 @@ class RolloutStore:
         with self._guard:
             row = self._pending.get(rollout_id)
             if row is None:
-                self._pending[rollout_id] = row = self._stub(rollout_id)
-            row[3:] = [status, row[4], time.time(), body, reward, err_message, err_category]
+                if (stub := self._stub(rollout_id)) is None:
+                    return
+                self._pending[rollout_id] = row = stub
+            row[4:] = [status, row[5], time.time(), body, reward, err_message, err_category]
         self._kick()
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout whose retention ended."""
         with self._guard:
             self._pending.pop(rollout_id, None)
-            self._deletes.append(rollout_id)
+            seq = self._seq_of.pop(rollout_id, None)
+            if seq is not None:
+                self._deletes.append(seq)
         self._kick()
 
-    @staticmethod
-    def _stub(rollout_id: str) -> list[Any]:
+    def _stub(self, rollout_id: str) -> list[Any] | None:
         # An update for a row already written: the upsert only touches the
         # status/result columns, so these placeholders never overwrite anything.
-        return [rollout_id, b"", None, "queued", 0.0, None, None, None, None, None]
+        seq = self._seq_of.get(rollout_id)
+        if seq is None:
+            return None  # not ours (never admitted through this store)
+        return [seq, rollout_id, b"", None, "queued", 0.0, None, None, None, None, None]
 
     def _kick(self) -> None:
         if self._thread is None:
@@ -226,7 +244,7 @@ class RolloutStore:
                     self._db.executemany(_UPSERT, rows)
                 if deletes:
                     self._db.executemany(
-                        "DELETE FROM rollouts WHERE id = ?", [(i,) for i in deletes]
+                        "DELETE FROM rollouts WHERE seq = ?", [(i,) for i in deletes]
                     )
         except sqlite3.Error:
             self.write_errors += 1
