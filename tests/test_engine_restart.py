@@ -7,7 +7,6 @@ server, stops that daemon and starts it again. It never touches the shared daemo
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -182,7 +181,9 @@ def test_dockerd_restart_under_serve(own_daemon: OwnDaemon, tmp_path: Path) -> N
         for body in finals.values():
             assert body["status"] == "failure"
             assert body["err_category"] == "internal_error"
-            assert body["err_message"].startswith(f"Docker engine at {own_daemon.url} stopped answering")
+            assert body["err_message"].startswith(
+                f"Docker engine at {own_daemon.url} stopped answering"
+            )
             assert "Connection aborted" not in body["err_message"]
 
         health = httpx.get(f"{url}/health", timeout=10)

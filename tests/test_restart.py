@@ -100,7 +100,11 @@ def test_sigkilled_server_serves_finished_and_fails_running(tmp_path: Path) -> N
         # Still held: a retry must use a new id, as for any retained result.
         again = httpx.post(
             f"{url}/rollout",
-            json={"initial_messages": PROMPT, "rollout_id": "done-1", "chat_completions_url": CHAT_URL},
+            json={
+                "initial_messages": PROMPT,
+                "rollout_id": "done-1",
+                "chat_completions_url": CHAT_URL,
+            },
         )
         assert again.status_code == 409
         # One server per data dir.
