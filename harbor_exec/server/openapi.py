@@ -135,6 +135,8 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
         "rollout_id": rollout_id,
         "agent_timeout_sec": timeout_limit,
         "grader_timeout_sec": timeout_limit,
+        # "" is refused; omit it or send null.
+        "llm_api_key": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
     }
     return {
         "health": {
