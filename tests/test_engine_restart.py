@@ -1,7 +1,8 @@
 """A Docker daemon restart under a running server, on a daemon of the test's own.
 
-The test starts a second dockerd (own socket, data root, exec root and pidfile, no
-bridge and no iptables so it leaves the shared daemon's networking alone), loads the
+The test starts a second dockerd (own socket, data root, exec root and pidfile, its own
+network namespace, no bridge and no iptables, so it leaves the shared daemon's
+networking alone), loads the
 base image into it from the main daemon, runs two rollouts there through the real
 server, stops that daemon and starts it again. It never touches the shared daemon."""
 
@@ -47,8 +48,15 @@ class OwnDaemon:
         if dockerd is None:
             pytest.fail("this test needs dockerd on PATH", pytrace=False)
         log = open(self.root / "dockerd.log", "ab")  # noqa: SIM115 - closed with the process
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            pytest.fail("this test needs unshare (util-linux) on PATH", pytrace=False)
         self.process = subprocess.Popen(
             [
+                # A network namespace of its own: a dockerd started with --bridge=none
+                # deletes the host's docker0 (removeDefaultBridgeInterface), which would
+                # break the shared daemon's bridge networking for everyone else.
+                unshare, "--net", "--",
                 dockerd,
                 "--host", self.url,
                 "--data-root", str(self.root / "data"),
