@@ -63,7 +63,14 @@ def _harbor_exec_app(artifact_root: str) -> Any:
             ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
 
     backend = LocalBackend(workflow=Answer, grader=Exact, artifact_root=artifact_root)
-    return create_rollout_server(backend=backend, artifact_root=artifact_root)
+    # The database on, as `harbor-exec serve` runs it (--data-dir), unless
+    # HARBOR_EXEC_BENCH_NO_DATA_DIR=1 (to measure what it costs).
+    no_db = os.environ.get("HARBOR_EXEC_BENCH_NO_DATA_DIR") == "1"
+    return create_rollout_server(
+        backend=backend,
+        artifact_root=artifact_root,
+        data_dir=None if no_db else os.path.join(artifact_root, ".data-dir"),
+    )
 
 
 def _osmosis_app(artifact_root: str) -> Any:

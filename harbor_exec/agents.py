@@ -145,6 +145,10 @@ class OracleAgent:
         return tree_entries(task.solution_dir, "/solution", executable=["solve.sh"])
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+        if not session.task.solve_script.is_file():
+            # Harbor's oracle raises exactly this (recorded as FileNotFoundError),
+            # instead of letting bash fail with exit 127.
+            raise FileNotFoundError(f"Solution script not found: {session.task.solve_script}")
         config = session.task.config
         env = {
             "DEBIAN_FRONTEND": "noninteractive",

@@ -22,25 +22,28 @@ Why the details are as they are:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import docker
 import docker.errors
+import docker.types
 import requests.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.cgroups import HostCgroup
 from harbor_exec.errors import (
     DockerUnavailableError,
+    EngineUnavailableError,
     EnvironmentStartError,
     EnvironmentStartTimeoutError,
     HarborExecError,
@@ -115,6 +118,50 @@ def owner_is_alive(owner: str) -> bool:
     return _proc_start_time(pid) == start
 
 
+# --------------------------------------------------------------------------- engine faults
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+# What a daemon that stopped, restarted or hung looks like from the SDK: the socket
+# is gone or refuses, the connection drops mid-call, or a call times out.
+_ENGINE_FAULTS = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.Timeout,
+    ConnectionError,
+    FileNotFoundError,
+)
+
+
+def _is_engine_fault(exc: BaseException) -> bool:
+    if isinstance(exc, _ENGINE_FAULTS):
+        return True
+    return isinstance(exc, docker.errors.APIError) and bool(exc.is_server_error())
+
+
+def _engine_boundary(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Turn any engine fault escaping ``method`` into one ``EngineUnavailableError``
+    (one line, naming the engine), so callers never see raw urllib3/requests text."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(*args, **kwargs)
+        except HarborExecError:
+            raise
+        except Exception as exc:
+            if not _is_engine_fault(exc):
+                raise
+            runtime = args[0]
+            assert isinstance(runtime, DockerRuntime)
+            runtime.engine_down(exc)
+            raise EngineUnavailableError(
+                runtime.engine_url, f"{type(exc).__name__} in {method.__name__.lstrip('_')}"
+            ) from None
+
+    return wrapper
+
+
 # --------------------------------------------------------------------------- runtime
 
 
@@ -181,6 +228,31 @@ class DockerRuntime:
         self.host_kill: bool | None = None
         # Image configs by tag; task and dependency tags are content hashes.
         self._image_configs: dict[str, dict[str, Any]] = {}
+        # Containers whose removal failed while the engine was away; reap() retries them.
+        self._unremoved: set[str] = set()
+        self.engine_available = True
+        self.last_engine_error: str | None = None
+
+    @property
+    def engine_url(self) -> str:
+        """The engine's address, for messages."""
+        return str(self._base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock")
+
+    def engine_down(self, exc: BaseException | None = None) -> None:
+        """Record that the engine stopped answering (``ping`` clears it)."""
+        self.engine_available = False
+        if exc is not None:
+            self.last_engine_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+    def ping(self) -> bool:
+        """Whether the engine answers now (updates ``engine_available``); never raises."""
+        try:
+            self._api.ping()
+        except Exception as exc:
+            self.engine_down(exc)
+            return False
+        self.engine_available = True
+        return True
 
     def _client(self, *, timeout: int | None, max_pool_size: int) -> Any:
         kwargs: dict[str, Any] = {"timeout": timeout, "max_pool_size": max_pool_size}
@@ -195,6 +267,7 @@ class DockerRuntime:
 
     # ----------------------------------------------------------------- images
 
+    @_engine_boundary
     def image_exists(self, tag: str) -> bool:
         try:
             self._api.inspect_image(tag)
@@ -206,6 +279,7 @@ class DockerRuntime:
         with self._locks_guard:
             return self._build_locks.setdefault(tag, threading.Lock())
 
+    @_engine_boundary
     def ensure_image(
         self,
         *,
@@ -282,6 +356,7 @@ class DockerRuntime:
                 f"--- last lines of the build log ({log_path}) ---\n{tail}"
             )
 
+    @_engine_boundary
     def import_rootfs(self, tarball: Path, tag: str, *, changes: list[str]) -> None:
         """``docker import`` a root filesystem tarball as ``tag`` (base image bootstrap)."""
         repository, _, version = tag.rpartition(":")
@@ -289,6 +364,7 @@ class DockerRuntime:
             str(tarball), repository=repository, tag=version, changes=changes
         )
 
+    @_engine_boundary
     def list_images(self) -> list[ImageInfo]:
         """Every image carrying our label."""
         images = self._api.images(filters={"label": f"{LABEL_MANAGED}=true"})
@@ -309,13 +385,16 @@ class DockerRuntime:
             self._image_configs[tag] = config
         return config
 
+    @_engine_boundary
     def image_user(self, tag: str) -> str:
         """The image's configured USER ("" for the default, root)."""
         return str(self._image_config(tag).get("User") or "")
 
+    @_engine_boundary
     def image_labels(self, tag: str) -> Mapping[str, str]:
         return dict(self._image_config(tag).get("Labels") or {})
 
+    @_engine_boundary
     def remove_image(self, tag: str) -> None:
         self._image_configs.pop(tag, None)
         with contextlib.suppress(docker.errors.ImageNotFound):
@@ -323,6 +402,7 @@ class DockerRuntime:
 
     # ----------------------------------------------------------------- containers
 
+    @_engine_boundary
     def create(self, spec: ContainerSpec) -> str:
         if spec.network not in ("bridge", "none"):
             raise EnvironmentStartError(
@@ -345,6 +425,9 @@ class DockerRuntime:
             }
             or None,
             log_config={"type": "none", "config": {}},
+            device_requests=[docker.types.DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
+            if spec.gpus > 0
+            else None,
         )
         try:
             created = self._api.create_container(
@@ -362,6 +445,7 @@ class DockerRuntime:
             ) from None
         return str(created["Id"])
 
+    @_engine_boundary
     def start(self, container_id: str) -> None:
         try:
             # Starting is the daemon's most expensive step; too many at once topple it.
@@ -372,17 +456,32 @@ class DockerRuntime:
                 f"cannot start container: {exc.explanation or exc}"
             ) from None
 
+    @_engine_boundary
     def put_archive(self, container_id: str, data: bytes) -> None:
         self._api.put_archive(container_id, "/", data)
 
+    @_engine_boundary
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
         try:
             stream, _stat = self._api.get_archive(container_id, path, chunk_size=_ARCHIVE_CHUNK)
         except docker.errors.NotFound:
             return None
-        chunks: Iterator[bytes] = iter(stream)
-        return chunks
 
+        def chunks() -> Iterator[bytes]:
+            # The stream is read after this method returned: map its faults here too.
+            try:
+                yield from stream
+            except Exception as exc:
+                if not _is_engine_fault(exc):
+                    raise
+                self.engine_down(exc)
+                raise EngineUnavailableError(
+                    self.engine_url, f"{type(exc).__name__} in get_archive"
+                ) from None
+
+        return chunks()
+
+    @_engine_boundary
     def stop_processes(self, container_id: str) -> None:
         try:
             state = self._api.inspect_container(container_id)["State"]
@@ -403,11 +502,12 @@ class DockerRuntime:
             self._api.kill(container_id)
             self._api.wait(container_id, timeout=10)
             self._api.start(container_id)
-        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+        except docker.errors.APIError as exc:
             raise EnvironmentStartError(
-                f"could not stop the container's processes: {exc}"
+                f"could not stop the container's processes: {exc.explanation or exc}"
             ) from None
 
+    @_engine_boundary
     def exec(
         self,
         container_id: str,
@@ -451,6 +551,7 @@ class DockerRuntime:
         exit_code = self._api.exec_inspect(exec_id).get("ExitCode")
         return ExecResult(exit_code, stdout, timed_out, duration, stderr)
 
+    @_engine_boundary
     def _exec_start(self, exec_id: str, stdin: bytes | None) -> tuple[bytes, bytes]:
         """Run a created exec to its end: ``(stdout, stderr)``."""
         try:
@@ -471,11 +572,16 @@ class DockerRuntime:
                 if stream in streams:
                     streams[stream].add(data)
         except OSError as exc:
-            raise EnvironmentStartError(f"exec stream broke: {exc}") from None
+            # The daemon went away mid-stream (restart, socket gone).
+            self.engine_down(exc)
+            raise EngineUnavailableError(
+                self.engine_url, f"exec stream broke: {type(exc).__name__}"
+            ) from None
         finally:
             sock.close()
         return streams[1].value(), streams[2].value()
 
+    @_engine_boundary
     def ensure_present(self, image: str) -> None:
         """Make sure a prebuilt ``docker_image`` is available locally (pull if we can)."""
         if self.image_exists(image):
@@ -489,16 +595,46 @@ class DockerRuntime:
             ) from None
 
     def remove(self, container_id: str) -> None:
+        """Force-remove; never raises for an engine fault: the container is kept in a
+        list that ``reap`` retries once the engine answers again."""
         try:
             self._api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:
             pass
-        except docker.errors.APIError as exc:
-            if "already in progress" not in str(exc):
+        except Exception as exc:
+            if _is_engine_fault(exc):
+                self.engine_down(exc)
+                with self._locks_guard:
+                    self._unremoved.add(container_id)
+                return
+            if not isinstance(exc, docker.errors.APIError) or "already in progress" not in str(exc):
                 raise
+        with self._locks_guard:
+            self._unremoved.discard(container_id)
+
+    @property
+    def unremoved(self) -> set[str]:
+        """Containers whose removal is still owed (the engine was away)."""
+        with self._locks_guard:
+            return set(self._unremoved)
+
+    def reap(self) -> list[str]:
+        """Periodic clean-up: retry owed removals, then remove dead owners' containers.
+        Returns what was removed; never raises (an absent engine is recorded)."""
+        if not self.ping():
+            return []
+        removed: list[str] = []
+        for container_id in self.unremoved:
+            self.remove(container_id)
+            if container_id not in self.unremoved:
+                removed.append(container_id)
+        with contextlib.suppress(HarborExecError):
+            removed += self.reap_orphans()
+        return removed
 
     # ----------------------------------------------------------------- housekeeping
 
+    @_engine_boundary
     def our_containers(self, *, owner: str | None = None) -> list[dict[str, Any]]:
         """Containers carrying our label (optionally only ``owner``'s)."""
         label = [f"{LABEL_MANAGED}=true"]
@@ -506,6 +642,7 @@ class DockerRuntime:
             label.append(f"{LABEL_OWNER}={owner}")
         return list(self._api.containers(all=True, filters={"label": label}))
 
+    @_engine_boundary
     def reap_orphans(self) -> list[str]:
         """Remove our containers whose owner process is gone; returns their names."""
         reaped: list[str] = []
@@ -516,12 +653,29 @@ class DockerRuntime:
                 reaped.append((container.get("Names") or [container["Id"]])[0].lstrip("/"))
         return reaped
 
+    @_engine_boundary
     def remove_owned(self) -> int:
         """Remove every container this runtime's owner created; returns how many."""
         containers = self.our_containers(owner=self.owner)
         for container in containers:
             self.remove(container["Id"])
         return len(containers)
+
+    @_engine_boundary
+    @_engine_boundary
+    def gpu_count(self) -> int:
+        """How many GPUs the engine can hand to containers (0 when it has no GPU runtime
+        or GPU device; -1 when it has one but does not say how many)."""
+        info = self._api.info()
+        devices = [
+            d
+            for d in info.get("DiscoveredDevices") or []
+            if "gpu" in str(d.get("ID", "")).lower() or "gpu" in str(d.get("Source", "")).lower()
+        ]
+        if devices:
+            return len(devices)
+        runtimes = info.get("Runtimes") or {}
+        return -1 if "nvidia" in runtimes else 0
 
     def engine_info(self) -> dict[str, Any]:
         info = self._api.version()

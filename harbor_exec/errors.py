@@ -95,6 +95,29 @@ class AddTestsDirError(TrialError):
     """Uploading ``tests/`` into the container failed."""
 
 
+class EngineUnavailableError(TrialError):
+    """The Docker engine stopped answering (connection refused or aborted, socket
+    gone, a 5xx from the daemon, a timeout). An infrastructure fault, not the task's:
+    rollouts end as ``internal_error``; the engine address and the phase are named."""
+
+    def __init__(self, engine: str, detail: str = "", *, phase: str | None = None) -> None:
+        self.engine = engine
+        self.detail = detail
+        self.phase = phase
+        during = f" during the {phase} phase" if phase else ""
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"Docker engine at {engine} stopped answering{during}{suffix}")
+
+    def during(self, phase: str) -> EngineUnavailableError:
+        """The same fault, naming the trial phase it interrupted."""
+        return EngineUnavailableError(self.engine, self.detail, phase=phase)
+
+
+class GpuUnavailableError(TrialError):
+    """The task asks for GPUs (``[environment].gpus`` > 0) and the Docker engine has
+    none to give (no ``nvidia`` runtime or GPU device); raised before the container starts."""
+
+
 class CancelledError(TrialError):
     """The trial was cancelled (Ctrl-C, a rollout cancel or shutdown) before it finished."""
 
@@ -131,6 +154,9 @@ POLICIES: dict[str, ErrorPolicy] = {
     "AgentTimeoutError": _GRADE_VALID,
     "NonZeroAgentExitCodeError": _GRADE_VALID,
     "CancelledError": _NO_GRADE,
+    # Ours: infrastructure faults; nothing in the container can be trusted to grade.
+    "EngineUnavailableError": _RETRY_NO_GRADE,
+    "GpuUnavailableError": _NO_GRADE,
 }
 
 

@@ -9,6 +9,9 @@ re-raises, so nothing is left behind.
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
 import threading
 import uuid
 from collections import defaultdict
@@ -21,19 +24,31 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from harbor_exec.errors import TaskError
+from harbor_exec.errors import HarborExecError, TaskError
 from harbor_exec.results import TrialResult
 from harbor_exec.runtime import ContainerRuntime
 from harbor_exec.tasks import Task
 from harbor_exec.trials import Trial, TrialRequest
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, else None (stats must never raise on odd rewards)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def is_full_reward(result: TrialResult) -> bool:
-    """Every reward key is valid and at least 1.0."""
+    """Passed: the ``reward`` key is >= 1.0 (trainers read only that key); without a
+    ``reward`` key, every key is >= 1.0. The reward must be valid."""
     if not result.reward_valid or result.verifier_result is None:
         return False
     rewards = result.verifier_result.rewards or {}
-    return bool(rewards) and all(float(v) >= 1.0 for v in rewards.values())
+    if "reward" in rewards:
+        rewards = {"reward": rewards["reward"]}
+    return bool(rewards) and all((_finite(v) or 0.0) >= 1.0 for v in rewards.values())
 
 
 def failure_reason(result: TrialResult) -> str | None:
@@ -44,7 +59,9 @@ def failure_reason(result: TrialResult) -> str | None:
         lines = result.exception_info.exception_message.strip().splitlines()
         return f"{result.exception_type}: {lines[0] if lines else ''}"
     rewards = result.verifier_result.rewards if result.verifier_result else None
-    return f"wrong reward {rewards} (full reward is 1.0 for every key)"
+    rewards = rewards or {}
+    rule = "the reward key" if "reward" in rewards else "every key"
+    return f"wrong reward {rewards} (full reward is 1.0 for {rule})"
 
 
 # --------------------------------------------------------------------------- Harbor stats
@@ -91,9 +108,9 @@ def mean_metric(rewards: Sequence[dict[str, float | int]]) -> dict[str, float]:
     if not rewards:
         return {}
     if len(keys) <= 1:
-        values = [float(next(iter(r.values()), 0)) for r in rewards]
+        values = [_finite(next(iter(r.values()), 0)) or 0.0 for r in rewards]
         return {"mean": sum(values) / len(values)}
-    return {k: sum(float(r.get(k, 0)) for r in rewards) / len(rewards) for k in keys}
+    return {k: sum(_finite(r.get(k, 0)) or 0.0 for r in rewards) / len(rewards) for k in keys}
 
 
 def _pass_at_k_for_task(n: int, c: int, k: int) -> float:
@@ -138,7 +155,9 @@ def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> Jo
             evals.n_trials += 1
             valid_rewards.append(result.verifier_result.rewards)
             for key, value in result.verifier_result.rewards.items():
-                evals.reward_stats.setdefault(key, {}).setdefault(str(value), []).append(
+                number = _finite(value)
+                shown = "invalid" if number is None else str(value)
+                evals.reward_stats.setdefault(key, {}).setdefault(shown, []).append(
                     result.trial_name
                 )
         if result.exception_type is not None:
@@ -176,12 +195,125 @@ class JobOutcome:
     job_result: JobResult
     interrupted: bool = False
     tasks: list[Task] = field(default_factory=list)
+    reused: int = 0  # finished trials kept from an earlier run of the same job
 
     @property
     def all_passed(self) -> bool:
         if self.invalid_tasks or self.interrupted or not self.results:
             return False
         return all(is_full_reward(r) for r in self.results)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+class JobResumeError(HarborExecError):
+    """An existing job directory was asked to resume with a different dataset or options."""
+
+
+JOB_META = "harbor-exec-job.json"  # ours: what a resume must match
+
+
+def harbor_job_config(
+    job_dir: Path, *, dataset_path: Path | None, n_attempts: int, n_concurrent: int
+) -> dict[str, Any]:
+    """Harbor 0.26's job ``config.json`` (JobConfig; unset fields take its defaults)."""
+    return {
+        "schema_version": 1,
+        "job_name": job_dir.name,
+        "jobs_dir": str(job_dir.parent),
+        "n_attempts": n_attempts,
+        "n_concurrent_trials": n_concurrent,
+        "environment": {"type": "docker", "delete": True},
+        "agents": [{"name": "oracle"}],
+        "datasets": [{"path": str(dataset_path)}] if dataset_path is not None else [],
+    }
+
+
+def harbor_trial_config(task: Task, trial_dir: Path, job_id: uuid.UUID) -> dict[str, Any]:
+    """Harbor 0.26's per-trial ``config.json`` (TrialConfig)."""
+    return {
+        "schema_version": 1,
+        "task": {"path": str(task.path), "source": None},
+        "trial_name": trial_dir.name,
+        "trials_dir": str(trial_dir.parent),
+        "agent": {"name": "oracle"},
+        "environment": {"type": "docker", "delete": True},
+        "job_id": str(job_id),
+    }
+
+
+def _job_meta(tasks: Sequence[Task], n_attempts: int, dataset_path: Path | None) -> dict[str, Any]:
+    return {
+        "dataset": str(dataset_path) if dataset_path is not None else None,
+        "n_attempts": n_attempts,
+        "tasks": {task.name: task.checksum() for task in tasks},
+    }
+
+
+def _check_resume(job_dir: Path, meta: dict[str, Any]) -> uuid.UUID | None:
+    """The job id to keep when ``job_dir`` is a job to resume (None: a new job);
+    ``JobResumeError`` saying what changed when it may not be resumed."""
+    meta_path = job_dir / JOB_META
+    if not meta_path.is_file():
+        if any(job_dir.iterdir()):
+            raise JobResumeError(
+                f"{job_dir} exists but is not a harbor-exec job (no {JOB_META}); "
+                "choose another --job-name"
+            )
+        return None
+    try:
+        old = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise JobResumeError(
+            f"cannot resume {job_dir}: {meta_path} is unreadable ({exc})"
+        ) from None
+    changes: list[str] = []
+    if old.get("dataset") != meta["dataset"]:
+        changes.append(f"the dataset path changed ({old.get('dataset')} -> {meta['dataset']})")
+    if old.get("n_attempts") != meta["n_attempts"]:
+        changes.append(f"--n-attempts changed ({old.get('n_attempts')} -> {meta['n_attempts']})")
+    old_tasks: dict[str, str] = old.get("tasks") or {}
+    added = sorted(set(meta["tasks"]) - set(old_tasks))
+    removed = sorted(set(old_tasks) - set(meta["tasks"]))
+    edited = sorted(
+        name
+        for name in set(meta["tasks"]) & set(old_tasks)
+        if meta["tasks"][name] != old_tasks[name]
+    )
+    for what, names in (("added", added), ("removed", removed), ("changed", edited)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            changes.append(f"task(s) {what}: {shown}")
+    if changes:
+        raise JobResumeError(
+            f"cannot resume job {job_dir.name}: "
+            + "; ".join(changes)
+            + ". Use a new --job-name to start a fresh job."
+        )
+    try:
+        return uuid.UUID(str(old.get("job_id")))
+    except ValueError:
+        return None
+
+
+def _finished_trials(job_dir: Path) -> list[TrialResult]:
+    """Trials of a previous run to keep: those with a ``result.json`` that were not
+    cancelled. Every other trial directory is removed so that it runs again."""
+    kept: list[TrialResult] = []
+    for trial_dir in sorted(p for p in job_dir.iterdir() if p.is_dir()):
+        result_path = trial_dir / "result.json"
+        result: TrialResult | None = None
+        if result_path.is_file():
+            try:
+                result = TrialResult.model_validate_json(result_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                result = None
+        if result is not None and result.exception_type != "CancelledError":
+            kept.append(result)
+        else:
+            shutil.rmtree(trial_dir, ignore_errors=True)
+    return kept
 
 
 def run_job(
@@ -193,23 +325,48 @@ def run_job(
     n_concurrent: int = 4,
     n_attempts: int = 1,
     dataset_name: str = "adhoc",
+    dataset_path: Path | None = None,
     invalid_tasks: Sequence[TaskError] = (),
     make_request: Callable[[Task, Path], TrialRequest] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
 ) -> JobOutcome:
-    """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir."""
+    """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir.
+
+    An existing ``jobs_dir/job_name`` is resumed, as Harbor does: finished trials are
+    kept and only the rest run; a changed dataset or ``n_attempts`` raises
+    ``JobResumeError`` naming what changed.
+    """
     started = datetime.now()
     job_dir = jobs_dir / (job_name or started.strftime("%Y-%m-%d__%H-%M-%S"))
     job_dir.mkdir(parents=True, exist_ok=True)
+    meta = _job_meta(tasks, n_attempts, dataset_path)
+    job_id = _check_resume(job_dir, meta) or uuid.uuid4()
+    kept = _finished_trials(job_dir)
+    (job_dir / JOB_META).write_text(json.dumps({**meta, "job_id": str(job_id)}, indent=2))
+    (job_dir / "config.json").write_text(
+        json.dumps(
+            harbor_job_config(
+                job_dir, dataset_path=dataset_path, n_attempts=n_attempts, n_concurrent=n_concurrent
+            ),
+            indent=2,
+        )
+    )
     emit = on_event or (lambda event: None)
-    plan = [(task, attempt) for attempt in range(n_attempts) for task in tasks]
+    done_per_task: dict[str, int] = defaultdict(int)
+    for result in kept:
+        done_per_task[result.task_name] += 1
+    plan: list[tuple[Task, int]] = []
+    for attempt in range(n_attempts):
+        for task in tasks:
+            if attempt >= done_per_task[task.name]:
+                plan.append((task, attempt))
     for task, attempt in plan:
         emit(JobEvent("queued", task, attempt))
 
     lock = threading.Lock()
     active: set[Trial] = set()
     stopping = threading.Event()
-    results: list[TrialResult] = []
+    results: list[TrialResult] = list(kept)
     built = 0
 
     def run_one(task: Task, attempt: int) -> TrialResult | None:
@@ -222,6 +379,10 @@ def run_job(
             runtime,
             request,
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
+        )
+        trial.dir.mkdir(parents=True, exist_ok=True)
+        (trial.dir / "config.json").write_text(
+            json.dumps(harbor_trial_config(task, trial.dir, job_id), indent=2)
         )
         with lock:
             active.add(trial)
@@ -239,14 +400,16 @@ def run_job(
         return result
 
     interrupted = False
+    cause: KeyboardInterrupt | None = None
     pool = ThreadPoolExecutor(max_workers=max(1, n_concurrent), thread_name_prefix="hx-trial")
     futures: list[Future[TrialResult | None]] = [pool.submit(run_one, t, a) for t, a in plan]
     try:
         pending = set(futures)
         while pending:
             _done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         interrupted = True
+        cause = exc
         stopping.set()
         with lock:
             running = list(active)
@@ -257,14 +420,15 @@ def run_job(
         pool.shutdown(wait=True)
 
     job_result = JobResult(
+        id=job_id,
         started_at=started,
         updated_at=datetime.now(),
         finished_at=datetime.now(),
-        n_total_trials=len(plan),
+        n_total_trials=n_attempts * len(tasks),
         stats=job_stats(results, dataset=dataset_name, agent=_agent_name(results)),
         invalid_tasks={str(e.task): str(e) for e in invalid_tasks},
     )
-    job_result.stats.n_pending_trials = len(plan) - len(results)
+    job_result.stats.n_pending_trials = n_attempts * len(tasks) - len(results)
     (job_dir / "result.json").write_text(job_result.model_dump_json(indent=2), encoding="utf-8")
     outcome = JobOutcome(
         job_dir=job_dir,
@@ -274,9 +438,10 @@ def run_job(
         job_result=job_result,
         interrupted=interrupted,
         tasks=list(tasks),
+        reused=len(kept),
     )
     if interrupted:
-        raise JobInterrupted(outcome)
+        raise JobInterrupted(outcome, cause)
     return outcome
 
 
@@ -287,9 +452,10 @@ def _agent_name(results: Sequence[TrialResult]) -> str:
 class JobInterrupted(KeyboardInterrupt):
     """Ctrl-C during a job: every trial was cancelled; ``outcome`` holds what finished."""
 
-    def __init__(self, outcome: JobOutcome) -> None:
+    def __init__(self, outcome: JobOutcome, cause: KeyboardInterrupt | None = None) -> None:
         super().__init__("interrupted")
         self.outcome = outcome
+        self.cause = cause  # the KeyboardInterrupt (or signal) that stopped the job
 
 
 def summary_rows(outcome: JobOutcome) -> list[dict[str, Any]]:

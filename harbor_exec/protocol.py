@@ -8,6 +8,7 @@ what the server hands to and gets back from an ``ExecutionBackend``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, ClassVar, Final
 
@@ -22,6 +23,8 @@ from harbor_exec.authoring import (
 
 __all__ = [
     "CANCEL_DISPOSITIONS",
+    "DEFAULT_MAX_TIMEOUT_SEC",
+    "MAX_ROLLOUT_ID_CHARS",
     "POLLING_LEASE_HEADER",
     "TERMINAL_STATUSES",
     "CancelDisposition",
@@ -39,8 +42,10 @@ __all__ = [
     "RolloutSample",
     "RolloutStatus",
     "categorize_exception",
+    "check_timeouts",
     "ensure_single_path_segment",
     "is_single_path_segment",
+    "rollout_dir_name",
 ]
 
 POLLING_LEASE_HEADER: Final = "X-Osmosis-Rollout-Lease"
@@ -69,19 +74,64 @@ CANCEL_DISPOSITIONS: Final = frozenset(
 )
 
 
+MAX_ROLLOUT_ID_CHARS: Final = 256
+# Longest directory name we derive from an id as-is; ext4 and most file systems
+# stop at 255 bytes per name, and "<name>__<suffix>" trial names need room.
+_MAX_DIR_NAME_BYTES: Final = 200
+DEFAULT_MAX_TIMEOUT_SEC: Final = 24 * 3600.0
+
+
 def is_single_path_segment(name: str) -> bool:
-    """True when ``name`` is one plain path component (it is joined onto host paths)."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00")
+    """True when ``name`` is a valid rollout id: one plain path component (it is
+    joined onto host paths), printable, at most ``MAX_ROLLOUT_ID_CHARS``."""
+    return (
+        bool(name)
+        and len(name) <= MAX_ROLLOUT_ID_CHARS
+        and name not in (".", "..")
+        and name.isprintable()
+        and not any(c in name for c in "/\\")
+    )
 
 
 def ensure_single_path_segment(value: str, *, field: str = "rollout_id") -> str:
     """Return ``value`` or raise ``ValueError`` naming ``field`` (a validator body)."""
     if not is_single_path_segment(value):
         raise ValueError(
-            f"{field} must be a single path segment: not empty, not '.' or '..', "
-            "and without '/', '\\' or NUL"
+            f"{field} must be a single path segment of at most {MAX_ROLLOUT_ID_CHARS} "
+            "printable characters: not empty, not '.' or '..', and without '/', '\\', "
+            "NUL or other control characters"
         )
     return value
+
+
+def rollout_dir_name(rollout_id: str) -> str:
+    """A file-system-safe directory name for ``rollout_id``: the id itself when it is
+    short enough, else a prefix of it plus a hash (every 256-character id fits)."""
+    encoded = rollout_id.encode("utf-8", "surrogatepass")
+    if len(encoded) <= _MAX_DIR_NAME_BYTES:
+        return rollout_id
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    prefix = encoded[: _MAX_DIR_NAME_BYTES - 40].decode("utf-8", "ignore")
+    return f"{prefix}~{digest}"
+
+
+def check_timeouts(request: RolloutInitRequest, max_timeout_sec: float) -> list[dict[str, Any]]:
+    """Errors (FastAPI's shape) for timeouts above the server's maximum."""
+    errors: list[dict[str, Any]] = []
+    for name in ("agent_timeout_sec", "grader_timeout_sec"):
+        value = getattr(request, name)
+        if value is not None and value > max_timeout_sec:
+            errors.append(
+                {
+                    "type": "less_than_equal",
+                    "loc": ["body", name],
+                    "msg": f"{name} must be at most {max_timeout_sec:g} seconds "
+                    "(the server's maximum; null means no deadline)",
+                    "input": value,
+                    "ctx": {"le": max_timeout_sec},
+                }
+            )
+    return errors
 
 
 # ---------------------------------------------------------------------------- HTTP bodies

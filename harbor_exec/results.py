@@ -179,14 +179,21 @@ class TrialResult(BaseModel):
 # --------------------------------------------------------------------------- rewards
 
 
-def _check_number(value: Any, path: Path) -> float | int:
+def _check_number(value: Any, path: Path, key: str) -> float | int:
     # bool is an int in Python and Harbor lets it through, stored as 1.0/0.0.
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, int | float):
-        raise VerifierOutputParseError(f"non-numeric reward {value!r} in {path}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise VerifierOutputParseError(f"non-finite reward {value!r} in {path}")
+        raise VerifierOutputParseError(f"{path}: reward {key!r} is not a number: {value!r:.80}")
+    try:
+        # A huge int passes the type check but has no float value (OverflowError);
+        # everything downstream (means, JSON, the wire) needs a finite float.
+        as_float = float(value)
+    except OverflowError:
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        shown = f"an integer of {len(str(abs(value)))} digits" if isinstance(value, int) else value
+        raise VerifierOutputParseError(f"{path}: reward {key!r} is not a finite number ({shown})")
     return value
 
 
@@ -202,6 +209,11 @@ def _check_reward_size(path: Path) -> None:
         raise VerifierOutputParseError(
             f"{path} is {size} bytes; a reward file may hold at most {MAX_REWARD_FILE_BYTES}"
         )
+def _parse_int(text: str) -> int | float:
+    # Past Python's int-conversion digit limit json.loads would raise before we
+    # know the key; such a value is far beyond any float anyway, so make it inf
+    # and let the per-key check name it.
+    return int(text) if len(text) <= 1000 else math.inf
 
 
 def parse_rewards(verifier_dir: Path) -> Rewards:
@@ -215,8 +227,12 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
         if json_path.stat().st_size == 0:
             raise RewardFileEmptyError(f"reward file is empty: {json_path}")
         try:
-            data = json.loads(json_path.read_text(encoding="utf-8", errors="replace"))
-        except (json.JSONDecodeError, RecursionError) as exc:
+            data = json.loads(
+                json_path.read_text(encoding="utf-8", errors="replace"), parse_int=_parse_int
+            )
+        except (ValueError, RecursionError) as exc:
+            # ValueError also covers JSONDecodeError and integers past Python's
+            # digit limit for int conversion (4300 digits).
             raise VerifierOutputParseError(f"{json_path} is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or not data:
             raise VerifierOutputParseError(
@@ -228,7 +244,7 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
                 f"{json_path} has {len(data)} keys; a reward file may hold at most "
                 f"{MAX_REWARD_KEYS}"
             )
-        return {str(key): _check_number(value, json_path) for key, value in data.items()}
+        return {str(key): _check_number(value, json_path, str(key)) for key, value in data.items()}
     if text_path.is_file():
         if text_path.stat().st_size == 0:
             raise RewardFileEmptyError(f"reward file is empty: {text_path}")
@@ -239,7 +255,7 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
             raise VerifierOutputParseError(
                 f"{text_path} must hold one number; got {text.strip()[:80]!r}"
             ) from None
-        return {"reward": _check_number(value, text_path)}
+        return {"reward": _check_number(value, text_path, "reward")}
     raise RewardFileNotFoundError(
         "tests/test.sh wrote no reward: expected /logs/verifier/reward.json or "
         "/logs/verifier/reward.txt (see verifier/test-stdout.txt)"

@@ -60,6 +60,7 @@ class ContainerSpec:
     network: NetworkKind = "bridge"
     mounts: Sequence[Mount] = ()
     cap_add: Sequence[str] = ()
+    gpus: int = 0  # requested through the engine's device requests
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
     CancelledError,
+    EngineUnavailableError,
     EnvironmentStartError,
+    GpuUnavailableError,
     HarborExecError,
     TrialError,
     VerifierTimeoutError,
@@ -182,6 +184,7 @@ class Trial:
         self._logs_downloaded = False
         self.image = request.image or ""
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
+        self._current_phase: str | None = None
 
     # ----------------------------------------------------------------- control
 
@@ -203,9 +206,12 @@ class Trial:
 
     def _record(self, exc: BaseException) -> None:
         if self._exception is None:  # Harbor keeps only the first exception
+            if isinstance(exc, EngineUnavailableError) and self._current_phase:
+                exc = exc.during(self._current_phase)
             self._exception = ExceptionInfo.from_exception(exc)
 
     def _phase(self, name: str) -> None:
+        self._current_phase = name
         if self._on_phase is not None:
             self._on_phase(name)
 
@@ -289,7 +295,13 @@ class Trial:
         return "bridge"
 
     def _spec(
-        self, image: str, env_config: EnvironmentConfig, *, kind: str, mounts: Sequence[Mount]
+        self,
+        image: str,
+        env_config: EnvironmentConfig,
+        *,
+        kind: str,
+        mounts: Sequence[Mount],
+        gpus: int = 0,
     ) -> ContainerSpec:
         request, task, policy = self.request, self.request.task, self.request.policy
         label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
@@ -313,6 +325,7 @@ class Trial:
             network=self._network(),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
+            gpus=gpus,
         )
 
     def _create(self, spec: ContainerSpec) -> str:
@@ -321,17 +334,37 @@ class Trial:
             container_id = self._container_id = self.runtime.create(spec)
             return container_id
 
+    def _check_gpus(self) -> int:
+        """GPUs to request; ``GpuUnavailableError`` before anything starts when the task
+        needs some and the engine has none (Harbor refuses such tasks too)."""
+        env = self.request.task.config.environment
+        wanted = env.gpus or 0
+        if wanted <= 0:
+            return 0
+        # Runtimes without GPU support (fakes, other engines) report none.
+        count_gpus = getattr(self.runtime, "gpu_count", None)
+        available = int(count_gpus()) if callable(count_gpus) else 0
+        if available == 0 or 0 < available < wanted:
+            types = f" of type {', '.join(env.gpu_types)}" if env.gpu_types else ""
+            raise GpuUnavailableError(
+                f"task {self.request.task.name}: [environment].gpus = {wanted}{types} but the "
+                f"Docker engine has {available if available > 0 else 'no'} GPU(s) to give "
+                "(install the NVIDIA container toolkit, or run this task elsewhere)"
+            )
+        return wanted
+
     def _environment(self, result: TrialResult) -> TrialSession:
         request, task = self.request, self.request.task
         env_config = task.config.environment
         self._phase("environment")
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
+            gpus = self._check_gpus()
             if request.image is None:
                 self.image, self.image_built = ensure_task_image(self.runtime, task)
             self._check_cancelled()
             container_id = self._create(
-                self._spec(self.image, env_config, kind="trial", mounts=request.mounts)
+                self._spec(self.image, env_config, kind="trial", mounts=request.mounts, gpus=gpus)
             )
             entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
             entries += request.agent.files(task)
@@ -566,7 +599,12 @@ class Trial:
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
         finally:
-            self.runtime.remove(container_id)
+            try:
+                # Teardown never raises: an engine fault leaves the id with the
+                # runtime, whose periodic reap removes it once the engine is back.
+                self.runtime.remove(container_id)
+            except Exception as exc:
+                self._record(exc)
 
     def _write(self, result: TrialResult) -> None:
         if self._exception is not None:

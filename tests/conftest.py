@@ -18,6 +18,15 @@ from harbor_exec.images import bootstrap
 from harbor_exec.runtime import LABEL_MANAGED
 
 
+@pytest.fixture(autouse=True)
+def _own_data_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test's ``serve`` processes keep rollout state in a fresh dir of their own
+    (the default under ~/.local/state is owned by one server at a time)."""
+    monkeypatch.setenv("HARBOR_EXEC_DATA_DIR", str(tmp_path_factory.mktemp("data-dir")))
+
+
 @pytest.fixture(scope="session")
 def docker_runtime() -> Iterator[DockerRuntime]:
     try:

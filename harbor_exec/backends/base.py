@@ -29,6 +29,7 @@ from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
 
 __all__ = [
     "ARTIFACT_ROOT_ENV",
+    "OSMOSIS_ARTIFACT_ROOT_ENV",
     "ExecutionBackend",
     "default_artifact_root",
     "empty_prewarm_summary",
@@ -36,12 +37,18 @@ __all__ = [
 
 
 ARTIFACT_ROOT_ENV = "HARBOR_EXEC_ARTIFACT_ROOT"
+# Set by `osmosis eval run` (osmosis-ai[eval]) for the rollout server it starts: it
+# waits for <root>/<id>/trajectory.json there, so we honour it when nothing of ours says.
+OSMOSIS_ARTIFACT_ROOT_ENV = "_OSMOSIS_ROLLOUT_ARTIFACT_ROOT"
 
 
 def default_artifact_root() -> Path:
-    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``~/.harbor-exec/rollouts``."""
-    configured = os.environ.get(ARTIFACT_ROOT_ENV)
-    return Path(configured) if configured else Path.home() / ".harbor-exec" / "rollouts"
+    """``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, else
+    ``~/.harbor-exec/rollouts``."""
+    for name in (ARTIFACT_ROOT_ENV, OSMOSIS_ARTIFACT_ROOT_ENV):
+        if configured := os.environ.get(name):
+            return Path(configured)
+    return Path.home() / ".harbor-exec" / "rollouts"
 
 
 def empty_prewarm_summary() -> dict[str, Any]:
@@ -94,6 +101,19 @@ class ExecutionBackend(ABC):
     def health(self) -> dict[str, Any]:
         """Backend part of ``GET /health``."""
         return {"status": "ok"}
+
+    def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:
+        """A restarted server found these rollouts unfinished (they now end as
+        ``internal_error``); release what the dead process left for them. Default: nothing."""
+        return None
+
+    def unavailable_reason(self) -> str | None:
+        """Why rollouts cannot run right now (e.g. the container engine is down), else None.
+
+        While it is not None the server answers ``POST /rollout`` with 503 and this
+        reason, and ``/health`` reports ``accepting_rollouts: false``. Must be cheap.
+        """
+        return None
 
     def queue_info(self) -> dict[str, Any]:
         """Backend part of ``GET /queue``: queued, running, capacity, max_queue_depth.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -60,7 +61,12 @@ from harbor_exec.authoring import (
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
-from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
+from harbor_exec.protocol import (
+    ExecutionOutcome,
+    ExecutionRequest,
+    ExecutionResult,
+    rollout_dir_name,
+)
 from harbor_exec.results import TrialResult
 from harbor_exec.runtime import LABEL_KIND, ArchiveEntry, ContainerRuntime, Mount, OutputLimits
 from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id, task_fingerprint
@@ -87,6 +93,10 @@ _CATEGORIES: dict[str, RolloutErrorCategory] = {
     "RewardFileEmptyError": RolloutErrorCategory.VALIDATION_ERROR,
     "VerifierOutputParseError": RolloutErrorCategory.VALIDATION_ERROR,
     "TaskConfigError": RolloutErrorCategory.VALIDATION_ERROR,
+    "GpuUnavailableError": RolloutErrorCategory.VALIDATION_ERROR,
+    "FileNotFoundError": RolloutErrorCategory.VALIDATION_ERROR,
+    # Infrastructure, not the agent: a trainer may retry these elsewhere.
+    "EngineUnavailableError": RolloutErrorCategory.INTERNAL_ERROR,
 }
 # Exceptions of the verifier phase: the workflow itself succeeded.
 _VERIFIER_SIDE = {
@@ -268,6 +278,8 @@ class HarborBackend(ExecutionBackend):
         self._relay_transport: Any = None
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
+        self.reap_interval_sec = 5.0
+        self._monitor: asyncio.Task[None] | None = None
         self.image_builds = 0  # task images and dependency layers built by this backend
         self._builds_lock = threading.Lock()
 
@@ -539,7 +551,7 @@ class HarborBackend(ExecutionBackend):
                 agent=plan.agent,
                 verifier=plan.verifier,
                 verify=plan.verify,
-                trial_name=f"{request.id}__{secrets.token_hex(4)[:7]}",
+                trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
                 image=image,
                 agent_timeout_sec=agent_budget,
                 verifier_timeout_sec=request.grader_timeout_sec,
@@ -696,7 +708,7 @@ class HarborBackend(ExecutionBackend):
     def _archive(self, rollout_id: str, trial: Trial, *, success: bool) -> None:
         """Keep the rollout's artifacts (the server writes its diagnostics beside them);
         drop successful trial dirs if asked."""
-        target = self.artifacts_dir / rollout_id
+        target = self.artifacts_dir / rollout_dir_name(rollout_id)
         try:
             target.mkdir(parents=True, exist_ok=True)
             produced = trial.dir / "artifacts" / "logs" / "artifacts"
@@ -726,6 +738,52 @@ class HarborBackend(ExecutionBackend):
     def _counts(self) -> tuple[int, int]:
         running = sum(1 for p in self._pending.values() if p.started)
         return len(self._pending) - running, running
+
+    # ----------------------------------------------------------------- engine health
+
+    def _ensure_monitor(self) -> None:
+        """Start the engine watcher on the running loop (once; constructors stay passive)."""
+        if self._monitor is not None or self._shutting_down:
+            return
+        if not isinstance(self.runtime, DockerRuntime):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._monitor = loop.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """Reap periodically (owed removals, dead owners' containers), and poll the
+        engine quickly while it is down so admissions resume as soon as it is back."""
+        runtime = self.runtime
+        assert isinstance(runtime, DockerRuntime)
+        while not self._shutting_down:
+            try:
+                await anyio.to_thread.run_sync(runtime.reap)
+            except Exception:
+                logger.warning("periodic reap failed", exc_info=True)
+            await asyncio.sleep(self.reap_interval_sec if runtime.engine_available else 0.5)
+
+    def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:
+        """Remove the empty trial directories a killed server left for these rollouts
+        (their containers were reaped at start-up); trials with a result stay."""
+        for rollout_id in rollout_ids:
+            for trial_dir in self.trials_dir.glob(
+                f"{glob.escape(rollout_dir_name(rollout_id))}__*"
+            ):
+                if trial_dir.is_dir() and not (trial_dir / "result.json").is_file():
+                    shutil.rmtree(trial_dir, ignore_errors=True)
+
+    def unavailable_reason(self) -> str | None:
+        self._ensure_monitor()
+        runtime = self.runtime
+        if isinstance(runtime, DockerRuntime) and not runtime.engine_available:
+            return (
+                f"the Docker engine at {runtime.engine_url} is not answering; rollouts are "
+                "admitted again as soon as it is back"
+            )
+        return None
 
     def has_capacity(self) -> bool:
         if self._shutting_down:
@@ -783,11 +841,20 @@ class HarborBackend(ExecutionBackend):
     def health(self) -> dict[str, Any]:
         queued, running = self._counts()
         images: dict[str, int] = {}
+        docker_state = "ok"
         if isinstance(self.runtime, DockerRuntime):
-            for info in self.runtime.list_images():
-                images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
+            self._ensure_monitor()
+            try:
+                if not self.runtime.engine_available:
+                    raise HarborExecError("engine down")
+                for info in self.runtime.list_images():
+                    images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
+            except HarborExecError:
+                docker_state = "unavailable"
+        status = "ok" if docker_state == "ok" else "degraded"
         return {
-            "status": "ok" if not self._shutting_down else "shutting_down",
+            "status": status if not self._shutting_down else "shutting_down",
+            "docker": docker_state,
             "backend": "harbor",
             "agent": self.agent_name,
             "task_mode": self.task_mode,
@@ -887,6 +954,8 @@ class HarborBackend(ExecutionBackend):
     async def shutdown(self) -> None:
         """Cancel everything, wait for trials to end, remove every container of ours."""
         self._shutting_down = True
+        if self._monitor is not None:
+            self._monitor.cancel()
         self.cancel_rollouts(all=True)
         running = [p.task for p in self._pending.values() if p.task is not None]
         if running:

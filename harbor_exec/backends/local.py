@@ -38,6 +38,7 @@ from harbor_exec.protocol import (
     ExecutionRequest,
     ExecutionResult,
     categorize_exception,
+    rollout_dir_name,
 )
 
 __all__ = [
@@ -323,7 +324,7 @@ class LazyArtifactsDir:
     def __init__(self, root: Path | str, rollout_id: str) -> None:
         # Plain strings, not pathlib: on CPython 3.12 every path component that
         # pathlib parses is interned for good, one leaked string per rollout id.
-        self._path = os.path.join(os.fspath(root), rollout_id, "artifacts")
+        self._path = os.path.join(os.fspath(root), rollout_dir_name(rollout_id), "artifacts")
         self._rollout_id = rollout_id
         self._made = False
         self._value: Path | None = None

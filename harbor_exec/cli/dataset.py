@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -29,6 +33,7 @@ from harbor_exec.jobs import (
     JobEvent,
     JobInterrupted,
     JobOutcome,
+    JobResumeError,
     is_full_reward,
     run_job,
     summary_rows,
@@ -58,6 +63,35 @@ def load_dataset(path: Path) -> Discovery:
     except DatasetError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, handled like Ctrl-C (cancel, remove containers, write the job)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_like_ctrl_c() -> Iterator[None]:
+    """Job schedulers and ``timeout`` send SIGTERM, closed terminals SIGHUP: both
+    interrupt the job the way Ctrl-C does instead of killing it mid-trial."""
+
+    received: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if received:
+            return  # already cancelling: a second signal must not cut the clean-up short
+        received.append(signum)
+        raise _Signalled(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _print_summary(outcome: JobOutcome) -> None:
@@ -136,8 +170,9 @@ def validate(
             counts=" ".join(f"{k} {v}" for k, v in counts.items()),
         )
 
+    signum = int(signal.SIGINT)
     try:
-        with progress:
+        with _signals_like_ctrl_c(), progress:
             outcome = run_job(
                 runtime,
                 discovery.tasks,
@@ -146,18 +181,27 @@ def validate(
                 n_concurrent=n_concurrent,
                 n_attempts=n_attempts,
                 dataset_name=path.resolve().name,
+                dataset_path=path.resolve(),
                 invalid_tasks=discovery.broken,
                 make_request=lambda task, job_dir: TrialRequest(task, job_dir, policy=policy),
                 on_event=on_event,
             )
+    except JobResumeError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
     except JobInterrupted as interrupted:
+        if isinstance(interrupted.cause, _Signalled):
+            signum = interrupted.cause.signum
         left = runtime.remove_owned()
         console.print(
-            f"[yellow]interrupted[/yellow]: running trials were cancelled and their containers "
+            f"[yellow]interrupted ({signal.Signals(signum).name})[/yellow]: running trials "
+            "were cancelled and their containers "
             f"removed ({left} removed at exit); partial job result in "
             f"{interrupted.outcome.job_dir / 'result.json'}"
         )
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + signum) from None
+    if outcome.reused:
+        console.print(f"resumed: kept {outcome.reused} finished trial(s) of job {outcome.job_dir}")
     _print_summary(outcome)
     raise typer.Exit(0 if outcome.all_passed else 1)
 

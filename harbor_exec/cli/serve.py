@@ -33,9 +33,6 @@ from harbor_exec.runtime import OutputLimits
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
 
-# Outlives common load balancers' idle timeouts (2100 s), as the reference scaffold does.
-KEEP_ALIVE_SEC = 2160
-
 
 @dataclass
 class ServeOptions:
@@ -60,6 +57,8 @@ class ServeOptions:
     default_cpus: float | None = None
     default_memory_mb: int | None = None
     max_log_bytes: int = OutputLimits().max_file_bytes
+    data_dir: Path | None = None
+    max_timeout_sec: float | None = None
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -126,15 +125,26 @@ def build_backend(options: ServeOptions) -> Any:
 
 def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
     """The FastAPI rollout server for these options."""
+    from harbor_exec.errors import HarborExecError
     from harbor_exec.server import create_rollout_server
+    from harbor_exec.server.store import default_data_dir
 
     backend = build_backend(options)
-    return create_rollout_server(
-        backend=backend,
-        api_key=api_key,
-        artifact_root=options.artifact_root,
-        lifespan=backend.prewarm_lifespan() if options.prewarm else None,
-    )
+    extra: dict[str, Any] = {}
+    if options.max_timeout_sec is not None:
+        extra["max_timeout_sec"] = options.max_timeout_sec
+    try:
+        return create_rollout_server(
+            backend=backend,
+            api_key=api_key,
+            data_dir=options.data_dir or default_data_dir(),
+            artifact_root=options.artifact_root,
+            lifespan=backend.prewarm_lifespan() if options.prewarm else None,
+            **extra,
+        )
+    except HarborExecError as exc:  # e.g. the data dir is owned by another server
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _load_app(ref: str) -> Any:
@@ -175,7 +185,10 @@ def serve(
         typer.Option("--app", help="A rollout server app built in code, as module:attr."),
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[
+        int | None,
+        typer.Option(help="Port to listen on [default: $_OSMOSIS_ROLLOUT_PORT, else 8000]."),
+    ] = None,
     api_key_env: Annotated[
         str | None,
         typer.Option(help="Name of an environment variable holding the bearer key to require."),
@@ -214,10 +227,25 @@ def serve(
     default_cpus: DefaultCpusOption = None,
     default_memory_mb: DefaultMemoryOption = None,
     max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where admitted rollouts are kept (SQLite) so a restart loses none "
+            "[default: $HARBOR_EXEC_DATA_DIR, else ~/.local/state/harbor-exec/server]."
+        ),
+    ] = None,
+    max_timeout_sec: Annotated[
+        float | None,
+        typer.Option(help="Largest agent/grader timeout a request may ask for [default: 86400]."),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
-    import uvicorn
+    from harbor_exec.server.run import resolve_port, serve_app
 
+    try:
+        port = resolve_port(port)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--port") from None
     options = ServeOptions(
         workflow,
         grader,
@@ -238,6 +266,8 @@ def serve(
         default_cpus=default_cpus,
         default_memory_mb=default_memory_mb,
         max_log_bytes=max_log_bytes,
+        data_dir=data_dir,
+        max_timeout_sec=max_timeout_sec,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):
@@ -248,11 +278,4 @@ def serve(
         application = _load_app(app_ref)
     else:
         application = build_app(options, api_key=_api_key(api_key_env))
-    uvicorn.run(
-        application,
-        host=host,
-        port=port,
-        timeout_keep_alive=KEEP_ALIVE_SEC,
-        access_log=access_log,
-        log_level="info",
-    )
+    serve_app(application, host=host, port=port, access_log=access_log)

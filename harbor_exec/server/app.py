@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -28,13 +29,14 @@ from typing import Any, Final
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     CANCEL_DISPOSITIONS,
+    DEFAULT_MAX_TIMEOUT_SEC,
     POLLING_LEASE_HEADER,
     TERMINAL_STATUSES,
     CancelDisposition,
@@ -47,15 +49,18 @@ from harbor_exec.protocol import (
     RolloutSample,
     RolloutStatus,
     categorize_exception,
+    check_timeouts,
 )
 from harbor_exec.relay import render_relay_metrics
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from harbor_exec.server.openapi import route_docs
 from harbor_exec.server.registry import (
     DuplicateRolloutError,
     FinalResult,
     RolloutEntry,
     RolloutRegistry,
 )
+from harbor_exec.server.store import RESTARTED_MESSAGE, RolloutStore
 from harbor_exec.server.trajectory import TrajectoryWriter
 
 __all__ = [
@@ -213,8 +218,11 @@ class RolloutService:
         retry_after_sec: int = DEFAULT_RETRY_AFTER_SEC,
         shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
         shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
+        store: RolloutStore | None = None,
     ) -> None:
         self.backend = backend
+        self.store = store
+        self.result_retention_sec = result_retention_sec
         self.result_wait_timeout_sec = result_wait_timeout_sec
         self.polling_lease_timeout_sec = polling_lease_timeout_sec
         self.retry_after = str(retry_after_sec)
@@ -233,6 +241,7 @@ class RolloutService:
             polling_lease_timeout_sec=polling_lease_timeout_sec,
             result_retention_sec=result_retention_sec,
             on_lease_expired=self._expire_lease,
+            on_removed=store.forget if store is not None else None,
         )
         self.writer = TrajectoryWriter(artifact_root)
         self._server_secrets = tuple(server_secrets)
@@ -249,6 +258,9 @@ class RolloutService:
         if not self.accepting:
             self.metrics.reject("shutting_down")
             return _detail(503, "rollout server is shutting down")
+        if (reason := self.backend.unavailable_reason()) is not None:
+            self.metrics.reject("unavailable")
+            return _detail(503, reason, {"Retry-After": self.retry_after})
         if not self.backend.has_capacity():
             self.metrics.reject("queue_full")
             return _detail(
@@ -266,6 +278,12 @@ class RolloutService:
             raise
         entry.task = task
         self.tasks.add(task)
+        if self.store is not None:
+            self.store.admitted(
+                request.rollout_id,
+                entry.lease_digest,
+                request.model_dump_json(exclude={"llm_api_key"}),
+            )
         task.add_done_callback(partial(self._task_done, entry))
         self.metrics.admitted += 1
         body = b"".join(
@@ -287,7 +305,7 @@ class RolloutService:
             chat_completions_url=request.chat_completions_url,
             api_key=request.llm_api_key,
             rollout_id=request.rollout_id,
-            on_status=partial(self.registry.set_status, entry),
+            on_status=partial(self._set_status, entry),
         )
         if not self.backend.reports_running:
             context.update_status(RolloutStatus.RUNNING)
@@ -340,8 +358,23 @@ class RolloutService:
         else:
             self._finish(entry, _final_result(request.rollout_id, result))
 
+    def _set_status(self, entry: RolloutEntry, status: RolloutStatus) -> None:
+        before = entry.status
+        self.registry.set_status(entry, status)
+        if self.store is not None and entry.status is not before:
+            self.store.status(entry.rollout_id, entry.status.value)
+
     def _finish(self, entry: RolloutEntry, final: FinalResult) -> None:
         if self.registry.finish(entry, final):
+            if self.store is not None:
+                self.store.finished(
+                    entry.rollout_id,
+                    status=final.status.value,
+                    body=final.body,
+                    reward=final.reward,
+                    err_message=final.err_message,
+                    err_category=final.err_category.value if final.err_category else None,
+                )
             now = self.registry.loop.time()
             category = final.err_category.value if final.err_category else None
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
@@ -410,7 +443,8 @@ class RolloutService:
     # ------------------------------------------------------------------ reporting
 
     def lifecycle(self) -> dict[str, Any]:
-        return {"accepting_rollouts": self.accepting, "active_rollouts": len(self.tasks)}
+        accepting = self.accepting and self.backend.unavailable_reason() is None
+        return {"accepting_rollouts": accepting, "active_rollouts": len(self.tasks)}
 
     def queue_info(self) -> dict[str, Any]:
         info = dict(self.backend.queue_info())
@@ -452,6 +486,60 @@ class RolloutService:
         text = self.metrics.render(gauges)
         return text + ("" if text.endswith("\n") else "\n") + render_relay_metrics()
 
+    # ------------------------------------------------------------------ restart
+
+    def restore(self) -> None:
+        """Serve again what a previous process admitted (from ``store``): finished
+        results within their retention, and a terminal ``internal_error`` for what
+        was queued or running when it died."""
+        if self.store is None:
+            return
+        now = time.time()
+        restored: list[tuple[float, str, bytes, FinalResult]] = []
+        interrupted: list[str] = []
+        for row in self.store.load():
+            if row.final_body is not None and row.finished_at is not None:
+                left = row.finished_at + self.result_retention_sec - now
+                if left <= 0:
+                    self.store.forget(row.rollout_id)
+                    continue
+                category = RolloutErrorCategory(row.err_category) if row.err_category else None
+                final = FinalResult(
+                    status=RolloutStatus(row.status),
+                    body=row.final_body,
+                    reward=row.reward,
+                    err_message=row.err_message,
+                    err_category=category,
+                )
+            else:
+                interrupted.append(row.rollout_id)
+                final = _failure(
+                    row.rollout_id, RESTARTED_MESSAGE, RolloutErrorCategory.INTERNAL_ERROR
+                )
+                left = self.result_retention_sec
+                self.store.finished(
+                    row.rollout_id,
+                    status=final.status.value,
+                    body=final.body,
+                    reward=None,
+                    err_message=final.err_message,
+                    err_category=RolloutErrorCategory.INTERNAL_ERROR.value,
+                )
+            restored.append((left, row.rollout_id, row.lease_digest, final))
+        for left, rollout_id, digest, final in sorted(restored, key=lambda item: item[0]):
+            self.registry.restore(rollout_id, digest, final, left)
+        if interrupted:
+            logger.warning(
+                "%d rollout(s) were running when the previous server stopped; they end as "
+                "internal_error",
+                len(interrupted),
+            )
+            try:
+                self.backend.recover_interrupted(interrupted)
+            except Exception:
+                logger.exception("backend.recover_interrupted failed")
+        self.store.flush()
+
     # ------------------------------------------------------------------ shutdown
 
     async def shutdown(self) -> None:
@@ -478,6 +566,8 @@ class RolloutService:
             logger.exception("backend shutdown failed")
         self.registry.close()
         await asyncio.to_thread(self.writer.close)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
 
 
 def _number_or_none(value: Any) -> float | int | None:
@@ -571,6 +661,8 @@ def create_rollout_server(
     retry_after_sec: int = DEFAULT_RETRY_AFTER_SEC,
     shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
     shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
+    max_timeout_sec: float = DEFAULT_MAX_TIMEOUT_SEC,
+    data_dir: Path | str | None = None,
 ) -> FastAPI:
     """Build the FastAPI app that serves rollouts from ``backend``.
 
@@ -591,6 +683,8 @@ def create_rollout_server(
         )
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must be non-empty when given")
+    if not math.isfinite(max_timeout_sec) or max_timeout_sec <= 0:
+        raise ValueError("max_timeout_sec must be finite and greater than zero")
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
 
@@ -606,13 +700,16 @@ def create_rollout_server(
         retry_after_sec=retry_after_sec,
         shutdown_drain_sec=shutdown_drain_sec,
         shutdown_cleanup_sec=shutdown_cleanup_sec,
+        store=RolloutStore(data_dir) if data_dir is not None else None,
     )
     registry = service.registry
     wait_sec = result_wait_timeout_sec
+    docs = route_docs(max_timeout_sec=max_timeout_sec, auth=api_key is not None)
 
     @asynccontextmanager
     async def app_lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            service.restore()
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
             try:
@@ -625,15 +722,21 @@ def create_rollout_server(
     if api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
 
-    @app.get("/health")
+    @app.get("/health", **docs["health"])
     async def health() -> Response:
-        payload = dict(backend.health())
+        try:
+            payload = dict(backend.health())
+        except Exception as exc:
+            # /health answers 200 whatever the backend's state: it is how operators
+            # and harnesses learn that state.
+            logger.warning("backend.health() failed", exc_info=True)
+            payload = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
         payload["instance_id"] = service.instance_id
         payload["process_id"] = service.process_id
         payload["lifecycle"] = service.lifecycle()
         return _json(200, payload)
 
-    @app.post("/rollout", status_code=202)
+    @app.post("/rollout", status_code=202, **docs["submit"])
     async def submit_rollout(request: Request) -> Response:
         """Admit a rollout (body: RolloutInitRequest); 202 with a polling lease token."""
         try:
@@ -646,9 +749,14 @@ def create_rollout_server(
         except ValidationError as exc:
             service.metrics.reject("invalid")
             return _detail(422, _validation_errors(exc, "body"))
+        if (init.agent_timeout_sec is not None or init.grader_timeout_sec is not None) and (
+            errors := check_timeouts(init, max_timeout_sec)
+        ):
+            service.metrics.reject("invalid")
+            return _detail(422, errors)
         return service.admit(init)
 
-    @app.get("/rollout/{rollout_id}/result")
+    @app.get("/rollout/{rollout_id}/result", **docs["result"])
     async def rollout_result(request: Request) -> Response:
         """Long-poll: parks until the status changes or the wait passes. Needs the lease."""
         token = request.headers.get(POLLING_LEASE_HEADER)
@@ -670,7 +778,7 @@ def create_rollout_server(
         body = final.body if final is not None else _in_progress(rollout_id, entry.status)
         return Response(body, 200, None, _JSON)
 
-    @app.get("/rollout/{rollout_id}/status")
+    @app.get("/rollout/{rollout_id}/status", **docs["status"])
     async def rollout_status(request: Request) -> Response:
         """Current status without a lease. With ``?status=<seen>&wait=<sec>`` it parks
         until the status differs from ``seen`` (at most the server's result wait)."""
@@ -711,7 +819,7 @@ def create_rollout_server(
             },
         )
 
-    @app.post("/rollout/cancel")
+    @app.post("/rollout/cancel", **docs["cancel"])
     async def cancel_rollouts(request: Request) -> Response:
         """Cancel by exactly one selector: ``ids``, ``prefix`` or ``all``."""
         try:
@@ -727,12 +835,12 @@ def create_rollout_server(
         dispositions = service.cancel(ids=selector.ids, prefix=selector.prefix, all=selector.all)
         return _json(200, {"dispositions": dispositions})
 
-    @app.get("/queue")
+    @app.get("/queue", **docs["queue"])
     async def queue() -> Response:
         """Backend queue depth: ``queued``, ``running``, ``capacity``, ``max_queue_depth``."""
         return _json(200, service.queue_info())
 
-    @app.post("/prewarm")
+    @app.post("/prewarm", **docs["prewarm"])
     async def prewarm(request: Request) -> Response:
         """Prepare tasks ahead of rollouts: ``{"task_ids": [...]}`` or ``{"all": true}``."""
         try:
@@ -756,7 +864,7 @@ def create_rollout_server(
             return _detail(500, f"prewarm failed: {type(exc).__name__}: {exc}")
         return _json(200, summary)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **docs["metrics"])
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(service.render_metrics(), 200, None, PROMETHEUS_CONTENT_TYPE)

@@ -110,11 +110,13 @@ class RolloutRegistry:
         polling_lease_timeout_sec: float,
         result_retention_sec: float,
         on_lease_expired: Callable[[RolloutEntry], None],
+        on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self.result_wait_timeout_sec = result_wait_timeout_sec
         self.polling_lease_timeout_sec = polling_lease_timeout_sec
         self.result_retention_sec = result_retention_sec
         self._on_lease_expired = on_lease_expired
+        self._on_removed = on_removed
         self.entries: dict[str, RolloutEntry] = {}
         # Live (unfinished) rollouts per status, for /queue and /metrics.
         self.live_counts: dict[RolloutStatus, int] = {
@@ -151,6 +153,20 @@ class RolloutRegistry:
         self.live_counts[RolloutStatus.QUEUED] += 1
         self._push_lease(entry)
         return entry, token
+
+    def restore(
+        self, rollout_id: str, lease_digest: bytes, final: FinalResult, retention_sec: float
+    ) -> None:
+        """Re-register a finished rollout read back after a restart (before serving;
+        call in order of increasing ``retention_sec``)."""
+        now = self.loop.time()
+        entry = RolloutEntry(rollout_id, lease_digest, now, 0.0)
+        entry.final = final
+        entry.status = final.status
+        self.entries[rollout_id] = entry
+        self._retained.append((now + max(retention_sec, 0.0), entry))
+        if self._retention_timer is None:
+            self._arm_retention_timer()
 
     def discard(self, entry: RolloutEntry) -> None:
         """Forget an entry whose admission did not complete."""
@@ -278,6 +294,8 @@ class RolloutRegistry:
     def _remove(self, entry: RolloutEntry) -> None:
         if self.entries.get(entry.rollout_id) is entry:
             del self.entries[entry.rollout_id]
+            if self._on_removed is not None:
+                self._on_removed(entry.rollout_id)
         entry.task = None
 
     # ------------------------------------------------------------------ long-poll

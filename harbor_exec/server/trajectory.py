@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from harbor_exec import __version__
 from harbor_exec.authoring import RolloutSample
+from harbor_exec.protocol import rollout_dir_name
 
 __all__ = [
     "REDACTED",
@@ -228,7 +229,7 @@ class TrajectoryWriter:
         if (sample is None and diagnostics is None) or self._closed:
             return
         # A string path: pathlib would intern the id for good on CPython 3.12.
-        directory = os.path.join(os.fspath(self.artifact_root), rollout_id)
+        directory = os.path.join(os.fspath(self.artifact_root), rollout_dir_name(rollout_id))
 
         def job() -> None:
             if diagnostics is not None:

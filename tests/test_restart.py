@@ -1,0 +1,142 @@
+"""A restarted server loses nothing it accepted: ``serve --data-dir`` keeps every
+admitted rollout in SQLite; after a SIGKILL the finished result is served again
+with the old lease token and the running one ends as ``internal_error``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harbor_exec.server.store import RESTARTED_MESSAGE, DataDirLockedError, RolloutStore
+from tests.server_utils import CHAT_URL, PROMPT, free_port, local_app, serve, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = "X-Osmosis-Rollout-Lease"
+
+
+def start(data_dir: Path, artifacts: Path, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "harbor_exec.cli", "serve",
+        "--workflow", "tests.server_utils:ScriptedWorkflow",
+        "--grader", "tests.server_utils:ExactMatchGrader",
+        "--port", str(port), "--data-dir", str(data_dir), "--artifact-root", str(artifacts),
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read().decode() if process.stderr else "")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("serve did not come up")
+
+
+def submit(url: str, rollout_id: str, **metadata: Any) -> str:
+    response = httpx.post(
+        f"{url}/rollout",
+        json={
+            "initial_messages": PROMPT,
+            "rollout_id": rollout_id,
+            "chat_completions_url": CHAT_URL,
+            "label": "4",
+            "llm_api_key": "sk-never-on-disk",
+            "metadata": metadata,
+        },
+    )
+    assert response.status_code == 202, response.text
+    return str(response.json()["polling_lease_token"])
+
+
+def result(url: str, rollout_id: str, token: str) -> httpx.Response:
+    return httpx.get(f"{url}/rollout/{rollout_id}/result", headers={LEASE: token}, timeout=10)
+
+
+def test_sigkilled_server_serves_finished_and_fails_running(tmp_path: Path) -> None:
+    data, artifacts = tmp_path / "data", tmp_path / "artifacts"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    first = start(data, artifacts, port)
+    try:
+        done_token = submit(url, "done-1")
+        assert wait_until(
+            lambda: result(url, "done-1", done_token).json()["status"] == "success", timeout=10
+        )
+        running_token = submit(url, "running-1", sleep=60)
+        assert wait_until(
+            lambda: httpx.get(f"{url}/rollout/running-1/status").json()["status"] == "running"
+        )
+        time.sleep(0.3)  # past one write batch
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+
+    second = start(data, artifacts, port)
+    try:
+        finished = result(url, "done-1", done_token)
+        assert finished.status_code == 200
+        body = finished.json()
+        assert body["status"] == "success" and body["sample"]["reward"] == 1.0
+        assert result(url, "done-1", "wrong-token").status_code == 403
+        lost = result(url, "running-1", running_token).json()
+        assert lost["status"] == "failure"
+        assert lost["err_category"] == "internal_error"
+        assert lost["err_message"] == RESTARTED_MESSAGE
+        # Still held: a retry must use a new id, as for any retained result.
+        again = httpx.post(
+            f"{url}/rollout",
+            json={
+                "initial_messages": PROMPT,
+                "rollout_id": "done-1",
+                "chat_completions_url": CHAT_URL,
+            },
+        )
+        assert again.status_code == 409
+        # One server per data dir.
+        with pytest.raises(DataDirLockedError, match="in use by another harbor-exec server"):
+            RolloutStore(data)
+        other = subprocess.run(
+            [sys.executable, "-m", "harbor_exec.cli", "serve", "--workflow",
+             "tests.server_utils:ScriptedWorkflow", "--port", str(free_port()),
+             "--data-dir", str(data)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert other.returncode == 2 and "in use by another harbor-exec server" in other.stderr
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+    database = (data / "rollouts.sqlite3").read_bytes()
+    wal = data / "rollouts.sqlite3-wal"
+    if wal.exists():
+        database += wal.read_bytes()
+    assert b"sk-never-on-disk" not in database
+
+
+def test_retention_applies_across_restarts(tmp_path: Path) -> None:
+    """A result whose retention ended while the server was down is gone (404)."""
+    app = local_app(tmp_path, data_dir=tmp_path / "data", result_retention_sec=1.0)
+    with serve(app) as url:
+        token = submit(url, "short-lived")
+        assert wait_until(lambda: result(url, "short-lived", token).json()["status"] == "success")
+    rows = sqlite3.connect(tmp_path / "data" / "rollouts.sqlite3").execute(
+        "SELECT id, status FROM rollouts"
+    )
+    assert list(rows) == [("short-lived", "success")]
+    time.sleep(1.2)
+    with serve(local_app(tmp_path, data_dir=tmp_path / "data", result_retention_sec=1.0)) as url:
+        assert result(url, "short-lived", token).status_code == 404
