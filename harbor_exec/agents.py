@@ -148,7 +148,8 @@ class OracleAgent:
         if not session.task.solve_script.is_file():
             # Harbor's oracle raises exactly this (recorded as FileNotFoundError),
             # instead of letting bash fail with exit 127.
-            raise FileNotFoundError(f"Solution script not found: {session.task.solve_script}")
+            missing = session.task.path / "solution" / "solve.sh"
+            raise FileNotFoundError(f"Solution script not found: {missing}")
         config = session.task.config
         env = {
             "DEBIAN_FRONTEND": "noninteractive",
