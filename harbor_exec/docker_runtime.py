@@ -46,7 +46,6 @@ import requests.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.buildkit import TRACE_ID, BuildkitProgress
-
 from harbor_exec.errors import (
     DockerUnavailableError,
     EnvironmentStartError,
@@ -107,8 +106,7 @@ def _context_tar(context_dir: Path) -> Iterator[IO[bytes]]:
         docker.utils.build.exclude_paths(str(context_dir), patterns),
         key=lambda name: (name != "Dockerfile", name),
     )
-    context = tempfile.TemporaryFile()
-    try:
+    with tempfile.TemporaryFile() as context:
         with tarfile.open(fileobj=context, mode="w", format=tarfile.GNU_FORMAT) as tar:
             for name in files:
                 info = tar.gettarinfo(str(context_dir / name), arcname=name)
@@ -122,8 +120,6 @@ def _context_tar(context_dir: Path) -> Iterator[IO[bytes]]:
                     tar.addfile(info)
         context.seek(0)
         yield context
-    finally:
-        context.close()
 
 
 def default_cache_dir() -> Path:
