@@ -414,9 +414,11 @@ class DockerRuntime:
         records = self._api.df().get("BuildCache") or []
         return len(records), sum(int(r.get("Size") or 0) for r in records)
 
-    def prune_build_cache(self) -> int:
-        """Remove the engine's unused build cache; returns the bytes reclaimed."""
-        result = self._api.prune_builds()
+    def prune_build_cache(self, *, older_than: str | None = None) -> int:
+        """Remove the engine's unused build cache (only records unused for ``older_than``,
+        a Go duration such as ``"24h"``, when given); returns the bytes reclaimed."""
+        filters = {"until": older_than} if older_than else None
+        result = self._api.prune_builds(filters=filters)
         return int(result.get("SpaceReclaimed") or 0)
 
     def import_rootfs(self, tarball: Path, tag: str, *, changes: list[str]) -> None:

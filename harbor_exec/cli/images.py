@@ -31,8 +31,12 @@ def bootstrap_command() -> None:
 
 @images_app.command("list")
 def list_command() -> None:
-    """List the images we made."""
+    """List the images we made, and the image builder this engine gets."""
     runtime = open_runtime()
+    engine = runtime.engine_info()
+    console.print(
+        f"engine {engine['version']} (API {engine['api']}); image builder: {engine['builder']}"
+    )
     table = Table()
     for column in ("image", "kind", "size"):
         table.add_column(column)
@@ -46,6 +50,13 @@ def prune_command(
     include_base: Annotated[
         bool, typer.Option("--all", help="Also remove the bootstrapped base images.")
     ] = False,
+    build_cache: Annotated[
+        bool,
+        typer.Option(
+            "--build-cache",
+            help="Also remove the engine's unused build cache (BuildKit's; engine-wide).",
+        ),
+    ] = False,
 ) -> None:
     """Remove the task images and dependency layers we made (and base images with --all)."""
     runtime = open_runtime()
@@ -53,3 +64,11 @@ def prune_command(
     for tag in removed:
         console.print(f"removed {tag}")
     console.print(f"{len(removed)} image(s) removed")
+    if build_cache:
+        reclaimed = runtime.prune_build_cache()
+        console.print(f"build cache: {reclaimed / 1e6:.1f} MB reclaimed")
+    records, size = runtime.build_cache_usage()
+    # The engine does not say which build made which cache record, so pruning it is a
+    # separate, explicit choice; say what is left either way.
+    hint = "" if build_cache or not records else " (--build-cache removes what is unused)"
+    console.print(f"build cache left: {records} record(s), {size / 1e6:.1f} MB{hint}")

@@ -45,6 +45,7 @@ class ServeOptions:
     max_concurrent_trials: int = 4
     max_queue_depth: int | None = None
     prewarm: bool = False
+    prewarm_jobs: int | None = None
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -112,7 +113,7 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
         backend=backend,
         api_key=api_key,
         artifact_root=options.artifact_root,
-        lifespan=backend.prewarm_lifespan() if options.prewarm else None,
+        lifespan=backend.prewarm_lifespan(jobs=options.prewarm_jobs) if options.prewarm else None,
     )
 
 
@@ -181,6 +182,10 @@ def serve(
         int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
     ] = None,
     prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
+    prewarm_jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Images --prewarm builds at once (default: engine CPUs)."),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     import uvicorn
@@ -199,6 +204,7 @@ def serve(
         max_concurrent_trials=max_concurrent_trials,
         max_queue_depth=max_queue_depth,
         prewarm=prewarm,
+        prewarm_jobs=prewarm_jobs,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):
