@@ -43,6 +43,7 @@ import docker
 import docker.errors
 import docker.utils.build
 import requests.exceptions
+import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.buildkit import TRACE_ID, BuildkitProgress
@@ -383,7 +384,13 @@ class DockerRuntime:
                     if time.monotonic() > deadline:
                         timed_out = True
                         break
-            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            except (
+                requests.exceptions.ReadTimeout,
+                requests.exceptions.ConnectionError,
+                # Reading the progress stream itself raises urllib3's own errors.
+                urllib3.exceptions.ReadTimeoutError,
+                urllib3.exceptions.ProtocolError,
+            ):
                 timed_out = True
             except docker.errors.APIError as exc:
                 error = str(exc.explanation or exc)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import console, open_runtime
-from harbor_exec.images import BootstrapError, bootstrap, prune
+from harbor_exec.images import BootstrapError, bootstrap, build_cache_report, prune
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
 app.add_typer(images_app, name="images")
@@ -64,11 +64,4 @@ def prune_command(
     for tag in removed:
         console.print(f"removed {tag}")
     console.print(f"{len(removed)} image(s) removed")
-    if build_cache:
-        reclaimed = runtime.prune_build_cache()
-        console.print(f"build cache: {reclaimed / 1e6:.1f} MB reclaimed")
-    records, size = runtime.build_cache_usage()
-    # The engine does not say which build made which cache record, so pruning it is a
-    # separate, explicit choice; say what is left either way.
-    hint = "" if build_cache or not records else " (--build-cache removes what is unused)"
-    console.print(f"build cache left: {records} record(s), {size / 1e6:.1f} MB{hint}")
+    console.print(build_cache_report(runtime, prune=build_cache))
