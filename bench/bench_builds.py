@@ -18,6 +18,7 @@ Needs the base images (``harbor-exec images bootstrap``) and Debian/PyPI mirrors
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 import uuid
@@ -28,6 +29,7 @@ from harbor_exec.prewarm import PrewarmOutcome, prewarm_tasks
 from harbor_exec.tasks import Task, discover_tasks
 from harbor_exec.trials import image_tag_for
 
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 BUST = "RUN echo {nonce} > /.cache-bust\n"
 
 DOCKERFILES: dict[str, str] = {
@@ -38,7 +40,9 @@ DOCKERFILES: dict[str, str] = {
 WORKDIR /app
 """,
     "pip-requests": """FROM python:3.11-slim-bookworm
-{bust}RUN pip install --no-cache-dir --disable-pip-version-check requests==2.32.3 pyyaml==6.0.2
+{bust}COPY host-ca.pem /host-ca.pem
+RUN python3 -m venv /opt/venv && PIP_CERT=/host-ca.pem /opt/venv/bin/pip install \
+        --no-cache-dir --disable-pip-version-check requests==2.32.3 pyyaml==6.0.2
 WORKDIR /app
 """,
     "multi-stage": """FROM debian:bookworm-slim AS data
@@ -70,6 +74,10 @@ def write_task(root: Path, name: str, dockerfile: str) -> None:
     (task / "environment" / "Dockerfile").write_text(dockerfile)
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
     (task / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    if "host-ca.pem" in dockerfile:
+        # The host's CA bundle: where PyPI is reached through a TLS-inspecting proxy,
+        # pip inside the build needs it as much as pip on the host.
+        shutil.copyfile(HOST_CA, task / "environment" / "host-ca.pem")
     if "COPY src/" in dockerfile:
         src = task / "environment" / "src"
         for i in range(200):

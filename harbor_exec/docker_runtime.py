@@ -364,6 +364,8 @@ class DockerRuntime:
                     tail.append(line)
 
             try:
+                # docker-py's build() has no ``version`` parameter, so the request is made
+                # with the same client calls it uses, on the same connection settings.
                 response = client._post(
                     client._url("/build"),
                     data=context,
