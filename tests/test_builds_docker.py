@@ -4,6 +4,7 @@ fallback, failing fast, build logs, and parallel prewarm."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -306,7 +307,7 @@ def test_prewarm_cli_progress_summary_and_second_run(
 
 
 def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
-    tmp_path: Path, made_images: list[str]
+    tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     from bundler import build_bundle
     from harbor_exec.backends.harbor import HarborBackend
@@ -349,7 +350,12 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
                 active -= deps
 
     runtime.ensure_image = counting  # type: ignore[method-assign]
-    summary = asyncio.run(backend.prewarm(jobs=3))
+    with caplog.at_level(logging.INFO, logger="harbor_exec.backends.harbor"):
+        summary = asyncio.run(backend.prewarm(jobs=3))
+    assert (
+        sum("prewarm py" in r.getMessage() and "built in" in r.getMessage() for r in caplog.records)
+        == 3
+    )
     assert summary["failed"] == 0 and summary["built"] == 3, summary
     assert backend.image_builds == 6  # three task images, three dependency layers
     assert most_deps > 1  # dependency layers no longer wait for one another

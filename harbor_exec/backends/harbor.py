@@ -800,11 +800,16 @@ class HarborBackend(ExecutionBackend):
                 summary["failed"] += 1
                 summary["failed_tasks"][task_id] = f"{type(exc).__name__}: {exc}"
                 self._blocked[task_id] = f"{type(exc).__name__}: {exc}"
+                reason = summary["failed_tasks"][task_id].splitlines()[0]
+                logger.warning("prewarm %s: failed: %s", task_id, reason)
                 return
             finally:
                 summary["seconds"][task_id] = round(time.monotonic() - started, 3)
             self._blocked.pop(task_id, None)
-            summary["built" if built else "cached"] += 1
+            status = "built" if built else "cached"
+            summary[status] += 1
+            # Progress for `serve --prewarm`, one line per task as it ends.
+            logger.info("prewarm %s: %s in %.1fs", task_id, status, summary["seconds"][task_id])
 
         async with anyio.create_task_group() as group:
             for task_id, path in candidates:
