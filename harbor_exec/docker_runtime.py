@@ -16,30 +16,43 @@ Why the details are as they are:
   Docker's seccomp profile, never get host networking, and log to nowhere (what a
   container prints to its init's stdout would otherwise fill the host's disk);
 * image builds are serialised per tag inside the process, and an existing tag is
-  never rebuilt: tags are content hashes of the environment directory.
+  never rebuilt: tags are content hashes of the environment directory;
+* builds go through BuildKit (``POST /build?version=2``, the tar context in the body,
+  no session) when the engine has it: faster cold builds, and a missing ``COPY``
+  source fails in milliseconds instead of after every earlier step. The legacy
+  builder is the fallback (old engine, or ``builder="legacy"`` /
+  ``HARBOR_EXEC_BUILDER=legacy``); BuildKit's progress is decoded by
+  ``harbor_exec.buildkit`` into the same readable log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
+import tarfile
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import IO, Any, Literal, ParamSpec, TypeVar
 
 import docker
 import docker.errors
 import docker.types
+import docker.utils.build
 import requests.exceptions
+import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
+from harbor_exec.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.cgroups import HostCgroup
 from harbor_exec.errors import (
     DockerUnavailableError,
@@ -66,6 +79,55 @@ _LOG_TAIL_LINES = 25
 # their output to files under /logs, so only a hostile process prints more.
 _MAX_EXEC_OUTPUT = 8 * 2**20
 _ARCHIVE_CHUNK = 1 << 20
+
+BuilderKind = Literal["buildkit", "legacy"]
+BUILDER_ENV = "HARBOR_EXEC_BUILDER"
+_BUILDER_CHOICES = ("auto", "buildkit", "legacy")
+_MIN_BUILDKIT_API = (1, 39)
+
+
+class _BuildkitUnavailable(Exception):
+    """The engine refused a BuildKit build: fall back to the legacy builder."""
+
+
+def _refuses_buildkit(message: str) -> bool:
+    lowered = message.lower()
+    return "buildkit" in lowered and ("not enabled" in lowered or "not supported" in lowered)
+
+
+@contextlib.contextmanager
+def _context_tar(context_dir: Path) -> Iterator[IO[bytes]]:
+    """The build context as a tar file, ``.dockerignore`` applied as ``docker build`` does.
+
+    BuildKit tells a tar context from a bare Dockerfile by parsing the first tar
+    header within the body's first 1 KiB. docker-py's ``utils.tar`` writes PAX
+    headers (for sub-second mtimes) that push it past that, so BuildKit would read
+    the archive as a Dockerfile. Hence GNU format, whole-second mtimes and the
+    Dockerfile first, which both builders read the same way.
+    """
+    ignore = context_dir / ".dockerignore"
+    patterns: list[str] = []
+    if ignore.is_file():
+        lines = (line.strip() for line in ignore.read_text(encoding="utf-8").splitlines())
+        patterns = [line for line in lines if line and not line.startswith("#")]
+    files = sorted(
+        docker.utils.build.exclude_paths(str(context_dir), patterns),
+        key=lambda name: (name != "Dockerfile", name),
+    )
+    with tempfile.TemporaryFile() as context:
+        with tarfile.open(fileobj=context, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for name in files:
+                info = tar.gettarinfo(str(context_dir / name), arcname=name)
+                if info is None:  # a socket or similar: nothing to send
+                    continue
+                info.mtime = int(info.mtime)
+                if info.isfile():
+                    with (context_dir / name).open("rb") as data:
+                        tar.addfile(info, data)
+                else:
+                    tar.addfile(info)
+        context.seek(0)
+        yield context
 
 
 # --------------------------------------------------------------------------- owners
@@ -205,7 +267,18 @@ class DockerRuntime:
         max_workers: int = 64,
         max_concurrent_starts: int = 4,
         cache_dir: Path | None = None,
+        builder: str | None = None,
     ) -> None:
+        choice = (builder or os.environ.get(BUILDER_ENV) or "auto").strip().lower()
+        if choice not in _BUILDER_CHOICES:
+            raise ValueError(
+                f"image builder {choice!r} (the builder option or ${BUILDER_ENV}) must be one of "
+                + ", ".join(_BUILDER_CHOICES)
+            )
+        self._builder_choice = choice
+        self._builder: BuilderKind | None = None
+        #: Builds started per tag by this runtime (a tag is built once unless it failed).
+        self.build_counts: Counter[str] = Counter()
         self.owner = owner or current_owner()
         self.cache_dir = cache_dir or default_cache_dir()
         self._base_url = base_url
@@ -300,8 +373,57 @@ class DockerRuntime:
             self._build(context_dir, tag, timeout_sec, labels, build_args or {}, log_path)
             return BuildResult(tag, True, time.monotonic() - started, log_path)
 
+    # ----------------------------------------------------------------- builder
+
+    @property
+    def builder(self) -> BuilderKind:
+        """The image builder this engine gets: ``buildkit`` or ``legacy`` (chosen once)."""
+        if self._builder is None:
+            with self._locks_guard:
+                if self._builder is None:
+                    self._builder = self._choose_builder()
+        return self._builder
+
+    def _choose_builder(self) -> BuilderKind:
+        if self._builder_choice == "legacy":
+            return "legacy"
+        if self._builder_choice == "buildkit":
+            return "buildkit"
+        version = self._api.version()
+        try:
+            api = tuple(int(part) for part in str(version.get("ApiVersion", "")).split(".")[:2])
+        except ValueError:
+            api = ()
+        # BuildKit through the Engine API needs no experimental flag from API 1.39 (Docker
+        # 19.03) on; Windows engines have no BuildKit.
+        if api >= _MIN_BUILDKIT_API and str(version.get("Os", "linux")).lower() == "linux":
+            return "buildkit"
+        return "legacy"
+
     def _build(
         self,
+        context_dir: Path,
+        tag: str,
+        timeout_sec: float,
+        labels: Mapping[str, str],
+        build_args: Mapping[str, str],
+        log_path: Path,
+    ) -> None:
+        builder = self.builder
+        with self._locks_guard:
+            self.build_counts[tag] += 1
+        try:
+            self._run_build(builder, context_dir, tag, timeout_sec, labels, build_args, log_path)
+        except _BuildkitUnavailable:
+            # The engine looked able but refuses BuildKit (disabled in daemon.json, or a
+            # platform without it): fall back for good, once per engine.
+            with self._locks_guard:
+                self._builder = "legacy"
+            self._run_build("legacy", context_dir, tag, timeout_sec, labels, build_args, log_path)
+
+    def _run_build(
+        self,
+        builder: BuilderKind,
         context_dir: Path,
         tag: str,
         timeout_sec: float,
@@ -313,48 +435,96 @@ class DockerRuntime:
         # A read timeout on a dedicated client bounds a build step that prints nothing;
         # dropping the connection makes the daemon cancel the build.
         client = self._client(timeout=max(1, int(timeout_sec) + 1), max_pool_size=1)
-        lines: list[str] = []
+        params: dict[str, Any] = {
+            "t": tag,
+            "rm": True,
+            "forcerm": True,
+            "pull": False,
+            "labels": json.dumps({**labels, LABEL_MANAGED: "true"}),
+            "buildargs": json.dumps(dict(build_args)),
+        }
+        progress: BuildkitProgress | None = None
+        if builder == "buildkit":
+            # version=2 selects BuildKit; the tar context travels in the body, no session.
+            params["version"] = "2"
+            progress = BuildkitProgress()
+        # Only the tail stays in memory; the whole log streams to its file.
+        tail: deque[str] = deque(maxlen=_LOG_TAIL_LINES)
         error: str | None = None
         timed_out = False
-        try:
-            stream: Iterator[dict[str, Any]] = client.build(
-                path=str(context_dir),
-                tag=tag,
-                rm=True,
-                forcerm=True,
-                pull=False,
-                decode=True,
-                labels={**labels, LABEL_MANAGED: "true"},
-                buildargs=dict(build_args),
-            )
-            for chunk in stream:
-                if "stream" in chunk:
-                    lines.extend(str(chunk["stream"]).splitlines())
-                if "error" in chunk:
-                    error = str(chunk["error"]).strip()
-                    lines.append(error)
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
-            timed_out = True
-        except docker.errors.APIError as exc:
-            error = str(exc.explanation or exc)
-            lines.append(error)
-        finally:
-            client.close()
-            log_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        tail = "\n".join(lines[-_LOG_TAIL_LINES:])
+        with log_path.open("w", encoding="utf-8") as log, _context_tar(context_dir) as context:
+
+            def emit(lines: Iterable[str]) -> None:
+                for line in lines:
+                    log.write(line + "\n")
+                    tail.append(line)
+
+            try:
+                # docker-py's build() has no ``version`` parameter, so the request is made
+                # with the same client calls it uses, on the same connection settings.
+                response = client._post(
+                    client._url("/build"),
+                    data=context,
+                    params=params,
+                    headers={"Content-Type": "application/tar"},
+                    stream=True,
+                )
+                client._raise_for_status(response)
+                chunk: dict[str, Any]
+                for chunk in client._stream_helper(response, decode=True):
+                    if "stream" in chunk:
+                        emit(str(chunk["stream"]).splitlines())
+                    if progress is not None and chunk.get("id") == TRACE_ID and "aux" in chunk:
+                        emit(progress.feed(chunk["aux"]))
+                    if "error" in chunk:
+                        error = str(chunk["error"]).strip()
+                        emit([error])
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        break
+            except (
+                requests.exceptions.ReadTimeout,
+                requests.exceptions.ConnectionError,
+                # Reading the progress stream itself raises urllib3's own errors.
+                urllib3.exceptions.ReadTimeoutError,
+                urllib3.exceptions.ProtocolError,
+            ):
+                timed_out = True
+            except docker.errors.APIError as exc:
+                error = str(exc.explanation or exc)
+                if builder == "buildkit" and _refuses_buildkit(error):
+                    raise _BuildkitUnavailable(error) from None
+                emit([error])
+            finally:
+                client.close()
+                if progress is not None:
+                    emit(progress.close())
+        tail_text = "\n".join(tail)
         if timed_out:
             raise EnvironmentStartTimeoutError(
                 f"building the environment took longer than build_timeout_sec={timeout_sec:g}s "
-                f"(log: {log_path})\n{tail}"
+                f"(log: {log_path})\n{tail_text}"
             )
         if error is not None:
+            where = ""
+            if progress is not None and progress.errors:
+                where = f" at step {progress.errors[-1][0]!r}"
             raise SandboxBuildFailedError(
-                f"docker build of {context_dir} failed: {error}\n"
-                f"--- last lines of the build log ({log_path}) ---\n{tail}"
+                f"docker build of {context_dir} failed{where}: {error}\n"
+                f"--- last lines of the build log ({log_path}) ---\n{tail_text}"
             )
+
+    def build_cache_usage(self) -> tuple[int, int]:
+        """The engine's build cache: ``(records, bytes)`` (BuildKit's, and nothing in use)."""
+        records = self._api.df().get("BuildCache") or []
+        return len(records), sum(int(r.get("Size") or 0) for r in records)
+
+    def prune_build_cache(self, *, older_than: str | None = None) -> int:
+        """Remove the engine's unused build cache (only records unused for ``older_than``,
+        a Go duration such as ``"24h"``, when given); returns the bytes reclaimed."""
+        filters = {"until": older_than} if older_than else None
+        result = self._api.prune_builds(filters=filters)
+        return int(result.get("SpaceReclaimed") or 0)
 
     @_engine_boundary
     def import_rootfs(self, tarball: Path, tag: str, *, changes: list[str]) -> None:
@@ -679,7 +849,15 @@ class DockerRuntime:
 
     def engine_info(self) -> dict[str, Any]:
         info = self._api.version()
-        return {"version": info.get("Version"), "api": info.get("ApiVersion")}
+        return {
+            "version": info.get("Version"),
+            "api": info.get("ApiVersion"),
+            "builder": self.builder,
+        }
+
+    def engine_cpus(self) -> int:
+        """How many CPUs the engine has (prewarm's default parallelism)."""
+        return int(self._api.info().get("NCPU") or os.cpu_count() or 1)
 
     def pid_max(self) -> int:
         """The host's ``kernel.pid_max`` (the limit every container's pids share)."""

@@ -123,3 +123,18 @@ def prune(runtime: DockerRuntime, *, include_base: bool = False) -> list[str]:
         runtime.remove_image(info.tag)
         removed.append(info.tag)
     return removed
+
+
+def build_cache_report(runtime: DockerRuntime, *, prune: bool) -> str:
+    """Prune the engine's unused build cache when asked; say what is left either way.
+
+    The engine does not say which build made which cache record, so pruning it is
+    an explicit, engine-wide choice (``images prune --build-cache``).
+    """
+    lines = []
+    if prune:
+        lines.append(f"build cache: {runtime.prune_build_cache() / 1e6:.1f} MB reclaimed")
+    records, size = runtime.build_cache_usage()
+    hint = "" if prune or not records else " (--build-cache removes what is unused)"
+    lines.append(f"build cache left: {records} record(s), {size / 1e6:.1f} MB{hint}")
+    return "\n".join(lines)

@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import logging
+import os
 import secrets
 import shutil
 import sys
@@ -273,9 +274,11 @@ class HarborBackend(ExecutionBackend):
         self._threads = anyio.CapacityLimiter(max_concurrent_trials + 4)
         self._tasks: dict[tuple[Path, bool], tuple[str, Task]] = {}
         self._deps_images: set[str] = set()  # dependency layers known to exist
-        self._deps_lock = threading.Lock()
         # One upstream connection pool for every rollout's relay (made in the event loop).
         self._relay_transport: Any = None
+        # One lock per dependency-layer tag: prewarm builds different tasks' layers at once.
+        self._deps_locks: dict[str, threading.Lock] = {}
+        self._deps_guard = threading.Lock()
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
         self.reap_interval_sec = 5.0
@@ -322,7 +325,9 @@ class HarborBackend(ExecutionBackend):
         bundle = self._bundle
         key = hashlib.sha256(f"{task_image}\0{bundle.requirements_digest}".encode()).hexdigest()
         tag = f"harbor-exec/deps:{key[:32]}"
-        with self._deps_lock:
+        with self._deps_guard:
+            lock = self._deps_locks.setdefault(tag, threading.Lock())
+        with lock:
             if tag in self._deps_images or self.runtime.image_exists(tag):
                 self._deps_images.add(tag)
                 return tag
@@ -842,7 +847,9 @@ class HarborBackend(ExecutionBackend):
         queued, running = self._counts()
         images: dict[str, int] = {}
         docker_state = "ok"
+        builder = None
         if isinstance(self.runtime, DockerRuntime):
+            builder = self.runtime.builder
             self._ensure_monitor()
             try:
                 if not self.runtime.engine_available:
@@ -865,6 +872,7 @@ class HarborBackend(ExecutionBackend):
             "max_queue_depth": self.max_queue_depth,
             "images": images,
             "image_builds": self.image_builds,
+            "image_builder": builder,
             "blocked_tasks": dict(self._blocked),
         }
 
@@ -891,10 +899,19 @@ class HarborBackend(ExecutionBackend):
             self._deps_image(image)
         return self.image_builds > before
 
-    async def prewarm(self, task_ids: list[str] | None = None) -> dict[str, Any]:
-        """Build every task image (and the bundle's dependency layer) ahead of time.
+    def _default_prewarm_jobs(self) -> int:
+        if isinstance(self.runtime, DockerRuntime):
+            return self.runtime.engine_cpus()
+        return os.cpu_count() or 1
 
-        A task that fails is blocked: its rollouts fail at once with the reason.
+    async def prewarm(
+        self, task_ids: list[str] | None = None, *, jobs: int | None = None
+    ) -> dict[str, Any]:
+        """Build every task image (and the bundle's dependency layer) ahead of time,
+        up to ``jobs`` tasks at once (default: the engine's CPU count).
+
+        A task that fails is blocked: its rollouts fail at once with the reason; the
+        others go on. The summary adds ``seconds`` per task.
         """
         try:
             candidates = self._prewarm_candidates(task_ids)
@@ -912,19 +929,32 @@ class HarborBackend(ExecutionBackend):
             "cached": 0,
             "failed": 0,
             "failed_tasks": {},
+            "seconds": {},
         }
-        limiter = anyio.CapacityLimiter(2)
+        if jobs is not None and jobs < 1:
+            raise ValueError(f"prewarm jobs must be at least 1; got {jobs}")
+        if jobs is None:
+            jobs = await anyio.to_thread.run_sync(self._default_prewarm_jobs)
+        limiter = anyio.CapacityLimiter(jobs)
 
         async def one(task_id: str, path: Path) -> None:
+            started = time.monotonic()
             try:
                 built = await anyio.to_thread.run_sync(self._prewarm_one, path, limiter=limiter)
             except (HarborExecError, OSError, ValueError) as exc:
                 summary["failed"] += 1
                 summary["failed_tasks"][task_id] = f"{type(exc).__name__}: {exc}"
                 self._blocked[task_id] = f"{type(exc).__name__}: {exc}"
+                reason = summary["failed_tasks"][task_id].splitlines()[0]
+                logger.warning("prewarm %s: failed: %s", task_id, reason)
                 return
+            finally:
+                summary["seconds"][task_id] = round(time.monotonic() - started, 3)
             self._blocked.pop(task_id, None)
-            summary["built" if built else "cached"] += 1
+            status = "built" if built else "cached"
+            summary[status] += 1
+            # Progress for `serve --prewarm`, one line per task as it ends.
+            logger.info("prewarm %s: %s in %.1fs", task_id, status, summary["seconds"][task_id])
 
         async with anyio.create_task_group() as group:
             for task_id, path in candidates:
@@ -932,13 +962,13 @@ class HarborBackend(ExecutionBackend):
         return summary
 
     def prewarm_lifespan(
-        self, task_ids: list[str] | None = None
+        self, task_ids: list[str] | None = None, *, jobs: int | None = None
     ) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
         """An ASGI lifespan that prewarms before serving; a systemic failure stops start-up."""
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: Any) -> AsyncIterator[None]:
-            summary = await self.prewarm(task_ids)
+            summary = await self.prewarm(task_ids, jobs=jobs)
             total, failed = summary["total"], summary["failed"]
             if failed and (failed >= total or (total > 1 and failed > total / 2)):
                 raise RuntimeError(

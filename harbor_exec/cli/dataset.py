@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -28,7 +27,7 @@ from harbor_exec.cli.sandbox import (
     sandbox_policy,
 )
 from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
+from harbor_exec.errors import DatasetError, DockerUnavailableError
 from harbor_exec.jobs import (
     JobEvent,
     JobInterrupted,
@@ -38,8 +37,9 @@ from harbor_exec.jobs import (
     run_job,
     summary_rows,
 )
-from harbor_exec.tasks import Discovery, Task, discover_tasks
-from harbor_exec.trials import TrialRequest, ensure_task_image
+from harbor_exec.prewarm import PrewarmEvent, prewarm_tasks, tally
+from harbor_exec.tasks import Discovery, discover_tasks
+from harbor_exec.trials import TrialRequest
 
 console = Console()
 
@@ -209,34 +209,70 @@ def validate(
 @app.command()
 def prewarm(
     path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
-    n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 2,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            "-n",
+            "--n-concurrent",
+            min=1,
+            help="Images built at once (default: the engine's CPU count).",
+        ),
+    ] = None,
 ) -> None:
-    """Build every task image ahead of time; report built / cached / failed."""
+    """Build every task image ahead of time, in parallel; report built / cached / failed."""
     discovery = load_dataset(path)
     runtime = open_runtime()
-
-    def build(task: Task) -> tuple[Task, str, float, str]:
-        started = time.monotonic()
-        try:
-            image, built = ensure_task_image(runtime, task)
-        except HarborExecError as exc:
-            return task, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
-        return task, "built" if built else "cached", time.monotonic() - started, image
-
-    with ThreadPoolExecutor(max_workers=n_concurrent) as pool:
-        outcomes = list(pool.map(build, discovery.tasks))
-    table = Table(title=f"prewarm: {path}")
-    for column in ("task", "status", "time", "image / error"):
-        table.add_column(column)
+    n_jobs = jobs or runtime.engine_cpus()
+    counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
     colours = {"built": "green", "cached": "cyan", "failed": "red"}
-    for task, status, seconds, detail in outcomes:
+    progress = Progress(
+        TextColumn("[bold]prewarm[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    bar = progress.add_task("tasks", total=len(discovery.tasks), counts="")
+
+    def on_event(event: PrewarmEvent) -> None:
+        outcome = event.outcome
+        if event.kind == "started":
+            counts["building"] += 1
+        elif outcome is not None:
+            counts["building"] -= 1
+            counts[outcome.status] += 1
+            progress.advance(bar)
+            if outcome.status != "cached":  # a warm dataset would print one line per task
+                why = f": {escape(outcome.reason)}" if outcome.status == "failed" else ""
+                progress.console.print(
+                    f"[{colours[outcome.status]}]{outcome.status}[/] {escape(outcome.task)} "
+                    f"{outcome.seconds:.1f}s{why}"
+                )
+        progress.update(bar, counts=" ".join(f"{k} {v}" for k, v in counts.items()))
+
+    started = time.monotonic()
+    with progress:
+        outcomes = prewarm_tasks(runtime, discovery.tasks, jobs=n_jobs, on_event=on_event)
+    wall = time.monotonic() - started
+    table = Table(title=f"prewarm: {path}")
+    for column in ("task", "status", "time", "image / reason"):
+        table.add_column(column)
+    for outcome in outcomes:
         table.add_row(
-            task.name, f"[{colours[status]}]{status}[/]", f"{seconds:.1f}s", escape(detail)
+            outcome.task,
+            f"[{colours[outcome.status]}]{outcome.status}[/]",
+            f"{outcome.seconds:.1f}s",
+            escape(outcome.detail if outcome.status != "failed" else outcome.reason),
         )
     for error in discovery.broken:
         table.add_row(error.task, "[red]failed[/]", "-", escape(f"{type(error).__name__}: {error}"))
     console.print(table)
-    tally = {s: sum(1 for o in outcomes if o[1] == s) for s in colours}
-    tally["failed"] += len(discovery.broken)
-    console.print(", ".join(f"{k}: {v}" for k, v in tally.items()))
-    raise typer.Exit(1 if tally["failed"] else 0)
+    counted = tally(outcomes, extra_failed=len(discovery.broken))
+    console.print(
+        ", ".join(f"{k}: {v}" for k, v in counted.items())
+        + f"; {wall:.1f}s with {n_jobs} job(s), builder {runtime.builder}"
+    )
+    raise typer.Exit(1 if counted["failed"] else 0)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import console, open_runtime
-from harbor_exec.images import BootstrapError, bootstrap, prune
+from harbor_exec.images import BootstrapError, bootstrap, build_cache_report, prune
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
 app.add_typer(images_app, name="images")
@@ -31,8 +31,12 @@ def bootstrap_command() -> None:
 
 @images_app.command("list")
 def list_command() -> None:
-    """List the images we made."""
+    """List the images we made, and the image builder this engine gets."""
     runtime = open_runtime()
+    engine = runtime.engine_info()
+    console.print(
+        f"engine {engine['version']} (API {engine['api']}); image builder: {engine['builder']}"
+    )
     table = Table()
     for column in ("image", "kind", "size"):
         table.add_column(column)
@@ -46,6 +50,13 @@ def prune_command(
     include_base: Annotated[
         bool, typer.Option("--all", help="Also remove the bootstrapped base images.")
     ] = False,
+    build_cache: Annotated[
+        bool,
+        typer.Option(
+            "--build-cache",
+            help="Also remove the engine's unused build cache (BuildKit's; engine-wide).",
+        ),
+    ] = False,
 ) -> None:
     """Remove the task images and dependency layers we made (and base images with --all)."""
     runtime = open_runtime()
@@ -53,3 +64,4 @@ def prune_command(
     for tag in removed:
         console.print(f"removed {tag}")
     console.print(f"{len(removed)} image(s) removed")
+    console.print(build_cache_report(runtime, prune=build_cache))

@@ -59,6 +59,7 @@ class ServeOptions:
     max_log_bytes: int = OutputLimits().max_file_bytes
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
+    prewarm_jobs: int | None = None
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -139,7 +140,9 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
             api_key=api_key,
             data_dir=options.data_dir or default_data_dir(),
             artifact_root=options.artifact_root,
-            lifespan=backend.prewarm_lifespan() if options.prewarm else None,
+            lifespan=backend.prewarm_lifespan(jobs=options.prewarm_jobs)
+            if options.prewarm
+            else None,
             **extra,
         )
     except HarborExecError as exc:  # e.g. the data dir is owned by another server
@@ -238,6 +241,10 @@ def serve(
         float | None,
         typer.Option(help="Largest agent/grader timeout a request may ask for [default: 86400]."),
     ] = None,
+    prewarm_jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Images --prewarm builds at once (default: engine CPUs)."),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -268,6 +275,7 @@ def serve(
         max_log_bytes=max_log_bytes,
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,
+        prewarm_jobs=prewarm_jobs,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

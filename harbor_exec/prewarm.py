@@ -1,0 +1,93 @@
+"""Prewarm a dataset: build every task image ahead of time, ``jobs`` at once.
+
+A task that fails is reported with its reason and never stops the others. Each
+task keeps only a small ``PrewarmOutcome`` (its build log went to a file while it
+built), so memory stays flat over thousands of tasks. Identical environments share
+a content-addressed tag; the runtime builds each tag once, whoever asks first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from harbor_exec.runtime import ContainerRuntime
+from harbor_exec.tasks import Task
+from harbor_exec.trials import ensure_task_image
+
+PrewarmStatus = Literal["built", "cached", "failed"]
+STATUSES: tuple[PrewarmStatus, ...] = ("built", "cached", "failed")
+
+
+@dataclass(frozen=True)
+class PrewarmOutcome:
+    """One task's prewarm: built now, already there, or failed (``detail`` says why)."""
+
+    task: str
+    status: PrewarmStatus
+    seconds: float
+    detail: str  # the image, or "<ErrorName>: <message>"
+
+    @property
+    def reason(self) -> str:
+        """The first line of a failure (the whole message can hold a log tail)."""
+        return self.detail.splitlines()[0] if self.detail else ""
+
+
+@dataclass(frozen=True)
+class PrewarmEvent:
+    """``started`` when a task's build begins, ``finished`` with its outcome."""
+
+    kind: Literal["started", "finished"]
+    task: str
+    outcome: PrewarmOutcome | None = None
+
+
+def prewarm_one(runtime: ContainerRuntime, task: Task) -> PrewarmOutcome:
+    """Build (or find) one task's image; any error becomes a ``failed`` outcome."""
+    started = time.monotonic()
+    try:
+        image, built = ensure_task_image(runtime, task)
+    except Exception as exc:  # one broken task must never stop a dataset's prewarm
+        return PrewarmOutcome(
+            task.name, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
+        )
+    return PrewarmOutcome(
+        task.name, "built" if built else "cached", time.monotonic() - started, image
+    )
+
+
+def prewarm_tasks(
+    runtime: ContainerRuntime,
+    tasks: Sequence[Task],
+    *,
+    jobs: int,
+    on_event: Callable[[PrewarmEvent], None] | None = None,
+) -> list[PrewarmOutcome]:
+    """Prewarm ``tasks`` with up to ``jobs`` builds at once; outcomes in ``tasks`` order."""
+    emit = on_event or (lambda event: None)
+    emit_lock = threading.Lock()  # display callbacks need not be thread-safe
+
+    def one(task: Task) -> PrewarmOutcome:
+        with emit_lock:
+            emit(PrewarmEvent("started", task.name))
+        outcome = prewarm_one(runtime, task)
+        with emit_lock:
+            emit(PrewarmEvent("finished", task.name, outcome))
+        return outcome
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="hx-prewarm") as pool:
+        return list(pool.map(one, tasks))
+
+
+def tally(outcomes: Sequence[PrewarmOutcome], *, extra_failed: int = 0) -> dict[str, int]:
+    """``{built, cached, failed}`` counts."""
+    counts: dict[str, int] = {status: 0 for status in STATUSES}
+    for outcome in outcomes:
+        counts[outcome.status] += 1
+    counts["failed"] += extra_failed
+    return counts

@@ -1,0 +1,377 @@
+"""Image builds against a real engine: BuildKit through the Engine API, the legacy
+fallback, failing fast, build logs, and parallel prewarm."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harbor_exec import docker_runtime as docker_runtime_module
+from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.errors import EnvironmentStartTimeoutError, SandboxBuildFailedError
+from harbor_exec.images import build_cache_report
+from harbor_exec.jobs import is_full_reward
+from harbor_exec.prewarm import prewarm_tasks, tally
+from harbor_exec.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
+from harbor_exec.tasks import discover_tasks
+from harbor_exec.trials import TrialRequest, image_tag_for, run_trial
+from tests.task_factory import make_task
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "tasks_examples" / "dataset"
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+
+@pytest.fixture(scope="module")
+def legacy() -> Iterator[DockerRuntime]:
+    runtime = DockerRuntime(builder="legacy")
+    yield runtime
+    runtime.remove_owned()
+    runtime.close()
+
+
+@pytest.fixture()
+def made_images(docker_runtime: DockerRuntime) -> Iterator[list[str]]:
+    """Tags a test made; removed afterwards."""
+    tags: list[str] = []
+    yield tags
+    for tag in tags:
+        docker_runtime.remove_image(tag)
+
+
+def build(runtime: DockerRuntime, context: Path, tags: list[str], timeout: float = 120) -> str:
+    tag = f"harbor-exec-test/build:{uuid.uuid4().hex[:16]}"
+    tags.append(tag)
+    runtime.ensure_image(
+        context_dir=context, tag=tag, timeout_sec=timeout, labels={LABEL_KIND: "test"}
+    )
+    return tag
+
+
+def context(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
+    root = tmp_path / uuid.uuid4().hex[:8]
+    root.mkdir()
+    (root / "Dockerfile").write_text(dockerfile)
+    for name, text in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_builder_is_chosen_once_per_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = DockerRuntime()
+    assert runtime.builder == "buildkit"  # Docker 20.10, API 1.41: BuildKit is there
+    assert runtime.engine_info()["builder"] == "buildkit"
+    runtime.close()
+    monkeypatch.setenv("HARBOR_EXEC_BUILDER", "legacy")
+    forced = DockerRuntime()
+    assert forced.builder == "legacy"
+    forced.close()
+    monkeypatch.setenv("HARBOR_EXEC_BUILDER", "fast")
+    with pytest.raises(ValueError, match=r"HARBOR_EXEC_BUILDER.*auto, buildkit, legacy"):
+        DockerRuntime()
+
+
+def test_refused_buildkit_falls_back_to_legacy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made_images: list[str]
+) -> None:
+    runtime = DockerRuntime()
+    real = DockerRuntime._run_build
+    seen: list[str] = []
+
+    def refusing(self: DockerRuntime, builder: str, *args: Any) -> None:
+        seen.append(builder)
+        if builder == "buildkit":  # what an engine with BuildKit disabled answers
+            raise docker_runtime_module._BuildkitUnavailable("buildkit is not enabled on daemon")
+        real(self, builder, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DockerRuntime, "_run_build", refusing)
+    ctx = context(tmp_path, f"FROM debian:bookworm-slim\nRUN echo {uuid.uuid4().hex} > /x\n")
+    tag = build(runtime, ctx, made_images)
+    assert runtime.image_exists(tag)
+    assert seen == ["buildkit", "legacy"] and runtime.builder == "legacy"
+    build(
+        runtime,
+        context(tmp_path, f"FROM debian:bookworm-slim\nRUN echo {uuid.uuid4().hex}\n"),
+        made_images,
+    )
+    assert seen == ["buildkit", "legacy", "legacy"]  # chosen once: no second BuildKit try
+    assert docker_runtime_module._refuses_buildkit("buildkit is not enabled on daemon")
+    assert not docker_runtime_module._refuses_buildkit('"/tests" not found: not found')
+    runtime.close()
+
+
+def _fingerprint(runtime: DockerRuntime, tag: str) -> tuple[dict[str, Any], str]:
+    """An image's config and a listing (path, mode, owner, checksum) of what tasks add."""
+    config = runtime._api.inspect_image(tag)["Config"]
+    kept = {k: config.get(k) for k in ("Env", "Cmd", "Entrypoint", "WorkingDir", "User", "Labels")}
+    container = runtime.create(
+        ContainerSpec(image=tag, name=f"hx-fp-{uuid.uuid4().hex[:8]}", labels={})
+    )
+    try:
+        runtime.start(container)
+        listing = runtime.exec(
+            container,
+            [
+                "sh",
+                "-c",
+                "for d in /app /data /srv /opt /usr/local/bin; do [ -e $d ] && "
+                "find $d -xdev -exec stat -c '%n %a %U %F' {} + ; done | sort; "
+                "find /app /data /srv -xdev -type f -exec md5sum {} + 2>/dev/null | sort",
+            ],
+            user="0",
+        ).output.decode()
+    finally:
+        runtime.remove(container)
+    return kept, listing
+
+
+def test_example_dataset_same_image_from_both_builders(
+    docker_runtime: DockerRuntime, legacy: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    tasks = discover_tasks(EXAMPLES).tasks
+    assert len(tasks) == 7
+    for task in tasks:
+        assert task.dockerfile is not None
+        new = build(docker_runtime, task.environment_dir, made_images)
+        old = build(legacy, task.environment_dir, made_images)
+        assert _fingerprint(docker_runtime, new) == _fingerprint(legacy, old), task.name
+        # And both run the task's oracle trial to the same full reward.
+        for image in (new, old):
+            result = run_trial(
+                docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "t", image=image)
+            )
+            assert is_full_reward(result), (task.name, result.exception_info)
+
+
+def test_missing_copy_source_fails_fast_naming_the_path(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    # The slow step before the COPY is never run: BuildKit checks sources first.
+    ctx = context(
+        tmp_path,
+        f"FROM debian:bookworm-slim\nRUN echo {uuid.uuid4().hex} && sleep 30\nCOPY tests/ /tests\n",
+    )
+    started = time.monotonic()
+    with pytest.raises(SandboxBuildFailedError) as info:
+        build(docker_runtime, ctx, made_images)
+    assert time.monotonic() - started < 2
+    message = str(info.value)
+    assert '"/tests" not found' in message
+    assert "COPY tests/ /tests" in message  # the step that failed
+
+
+@pytest.mark.parametrize("builder", ["buildkit", "legacy"])
+def test_failing_run_keeps_its_output(
+    builder: str,
+    docker_runtime: DockerRuntime,
+    legacy: DockerRuntime,
+    tmp_path: Path,
+    made_images: list[str],
+) -> None:
+    runtime = docker_runtime if builder == "buildkit" else legacy
+    nonce = uuid.uuid4().hex
+    ctx = context(
+        tmp_path,
+        "FROM debian:bookworm-slim\n"
+        f"RUN echo {nonce}; for i in $(seq 1 300); do echo line-$i; done; "
+        "echo about-to-fail >&2; exit 42\n",
+    )
+    with pytest.raises(SandboxBuildFailedError) as info:
+        build(runtime, ctx, made_images)
+    message = str(info.value)
+    assert "42" in message and "about-to-fail" in message
+    log_path = runtime.cache_dir / "build-logs" / f"{made_images[-1].replace('/', '_')}.log"
+    log = log_path.read_text()
+    # The whole output is in the log file; the message only carries its tail.
+    assert nonce in log and "line-1\n" in log.replace("#", "\n").replace(" line-1", "\nline-1")
+    assert "line-300" in log and "line-150" not in message
+    assert len(message.splitlines()) < 40
+
+
+def test_buildkit_image_keeps_labels_and_is_built_once(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    ctx = context(
+        tmp_path,
+        f"FROM debian:bookworm-slim\nCOPY a.txt /a.txt\nRUN echo {uuid.uuid4().hex}\n",
+        {"a.txt": "a\n", ".dockerignore": "secret.txt\n", "secret.txt": "no\n"},
+    )
+    tag = build(docker_runtime, ctx, made_images)
+    labels = docker_runtime._api.inspect_image(tag)["Config"]["Labels"]
+    assert labels[LABEL_MANAGED] == "true" and labels[LABEL_KIND] == "test"
+    assert docker_runtime.build_counts[tag] == 1
+    again = docker_runtime.ensure_image(context_dir=ctx, tag=tag, timeout_sec=60, labels={})
+    assert not again.built and docker_runtime.build_counts[tag] == 1
+    # .dockerignore holds for BuildKit too.
+    probe = context(tmp_path, f"FROM {tag}\nCOPY secret.txt /s\n", {})
+    (probe / "secret.txt").write_text("x")
+    (probe / ".dockerignore").write_text("secret.txt\n")
+    with pytest.raises(SandboxBuildFailedError, match=r"secret\.txt"):
+        build(docker_runtime, probe, made_images)
+
+
+def test_buildkit_build_timeout(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    ctx = context(tmp_path, f"FROM debian:bookworm-slim\nRUN echo {uuid.uuid4().hex}; sleep 60\n")
+    started = time.monotonic()
+    with pytest.raises(EnvironmentStartTimeoutError, match="build_timeout_sec=3"):
+        build(docker_runtime, ctx, made_images, timeout=3)
+    assert time.monotonic() - started < 15
+
+
+def _dataset(root: Path, n_unique: int, nonce: str) -> Path:
+    """``n_unique`` distinct environments, two tasks sharing each of the first two."""
+    for i in range(n_unique):
+        make_task(
+            root, f"t{i:02d}", dockerfile=f"FROM debian:bookworm-slim\nRUN echo {nonce} {i} > /id\n"
+        )
+    for i in range(2):
+        make_task(
+            root, f"twin{i}", dockerfile=f"FROM debian:bookworm-slim\nRUN echo {nonce} {i} > /id\n"
+        )
+    make_task(root, "zz-broken", dockerfile="FROM debian:bookworm-slim\nCOPY missing/ /m\n")
+    return root
+
+
+def test_parallel_prewarm_builds_each_tag_once(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    nonce = uuid.uuid4().hex
+    tasks = discover_tasks(_dataset(tmp_path / "ds", 8, nonce)).tasks
+    tags = {image_tag_for(t) for t in tasks if t.name != "zz-broken"}
+    made_images.extend(tags)
+    assert len(tasks) == 11 and len(tags) == 8
+    active = 0
+    most = 0
+    guard = threading.Lock()
+    real = docker_runtime._build
+
+    def counting(*args: Any) -> None:
+        nonlocal active, most
+        with guard:
+            active += 1
+            most = max(most, active)
+        try:
+            real(*args)
+        finally:
+            with guard:
+                active -= 1
+
+    docker_runtime._build = counting  # type: ignore[method-assign]
+    try:
+        outcomes = prewarm_tasks(docker_runtime, tasks, jobs=4)
+    finally:
+        del docker_runtime._build
+    assert most > 1  # builds overlapped
+    assert tally(outcomes) == {"built": 8, "cached": 2, "failed": 1}
+    assert all(docker_runtime.build_counts[tag] == 1 for tag in tags)
+    broken = next(o for o in outcomes if o.task == "zz-broken")
+    assert broken.status == "failed" and "missing" in broken.reason
+    started = time.monotonic()
+    again = prewarm_tasks(docker_runtime, [t for t in tasks if t.name != "zz-broken"], jobs=4)
+    assert time.monotonic() - started < 1
+    assert tally(again) == {"built": 0, "cached": 10, "failed": 0}
+    assert all(docker_runtime.build_counts[tag] == 1 for tag in tags)
+
+
+def test_prewarm_cli_progress_summary_and_second_run(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    nonce = uuid.uuid4().hex
+    ds = _dataset(tmp_path / "ds", 8, nonce)
+    made_images.extend(image_tag_for(t) for t in discover_tasks(ds).tasks if t.name != "zz-broken")
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    cli = [sys.executable, "-m", "harbor_exec.cli", "prewarm", str(ds), "--jobs", "3"]
+    first = subprocess.run(cli, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 1, first.stdout + first.stderr
+    out = first.stdout
+    assert "built: 8, cached: 2, failed: 1" in out and "with 3 job(s), builder buildkit" in out
+    assert "failed zz-broken" in out and '"/missing" not found' in out  # the live line's reason
+    assert "built t00" in out
+    second = subprocess.run([*cli[:-2]], capture_output=True, text=True, timeout=120, env=env)
+    assert "built: 0, cached: 10, failed: 1" in second.stdout
+
+
+def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
+    tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from bundler import build_bundle
+    from harbor_exec.backends.harbor import HarborBackend
+    from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
+
+    bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)
+    nonce = uuid.uuid4().hex
+    for i in range(3):
+        make_task(
+            tmp_path / "ds",
+            f"py{i}",
+            dockerfile=f"FROM python:3.11-slim-bookworm\nRUN echo {nonce} {i} > /id\nWORKDIR /app\n",
+        )
+    backend = HarborBackend(
+        tasks_dir=tmp_path / "ds",
+        task_mode="dataset",
+        agent=EXAMPLE_REFS["workflow"],
+        bundle=bundle,
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    runtime = backend.runtime
+    assert isinstance(runtime, DockerRuntime)
+    active = 0
+    most_deps = 0
+    guard = threading.Lock()
+    real = runtime.ensure_image
+
+    def counting(**kwargs: Any) -> Any:
+        nonlocal active, most_deps
+        deps = kwargs["labels"].get(LABEL_KIND) == "deps"
+        made_images.append(kwargs["tag"])
+        with guard:
+            active += deps
+            most_deps = max(most_deps, active)
+        try:
+            return real(**kwargs)
+        finally:
+            with guard:
+                active -= deps
+
+    runtime.ensure_image = counting  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="harbor_exec.backends.harbor"):
+        summary = asyncio.run(backend.prewarm(jobs=3))
+    assert (
+        sum("prewarm py" in r.getMessage() and "built in" in r.getMessage() for r in caplog.records)
+        == 3
+    )
+    assert summary["failed"] == 0 and summary["built"] == 3, summary
+    assert backend.image_builds == 6  # three task images, three dependency layers
+    assert most_deps > 1  # dependency layers no longer wait for one another
+    assert set(summary["seconds"]) == {"py0", "py1", "py2"}
+    assert backend.health()["image_builder"] == "buildkit"
+    again = asyncio.run(backend.prewarm(jobs=3))
+    assert again["cached"] == 3 and backend.image_builds == 6
+    for tag in reversed(made_images):  # dependency layers before the task images they use
+        runtime.remove_image(tag)
+    made_images.clear()
+
+
+def test_images_prune_reports_the_build_cache(docker_runtime: DockerRuntime) -> None:
+    records, size = docker_runtime.build_cache_usage()
+    assert records > 0 and size >= 0  # this session's BuildKit builds left cache records
+    # Only records unused for ten thousand hours: nothing another build on this engine needs.
+    assert docker_runtime.prune_build_cache(older_than="10000h") == 0
+    report = build_cache_report(docker_runtime, prune=False)
+    assert report.startswith("build cache left: ") and "--build-cache removes" in report
