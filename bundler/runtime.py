@@ -30,7 +30,14 @@ __all__ = [
 ]
 
 RUNTIME_DISTRIBUTION = "harbor-exec-runtime"
-RUNTIME_FILES = ("__init__.py", "authoring.py", "runner.py")
+RUNTIME_FILES = (
+    "__init__.py",
+    "authoring.py",
+    "exchange.py",
+    "protocol.py",
+    "redaction.py",
+    "runner.py",
+)
 # Mirrors harbor-exec's own pydantic pin (pyproject.toml); the runtime needs nothing else.
 RUNTIME_REQUIREMENTS = ("pydantic>=2.7",)
 

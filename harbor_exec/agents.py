@@ -15,6 +15,17 @@ from pathlib import Path
 from typing import Protocol
 
 from harbor_exec.errors import AgentSetupError
+from harbor_exec.exchange import (
+    AGENT_INPUT,
+    AGENT_SAMPLE,
+    GRADER_INPUT,
+    MANIFEST_PATH,
+    RUNNER_OUTPUT,
+    TESTS_DIR,
+    USER_CODE_DIR,
+    VENV_PYTHON,
+    in_logs,
+)
 from harbor_exec.results import AgentInfo
 from harbor_exec.runtime import (
     ArchiveEntry,
@@ -245,14 +256,7 @@ class TestsVerifier:
 
 # --------------------------------------------------------------------------- bundled workflows
 
-#: Where a bundle lives inside the container (the venv comes from the dependency layer).
-VENV_PYTHON = "/opt/harbor-exec/venv/bin/python"
-USER_CODE_DIR = "/opt/harbor-exec/user"
-MANIFEST_PATH = "/opt/harbor-exec/manifest.json"
 RUNNER_ENV = {"PYTHONPATH": USER_CODE_DIR, "HARBOR_EXEC_MANIFEST": MANIFEST_PATH}
-#: Where the rollout's model relay directory is mounted (read-only) in the container.
-RELAY_DIR = "/run/harbor-exec/relay"
-RELAY_SOCKET = f"{RELAY_DIR}/relay.sock"
 
 
 class WorkflowAgent:
@@ -271,11 +275,11 @@ class WorkflowAgent:
         self._input = rollout_input
 
     def files(self, task: Task) -> list[ArchiveEntry]:
-        return [*self._files, ArchiveEntry("/logs/agent/rollout.json", self._input, 0o644)]
+        return [*self._files, ArchiveEntry(in_logs(AGENT_INPUT), self._input, 0o644)]
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
         result = session.bash(
-            f"{VENV_PYTHON} -m harbor_exec.runner agent > /logs/agent/runner.txt 2>&1",
+            f"{VENV_PYTHON} -m harbor_exec.runner agent > {in_logs(RUNNER_OUTPUT)} 2>&1",
             user=session.task.config.agent.user,
             env=RUNNER_ENV,
             timeout_sec=timeout_sec,
@@ -299,7 +303,7 @@ def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -
         generated=[
             *bundle_files,
             ArchiveEntry("/tests/test.sh", GRADER_TEST_SH.encode(), 0o755),
-            ArchiveEntry("/tests/rollout.json", grader_input, 0o644),
+            ArchiveEntry(f"{TESTS_DIR}/{GRADER_INPUT}", grader_input, 0o644),
         ],
-        agent_files=["/logs/agent/sample.json"],
+        agent_files=[in_logs(AGENT_SAMPLE)],
     )

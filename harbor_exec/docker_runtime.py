@@ -40,7 +40,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, ParamSpec, TypeVar
 
@@ -70,6 +69,7 @@ from harbor_exec.runtime import (
     BuildResult,
     ContainerSpec,
     ExecResult,
+    ImageInfo,
     cut_marker,
 )
 from harbor_exec.tasks import default_cache_dir
@@ -245,15 +245,6 @@ class _Tail:
         if self.total <= self.cap:
             return bytes(self._kept)
         return cut_marker(self.total - self.cap, self.cap) + bytes(self._kept[-self.cap :])
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    """One image we made."""
-
-    tag: str
-    kind: str
-    size_bytes: int
 
 
 class DockerRuntime:
@@ -831,7 +822,6 @@ class DockerRuntime:
             self.remove(container["Id"])
         return len(containers)
 
-    @_engine_boundary
     @_engine_boundary
     def gpu_count(self) -> int:
         """How many GPUs the engine can hand to containers (0 when it has no GPU runtime

@@ -13,6 +13,7 @@ Two families live here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 class HarborExecError(Exception):
@@ -122,44 +123,59 @@ class CancelledError(TrialError):
     """The trial was cancelled (Ctrl-C, a rollout cancel or shutdown) before it finished."""
 
 
+Phase = Literal["environment", "agent", "verifier", "none"]
+
+
 @dataclass(frozen=True)
 class ErrorPolicy:
-    """Harbor's policy for an exception type: retry it, still grade, reward valid."""
+    """Everything that follows from an exception type, in one row.
+
+    Harbor's policy (retry it, still grade, reward valid), plus ours: the rollout
+    error category it maps to (``RolloutErrorCategory`` values) and the phase it
+    belongs to (a verifier-side error leaves the workflow's own result standing).
+    """
 
     should_retry: bool
     should_grade: bool
     has_valid_reward: bool
+    category: str = "agent_error"
+    phase: Phase = "agent"
 
 
-_RETRY_NO_GRADE = ErrorPolicy(should_retry=True, should_grade=False, has_valid_reward=False)
-_GRADE_INVALID = ErrorPolicy(should_retry=False, should_grade=True, has_valid_reward=False)
-_GRADE_VALID = ErrorPolicy(should_retry=False, should_grade=True, has_valid_reward=True)
-_NO_GRADE = ErrorPolicy(should_retry=False, should_grade=False, has_valid_reward=False)
-DEFAULT_POLICY = ErrorPolicy(should_retry=True, should_grade=True, has_valid_reward=True)
+def _policy(retry: bool, grade: bool, valid: bool, category: str, phase: Phase) -> ErrorPolicy:
+    return ErrorPolicy(retry, grade, valid, category, phase)
 
-# Harbor 0.26 models/trial/error_policy.py, by exception class name.
+
+DEFAULT_POLICY = _policy(True, True, True, "agent_error", "agent")
+
+# Harbor 0.26 models/trial/error_policy.py (retry, grade, valid reward), by exception
+# class name, with the rollout category and phase. Nothing else lists exception names.
 POLICIES: dict[str, ErrorPolicy] = {
-    "EnvironmentStartTimeoutError": _RETRY_NO_GRADE,
-    "EnvironmentStartError": _RETRY_NO_GRADE,
-    "AgentSetupTimeoutError": _RETRY_NO_GRADE,
-    "AgentSetupError": _RETRY_NO_GRADE,
-    "HealthcheckError": _RETRY_NO_GRADE,
-    "SandboxBuildFailedError": _RETRY_NO_GRADE,
-    "AddTestsDirError": _RETRY_NO_GRADE,
-    "DownloadVerifierDirError": _RETRY_NO_GRADE,
-    "VerifierTimeoutError": _GRADE_INVALID,
-    "RewardFileNotFoundError": _GRADE_INVALID,
-    "RewardFileEmptyError": _GRADE_INVALID,
-    "VerifierOutputParseError": _GRADE_INVALID,
-    "AgentTimeoutError": _GRADE_VALID,
-    "NonZeroAgentExitCodeError": _GRADE_VALID,
-    "CancelledError": _NO_GRADE,
-    # Ours: infrastructure faults; nothing in the container can be trusted to grade.
-    "EngineUnavailableError": _RETRY_NO_GRADE,
-    "GpuUnavailableError": _NO_GRADE,
+    "EnvironmentStartTimeoutError": _policy(True, False, False, "timeout", "environment"),
+    "EnvironmentStartError": _policy(True, False, False, "agent_error", "environment"),
+    "AgentSetupTimeoutError": _policy(True, False, False, "timeout", "agent"),
+    "AgentSetupError": _policy(True, False, False, "agent_error", "agent"),
+    "HealthcheckError": _policy(True, False, False, "agent_error", "environment"),
+    "SandboxBuildFailedError": _policy(True, False, False, "validation_error", "environment"),
+    "AddTestsDirError": _policy(True, False, False, "agent_error", "verifier"),
+    "DownloadVerifierDirError": _policy(True, False, False, "agent_error", "verifier"),
+    "VerifierTimeoutError": _policy(False, True, False, "timeout", "verifier"),
+    "RewardFileNotFoundError": _policy(False, True, False, "validation_error", "verifier"),
+    "RewardFileEmptyError": _policy(False, True, False, "validation_error", "verifier"),
+    "VerifierOutputParseError": _policy(False, True, False, "validation_error", "verifier"),
+    "AgentTimeoutError": _policy(False, True, True, "timeout", "agent"),
+    "NonZeroAgentExitCodeError": _policy(False, True, True, "agent_error", "agent"),
+    "CancelledError": _policy(False, False, False, "agent_error", "none"),
+    # Ours. Infrastructure faults: nothing in the container can be trusted to grade,
+    # and a trainer may retry them elsewhere.
+    "EngineUnavailableError": _policy(True, False, False, "internal_error", "none"),
+    # The task cannot run here as written (Harbor refuses these too).
+    "GpuUnavailableError": _policy(False, False, False, "validation_error", "environment"),
+    "FileNotFoundError": _policy(True, True, True, "validation_error", "agent"),
+    "TaskConfigError": _policy(False, False, False, "validation_error", "environment"),
 }
 
 
 def policy_for(exception_type: str) -> ErrorPolicy:
-    """Harbor's policy for ``exception_type``; unlisted types get Harbor's default."""
+    """The policy for ``exception_type``; unlisted types get Harbor's default."""
     return POLICIES.get(exception_type, DEFAULT_POLICY)

@@ -394,7 +394,7 @@ def run_job(
             with lock:
                 active.discard(trial)
         with lock:
-            built += int(trial.image_built)
+            built += trial.images_built
             results.append(result)
         emit(JobEvent("finished", task, attempt, result=result))
         return result

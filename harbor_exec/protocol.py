@@ -27,6 +27,7 @@ __all__ = [
     "MAX_ROLLOUT_ID_CHARS",
     "POLLING_LEASE_HEADER",
     "TERMINAL_STATUSES",
+    "BackendHealth",
     "CancelDisposition",
     "CancelRolloutsRequest",
     "CancelRolloutsResponse",
@@ -34,6 +35,8 @@ __all__ = [
     "ExecutionRequest",
     "ExecutionResult",
     "MessageDict",
+    "PrewarmSummary",
+    "QueueInfo",
     "RolloutErrorCategory",
     "RolloutInitRequest",
     "RolloutInitResponse",
@@ -291,6 +294,45 @@ class ExecutionOutcome(BaseModel):
         if self.grader is not None and self.grader.sample is not None:
             return self.grader
         return self.workflow
+
+
+# ---------------------------------------------------------------------------- backend contract
+
+
+class QueueInfo(BaseModel):
+    """``GET /queue``: None where the backend does not track it (the server fills in)."""
+
+    queued: int | None = None
+    running: int | None = None
+    capacity: int | None = None
+    max_queue_depth: int | None = None
+
+
+class BackendHealth(BaseModel):
+    """A backend's part of ``GET /health``. Backends add their own fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: str = "ok"
+    backend: str = "custom"
+
+
+class PrewarmSummary(BaseModel):
+    """What a prewarm did: counts, and the reason per failed task."""
+
+    total: int = 0
+    built: int = 0
+    cached: int = 0
+    failed: int = 0
+    failed_tasks: dict[str, str] = Field(default_factory=dict)
+    seconds: dict[str, float] = Field(default_factory=dict)  # per task
+
+    @property
+    def systemic(self) -> bool:
+        """All tasks failed, or more than half of several: the setup, not one task."""
+        return bool(self.failed) and (
+            self.failed >= self.total or (self.total > 1 and self.failed > self.total / 2)
+        )
 
 
 # ---------------------------------------------------------------------------- error categories

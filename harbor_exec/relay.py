@@ -290,6 +290,7 @@ class ModelRelay:
         limits: RelayLimits = RelayLimits(),
         transport: httpx.AsyncBaseTransport | None = None,
         totals: RelayTotals | None = RELAY_TOTALS,
+        token: str | None = None,
     ) -> None:
         """Only reads the configuration; ``start()`` creates ``directory`` and binds.
 
@@ -307,7 +308,8 @@ class ModelRelay:
         self.directory = Path(directory)
         self.socket_path: Path = self.directory / SOCKET_NAME
         self.limits = limits
-        self.token: str = secrets.token_urlsafe(32)
+        # Given when the rollout's input file was written before the relay was made.
+        self.token: str = token or secrets.token_urlsafe(32)
         self.usage = RelayUsage()
         self._api_key = api_key
         self._token_bytes = self.token.encode()

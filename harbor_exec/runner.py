@@ -89,7 +89,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from harbor_exec.authoring import (
     AgentWorkflow,
@@ -104,6 +104,24 @@ from harbor_exec.authoring import (
     coerce_workflow_output,
     resolve_import_path,
 )
+from harbor_exec.exchange import (
+    AGENT_INPUT,
+    AGENT_SAMPLE,
+    GRADER_ERROR,
+    GRADER_INPUT,
+    INPUT_VERSION,
+    MANIFEST_PATH,
+    REWARD_JSON,
+    SAMPLE_FIELDS,
+    VERIFIER_SAMPLE,
+    ErrorDetail,
+    ErrorFile,
+    RelayInput,
+    RolloutInput,
+    SampleFile,
+)
+from harbor_exec.protocol import categorize_exception
+from harbor_exec.redaction import redact
 
 __all__ = [
     "EXIT_FAILED",
@@ -123,15 +141,11 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_SETUP = 2
 
-DEFAULT_MANIFEST = "/opt/harbor-exec/manifest.json"
+DEFAULT_MANIFEST = MANIFEST_PATH
 MANIFEST_ENV = "HARBOR_EXEC_MANIFEST"
 LOGS_DIR_ENV = "HARBOR_EXEC_LOGS_DIR"
 TESTS_DIR_ENV = "HARBOR_EXEC_TESTS_DIR"
 
-INPUT_VERSION = 1
-SAMPLE_FIELDS = ("messages", "reward", "remove_sample", "metrics", "extra_fields")
-# Shorter keys would redact ordinary text (the host scrubs too); the SDK uses 8.
-_MIN_SECRET_LEN = 8
 _TRACEBACK_LINES = 60
 
 
@@ -146,49 +160,6 @@ class ManifestRefs(BaseModel):
     grader_config: str | None = None
 
 
-class RelayInput(BaseModel):
-    """``rollout.json``'s ``relay``: the model relay's socket in the container and URL path."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    socket: str
-    path: str = ""
-
-    @field_validator("path")
-    @classmethod
-    def _origin_path(cls, value: str) -> str:
-        if value and not value.startswith("/"):
-            raise ValueError(f"relay.path must be empty or start with '/': {value!r}")
-        return value.rstrip("/")
-
-
-class RolloutInput(BaseModel):
-    """``rollout.json``: the agent's copy has no label; the grader's has it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    version: int = INPUT_VERSION
-    rollout_id: str
-    prompt: list[dict[str, Any]]
-    label: str | None = None
-    metadata: dict[str, Any] | None = None
-    chat_completions_url: str = ""
-    api_key: str | None = None
-    relay: RelayInput | None = None
-
-
-class SampleFile(BaseModel):
-    """``sample.json`` in its success form."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    messages: list[dict[str, Any]]
-    reward: float | None = None
-    remove_sample: bool = False
-    metrics: dict[str, Any] = {}
-    extra_fields: dict[str, Any] = {}
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerPaths:
     """Every file the runner touches, derived from three roots."""
@@ -199,27 +170,27 @@ class RunnerPaths:
 
     @property
     def agent_input(self) -> Path:
-        return self.logs_dir / "agent" / "rollout.json"
+        return self.logs_dir / AGENT_INPUT
 
     @property
     def agent_sample(self) -> Path:
-        return self.logs_dir / "agent" / "sample.json"
+        return self.logs_dir / AGENT_SAMPLE
 
     @property
     def grader_input(self) -> Path:
-        return self.tests_dir / "rollout.json"
+        return self.tests_dir / GRADER_INPUT
 
     @property
     def reward(self) -> Path:
-        return self.logs_dir / "verifier" / "reward.json"
+        return self.logs_dir / REWARD_JSON
 
     @property
     def verifier_sample(self) -> Path:
-        return self.logs_dir / "verifier" / "sample.json"
+        return self.logs_dir / VERIFIER_SAMPLE
 
     @property
     def grader_error(self) -> Path:
-        return self.logs_dir / "verifier" / "grader_error.json"
+        return self.logs_dir / GRADER_ERROR
 
     @property
     def artifacts_dir(self) -> Path:
@@ -235,28 +206,6 @@ class _Terminated(BaseException):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def categorize(exc: BaseException) -> RolloutErrorCategory:
-    """The SDK's ``categorize_exception`` (the runner may not import the protocol module)."""
-    if isinstance(exc, TimeoutError):
-        return RolloutErrorCategory.TIMEOUT
-    if isinstance(exc, ValueError | TypeError | AssertionError):
-        return RolloutErrorCategory.VALIDATION_ERROR
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    if names & {
-        "SandboxConnectionException",
-        "SandboxRateLimitException",
-        "PoolStateStoreUnavailableException",
-    }:
-        return RolloutErrorCategory.HTTP_ERROR
-    return RolloutErrorCategory.AGENT_ERROR
-
-
-def _scrub(text: str, secret: str | None) -> str:
-    if secret and len(secret) >= _MIN_SECRET_LEN:
-        return text.replace(secret, "[REDACTED]")
-    return text
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -333,19 +282,18 @@ def _error_payload(exc: BaseException, phase: str, secret: str | None) -> dict[s
         kind, category = "Terminated", RolloutErrorCategory.AGENT_ERROR
         message = "the runner was terminated (SIGTERM) before it finished: deadline or cancel"
     else:
-        kind, category = type(exc).__name__, categorize(exc)
+        kind, category = type(exc).__name__, categorize_exception(exc)
         message = str(exc) or kind
     lines = traceback.format_exception(exc)
     trace = "".join(lines).splitlines()[-_TRACEBACK_LINES:]
-    return {
-        "error": {
-            "type": kind,
-            "message": _scrub(message, secret),
-            "category": str(category),
-            "phase": phase,
-            "traceback": _scrub("\n".join(trace), secret),
-        }
-    }
+    detail = ErrorDetail(
+        type=kind,
+        message=redact(message, [secret]),
+        category=str(category),
+        phase=phase,
+        traceback=redact("\n".join(trace), [secret]),
+    )
+    return ErrorFile(error=detail).model_dump(mode="json")
 
 
 def _sample_payload(sample: RolloutSample) -> dict[str, Any]:

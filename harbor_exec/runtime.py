@@ -84,8 +84,58 @@ class BuildResult:
     log_path: Path | None
 
 
+@dataclass(frozen=True)
+class ImageInfo:
+    """One image we made."""
+
+    tag: str
+    kind: str
+    size_bytes: int
+
+
 class ContainerRuntime(Protocol):
-    """What a trial needs from a container engine. Every method is blocking."""
+    """What trials and executors need from a container engine. Every method blocks.
+
+    Engine faults surface as ``EngineUnavailableError``; ``engine_available`` says
+    whether the engine answered last time (``ping`` asks again).
+    """
+
+    @property
+    def engine_available(self) -> bool: ...
+
+    @property
+    def engine_url(self) -> str: ...
+
+    @property
+    def builder(self) -> str:
+        """The image builder in use (``buildkit`` or ``legacy``)."""
+        ...
+
+    def ping(self) -> bool: ...
+
+    def pid_max(self) -> int:
+        """The engine host's ``kernel.pid_max``."""
+        ...
+
+    def engine_cpus(self) -> int: ...
+
+    def gpu_count(self) -> int:
+        """GPUs the engine can give containers (0: none; -1: some, count unknown)."""
+        ...
+
+    def list_images(self) -> list[ImageInfo]:
+        """Every image carrying our label."""
+        ...
+
+    def reap(self) -> list[str]:
+        """Retry owed removals and remove dead owners' containers; never raises."""
+        ...
+
+    def reap_orphans(self) -> list[str]: ...
+
+    def remove_owned(self) -> int:
+        """Remove every container this runtime's owner created; returns how many."""
+        ...
 
     def ensure_image(
         self,

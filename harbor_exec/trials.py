@@ -44,6 +44,7 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.deps import DepsLayer, ensure_deps_image
 from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
@@ -56,6 +57,7 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
+from harbor_exec.redaction import scrub_tree
 from harbor_exec.results import (
     AgentResult,
     ExceptionInfo,
@@ -158,6 +160,7 @@ class TrialRequest:
     rollout_id: str | None = None
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
+    deps: DepsLayer | None = None  # a bundle's dependency layer, built on top of the image
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
@@ -175,7 +178,7 @@ class Trial:
         self.request = request
         self.name = request.trial_name or new_trial_name(request.task.name)
         self.dir = request.trials_dir / self.name
-        self.image_built = False
+        self.images_built = 0  # task image and dependency layer built by this trial
         self._on_phase = on_phase
         self._cancelled = threading.Event()
         self._container_lock = threading.Lock()
@@ -361,7 +364,11 @@ class Trial:
         try:
             gpus = self._check_gpus()
             if request.image is None:
-                self.image, self.image_built = ensure_task_image(self.runtime, task)
+                self.image, built = ensure_task_image(self.runtime, task)
+                self.images_built += built
+            if request.deps is not None:
+                self.image, built = ensure_deps_image(self.runtime, self.image, request.deps)
+                self.images_built += built
             self._check_cancelled()
             container_id = self._create(
                 self._spec(self.image, env_config, kind="trial", mounts=request.mounts, gpus=gpus)
@@ -611,7 +618,7 @@ class Trial:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
         if self.request.secrets:
-            scrub_secrets(self.dir, self.request.secrets)
+            scrub_tree(self.dir, self.request.secrets)
 
 
 def _elapsed(since: datetime | None) -> float:
@@ -645,28 +652,6 @@ def _drop_excluded(root: Path, patterns: Sequence[str]) -> None:
             _remove_path(path)
 
 
-def scrub_secrets(root: Path, secrets: Sequence[str]) -> None:
-    """Replace every occurrence of each secret with ``[REDACTED]`` in files under ``root``.
-
-    A file that cannot be rewritten is deleted: a secret must never stay on disk.
-    """
-    needles = [s.encode() for s in secrets if s]
-    if not needles:
-        return
-    for path in root.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            data = path.read_bytes()
-            scrubbed = data
-            for needle in needles:
-                scrubbed = scrubbed.replace(needle, b"[REDACTED]")
-            if scrubbed != data:
-                path.write_bytes(scrubbed)
-        except OSError:
-            path.unlink(missing_ok=True)
-
-
 def run_trial(
     runtime: ContainerRuntime,
     request: TrialRequest,
@@ -684,5 +669,4 @@ __all__ = [
     "image_tag_for",
     "new_trial_name",
     "run_trial",
-    "scrub_secrets",
 ]

@@ -356,13 +356,13 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
         sum("prewarm py" in r.getMessage() and "built in" in r.getMessage() for r in caplog.records)
         == 3
     )
-    assert summary["failed"] == 0 and summary["built"] == 3, summary
+    assert summary.failed == 0 and summary.built == 3, summary
     assert backend.image_builds == 6  # three task images, three dependency layers
     assert most_deps > 1  # dependency layers no longer wait for one another
-    assert set(summary["seconds"]) == {"py0", "py1", "py2"}
-    assert backend.health()["image_builder"] == "buildkit"
+    assert set(summary.seconds) == {"py0", "py1", "py2"}
+    assert backend.health().image_builder == "buildkit"
     again = asyncio.run(backend.prewarm(jobs=3))
-    assert again["cached"] == 3 and backend.image_builds == 6
+    assert again.cached == 3 and backend.image_builds == 6
     for tag in reversed(made_images):  # dependency layers before the task images they use
         runtime.remove_image(tag)
     made_images.clear()

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.executor import LocalExecutor
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.runtime import LABEL_MANAGED
 from harbor_exec.server import create_rollout_server
@@ -141,9 +142,8 @@ def test_dockerd_restart_under_serve(own_daemon: OwnDaemon, tmp_path: Path) -> N
         agent="oracle",
         trials_dir=tmp_path / "trials",
         artifacts_dir=tmp_path / "artifacts",
-        runtime=runtime,
+        executor=LocalExecutor(runtime, reap_interval_sec=0.5),
     )
-    backend.reap_interval_sec = 0.5
     app = create_rollout_server(
         backend=backend, artifact_root=tmp_path / "artifacts", result_wait_timeout_sec=5.0
     )

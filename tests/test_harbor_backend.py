@@ -349,14 +349,15 @@ def test_bundle_build_failure_is_named_before_any_container(
             'requires = ["setuptools>=68"]\nbackend-path = ["nowhere"]',
         )
     )
+    backend = HarborBackend(
+        tasks_dir=grader_task,
+        agent=REFS["agent"],
+        grader=REFS["grader"],
+        code_dir=project,
+        trials_dir=tmp_path / "trials",
+    )
     with pytest.raises(BundleBuildError, match=r"pyproject\.toml|backend"):
-        HarborBackend(
-            tasks_dir=grader_task,
-            agent=REFS["agent"],
-            grader=REFS["grader"],
-            code_dir=project,
-            trials_dir=tmp_path / "trials",
-        )
+        backend.start()
 
 
 def _free_port() -> int:

@@ -109,7 +109,7 @@ async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
     local = backend(tmp_path, workflow_config=SINGLE_SLOT)
     first = asyncio.create_task(run(local, request("first", metadata={"sleep": 0.4})))
     await asyncio.sleep(0.05)
-    assert local.queue_info() == {
+    assert local.queue_info().model_dump() == {
         "queued": 0,
         "running": 1,
         "capacity": 1,
@@ -119,7 +119,7 @@ async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
         run(local, request("second", metadata={"sleep": 0.2}, agent_timeout_sec=0.5))
     )
     await asyncio.sleep(0.05)
-    assert local.health()["concurrency"] == {"max_concurrent": 1, "queued": 1, "running": 1}
+    assert local.health().concurrency == {"max_concurrent": 1, "queued": 1, "running": 1}
     (first_outcome, _), (second_outcome, second_seen) = await asyncio.gather(first, second)
     assert first_outcome.result.status is RolloutStatus.SUCCESS
     # ~0.35 s queued leaves ~0.15 s of the 0.5 s budget for a 0.2 s workflow.
@@ -233,9 +233,9 @@ async def test_artifacts_dir_is_made_on_first_use_or_is_none(tmp_path: Path) -> 
 
 
 async def test_concurrency_limits(tmp_path: Path) -> None:
-    assert backend(tmp_path).health()["concurrency"]["max_concurrent"] == DEFAULT_MAX_CONCURRENT
+    assert backend(tmp_path).health().concurrency["max_concurrent"] == DEFAULT_MAX_CONCURRENT
     unlimited = backend(tmp_path, workflow_config=UNLIMITED)
-    assert unlimited.queue_info()["capacity"] is None
+    assert unlimited.queue_info().capacity is None
     runs = [
         run(unlimited, request(f"u{i}", metadata={"sleep": 0.2}, agent_timeout_sec=5))
         for i in range(12)

@@ -472,7 +472,7 @@ def test_runner_on_python_311_with_only_the_wheelhouse(
             "-c",
             "import sys, harbor_exec, importlib.util as u; "
             "print(sys.version_info[:2], harbor_exec.__file__, "
-            "u.find_spec('harbor_exec.protocol'), u.find_spec('docker'))",
+            "u.find_spec('harbor_exec.trials'), u.find_spec('docker'))",
         ],
         env=env,
         cwd=tmp_path,

@@ -23,16 +23,21 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
+from harbor_exec.protocol import (
+    BackendHealth,
+    ExecutionOutcome,
+    ExecutionRequest,
+    PrewarmSummary,
+    QueueInfo,
+)
 
 __all__ = [
     "ARTIFACT_ROOT_ENV",
     "OSMOSIS_ARTIFACT_ROOT_ENV",
     "ExecutionBackend",
     "default_artifact_root",
-    "empty_prewarm_summary",
 ]
 
 
@@ -51,11 +56,6 @@ def default_artifact_root() -> Path:
     return Path.home() / ".harbor-exec" / "rollouts"
 
 
-def empty_prewarm_summary() -> dict[str, Any]:
-    """The summary of a prewarm with nothing to do."""
-    return {"total": 0, "built": 0, "cached": 0, "failed": 0, "failed_tasks": {}}
-
-
 class ExecutionBackend(ABC):
     """Runs rollouts for the server. Only ``execute`` is required."""
 
@@ -69,38 +69,33 @@ class ExecutionBackend(ABC):
         Read the chat URL and key from ``get_rollout_context()``. Raising is
         allowed: the server turns the exception into a ``failure`` with a
         category from ``categorize_exception``. Cancellation arrives as
-        ``asyncio.CancelledError`` (unless ``cancel_rollouts`` handles it).
+        ``asyncio.CancelledError`` (unless ``cancel`` handles it).
         """
+
+    def start(self) -> None:
+        """Do the slow set-up (build bundles, open engines); blocking and idempotent.
+
+        Constructors only read configuration; the server calls this (in a worker
+        thread) before it serves, and ``serve`` before it binds, so that set-up
+        errors stop start-up with their own message.
+        """
+        return None
 
     def has_capacity(self) -> bool:
         """Whether another rollout may be admitted now; False makes the server answer 429."""
         return True
 
-    def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
-        """Live or retained state of one rollout (``{"status": ...}``), None when unknown.
+    def cancel(self, rollout_id: str) -> bool:
+        """Stop a rollout this backend is running; True when it handles the stop itself
+        (``execute`` then returns a ``cancelled`` outcome). False (the default) makes
+        the server cancel the ``execute`` task instead. The server owns every
+        rollout's state: a backend only reports transitions through the rollout
+        context (``update_status``)."""
+        return False
 
-        The server reads it while cancelling, to tell finished work (keep
-        delivering its result) from work the backend has not seen yet.
-        """
-        return None
-
-    def cancel_rollouts(
-        self,
-        ids: Sequence[str] | None = None,
-        prefix: str | None = None,
-        all: bool = False,
-    ) -> dict[str, str]:
-        """Cancel matching in-flight rollouts; returns a disposition per id.
-
-        The default ``{}`` means "unsupported": the server then cancels the
-        ``execute`` task itself. A backend answering ``not_found`` for finished
-        work must keep its terminal ``rollout_status`` until ``execute`` returns.
-        """
-        return {}
-
-    def health(self) -> dict[str, Any]:
-        """Backend part of ``GET /health``."""
-        return {"status": "ok"}
+    def health(self) -> BackendHealth:
+        """Backend part of ``GET /health``; must not raise."""
+        return BackendHealth()
 
     def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:
         """A restarted server found these rollouts unfinished (they now end as
@@ -115,21 +110,14 @@ class ExecutionBackend(ABC):
         """
         return None
 
-    def queue_info(self) -> dict[str, Any]:
-        """Backend part of ``GET /queue``: queued, running, capacity, max_queue_depth.
+    def queue_info(self) -> QueueInfo:
+        """Backend part of ``GET /queue``; None fields are filled from the server's registry."""
+        return QueueInfo()
 
-        None means "not tracked here"; the server then fills ``queued`` and
-        ``running`` from its own registry.
-        """
-        return {"queued": None, "running": None, "capacity": None, "max_queue_depth": None}
-
-    async def prewarm(self, task_ids: list[str] | None) -> dict[str, Any]:
+    async def prewarm(self, task_ids: list[str] | None) -> PrewarmSummary:
         """Make the given tasks (None: all of them) ready to start fast; returns a summary.
-
-        Summary keys: ``total``, ``built``, ``cached``, ``failed`` and
-        ``failed_tasks`` (task id -> reason). The default has nothing to do.
-        """
-        return empty_prewarm_summary()
+        The default has nothing to do."""
+        return PrewarmSummary()
 
     async def shutdown(self) -> None:
         """Release resources; called once, after admissions stopped and in-flight work drained."""

@@ -34,9 +34,11 @@ from harbor_exec.authoring import (
 )
 from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
+    BackendHealth,
     ExecutionOutcome,
     ExecutionRequest,
     ExecutionResult,
+    QueueInfo,
     categorize_exception,
     rollout_dir_name,
 )
@@ -85,6 +87,13 @@ class _Limiter:
         self.running -= 1
         if self._semaphore is not None:
             self._semaphore.release()
+
+
+class LocalHealth(BackendHealth):
+    """``LocalBackend``'s part of ``GET /health``."""
+
+    backend: str = "local"
+    concurrency: dict[str, int | None] = {}
 
 
 class LocalBackend(ExecutionBackend):
@@ -140,24 +149,21 @@ class LocalBackend(ExecutionBackend):
 
     # ------------------------------------------------------------------ reporting
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "backend": "local",
-            "concurrency": {
+    def health(self) -> LocalHealth:
+        return LocalHealth(
+            concurrency={
                 "max_concurrent": self._limiter.max_concurrent,
                 "queued": self._limiter.queued,
                 "running": self._limiter.running,
             },
-        }
+        )
 
-    def queue_info(self) -> dict[str, Any]:
-        return {
-            "queued": self._limiter.queued,
-            "running": self._limiter.running,
-            "capacity": self._limiter.max_concurrent,
-            "max_queue_depth": None,
-        }
+    def queue_info(self) -> QueueInfo:
+        return QueueInfo(
+            queued=self._limiter.queued,
+            running=self._limiter.running,
+            capacity=self._limiter.max_concurrent,
+        )
 
     # ------------------------------------------------------------------ execution
 

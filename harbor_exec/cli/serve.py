@@ -73,7 +73,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
     if options.task_mode not in ("template", "dataset"):
         raise typer.BadParameter("--task-mode must be 'template' or 'dataset'")
     try:
-        return HarborBackend(
+        backend = HarborBackend(
             tasks_dir=options.tasks_dir or Path("."),
             task_mode="dataset" if options.task_mode == "dataset" else "template",
             agent=options.agent or "oracle",
@@ -92,6 +92,9 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             default_memory_mb=options.default_memory_mb,
             output_limits=OutputLimits(max_file_bytes=options.max_log_bytes),
         )
+        # Build the bundle and open the engine now: their errors end `serve` before it binds.
+        backend.start()
+        return backend
     except BundleError as exc:
         typer.echo(f"error: the workflow bundle cannot be built: {exc}", err=True)
         raise typer.Exit(1) from None

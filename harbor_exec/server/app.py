@@ -27,6 +27,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import PlainTextResponse, Response
@@ -35,7 +37,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
-    CANCEL_DISPOSITIONS,
     DEFAULT_MAX_TIMEOUT_SEC,
     POLLING_LEASE_HEADER,
     TERMINAL_STATUSES,
@@ -421,22 +422,14 @@ class RolloutService:
             if entry.status is RolloutStatus.QUEUED
             else CancelDisposition.CANCELLED_RUNNING
         )
-        rollout_id = entry.rollout_id
         try:
-            answer = self.backend.cancel_rollouts(ids=[rollout_id]).get(rollout_id)
-            if answer == CancelDisposition.NOT_FOUND:
-                # The backend may not have seen it yet; only a terminal state there
-                # means "finished, keep delivering".
-                state = self.backend.rollout_status(rollout_id)
-                if state is None or state.get("status") not in TERMINAL_STATUSES:
-                    answer = None
+            handled = self.backend.cancel(entry.rollout_id)
         except Exception:
-            logger.exception("rollout %s: backend cancellation failed", rollout_id)
-            answer = None
-        if answer in CANCEL_DISPOSITIONS:
-            return str(answer)
+            logger.exception("rollout %s: backend cancellation failed", entry.rollout_id)
+            handled = False
         task = entry.task
-        if task is not None and not task.done() and task is not asyncio.current_task():
+        live = task is not None and not task.done() and task is not asyncio.current_task()
+        if not handled and live and task is not None:
             task.cancel()
         return disposition
 
@@ -447,15 +440,13 @@ class RolloutService:
         return {"accepting_rollouts": accepting, "active_rollouts": len(self.tasks)}
 
     def queue_info(self) -> dict[str, Any]:
-        info = dict(self.backend.queue_info())
+        info = self.backend.queue_info()
         counts = self.registry.live_counts
-        if info.get("queued") is None:
-            info["queued"] = counts[RolloutStatus.QUEUED]
-        if info.get("running") is None:
-            info["running"] = counts[RolloutStatus.RUNNING] + counts[RolloutStatus.GRADING]
-        info.setdefault("capacity", None)
-        info.setdefault("max_queue_depth", None)
-        return info
+        if info.queued is None:
+            info.queued = counts[RolloutStatus.QUEUED]
+        if info.running is None:
+            info.running = counts[RolloutStatus.RUNNING] + counts[RolloutStatus.GRADING]
+        return info.model_dump()
 
     def render_metrics(self) -> str:
         self.metrics.trajectories_dropped = self.writer.dropped
@@ -709,6 +700,7 @@ def create_rollout_server(
     @asynccontextmanager
     async def app_lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            await anyio.to_thread.run_sync(backend.start)
             service.restore()
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
@@ -725,7 +717,7 @@ def create_rollout_server(
     @app.get("/health", **docs["health"])
     async def health() -> Response:
         try:
-            payload = dict(backend.health())
+            payload = backend.health().model_dump(mode="json")
         except Exception as exc:
             # /health answers 200 whatever the backend's state: it is how operators
             # and harnesses learn that state.
@@ -862,7 +854,7 @@ def create_rollout_server(
         except Exception as exc:
             logger.exception("prewarm failed")
             return _detail(500, f"prewarm failed: {type(exc).__name__}: {exc}")
-        return _json(200, summary)
+        return _json(200, summary.model_dump())
 
     @app.get("/metrics", response_class=PlainTextResponse, **docs["metrics"])
     async def metrics() -> Response:

@@ -24,6 +24,7 @@ from typing import Any, Final
 from harbor_exec import __version__
 from harbor_exec.authoring import RolloutSample
 from harbor_exec.protocol import rollout_dir_name
+from harbor_exec.redaction import REDACTED, needles, redact
 
 __all__ = [
     "REDACTED",
@@ -35,10 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REDACTED: Final = "[REDACTED]"
-# Shorter "secrets" are not worth scrubbing out of every string (and would
-# mangle ordinary text).
-_MIN_SECRET_LEN: Final = 4
 _SECRET_WORDS = r"(?:api_?key|authorization|credentials?|password|secret|token)"
 _SECRET_KEY = re.compile(rf"(?:^|_){_SECRET_WORDS}$", re.IGNORECASE)
 # A cheap pre-filter on lower-cased encoded text: could any object key be a
@@ -52,14 +49,11 @@ _TOOL_ROLES: Final = frozenset({"tool", "function"})
 def redact_secrets(value: Any, secrets: Iterable[str]) -> Any:
     """Copy ``value`` with each secret string replaced, and values under secret-looking
     keys (``api_key``, ``authorization``, ``*_token``, ...) redacted."""
-    needles = sorted({s for s in secrets if s and len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
+    secrets = needles(secrets)
 
     def scrub(item: Any) -> Any:
         if isinstance(item, str):
-            for needle in needles:
-                if needle in item:
-                    item = item.replace(needle, REDACTED)
-            return item
+            return redact(item, secrets)
         if isinstance(item, Mapping):
             return {
                 key: (
@@ -150,11 +144,8 @@ def encode_redacted(document: Any, secrets: Iterable[str]) -> bytes:
     text = _dumps(document)
     if _SECRET_KEY_HINT.search(text.lower()):
         text = _dumps(redact_secrets(document, secrets))
-    for secret in secrets:
-        if secret and len(secret) >= _MIN_SECRET_LEN:
-            escaped = json.dumps(secret)[1:-1]  # as it appears in the encoded text
-            if escaped in text:
-                text = text.replace(escaped, REDACTED)
+    # Each secret as it appears in the encoded text.
+    text = redact(text, [json.dumps(secret)[1:-1] for secret in needles(secrets)])
     return text.encode()
 
 

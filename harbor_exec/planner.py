@@ -1,0 +1,227 @@
+"""What one rollout runs: task + request -> ``TrialRequest`` (+ model endpoint).
+
+The agent is the ``oracle`` or a bundled ``AgentWorkflow`` (``prepare_bundle``
+turns a workflow reference into the files a trial places and the dependency
+layer its image needs). The verifier is the task's own ``tests/test.sh`` when it
+has one, otherwise the bundled grader through a generated ``test.sh``. The
+workflow's ``rollout.json`` carries a relay token and the relay's container
+socket, never the trainer's key; the grader's copy carries the label.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import secrets
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, WorkflowAgent, grader_verifier
+from harbor_exec.authoring import RolloutContext
+from harbor_exec.deps import DepsLayer
+from harbor_exec.exchange import (
+    GRADER_INPUT,
+    MANIFEST_PATH,
+    RELAY_SOCKET,
+    TESTS_DIR,
+    USER_CODE_DIR,
+    RelayInput,
+    RolloutInput,
+)
+from harbor_exec.executor import ModelEndpoint
+from harbor_exec.outcomes import OutcomeSpec
+from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
+from harbor_exec.resolver import ResolvedTask, RolloutRejected
+from harbor_exec.runtime import ArchiveEntry
+from harbor_exec.trials import SandboxPolicy, TrialRequest
+
+
+@dataclass(frozen=True)
+class PreparedBundle:
+    """A built workflow bundle as trials use it."""
+
+    name: str  # the workflow reference, reported as the agent's name
+    version: str
+    files: list[ArchiveEntry]  # the manifest and the unpacked wheel
+    deps: DepsLayer
+    has_grader: bool
+
+
+def prepare_bundle(
+    agent: str | type,
+    *,
+    workflow_config: Any = None,
+    grader: Any = None,
+    grader_config: Any = None,
+    code_dir: str | Path | None = None,
+    bundle: Any = None,
+) -> PreparedBundle:
+    """Build (or reuse) the bundle of ``agent`` and read what trials need from it."""
+    from bundler import build_bundle  # the bundler extra: workflows only
+
+    workflow_ref = _ref_for(agent, what="agent")
+    assert workflow_ref is not None
+    if bundle is None:
+        project = Path(code_dir) if code_dir else _project_dir_of(workflow_ref)
+        bundle = build_bundle(
+            project,
+            workflow=workflow_ref,
+            grader=_ref_for(grader, what="grader"),
+            workflow_config=_ref_for(workflow_config, what="workflow_config"),
+            grader_config=_ref_for(grader_config, what="grader_config"),
+        )
+    files = [ArchiveEntry(MANIFEST_PATH, bundle.manifest_path.read_bytes(), 0o644)]
+    with zipfile.ZipFile(bundle.wheel) as wheel:
+        for info in wheel.infolist():
+            if info.is_dir() or ".dist-info/" in info.filename:
+                continue
+            files.append(ArchiveEntry(f"{USER_CODE_DIR}/{info.filename}", wheel.read(info)))
+    return PreparedBundle(
+        name=workflow_ref,
+        version=bundle.digest[:12],
+        files=files,
+        deps=DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest),
+        has_grader=bundle.manifest.grader is not None,
+    )
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One rollout, ready for an executor."""
+
+    task_id: str
+    trial: TrialRequest
+    model: ModelEndpoint | None
+    outcome: OutcomeSpec
+
+
+class TrialPlanner:
+    """Plans rollouts for one agent (oracle or bundle) under one sandbox policy."""
+
+    def __init__(
+        self, *, bundle: PreparedBundle | None, policy: SandboxPolicy, trials_dir: Path
+    ) -> None:
+        self.bundle = bundle
+        self.policy = policy
+        self.trials_dir = trials_dir
+
+    def plan(
+        self, request: ExecutionRequest, resolved: ResolvedTask, context: RolloutContext | None
+    ) -> RolloutPlan:
+        task, task_id = resolved.task, resolved.task_id
+        bundle = self.bundle
+        verify = request.grade
+        if verify and not task.has_tests and (bundle is None or not bundle.has_grader):
+            raise RolloutRejected(
+                f"grade=true but task {task_id!r} has no tests/test.sh and no grader is configured"
+            )
+        prompt = request.prompt or [{"role": "user", "content": task.instruction}]
+        rollout_input = RolloutInput(
+            rollout_id=request.id, prompt=prompt, metadata=request.metadata
+        )
+        # The verifier's copy carries the label and never the key. A task's own
+        # tests may read it too (template tasks check answers against the label).
+        grader_input = rollout_input.model_copy(update={"label": request.label})
+        grader_bytes = grader_input.model_dump_json().encode()
+        verifier: TestsVerifier | None = None
+        if verify and task.has_tests:
+            tests_input = ArchiveEntry(f"{TESTS_DIR}/{GRADER_INPUT}", grader_bytes, 0o644)
+            verifier = TestsVerifier(task.tests_dir, generated=[tests_input])
+        elif verify:
+            assert bundle is not None
+            verifier = grader_verifier(grader_bytes, bundle.files)
+        agent: Agent
+        model: ModelEndpoint | None = None
+        secret_values: list[str] = []
+        if bundle is None:
+            agent = OracleAgent()
+        else:
+            model = _model_endpoint(context)
+            secret_values = [model.api_key] if model.api_key else []
+            # The workflow sees the relay's token as its key and a loopback URL that the
+            # runner opens onto the mounted relay socket.
+            relay = RelayInput(socket=RELAY_SOCKET, path=urlsplit(model.url).path.rstrip("/"))
+            workflow_input = rollout_input.model_copy(
+                update={"api_key": model.token, "relay": relay}
+            )
+            agent = WorkflowAgent(
+                name=bundle.name,
+                version=bundle.version,
+                bundle_files=bundle.files,
+                rollout_input=workflow_input.model_dump_json().encode(),
+            )
+        trial = TrialRequest(
+            task=task,
+            trials_dir=self.trials_dir,
+            agent=agent,
+            verifier=verifier,
+            verify=verify,
+            trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
+            verifier_timeout_sec=request.grader_timeout_sec,
+            rollout_id=request.id,
+            secrets=secret_values,
+            policy=self.policy,
+            deps=bundle.deps if bundle is not None else None,
+        )
+        outcome = OutcomeSpec(
+            task_id=task_id,
+            is_oracle=bundle is None,
+            verify=verify,
+            agent_timeout_sec=request.agent_timeout_sec,
+        )
+        return RolloutPlan(task_id, trial, model, outcome)
+
+
+def _model_endpoint(context: RolloutContext | None) -> ModelEndpoint:
+    url = context.chat_completions_url if context else ""
+    if not url:
+        raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RolloutRejected("chat_completions_url must be an absolute http(s) URL")
+    return ModelEndpoint(
+        url=url,
+        api_key=context.api_key if context else None,
+        token=secrets.token_urlsafe(32),
+    )
+
+
+def _ref_for(obj: Any, *, what: str) -> str | None:
+    """``module:attr`` for a class, a ``module:attr`` string, or a module-level instance."""
+    if obj is None:
+        return None
+    if isinstance(obj, str):
+        if ":" not in obj:
+            raise ValueError(f"{what} must be 'module:attr'; got {obj!r}")
+        return obj
+    if isinstance(obj, type):
+        return f"{obj.__module__}:{obj.__qualname__}"
+    # A config instance: find the module-level name it is bound to.
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is obj:
+                return f"{module.__name__}:{name}"
+    raise ValueError(
+        f"{what}: pass a 'module:attr' string (the bundle imports it inside the container); "
+        f"{obj!r} is not a module-level object"
+    )
+
+
+def _project_dir_of(ref: str) -> Path:
+    """The first parent of ``ref``'s module file that has a ``pyproject.toml``."""
+    spec = importlib.util.find_spec(ref.split(":", 1)[0])
+    if spec is None or spec.origin is None:
+        raise ValueError(f"cannot find the module of {ref!r} on sys.path; pass code_dir=")
+    path = Path(spec.origin).resolve()
+    for parent in path.parents:
+        if (parent / "pyproject.toml").is_file():
+            return parent
+    raise ValueError(
+        f"cannot find the project of {ref!r} (no pyproject.toml above {path}); pass code_dir="
+    )
+
+
+__all__ = ["PreparedBundle", "RolloutPlan", "TrialPlanner", "prepare_bundle"]

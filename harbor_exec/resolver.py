@@ -1,0 +1,153 @@
+"""Which task a rollout runs: the only place that knows template vs dataset mode.
+
+* template mode: ``tasks_dir`` is one task; the request's prompt becomes its
+  instruction;
+* dataset mode: ``metadata.harbor_task_id`` names ``tasks_dir/<id>``, or
+  ``metadata.harbor_task`` a task path under a served root (``tasks_dir`` or an
+  operator's ``task_roots``, never a directory we write into). Every refusal of
+  a ``harbor_task`` is the same message, whether or not the path exists.
+
+Tasks are loaded (checked and snapshotted) once and again whenever their
+directory changes; ``${VAR}`` templates in a request-named task read only the
+operator's ``env_allow`` variables.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from harbor_exec.errors import DatasetError, TaskError
+from harbor_exec.protocol import ExecutionRequest
+from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id, task_fingerprint
+
+TaskMode = Literal["template", "dataset"]
+
+
+class RolloutRejected(ValueError):
+    """A request that cannot run; becomes a ``validation_error`` naming the field."""
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    task_id: str
+    task: Task
+
+
+class TaskResolver:
+    """Request -> task snapshot (see the module doc)."""
+
+    def __init__(
+        self,
+        tasks_dir: Path,
+        *,
+        task_mode: TaskMode = "template",
+        task_roots: Sequence[Path] = (),
+        written_roots: Sequence[Path] = (),
+        env_allow: Sequence[str] = (),
+        require_tests: bool = True,
+    ) -> None:
+        if task_mode not in ("template", "dataset"):
+            raise ValueError(f"task_mode must be 'template' or 'dataset'; got {task_mode!r}")
+        self.tasks_dir = tasks_dir.resolve()
+        self.task_mode: TaskMode = task_mode
+        self.task_roots = [self.tasks_dir, *(Path(r).resolve() for r in task_roots)]
+        self.written_roots = [Path(r).resolve() for r in written_roots]
+        self.env_allow = frozenset(env_allow)
+        self.require_tests = require_tests
+        self._loaded: dict[tuple[Path, bool], tuple[str, Task]] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, request: ExecutionRequest) -> ResolvedTask:
+        """The task ``request`` names; ``RolloutRejected`` when it names none we serve."""
+        try:
+            return self._resolve(request)
+        except TaskError as exc:
+            raise RolloutRejected(str(exc)) from None
+
+    def _resolve(self, request: ExecutionRequest) -> ResolvedTask:
+        metadata = request.metadata or {}
+        if self.task_mode == "template":
+            task = self.load(self.tasks_dir)
+            instruction = _instruction_from_prompt(request.prompt)
+            return ResolvedTask(self.tasks_dir.name, replace(task, instruction=instruction))
+        ref = metadata.get("harbor_task")
+        if ref is not None:
+            if not isinstance(ref, str) or not ref.startswith((".", "/", "~")):
+                raise RolloutRejected(
+                    f"metadata.harbor_task {ref!r}: only local task paths (starting with '/', "
+                    "'.' or '~') are supported"
+                )
+            return ResolvedTask(ref, self.load(self._served_path(ref), from_request=True))
+        task_id = metadata.get("harbor_task_id")
+        if task_id is None:
+            raise RolloutRejected(
+                "dataset mode needs metadata.harbor_task_id (a task directory under the "
+                "tasks dir) or metadata.harbor_task (a local task path)"
+            )
+        if not isinstance(task_id, str):
+            raise RolloutRejected(f"metadata.harbor_task_id must be a string; got {task_id!r}")
+        try:
+            path = task_dir_for_id(self.tasks_dir, task_id)
+        except DatasetError as exc:
+            raise RolloutRejected(f"metadata.{exc}") from None
+        if not path.is_dir():
+            raise RolloutRejected(
+                f"metadata.harbor_task_id {task_id!r}: no such task in {self.tasks_dir}"
+            )
+        return ResolvedTask(task_id, self.load(path))
+
+    def load(self, path: Path, *, from_request: bool = False) -> Task:
+        """The task at ``path``, loaded again (checked and snapshotted) whenever its
+        directory changed since the last load."""
+        fingerprint = task_fingerprint(path)
+        key = (path, from_request)
+        with self._lock:
+            cached = self._loaded.get(key)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+        task = load_task(
+            path,
+            require_tests=self.require_tests,
+            env_allow=self.env_allow if from_request else None,
+        )
+        with self._lock:
+            self._loaded[key] = (fingerprint, task)
+        return task
+
+    def _served_path(self, ref: str) -> Path:
+        refusal = RolloutRejected(f"harbor_task {ref!r} is not under a served task root")
+        if "\0" in ref:
+            raise refusal
+        path = Path(ref).expanduser()
+        path = (self.tasks_dir / path if not path.is_absolute() else path).resolve()
+        if any(path.is_relative_to(root) for root in self.written_roots):
+            raise refusal
+        if not any(path.is_relative_to(root) for root in self.task_roots) or not path.is_dir():
+            raise refusal
+        return path
+
+    def candidates(self, task_ids: list[str] | None) -> list[tuple[str, Path]]:
+        """``(task id, directory)`` of the tasks to prewarm (None: every task served)."""
+        if self.task_mode == "template":
+            return [(self.tasks_dir.name, self.tasks_dir)]
+        if task_ids is None:
+            found = discover_tasks(self.tasks_dir)
+            candidates = [(t.path.name, t.path) for t in found.tasks]
+            candidates += [(e.task, self.tasks_dir / e.task) for e in found.broken]
+            return candidates
+        return [(task_id, task_dir_for_id(self.tasks_dir, task_id)) for task_id in task_ids]
+
+
+def _instruction_from_prompt(prompt: Sequence[dict[str, Any]]) -> str:
+    texts = [m.get("content") for m in prompt if m.get("role") == "user"]
+    if texts and all(isinstance(t, str) for t in texts):
+        return "\n\n".join(str(t) for t in texts)
+    return json.dumps(list(prompt), indent=2)
+
+
+__all__ = ["ResolvedTask", "RolloutRejected", "TaskMode", "TaskResolver"]
