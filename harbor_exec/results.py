@@ -209,6 +209,8 @@ def _check_reward_size(path: Path) -> None:
         raise VerifierOutputParseError(
             f"{path} is {size} bytes; a reward file may hold at most {MAX_REWARD_FILE_BYTES}"
         )
+
+
 def _parse_int(text: str) -> int | float:
     # Past Python's int-conversion digit limit json.loads would raise before we
     # know the key; such a value is far beyond any float anyway, so make it inf
