@@ -24,7 +24,12 @@ import sysconfig
 import time
 from pathlib import Path
 
-from fake_chat import FakeChat
+import pytest
+
+from tests.fake_chat import FakeChat
+
+if sys.version_info < (3, 12):  # osmosis-ai 0.3.8 requires Python >= 3.12
+    pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 VENV_BIN = Path(sys.executable).parent
