@@ -158,7 +158,8 @@ class OracleAgent:
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
         if not session.task.solve_script.is_file():
             # Harbor's oracle raises exactly this (recorded as FileNotFoundError),
-            # instead of letting bash fail with exit 127.
+            # instead of letting bash fail with exit 127. It names the task's own file,
+            # not the snapshot we checked.
             missing = session.task.path / "solution" / "solve.sh"
             raise FileNotFoundError(f"Solution script not found: {missing}")
         config = session.task.config

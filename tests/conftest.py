@@ -54,7 +54,12 @@ def leftovers() -> list[str]:
     except Exception:
         return []
     label = {"label": f"{LABEL_MANAGED}=true"}
-    found = [f"container {c.name}" for c in client.containers.list(all=True, filters=label)]
+    # The low-level list (one call): the high-level one inspects each container and
+    # fails when a concurrent test session removes one in between.
+    found = [
+        f"container {(c.get('Names') or [c['Id']])[0].lstrip('/')}"
+        for c in client.api.containers(all=True, filters=label)
+    ]
     found += [f"network {n.name}" for n in client.networks.list(filters=label)]
     found += [f"volume {v.name}" for v in client.volumes.list(filters=label)]
     client.close()

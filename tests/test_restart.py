@@ -4,6 +4,7 @@ with the old lease token and the running one ends as ``internal_error``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -16,24 +17,32 @@ from typing import Any
 import httpx
 import pytest
 
+from harbor_exec.runtime import LABEL_MANAGED, LABEL_ROLLOUT
 from harbor_exec.server.store import RESTARTED_MESSAGE, DataDirLockedError, RolloutStore
 from tests.server_utils import CHAT_URL, PROMPT, free_port, local_app, serve, wait_until
+from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE = "X-Osmosis-Rollout-Lease"
 
 
-def start(data_dir: Path, artifacts: Path, port: int) -> subprocess.Popen[bytes]:
+LOCAL_BACKEND = (
+    "--workflow", "tests.server_utils:ScriptedWorkflow",
+    "--grader", "tests.server_utils:ExactMatchGrader",
+)  # fmt: skip
+
+
+def start(
+    data_dir: Path, artifacts: Path, port: int, backend: tuple[str, ...] = LOCAL_BACKEND
+) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "harbor_exec.cli", "serve",
-        "--workflow", "tests.server_utils:ScriptedWorkflow",
-        "--grader", "tests.server_utils:ExactMatchGrader",
+        sys.executable, "-m", "harbor_exec.cli", "serve", *backend,
         "--port", str(port), "--data-dir", str(data_dir), "--artifact-root", str(artifacts),
     ]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(process.stderr.read().decode() if process.stderr else "")
@@ -48,6 +57,7 @@ def start(data_dir: Path, artifacts: Path, port: int) -> subprocess.Popen[bytes]
 
 
 def submit(url: str, rollout_id: str, **metadata: Any) -> str:
+    """Admits a rollout and returns its lease token."""
     response = httpx.post(
         f"{url}/rollout",
         json={
@@ -140,3 +150,87 @@ def test_retention_applies_across_restarts(tmp_path: Path) -> None:
     time.sleep(1.2)
     with serve(local_app(tmp_path, data_dir=tmp_path / "data", result_retention_sec=1.0)) as url:
         assert result(url, "short-lived", token).status_code == 404
+
+
+@pytest.mark.docker
+def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
+    tmp_path: Path, base_images: dict[str, str]
+) -> None:
+    """The same with HarborBackend: after the restart the running rollout's container
+    (its owner is dead) is reaped and its trial directory is gone or a failed trial."""
+    import docker
+
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "quick")
+    make_task(tasks, "sleepy", solve="sleep 120", toml="[agent]\ntimeout_sec = 300.0\n")
+    data, artifacts, trials = tmp_path / "data", tmp_path / "artifacts", tmp_path / "trials"
+    backend = (
+        "--tasks-dir", str(tasks), "--task-mode", "dataset", "--agent", "oracle",
+        "--trials-dir", str(trials),
+    )  # fmt: skip
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    client = docker.from_env()
+
+    def containers(rollout_id: str) -> list[Any]:
+        labels = [f"{LABEL_MANAGED}=true", f"{LABEL_ROLLOUT}={rollout_id}"]
+        return list(client.containers.list(all=True, filters={"label": labels}))
+
+    def trial_dirs(rollout_id: str) -> list[Path]:
+        return sorted(trials.glob(f"{rollout_id}__*"))
+
+    first = start(data, artifacts, port, backend)
+    try:
+        done_token = submit(url, "hx-done-1", harbor_task_id="quick")
+        assert wait_until(
+            lambda: result(url, "hx-done-1", done_token).json()["status"] == "success",
+            timeout=120,
+        ), result(url, "hx-done-1", done_token).text
+        running_token = submit(url, "hx-running-1", harbor_task_id="sleepy")
+        assert wait_until(
+            lambda: (
+                httpx.get(f"{url}/rollout/hx-running-1/status").json()["status"] == "running"
+                and any(c.status == "running" for c in containers("hx-running-1"))
+            ),
+            timeout=120,
+        ), "the sleepy trial never started its container"
+        time.sleep(1.0)  # in its agent phase, and past one write batch
+        assert len(trial_dirs("hx-running-1")) == 1
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+    # Nobody removed the killed server's container: it is an orphan now.
+    assert containers("hx-running-1"), "the running trial's container vanished with its server"
+
+    second = start(data, artifacts, port, backend)
+    try:
+        finished = result(url, "hx-done-1", done_token)
+        assert finished.status_code == 200, finished.text
+        body = finished.json()
+        assert body["status"] == "success" and body["sample"]["reward"] == 1.0
+        lost = result(url, "hx-running-1", running_token)
+        assert lost.status_code == 200, lost.text
+        assert lost.json()["status"] == "failure"
+        assert lost.json()["err_category"] == "internal_error"
+        assert lost.json()["err_message"] == RESTARTED_MESSAGE
+        status = httpx.get(f"{url}/rollout/hx-running-1/status").json()
+        assert (status["status"], status["err_category"]) == ("failure", "internal_error")
+        # The reaper removed the dead owner's container.
+        assert wait_until(lambda: containers("hx-running-1") == [], timeout=15), [
+            c.name for c in containers("hx-running-1")
+        ]
+        # The interrupted trial's directory is gone, or kept only as a failed trial.
+        for trial in trial_dirs("hx-running-1"):
+            outcome = json.loads((trial / "result.json").read_text())
+            assert outcome["exception_info"] is not None, outcome
+            assert outcome["verifier_result"] is None, outcome
+        # The finished one's artifacts stay (its successful trial directory is dropped,
+        # as always); the interrupted one never got any.
+        assert (artifacts / "hx-done-1" / "trajectory.json").is_file()
+        assert trial_dirs("hx-done-1") == []
+        assert not (artifacts / "hx-running-1").exists()
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=60)
+    assert containers("hx-running-1") == [] and containers("hx-done-1") == []
+    client.close()
