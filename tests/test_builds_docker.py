@@ -311,6 +311,7 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
 ) -> None:
     from bundler import build_bundle
     from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.executor import LocalExecutor
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 
     bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)
@@ -329,7 +330,8 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
         trials_dir=tmp_path / "trials",
         artifacts_dir=tmp_path / "artifacts",
     )
-    runtime = backend.runtime
+    assert isinstance(backend.executor, LocalExecutor)
+    runtime = backend.executor.runtime
     assert isinstance(runtime, DockerRuntime)
     active = 0
     most_deps = 0

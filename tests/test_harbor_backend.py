@@ -20,6 +20,7 @@ from bundler.errors import BundleBuildError
 from harbor_exec.backends.harbor import HarborBackend
 from harbor_exec.client import RolloutClient
 from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.executor import LocalExecutor
 from harbor_exec.runtime import LABEL_ROLLOUT
 from harbor_exec.server.app import create_rollout_server
 from tests.fake_chat import FakeChat
@@ -309,10 +310,12 @@ def test_prewarm_then_no_build(
     finally:
         from harbor_exec.trials import ensure_task_image
 
-        image, _ = ensure_task_image(backend.runtime, backend._load(grader_task.resolve()))
-        assert isinstance(backend.runtime, DockerRuntime)
-        backend.runtime.remove_image(backend._deps_image(image))
-        backend.runtime.remove_image(image)
+        assert isinstance(backend.executor, LocalExecutor) and backend.bundle is not None
+        runtime = backend.executor.runtime
+        assert isinstance(runtime, DockerRuntime)
+        image, _ = ensure_task_image(runtime, backend.resolver.load(grader_task.resolve()))
+        runtime.remove_image(backend.bundle.deps.tag_for(image))
+        runtime.remove_image(image)
 
 
 def test_failed_prewarm_blocks_the_task(
@@ -323,7 +326,7 @@ def test_failed_prewarm_blocks_the_task(
     )
     backend = make_backend(tmp_path, bundle, grader_task)
     summary = asyncio.run(backend.prewarm())
-    assert summary["failed"] == 1
+    assert summary.failed == 1
     with serve(create_rollout_server(backend=backend, artifact_root=tmp_path / "sa")) as url:
         result = asyncio.run(one_rollout("ours", url, chat, label="42"))
     assert result.status == "failure" and "failed prewarm" in result.err_message
