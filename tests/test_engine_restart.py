@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from harbor_exec.backends.harbor import HarborBackend
-from harbor_exec.executor import LocalExecutor
 from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.executor import LocalExecutor
 from harbor_exec.runtime import LABEL_MANAGED
 from harbor_exec.server import create_rollout_server
 from tests.server_utils import serve, wait_until
