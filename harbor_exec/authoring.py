@@ -46,6 +46,7 @@ __all__ = [
     "get_rollout_context",
     "get_sample",
     "resolve_import_path",
+    "run_workflow_once",
     "set_sample_source",
     "set_status",
 ]
@@ -485,3 +486,34 @@ def resolve_import_path(ref: str) -> Any:
         except AttributeError:
             raise ImportError(f"{module_name!r} has no attribute {attr_path!r}") from None
     return obj
+
+
+async def run_workflow_once(
+    workflow: AgentWorkflow[Any],
+    context: AgentWorkflowContext[Any],
+    rollout: RolloutContext,
+    *,
+    label: str | None = None,
+) -> RolloutSample | None:
+    """Run one workflow instance inside ``rollout`` and return its one sample.
+
+    The sample is the returned messages (a list, or an ``AgentWorkflowOutput``
+    with its metrics), or, when ``run`` returns None, the registered sample
+    source's (no source is a ``ValueError``: a bug in the workflow). An output
+    with ``messages=None`` means "no sample", as in the reference: the rollout
+    succeeds without one, and grading it fails with "no sample to grade".
+    ``LocalBackend`` and the container runner both run workflows through this.
+    """
+    with rollout:
+        output = coerce_workflow_output(await workflow.run(context))
+        if output is None:
+            sample = await rollout.get_sample()
+            if sample is None:
+                raise ValueError(
+                    "the workflow returned None but registered no sample source; return "
+                    "the messages (or an AgentWorkflowOutput), or call set_sample_source()"
+                )
+            return sample
+        if output.messages is None:
+            return None
+        return RolloutSample(messages=output.messages, label=label, metrics=dict(output.metrics))

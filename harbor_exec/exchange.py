@@ -87,7 +87,7 @@ class SampleFile(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] | None  # None: the workflow produced no sample
     reward: float | None = None
     remove_sample: bool = False
     metrics: dict[str, Any] = {}

@@ -121,6 +121,8 @@ def _workflow_result(
     except ValidationError as exc:
         text = f"the workflow's agent/sample.json is not a sample: {exc.errors()[0]['msg']}"
         return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
+    if parsed.messages is None:  # the workflow produced no sample: a success without one
+        return _success(None, diagnostics), None
     sample = RolloutSample.model_validate(
         {**parsed.model_dump(), "label": request.label, "reward": None}
     )
@@ -215,7 +217,7 @@ def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
     }
 
 
-def _success(sample: RolloutSample, diagnostics: dict[str, Any]) -> ExecutionResult:
+def _success(sample: RolloutSample | None, diagnostics: dict[str, Any]) -> ExecutionResult:
     return ExecutionResult(status=RolloutStatus.SUCCESS, sample=sample, extra_fields=diagnostics)
 
 

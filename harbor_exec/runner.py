@@ -101,8 +101,8 @@ from harbor_exec.authoring import (
     RolloutContext,
     RolloutErrorCategory,
     RolloutSample,
-    coerce_workflow_output,
     resolve_import_path,
+    run_workflow_once,
 )
 from harbor_exec.exchange import (
     AGENT_INPUT,
@@ -296,7 +296,9 @@ def _error_payload(exc: BaseException, phase: str, secret: str | None) -> dict[s
     return ErrorFile(error=detail).model_dump(mode="json")
 
 
-def _sample_payload(sample: RolloutSample) -> dict[str, Any]:
+def _sample_payload(sample: RolloutSample | None) -> dict[str, Any]:
+    if sample is None:  # the workflow produced none: a success without a sample
+        return SampleFile(messages=None).model_dump(mode="json")
     safe = sample.json_safe_copy()
     return safe.model_dump(mode="json", include=set(SAMPLE_FIELDS))
 
@@ -432,7 +434,7 @@ class ForwarderThread:
 
 async def _run_workflow(
     workflow: AgentWorkflow[Any], context: AgentWorkflowContext[Any], rollout: RolloutInput
-) -> RolloutSample:
+) -> RolloutSample | None:
     forwarder: ForwarderThread | None = None
     chat_url = rollout.chat_completions_url
     if rollout.relay is not None:
@@ -440,38 +442,13 @@ async def _run_workflow(
         port = forwarder.start()
         chat_url = f"http://127.0.0.1:{port}{rollout.relay.path}"
     try:
-        return await _run_in_context(workflow, context, rollout, chat_url)
+        rollout_context = RolloutContext(
+            chat_completions_url=chat_url, api_key=rollout.api_key, rollout_id=rollout.rollout_id
+        )
+        return await run_workflow_once(workflow, context, rollout_context)
     finally:
         if forwarder is not None:
             forwarder.close()
-
-
-async def _run_in_context(
-    workflow: AgentWorkflow[Any],
-    context: AgentWorkflowContext[Any],
-    rollout: RolloutInput,
-    chat_url: str,
-) -> RolloutSample:
-    with RolloutContext(
-        chat_completions_url=chat_url,
-        api_key=rollout.api_key,
-        rollout_id=rollout.rollout_id,
-    ) as rollout_context:
-        output = coerce_workflow_output(await workflow.run(context))
-        if output is None:
-            sample = await rollout_context.get_sample()
-            if sample is None:
-                raise ValueError(
-                    "the workflow returned None but registered no sample source; return "
-                    "the messages (or an AgentWorkflowOutput), or call set_sample_source()"
-                )
-            return sample
-        if output.messages is None:
-            raise ValueError(
-                "the workflow returned an AgentWorkflowOutput with messages=None: "
-                "a rollout must produce one sample"
-            )
-        return RolloutSample(messages=output.messages, metrics=dict(output.metrics))
 
 
 def run_agent(paths: RunnerPaths) -> int:
@@ -532,6 +509,8 @@ def _load_agent_sample(path: Path, label: str | None) -> RolloutSample:
         parsed = SampleFile.model_validate(data)
     except ValidationError as exc:
         raise SetupError(f"agent sample {path} is invalid: {exc}") from exc
+    if parsed.messages is None:
+        raise SetupError("No sample to grade: the workflow produced none")
     return RolloutSample(
         messages=parsed.messages,
         label=label,

@@ -41,7 +41,8 @@ CUSTOM_FLOWS = """
     import asyncio
 
     from harbor_exec.authoring import (
-        AgentWorkflow, Grader, RolloutSample, SampleSource, get_rollout_context,
+        AgentWorkflow, AgentWorkflowOutput, Grader, RolloutSample, SampleSource,
+        get_rollout_context,
     )
 
     class Boom(AgentWorkflow):
@@ -63,6 +64,10 @@ CUSTOM_FLOWS = """
     class Nothing(AgentWorkflow):
         async def run(self, ctx):
             return None
+
+    class NoMessages(AgentWorkflow):
+        async def run(self, ctx):
+            return AgentWorkflowOutput(messages=None)
 
     class Sleeper(AgentWorkflow):
         async def run(self, ctx):
@@ -250,6 +255,19 @@ def test_sample_source_is_used_when_the_workflow_returns_none(
     sample = _read(custom.agent_sample)
     assert sample["messages"] == [{"role": "assistant", "content": "from the source"}]
     assert sample["metrics"] == {"turns": 1}
+
+
+def test_messages_none_is_a_success_without_a_sample(custom: Layout, chat: FakeChat) -> None:
+    """As in the reference (and LocalBackend, which runs the same function)."""
+    _manifest(custom, workflow="custom_flows:NoMessages", grader="custom_flows:SeesEverything")
+    custom.agent_input(chat, "anything")
+    done = custom.run("agent")
+    assert done.returncode == 0, done.stderr
+    assert _read(custom.agent_sample)["messages"] is None
+    custom.grader_input(chat, "anything", label="x")
+    graded = custom.run("grade")
+    assert graded.returncode != 0
+    assert "No sample to grade" in graded.stderr
 
 
 def test_no_sample_at_all_is_a_validation_error(custom: Layout, chat: FakeChat) -> None:

@@ -28,9 +28,9 @@ from harbor_exec.authoring import (
     RolloutErrorCategory,
     RolloutSample,
     RolloutStatus,
-    coerce_workflow_output,
     get_rollout_context,
     resolve_import_path,
+    run_workflow_once,
 )
 from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
@@ -235,19 +235,10 @@ class LocalBackend(ExecutionBackend):
         deadline = asyncio.timeout(budget)
         try:
             async with deadline:
-                with context:
-                    workflow = self.workflow_cls(config)
-                    output = coerce_workflow_output(await workflow.run(workflow_context))
-                    if output is None:
-                        sample = await context.get_sample()
-                    elif output.messages is None:
-                        sample = None
-                    else:
-                        sample = RolloutSample(
-                            messages=output.messages,
-                            label=request.label,
-                            metrics=dict(output.metrics),
-                        )
+                workflow = self.workflow_cls(config)
+                sample = await run_workflow_once(
+                    workflow, workflow_context, context, label=request.label
+                )
         except Exception as exc:
             logger.warning("rollout %s: workflow failed", request.id, exc_info=True)
             message = (
