@@ -38,7 +38,7 @@ REFS = {
     "grader_config": "arith_agent.workflow:grader_config",
 }
 
-pytestmark = pytest.mark.usefixtures("base_images")
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 if sys.version_info >= (3, 12):
     from osmosis_ai.rollout.client import RolloutClient as OsmosisClient

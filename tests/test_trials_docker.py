@@ -17,7 +17,7 @@ from harbor_exec.tasks import load_task
 from harbor_exec.trials import Trial, TrialRequest, run_trial
 from tests.task_factory import make_task
 
-pytestmark = pytest.mark.usefixtures("base_images")
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:

@@ -1,0 +1,247 @@
+"""``FakeRuntime``: an in-memory ``ContainerRuntime`` for fast trial tests.
+
+Like httpx's ``MockTransport``: trials, executors and ``HarborBackend`` run
+against it unchanged, in milliseconds. Containers are dicts of files; an exec
+is answered by a Python function chosen by what the command runs:
+
+* ``solve``: the oracle's ``solve.sh`` (gets the container, returns an exit code
+  or ``HANG``);
+* ``test``: the task's ``test.sh`` (same; the default writes reward 1).
+
+The archive calls really pack and unpack tars, so the trial's file handling
+(``/logs`` read back, a fresh ``/logs/verifier``, bounded extraction) is the
+real code. Knobs: ``fail_builds`` (tags whose build fails), ``engine_down``
+(every call raises ``EngineUnavailableError``).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import tarfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
+from harbor_exec.runtime import BuildResult, ContainerSpec, ExecResult, ImageInfo
+
+HANG = -999  # a behaviour's answer: run until the exec's deadline
+
+Behaviour = Callable[["FakeContainer"], int]
+
+
+@dataclass
+class FakeContainer:
+    spec: ContainerSpec
+    files: dict[str, bytes | None] = field(default_factory=dict)  # None: a directory
+    running: bool = False
+    removed: bool = False
+
+    def write(self, path: str, data: bytes | str) -> None:
+        self.files[path] = data.encode() if isinstance(data, str) else data
+
+    def read(self, path: str) -> bytes | None:
+        data = self.files.get(path)
+        return data if isinstance(data, bytes) else None
+
+    def remove_tree(self, path: str) -> None:
+        for name in [n for n in self.files if n == path or n.startswith(path + "/")]:
+            del self.files[name]
+
+
+def _default_test(container: FakeContainer) -> int:
+    container.write("/logs/verifier/reward.txt", "1\n")
+    return 0
+
+
+@dataclass
+class FakeRuntime:
+    """See the module doc. Records what it was asked to do."""
+
+    solve: Behaviour = lambda container: 0
+    test: Behaviour = _default_test
+    fail_builds: set[str] = field(default_factory=set)
+    engine_down: bool = False
+    images: set[str] = field(default_factory=set)
+    containers: dict[str, FakeContainer] = field(default_factory=dict)
+    builds: list[str] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    owner: str = "fake-owner"
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+
+    # ----------------------------------------------------------------- engine
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.engine_down:
+            raise EngineUnavailableError(self.engine_url, f"ConnectionError in {name}")
+
+    @property
+    def engine_available(self) -> bool:
+        return not self.engine_down
+
+    @property
+    def engine_url(self) -> str:
+        return "fake://engine"
+
+    @property
+    def builder(self) -> str:
+        return "fake"
+
+    def ping(self) -> bool:
+        return not self.engine_down
+
+    def pid_max(self) -> int:
+        return 32768
+
+    def engine_cpus(self) -> int:
+        return 2
+
+    def gpu_count(self) -> int:
+        return 0
+
+    def list_images(self) -> list[ImageInfo]:
+        return [ImageInfo(tag, "task-env", 0) for tag in sorted(self.images)]
+
+    def reap(self) -> list[str]:
+        return []
+
+    def reap_orphans(self) -> list[str]:
+        return []
+
+    def remove_owned(self) -> int:
+        live = [c for c in self.containers.values() if not c.removed]
+        for container in live:
+            container.removed = True
+        return len(live)
+
+    # ----------------------------------------------------------------- images
+
+    def ensure_image(
+        self,
+        *,
+        context_dir: Path,
+        tag: str,
+        timeout_sec: float,
+        labels: Mapping[str, str],
+        build_args: Mapping[str, str] | None = None,
+    ) -> BuildResult:
+        self._call("ensure_image")
+        if tag in self.images:
+            return BuildResult(tag, built=False, duration_sec=0.0, log_path=None)
+        if tag in self.fail_builds:
+            raise SandboxBuildFailedError(f"docker build of {context_dir} failed: exit code 42")
+        self.builds.append(tag)
+        self.images.add(tag)
+        return BuildResult(tag, built=True, duration_sec=0.0, log_path=None)
+
+    def image_exists(self, tag: str) -> bool:
+        return tag in self.images
+
+    def image_user(self, tag: str) -> str:
+        return ""
+
+    def image_labels(self, tag: str) -> Mapping[str, str]:
+        return {}
+
+    def ensure_present(self, image: str) -> None:
+        self.images.add(image)
+
+    # ----------------------------------------------------------------- containers
+
+    def create(self, spec: ContainerSpec) -> str:
+        self._call("create")
+        container_id = f"fake-{next(self._ids)}"
+        self.containers[container_id] = FakeContainer(spec)
+        return container_id
+
+    def start(self, container_id: str) -> None:
+        self._call("start")
+        self.containers[container_id].running = True
+
+    def put_archive(self, container_id: str, data: bytes) -> None:
+        self._call("put_archive")
+        _extract(self.containers[container_id], data)
+
+    def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
+        self._call("get_archive")
+        container = self.containers[container_id]
+        if path not in container.files:
+            return None
+        buffer = io.BytesIO()
+        base = PurePosixPath(path).parent
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for name in sorted(container.files):
+                if name != path and not name.startswith(path + "/"):
+                    continue
+                data = container.files[name]
+                info = tarfile.TarInfo(str(PurePosixPath(name).relative_to(base)))
+                if data is None:
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+                else:
+                    info.size, info.mode = len(data), 0o644
+                    tar.addfile(info, io.BytesIO(data))
+        payload = buffer.getvalue()
+        return iter([payload[i : i + 4096] for i in range(0, len(payload), 4096)])
+
+    def stop_processes(self, container_id: str) -> None:
+        self._call("stop_processes")
+
+    def exec(
+        self,
+        container_id: str,
+        command: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        workdir: str | None = None,
+        timeout_sec: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        self._call("exec")
+        container = self.containers[container_id]
+        script = command[-1]
+        if "tar -xf - -C /" in script and stdin is not None:
+            _extract(container, stdin)
+        if "/solution/solve.sh" in script:
+            if "/solution/solve.sh" not in container.files:
+                return ExecResult(127, b"", False, 0.0)
+            code = self.solve(container)
+            container.files.setdefault("/logs/agent/oracle.txt", b"")
+        elif "/tests/test.sh" in script:
+            code = self.test(container)
+            container.files.setdefault("/logs/verifier/test-stdout.txt", b"")
+        else:
+            code = 0
+        if code == HANG:
+            if timeout_sec is None:
+                raise AssertionError("a hanging exec without a deadline would never end")
+            time.sleep(min(timeout_sec, 0.01))
+            return ExecResult(None, b"", True, timeout_sec)
+        return ExecResult(code, b"", False, 0.0)
+
+    def remove(self, container_id: str) -> None:
+        self.calls.append("remove")
+        container = self.containers.get(container_id)
+        if container is not None:
+            container.removed = True
+            container.running = False
+
+
+def _extract(container: FakeContainer, data: bytes) -> None:
+    """Apply a tar at ``/`` as the engine does: a path whose type changes is replaced."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for member in tar:
+            path = "/" + member.name.lstrip("/")
+            existing = container.files.get(path, ...)
+            is_dir = member.isdir()
+            if existing is not ... and (existing is None) != is_dir:
+                container.remove_tree(path)
+            if is_dir:
+                container.files[path] = None
+            else:
+                source = tar.extractfile(member)
+                container.files[path] = source.read() if source is not None else b""

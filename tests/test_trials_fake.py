@@ -1,0 +1,216 @@
+"""Trial phases, error mapping and HarborBackend over ``FakeRuntime``: no Docker,
+milliseconds each. The Docker suites show what only Docker can."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.executor import LocalExecutor, TrialRun
+from harbor_exec.outcomes import OutcomeSpec, rollout_outcome
+from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
+from harbor_exec.results import TrialResult
+from harbor_exec.tasks import load_task
+from harbor_exec.trials import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
+from tests.task_factory import make_task
+
+
+def trial(
+    runtime: FakeRuntime, tmp_path: Path, *, toml: str | None = None, **policy: object
+) -> TrialResult:
+    task_dir = make_task(
+        tmp_path / "tasks", f"t{uuid.uuid4().hex[:6]}", **({"toml": toml} if toml else {})
+    )
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    if policy:
+        request.policy = SandboxPolicy(**policy)  # type: ignore[arg-type]
+    return run_trial(runtime, request)
+
+
+def rewards(result: TrialResult) -> object:
+    return result.verifier_result.rewards if result.verifier_result else None
+
+
+def test_phases_in_harbor_order(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def solve(container: FakeContainer) -> int:
+        seen.append("solve")
+        assert "/tests/test.sh" not in container.files  # tests arrive only after the agent
+        container.write("/logs/agent/oracle.txt", "solved\n")
+        return 0
+
+    runtime = FakeRuntime(solve=solve)
+    result = trial(runtime, tmp_path)
+    assert result.exception_info is None and rewards(result) == {"reward": 1.0}
+    # The agent's processes are stopped before the verifier, its leftovers after it.
+    calls = [c for c in runtime.calls if c in ("exec", "stop_processes", "put_archive")]
+    assert calls == ["exec", "stop_processes", "put_archive", "exec", "stop_processes"]
+    assert all(c.removed for c in runtime.containers.values())
+    out = tmp_path / "trials" / result.trial_name
+    assert (out / "agent" / "oracle.txt").read_text() == "solved\n"
+    assert json.loads((out / "result.json").read_text())["verifier_environment_mode"] == "shared"
+
+
+def test_build_failure_is_named_and_nothing_starts(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    task_dir = make_task(tmp_path / "tasks", "broken")
+    runtime.fail_builds.add(image_tag_for(load_task(task_dir)))
+    result = run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "t"))
+    assert result.exception_type == "SandboxBuildFailedError"
+    assert not runtime.containers and rewards(result) is None
+
+
+def test_agent_timeout_still_verifies(tmp_path: Path) -> None:
+    runtime = FakeRuntime(solve=lambda container: HANG)
+    result = trial(runtime, tmp_path, toml="[agent]\ntimeout_sec = 0.05\n")
+    assert result.exception_type == "AgentTimeoutError"
+    assert rewards(result) == {"reward": 1.0} and result.reward_valid
+
+
+def test_verifier_timeout_has_no_reward(tmp_path: Path) -> None:
+    runtime = FakeRuntime(test=lambda container: HANG)
+    result = trial(runtime, tmp_path, toml="[verifier]\ntimeout_sec = 0.05\n")
+    assert result.exception_type == "VerifierTimeoutError" and rewards(result) is None
+
+
+def test_planted_reward_is_gone_before_test_sh(tmp_path: Path) -> None:
+    def plant(container: FakeContainer) -> int:
+        container.write("/logs/verifier/reward.txt", "1")
+        container.write("/logs/verifier/reward.json", '{"reward": 1}')
+        return 0
+
+    result = trial(FakeRuntime(solve=plant, test=lambda container: 0), tmp_path)
+    assert result.exception_type == "RewardFileNotFoundError" and rewards(result) is None
+
+
+def test_engine_fault_is_an_infrastructure_error_with_a_result(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+
+    def engine_dies(container: FakeContainer) -> int:
+        runtime.engine_down = True
+        return 0
+
+    runtime.solve = engine_dies
+    result = trial(runtime, tmp_path)
+    assert result.exception_type == "EngineUnavailableError"
+    assert (tmp_path / "trials" / result.trial_name / "result.json").is_file()
+
+
+def test_separate_verifier_gets_a_fresh_container_with_the_artifacts(tmp_path: Path) -> None:
+    def solve(container: FakeContainer) -> int:
+        container.write("/app/result.txt", "42")
+        container.write("/app/secret.txt", "agent-only")
+        return 0
+
+    def test(container: FakeContainer) -> int:
+        ok = container.read("/app/result.txt") == b"42" and "/app/secret.txt" not in container.files
+        container.write("/logs/verifier/reward.txt", "1" if ok else "0")
+        return 0
+
+    toml = 'artifacts = ["/app/result.txt"]\n[verifier]\nenvironment_mode = "separate"\n'
+    runtime = FakeRuntime(solve=solve, test=test)
+    result = trial(runtime, tmp_path, toml=toml)
+    assert result.verifier_environment_mode == "separate"
+    assert rewards(result) == {"reward": 1.0}
+    kinds = [c.spec.labels["harbor-exec.kind"] for c in runtime.containers.values()]
+    assert kinds == ["trial", "verifier"]
+
+
+# --------------------------------------------------------------------------- outcomes
+
+
+def finished_run(tmp_path: Path, runtime: FakeRuntime, toml: str | None = None) -> TrialRun:
+    result = trial(runtime, tmp_path, toml=toml)
+    return TrialRun(result, tmp_path / "trials" / result.trial_name)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "toml", "status", "category"),
+    [
+        (FakeRuntime(), None, RolloutStatus.SUCCESS, None),
+        (FakeRuntime(test=lambda c: 0), None, RolloutStatus.FAILURE, "validation_error"),
+        (
+            FakeRuntime(test=lambda c: HANG),
+            "[verifier]\ntimeout_sec = 0.05\n",
+            RolloutStatus.FAILURE,
+            "timeout",
+        ),
+        (
+            FakeRuntime(solve=lambda c: HANG),
+            "[agent]\ntimeout_sec = 0.05\n",
+            RolloutStatus.FAILURE,
+            "timeout",
+        ),
+    ],
+)
+def test_outcome_mapping(
+    tmp_path: Path,
+    runtime: FakeRuntime,
+    toml: str | None,
+    status: RolloutStatus,
+    category: str | None,
+) -> None:
+    run = finished_run(tmp_path, runtime, toml)
+    request = ExecutionRequest(id="r1", prompt=[], label="x")
+    outcome = rollout_outcome(request, run, OutcomeSpec("t", is_oracle=True, verify=True))
+    assert outcome.result.status is status
+    assert (outcome.result.err_category.value if outcome.result.err_category else None) == category
+    if status is RolloutStatus.SUCCESS:
+        assert outcome.grader is not None and outcome.grader.sample is not None
+        assert outcome.grader.sample.reward == 1.0
+
+
+def test_engine_fault_maps_to_internal_error(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    runtime.solve = lambda container: setattr(runtime, "engine_down", True) or 0  # type: ignore[func-returns-value]
+    run = finished_run(tmp_path, runtime)
+    request = ExecutionRequest(id="r1", prompt=[])
+    outcome = rollout_outcome(request, run, OutcomeSpec("t", is_oracle=True, verify=True))
+    assert outcome.result.err_category is RolloutErrorCategory.INTERNAL_ERROR
+
+
+# --------------------------------------------------------------------------- HarborBackend
+
+
+def test_harbor_backend_over_the_fake(tmp_path: Path) -> None:
+    make_task(tmp_path / "ds", "good")
+    make_task(tmp_path / "ds", "bad", test="true")
+
+    def test_sh(container: FakeContainer) -> int:  # "bad"'s test.sh writes no reward
+        if not (container.read("/tests/test.sh") or b"").rstrip().endswith(b"true"):
+            container.write("/logs/verifier/reward.txt", "1")
+        return 0
+
+    runtime = FakeRuntime(test=test_sh)
+    backend = HarborBackend(
+        tasks_dir=tmp_path / "ds",
+        task_mode="dataset",
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+
+    async def run(task_id: str) -> object:
+        request = ExecutionRequest(
+            id=f"r-{task_id}", prompt=[], metadata={"harbor_task_id": task_id}
+        )
+        return await backend.execute(request)
+
+    async def both() -> list[object]:
+        results = await asyncio.gather(run("good"), run("bad"), run("missing"))
+        await backend.shutdown()
+        return list(results)
+
+    good, bad, missing = asyncio.run(both())
+    assert good.grader.sample.reward == 1.0  # type: ignore[attr-defined]
+    assert bad.result.err_category is RolloutErrorCategory.VALIDATION_ERROR  # type: ignore[attr-defined]
+    assert "no such task" in missing.result.err_message  # type: ignore[attr-defined]
+    assert backend.health().backend == "harbor" and backend.queue_info().running == 0
+    assert not (tmp_path / "trials" / "r-good").exists()  # successful trials are cleaned up
