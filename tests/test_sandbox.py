@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import harbor_exec.docker_runtime as docker_runtime_module
+from harbor_exec.cgroups import HostCgroup
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.results import TrialResult
 from harbor_exec.runtime import DROPPED_CAPABILITIES, OutputLimits
@@ -46,7 +46,7 @@ def kill_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Both ways of killing the agent's processes: through the host's cgroup, and (as
     when harbor-exec cannot see the host) by restarting the container."""
     if request.param == "engine-restart":
-        monkeypatch.setattr(docker_runtime_module.HostCgroup, "of", classmethod(lambda *a: None))
+        monkeypatch.setattr(HostCgroup, "of", classmethod(lambda *a: None))
     return str(request.param)
 
 
