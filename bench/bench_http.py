@@ -3,9 +3,12 @@
 Each server runs in its own process on 127.0.0.1 (uvicorn, same settings,
 ``LocalBackend`` with its default concurrency and a temporary artifact root);
 this process drives it with the matching client at each concurrency level and
-reads the server's CPU time from ``/proc/<pid>/stat``. It prints rollouts per
-second and server CPU milliseconds per rollout for both, and the ratios
-(targets: >= 2x the throughput, <= 0.5x the CPU per rollout).
+reads the server's CPU time from ``/proc/<pid>/stat`` and its own (the client's)
+from ``time.process_time()``. It prints rollouts per second, server CPU and
+client CPU milliseconds per rollout for both, and the ratios (targets: >= 2x the
+throughput, <= 0.4x the server CPU and <= 0.5x the client CPU per rollout).
+Both servers run uvicorn with the same settings, on uvloop and httptools as
+``harbor-exec serve`` does (``--pure-python``: asyncio's loop and h11 for both).
 
 Both servers stay up and the rounds alternate between them, so load from
 elsewhere on the machine hits both alike; the summary shows medians. Every
@@ -91,9 +94,11 @@ def _osmosis_app(artifact_root: str) -> Any:
     return create_rollout_server(backend=backend)
 
 
-def serve(implementation: str, artifact_root: str) -> None:
+def serve(implementation: str, artifact_root: str, pure_python: bool) -> None:
     """Server process: print the port, then serve until SIGTERM."""
     import uvicorn
+
+    from harbor_exec.server.run import uvicorn_implementations
 
     app = (
         _harbor_exec_app(artifact_root)
@@ -105,8 +110,15 @@ def serve(implementation: str, artifact_root: str) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
+    loop, http = ("asyncio", "h11") if pure_python else uvicorn_implementations()
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+        app,
+        loop=loop,
+        http=http,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
     )
     print(sock.getsockname()[1], flush=True)
     uvicorn.Server(config).run(sockets=[sock])
@@ -144,7 +156,7 @@ def _process_cpu_sec(pid: int) -> float:
 
 
 def _client(implementation: str, url: str) -> Any:
-    """Each client with its default HTTP stack (both: a plain ``httpx.AsyncClient()``)."""
+    """Each client with its default HTTP stack (ours: aiohttp; osmosis-ai: httpx)."""
     if implementation == "harbor-exec":
         from harbor_exec.client import RolloutClient
 
@@ -199,9 +211,12 @@ async def _drive(
     return Measurement(implementation, concurrency, completed, wall, cpu, client_cpu)
 
 
-def _start_server(implementation: str, artifact_root: str) -> tuple[subprocess.Popen[str], str]:
+def _start_server(
+    implementation: str, artifact_root: str, pure_python: bool = False
+) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, __file__, "--serve", implementation, "--artifact-root"]
     process = subprocess.Popen(
-        [sys.executable, __file__, "--serve", implementation, "--artifact-root", artifact_root],
+        [*command, artifact_root, *(["--pure-python"] if pure_python else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -245,7 +260,9 @@ def _osmosis_available() -> bool:
     return True
 
 
-def run(concurrencies: list[int], count: int, time_limit: float, rounds: int) -> list[Measurement]:
+def run(
+    concurrencies: list[int], count: int, time_limit: float, rounds: int, pure_python: bool = False
+) -> list[Measurement]:
     """Both servers stay up; rounds alternate between them so that load from
     elsewhere on the machine hits both alike."""
     implementations = [
@@ -258,7 +275,7 @@ def run(concurrencies: list[int], count: int, time_limit: float, rounds: int) ->
             root = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix=f"bench-{implementation}-")
             )
-            servers[implementation] = _start_server(implementation, root)
+            servers[implementation] = _start_server(implementation, root, pure_python)
             stack.callback(_stop_server, servers[implementation][0])
             # First contact: imports, caches, connection setup.
             process, url = servers[implementation]
@@ -290,35 +307,39 @@ def run(concurrencies: list[int], count: int, time_limit: float, rounds: int) ->
     return results
 
 
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
 def report(results: list[Measurement]) -> None:
-    """Medians over the rounds, and ours/reference ratios."""
+    """Medians over the rounds (with their range), and ours/reference ratios."""
     levels = sorted({m.concurrency for m in results})
-    rows: dict[tuple[str, int], tuple[float, float]] = {}
-    for implementation in IMPLEMENTATIONS:
-        for level in levels:
-            runs = [
-                m for m in results if (m.implementation, m.concurrency) == (implementation, level)
-            ]
-            if runs:
-                rows[implementation, level] = (
-                    statistics.median(m.per_second for m in runs),
-                    statistics.median(m.cpu_ms for m in runs),
-                )
+    runs = {
+        (implementation, level): [
+            m for m in results if (m.implementation, m.concurrency) == (implementation, level)
+        ]
+        for implementation in IMPLEMENTATIONS
+        for level in levels
+    }
     print()
-    print("medians over rounds; server CPU in ms per rollout")
-    print(f"{'concurrency':>11}  {'ours r/s':>9}  {'ref r/s':>9}  {'ratio':>6}  "
-          f"{'ours ms':>8}  {'ref ms':>8}  {'ratio':>6}")  # fmt: skip
+    print("medians over rounds [min-max]; CPU in ms per rollout")
     for level in levels:
-        ours_rate, ours_cpu = rows["harbor-exec", level]
-        if ("osmosis-ai", level) not in rows:
-            print(f"{level:>11}  {ours_rate:9.1f}  {'-':>9}  {'-':>6}  {ours_cpu:8.3f}")
-            continue
-        ref_rate, ref_cpu = rows["osmosis-ai", level]
-        print(
-            f"{level:>11}  {ours_rate:9.1f}  {ref_rate:9.1f}  {ours_rate / ref_rate:5.2f}x  "
-            f"{ours_cpu:8.3f}  {ref_cpu:8.3f}  {ours_cpu / ref_cpu:5.2f}x"
-        )
-    print("targets: throughput ratio >= 2.00x, CPU ratio <= 0.50x")
+        ours = runs["harbor-exec", level]
+        ref = runs["osmosis-ai", level]
+        for label, value in (
+            ("rollouts/s", lambda m: m.per_second),
+            ("server CPU", lambda m: m.cpu_ms),
+            ("client CPU", lambda m: m.client_cpu_ms),
+        ):
+            mine = [value(m) for m in ours]
+            median = statistics.median(mine)
+            line = f"c={level:<3} {label:<10}  ours {median:8.3f} [{_spread(mine)}]"
+            if ref:
+                theirs = [value(m) for m in ref]
+                reference = statistics.median(theirs)
+                line += f"  ref {reference:8.3f} [{_spread(theirs)}]  {median / reference:5.2f}x"
+            print(line)
+    print("targets: rollouts/s ratio >= 2.00x, server CPU ratio <= 0.40x, client CPU <= 0.50x")
 
 
 def main() -> None:
@@ -331,12 +352,15 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per round (max)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated levels")
+    parser.add_argument(
+        "--pure-python", action="store_true", help="asyncio's loop and h11 for both servers"
+    )
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.artifact_root)
+        serve(args.serve, args.artifact_root, args.pure_python)
         return
     levels = [int(level) for level in args.concurrency.split(",")]
-    report(run(levels, args.rollouts, args.time_limit, args.rounds))
+    report(run(levels, args.rollouts, args.time_limit, args.rounds, args.pure_python))
 
 
 if __name__ == "__main__":

@@ -19,11 +19,17 @@ the reference are fixed:
   status-wait``; then these waits also long-poll ``GET /rollout/{id}/status``
   (``?status=<seen>&wait=<sec>``), which answers as soon as the status moves.
   Against other servers they fall back to the ``/result`` polling.
+
+HTTP goes through aiohttp (``harbor_exec._client_http``: a fraction of httpx's
+CPU per request, which is the trainer's cost), or through the
+``httpx.AsyncClient`` given as ``http_client``. Either way transport failures
+raise httpx's exception classes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Generator
@@ -33,6 +39,13 @@ from typing import Any, Final
 import httpx
 from pydantic import ValidationError
 
+from harbor_exec._client_http import (
+    DEFAULT_TIMEOUT_SEC,
+    Answer,
+    HttpxTransport,
+    Transport,
+    default_transport,
+)
 from harbor_exec.protocol import (
     POLLING_LEASE_HEADER,
     TERMINAL_STATUSES,
@@ -266,7 +279,7 @@ class RolloutHandle:
                 self.status_changed.notify_all()
 
 
-def _retry_after(response: httpx.Response) -> float:
+def _retry_after(response: Answer) -> float:
     raw = response.headers.get("Retry-After")
     try:
         value = float(raw) if raw is not None else _RETRY_AFTER_DEFAULT_SEC
@@ -277,7 +290,7 @@ def _retry_after(response: httpx.Response) -> float:
     return min(max(_RETRY_AFTER_MIN_SEC, value), _RETRY_AFTER_MAX_SEC)
 
 
-def _expect(response: httpx.Response, status_code: int, route: str) -> None:
+def _expect(response: Answer, status_code: int, route: str) -> None:
     if response.status_code != status_code:
         raise RolloutProtocolError(
             f"{route} returned {response.status_code}: {response.text[:500]}",
@@ -290,7 +303,9 @@ class RolloutClient:
 
     ``admission_timeout_sec`` bounds the 429 retries of ``run_rollout_async``
     (None: unbounded). ``api_key`` is sent as a bearer token on every request.
-    An ``http_client`` you pass is not closed by ``aclose``.
+    Requests go through aiohttp unless you pass an ``http_client``
+    (``httpx.AsyncClient``), which is then used for every request and not closed
+    by ``aclose``.
     """
 
     def __init__(
@@ -307,9 +322,26 @@ class RolloutClient:
             raise ValueError("api_key must be non-empty when given")
         self.url = url.rstrip("/")
         self.owns_http_client = http_client is None
-        self.http_client = http_client or httpx.AsyncClient()
+        self._http: Transport = (
+            default_transport(self.url)
+            if http_client is None
+            else HttpxTransport(http_client, owned=False)
+        )
+        self._spare_http_client: httpx.AsyncClient | None = None
         self.admission_timeout_sec = admission_timeout_sec
         self._auth: dict[str, str] = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._json_headers = {**self._auth, **_JSON_HEADERS}
+
+    @property
+    def http_client(self) -> httpx.AsyncClient:
+        """The ``httpx.AsyncClient`` passed in. Without one, the client's own calls go
+        through aiohttp and this is a separate httpx client, made on first access
+        and closed by ``aclose`` (kept for code that used it directly)."""
+        if isinstance(self._http, HttpxTransport):
+            return self._http.client
+        if self._spare_http_client is None:
+            self._spare_http_client = httpx.AsyncClient()
+        return self._spare_http_client
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -318,8 +350,9 @@ class RolloutClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self.owns_http_client:
-            await self.http_client.aclose()
+        await self._http.aclose()
+        if self._spare_http_client is not None:
+            await self._spare_http_client.aclose()
 
     # ------------------------------------------------------------------ rollouts
 
@@ -383,7 +416,7 @@ class RolloutClient:
             extra_fields=extra_fields,
         )
         body = request.model_dump_json().encode()
-        headers = {**self._auth, **_JSON_HEADERS}
+        url = f"{self.url}/rollout"
         deadline = asyncio.timeout(self.admission_timeout_sec)
         in_flight = False
         try:
@@ -391,11 +424,8 @@ class RolloutClient:
                 while True:
                     in_flight = True
                     started = monotonic()
-                    response = await self.http_client.post(
-                        f"{self.url}/rollout",
-                        content=body,
-                        headers=headers,
-                        follow_redirects=False,
+                    response = await self._http.request(
+                        "POST", url, content=body, headers=self._json_headers
                     )
                     in_flight = False
                     if response.status_code != 429:
@@ -456,8 +486,8 @@ class RolloutClient:
             try:
                 async with bound:
                     started = monotonic()
-                    response = await self.http_client.get(
-                        url, headers=headers, timeout=read_timeout, follow_redirects=False
+                    response = await self._http.request(
+                        "GET", url, headers=headers, timeout=read_timeout
                     )
             except TimeoutError as exc:
                 if bound.expired() and last_error is not None:
@@ -489,12 +519,12 @@ class RolloutClient:
         """Cancel one rollout on the server (the whole call is bounded to 5 s)."""
         body = CancelRolloutsRequest(ids=[rollout_id]).model_dump_json().encode()
         async with asyncio.timeout(_CANCEL_TIMEOUT_SEC):
-            response = await self.http_client.post(
+            response = await self._http.request(
+                "POST",
                 f"{self.url}/rollout/cancel",
                 content=body,
-                headers={**self._auth, **_JSON_HEADERS},
+                headers=self._json_headers,
                 timeout=_CANCEL_TIMEOUT_SEC,
-                follow_redirects=False,
             )
         _expect(response, 200, "POST /rollout/cancel")
         try:
@@ -530,12 +560,12 @@ class RolloutClient:
     async def prewarm(self, task_ids: list[str] | None = None) -> dict[str, Any]:
         """``POST /prewarm`` (harbor-exec servers) for ``task_ids``, or all tasks when None."""
         payload: dict[str, Any] = {"all": True} if task_ids is None else {"task_ids": task_ids}
-        response = await self.http_client.post(
+        response = await self._http.request(
+            "POST",
             f"{self.url}/prewarm",
-            json=payload,
-            headers=self._auth,
+            content=json.dumps(payload).encode(),
+            headers=self._json_headers,
             timeout=None,
-            follow_redirects=False,
         )
         _expect(response, 200, "POST /prewarm")
         return _object(response, "POST /prewarm")
@@ -585,20 +615,20 @@ class RolloutClient:
         params: dict[str, str] | None = None,
         read_timeout_sec: float | None = None,
     ) -> dict[str, Any]:
-        response = await self.http_client.get(
+        response = await self._http.request(
+            "GET",
             f"{self.url}{path}",
             params=params,
             headers=self._auth,
-            timeout=read_timeout_sec if read_timeout_sec is not None else httpx.USE_CLIENT_DEFAULT,
-            follow_redirects=False,
+            timeout=read_timeout_sec if read_timeout_sec is not None else DEFAULT_TIMEOUT_SEC,
         )
         _expect(response, 200, f"GET {path}")
         return _object(response, f"GET {path}")
 
 
-def _object(response: httpx.Response, route: str) -> dict[str, Any]:
+def _object(response: Answer, route: str) -> dict[str, Any]:
     try:
-        value = response.json()
+        value = json.loads(response.content)
     except ValueError as exc:
         raise RolloutProtocolError(f"{route} returned invalid JSON", status_code=200) from exc
     if not isinstance(value, dict):
@@ -608,7 +638,7 @@ def _object(response: httpx.Response, route: str) -> dict[str, Any]:
     return value
 
 
-def _parse_result(response: httpx.Response, rollout_id: str, route: str) -> RolloutResultResponse:
+def _parse_result(response: Answer, rollout_id: str, route: str) -> RolloutResultResponse:
     try:
         result = RolloutResultResponse.model_validate_json(response.content)
     except ValidationError as exc:

@@ -6,7 +6,8 @@ workflow gets a per-rollout token instead of the trainer's API key; the relay
 checks the token, swaps in the real key and forwards the call to the upstream
 chat endpoint with ``httpx``, streaming the answer back as it arrives. It
 enforces size and count limits and records token usage per rollout (and in the
-process-wide ``RELAY_TOTALS`` for ``/metrics``).
+process-wide ``RELAY_TOTALS``, which prometheus-client's default registry
+exposes on ``/metrics``).
 
 Inside the container, ``harbor_exec.runner`` pipes a loopback TCP port to the
 socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
@@ -32,6 +33,7 @@ import os
 import secrets
 import shutil
 import ssl
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +42,9 @@ from urllib.parse import unquote, urlsplit
 
 import h11
 import httpx
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = [
     "RELAY_TOTALS",
@@ -47,6 +52,7 @@ __all__ = [
     "ModelRelay",
     "RelayLimits",
     "RelayTotals",
+    "RelayTotalsCollector",
     "RelayUsage",
     "render_relay_metrics",
 ]
@@ -126,46 +132,55 @@ class RelayTotals:
     completion_tokens: int = 0
 
 
+class RelayTotalsCollector(Collector):
+    """Exposes a ``RelayTotals`` through prometheus-client, read at scrape time
+    (the relays only add to plain integers)."""
+
+    def __init__(self, totals: RelayTotals) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterable[Metric]:
+        totals = self.totals
+        yield CounterMetricFamily(
+            "harbor_exec_relay_started", "Model relays started.", value=totals.relays_started
+        )
+        yield GaugeMetricFamily(
+            "harbor_exec_relay_active", "Model relays open now.", value=totals.relays_active
+        )
+        yield CounterMetricFamily(
+            "harbor_exec_relay_requests",
+            "Model calls forwarded upstream by the relays.",
+            value=totals.requests,
+        )
+        yield CounterMetricFamily(
+            "harbor_exec_relay_rejected",
+            "Relay requests refused: bad token, wrong path or over a limit.",
+            value=totals.rejected,
+        )
+        yield CounterMetricFamily(
+            "harbor_exec_relay_upstream_errors",
+            "Relay calls answered 502: upstream failure, timeout or oversized answer.",
+            value=totals.upstream_errors,
+        )
+        tokens = CounterMetricFamily(
+            "harbor_exec_relay_tokens", "Tokens reported by the model, by kind.", labels=["kind"]
+        )
+        tokens.add_metric(["prompt"], totals.prompt_tokens)
+        tokens.add_metric(["completion"], totals.completion_tokens)
+        yield tokens
+
+
 RELAY_TOTALS: Final = RelayTotals()
+# Process-wide, like the relays it sums: prometheus-client's default registry
+# (every server's /metrics appends it).
+REGISTRY.register(RelayTotalsCollector(RELAY_TOTALS))
 
 
 def render_relay_metrics(totals: RelayTotals = RELAY_TOTALS) -> str:
-    """Prometheus text lines for ``totals``, ending in a newline (append to ``/metrics``)."""
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: int) -> None:
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {kind}")
-        out.append(f"{name} {value}")
-
-    metric(
-        "harbor_exec_relay_started_total", "counter", "Model relays started.", totals.relays_started
-    )
-    metric("harbor_exec_relay_active", "gauge", "Model relays open now.", totals.relays_active)
-    metric(
-        "harbor_exec_relay_requests_total",
-        "counter",
-        "Model calls forwarded upstream by the relays.",
-        totals.requests,
-    )
-    metric(
-        "harbor_exec_relay_rejected_total",
-        "counter",
-        "Relay requests refused: bad token, wrong path or over a limit.",
-        totals.rejected,
-    )
-    metric(
-        "harbor_exec_relay_upstream_errors_total",
-        "counter",
-        "Relay calls answered 502: upstream failure, timeout or oversized answer.",
-        totals.upstream_errors,
-    )
-    out.append("# HELP harbor_exec_relay_tokens_total Tokens reported by the model, by kind.")
-    out.append("# TYPE harbor_exec_relay_tokens_total counter")
-    out.append(f'harbor_exec_relay_tokens_total{{kind="prompt"}} {totals.prompt_tokens}')
-    out.append(f'harbor_exec_relay_tokens_total{{kind="completion"}} {totals.completion_tokens}')
-    out.append("")
-    return "\n".join(out)
+    """Prometheus text for ``totals`` alone, ending in a newline."""
+    registry = CollectorRegistry()
+    registry.register(RelayTotalsCollector(totals))
+    return generate_latest(registry).decode()
 
 
 @functools.cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from harbor_exec.authoring import (
     AgentWorkflow,
@@ -52,7 +54,8 @@ class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
     ``sleep`` (seconds before answering), ``raise`` (message of a RuntimeError),
     ``echo_key`` (put the LLM key into the answer, to test redaction),
     ``block`` (seconds of time.sleep, blocking the loop),
-    ``use_source`` (register a SampleSource and return None)."""
+    ``use_source`` (register a SampleSource and return None), ``report_stack``
+    (answer "<event loop module> <uvicorn HTTP parser>", e.g. "uvloop httptools")."""
 
     async def run(
         self, ctx: AgentWorkflowContext[AgentWorkflowConfig]
@@ -72,6 +75,11 @@ class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
         if script.get("raise"):
             raise RuntimeError(str(script["raise"]))
         answer = str(script.get("answer", "4"))
+        if script.get("report_stack"):
+            # The serving stack: the event loop's module and uvicorn's HTTP protocol.
+            loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
+            httptools = "uvicorn.protocols.http.httptools_impl" in sys.modules
+            answer = f"{loop} {'httptools' if httptools else 'h11'}"
         if script.get("echo_key") and context is not None:
             answer = f"{answer} (key {context.api_key})"
         messages = [*ctx.prompt, {"role": "assistant", "content": answer}]
@@ -202,6 +210,21 @@ def local_app(
     server_options.setdefault("shutdown_drain_sec", 0.5)
     server_options.setdefault("shutdown_cleanup_sec", 5.0)
     return create_rollout_server(backend=backend, artifact_root=artifact_root, **server_options)
+
+
+def metric_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Prometheus text parsed with prometheus-client's own parser: value by
+    (sample name, labels); see ``metric``."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value in Prometheus text (None when absent)."""
+    return metric_samples(text).get((name, frozenset(labels.items())))
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
+from harbor_exec._client_http import AiohttpTransport, Answer, HttpxTransport
 from harbor_exec.client import (
     RolloutAdmissionTimeoutError,
     RolloutClient,
@@ -22,7 +24,15 @@ from harbor_exec.client import (
     _retry_after,
 )
 from harbor_exec.protocol import RolloutErrorCategory, RolloutInitResponse, RolloutStatus
-from tests.server_utils import CHAT_URL, PROMPT, SINGLE_SLOT, FullBackend, local_app, serve
+from tests.server_utils import (
+    CHAT_URL,
+    PROMPT,
+    SINGLE_SLOT,
+    FullBackend,
+    free_port,
+    local_app,
+    serve,
+)
 
 
 def new_id() -> str:
@@ -318,7 +328,7 @@ async def test_gateway_errors_are_retried_and_others_raise() -> None:
 def test_retry_after_parsing() -> None:
     def parse(value: str | None) -> float:
         headers = {} if value is None else {"Retry-After": value}
-        return _retry_after(httpx.Response(429, headers=headers))
+        return _retry_after(Answer(429, httpx.Headers(headers), b""))
 
     assert [parse(v) for v in (None, "2.5", "0", "1000", "soon", "inf", "nan")] == [
         1.0,
@@ -338,9 +348,127 @@ async def test_client_options_and_owned_http_client(server_url: str) -> None:
         RolloutClient(url=server_url, api_key=" ")
     async with httpx.AsyncClient() as own:
         rollout_client = RolloutClient(url=server_url, http_client=own)
+        assert rollout_client.http_client is own and not rollout_client.owns_http_client
         assert (await rollout_client.health())["status"] == "ok"
+        # Every call goes through the given httpx client.
+        result = await rollout_client.run_rollout(PROMPT, CHAT_URL, new_id(), label="4")
+        assert result.status is RolloutStatus.SUCCESS
         await rollout_client.aclose()
         assert not own.is_closed  # not ours to close
+    # Without one, an httpx client is still there for code that used the attribute,
+    # made on first access and closed with the RolloutClient.
+    rollout_client = RolloutClient(url=server_url)
+    assert rollout_client.owns_http_client
+    spare = rollout_client.http_client
+    assert isinstance(spare, httpx.AsyncClient) and rollout_client.http_client is spare
+    assert (await spare.get(f"{server_url}/health")).status_code == 200
+    await rollout_client.aclose()
+    assert spare.is_closed
+
+
+async def test_default_http_is_aiohttp_and_reuses_one_connection() -> None:
+    """Sequential rollouts share one kept-alive connection; every request is well formed."""
+    requests: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            head = await read_request(reader)
+            requests.append(head)
+            rollout_id = head.split(b" ")[1].split(b"/")[2].decode() if b"/result" in head else ""
+            if head.startswith(b"POST"):
+                rollout_id = f"keep-{len(requests)}"
+                body = json.dumps(
+                    {
+                        "rollout_id": rollout_id,
+                        "status": "queued",
+                        "polling_lease_token": "t",
+                        "result_wait_timeout_sec": 1.0,
+                        "polling_lease_timeout_sec": 30.0,
+                    }
+                ).encode()
+                status = b"202 Accepted"
+            else:
+                body = json.dumps({"rollout_id": rollout_id, "status": "success"}).encode()
+                status = b"200 OK"
+            writer.write(b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
+            await writer.drain()
+
+    async with RawServer(handler) as server, RolloutClient(url=server.url, api_key="k") as client:
+        assert isinstance(client._http, AiohttpTransport)
+        for number in (1, 3, 5):
+            result = await asyncio.wait_for(
+                client.run_rollout(PROMPT, CHAT_URL, f"keep-{number}"), 10
+            )
+            assert result.status is RolloutStatus.SUCCESS
+    assert server.connections == 1 and len(requests) == 6
+    post = requests[0].lower()
+    assert post.startswith(b"post /rollout http/1.1")
+    assert b"authorization: bearer k" in post and b"content-type: application/json" in post
+    poll = requests[1].lower()
+    assert poll.startswith(b"get /rollout/keep-1/result http/1.1")
+    assert b"x-osmosis-rollout-lease: t" in poll
+
+
+async def test_transport_failures_raise_httpx_errors() -> None:
+    """Through aiohttp, failures keep the exception classes of a default httpx client."""
+    closed_port = free_port()
+    async with RolloutClient(url=f"http://127.0.0.1:{closed_port}") as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.health()
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+
+    async with RawServer(garbage) as server, RolloutClient(url=server.url) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.health()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async with RawServer(silent) as server:
+        transport = AiohttpTransport(server.url)
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                await transport.request("GET", f"{server.url}/health", headers={}, timeout=0.2)
+        finally:
+            await transport.aclose()
+
+
+async def test_proxies_from_the_environment_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a default httpx client does (trust_env): HTTP_PROXY, unless NO_PROXY names the host."""
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        seen.append(await read_request(reader))
+        body = json.dumps({"status": "ok", "via": "proxy"}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    async with RawServer(proxy) as server:
+        monkeypatch.setenv("HTTP_PROXY", server.url)
+        async with RolloutClient(url="http://rollouts.invalid:8000") as client:
+            assert (await client.health())["via"] == "proxy"
+        assert seen[0].startswith(b"GET http://rollouts.invalid:8000/health HTTP/1.1")
+        monkeypatch.setenv("NO_PROXY", "rollouts.invalid")
+        assert AiohttpTransport("http://rollouts.invalid:8000")._proxy is None
+
+
+async def test_without_aiohttp_the_client_uses_httpx(
+    server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # unimportable
+    async with RolloutClient(url=server_url) as client:
+        assert isinstance(client._http, HttpxTransport)
+        assert client.http_client is client._http.client
+        result = await client.run_rollout(PROMPT, CHAT_URL, new_id(), label="4")
+        assert result.status is RolloutStatus.SUCCESS
+    assert client.http_client.is_closed  # owned, so closed with the client
 
 
 # ---------------------------------------------------------------------------- raw transport

@@ -29,8 +29,11 @@ import httpx
 import pytest
 from bundle_utils import PYTHON311, REPO_ROOT, clean_env
 from fake_chat import FakeChat
+from prometheus_client import REGISTRY
+from server_utils import metric
 
 from harbor_exec.relay import (
+    RELAY_TOTALS,
     ModelRelay,
     RelayLimits,
     RelayTotals,
@@ -576,14 +579,26 @@ async def test_totals_render_as_prometheus_text(tmp_path: Path, chat: FakeChat) 
         assert (await rig.chat_call()).status_code == 200
         assert (await rig.chat_call(headers={})).status_code == 401
     text = render_relay_metrics(rig.totals)
-    lines = text.splitlines()
     assert text.endswith("\n")
-    assert "# TYPE harbor_exec_relay_requests_total counter" in lines
-    assert "harbor_exec_relay_requests_total 1" in lines
-    assert "harbor_exec_relay_rejected_total 1" in lines
-    assert "harbor_exec_relay_active 0" in lines
-    assert f'harbor_exec_relay_tokens_total{{kind="prompt"}} {PROMPT_TOKENS}' in lines
-    assert 'harbor_exec_relay_tokens_total{kind="completion"} 1' in lines
+    assert "# TYPE harbor_exec_relay_requests_total counter" in text.splitlines()
+    assert metric(text, "harbor_exec_relay_started_total") == 1
+    assert metric(text, "harbor_exec_relay_requests_total") == 1
+    assert metric(text, "harbor_exec_relay_rejected_total") == 1
+    assert metric(text, "harbor_exec_relay_upstream_errors_total") == 0
+    assert metric(text, "harbor_exec_relay_active") == 0
+    assert metric(text, "harbor_exec_relay_tokens_total", kind="prompt") == PROMPT_TOKENS
+    assert metric(text, "harbor_exec_relay_tokens_total", kind="completion") == 1
+
+
+def test_process_totals_are_in_the_default_registry() -> None:
+    """RELAY_TOTALS is process-wide, so it is exposed by prometheus-client's default
+    registry (which every server's /metrics appends), read at scrape time."""
+    before = REGISTRY.get_sample_value("harbor_exec_relay_rejected_total")
+    RELAY_TOTALS.rejected += 1
+    try:
+        assert REGISTRY.get_sample_value("harbor_exec_relay_rejected_total") == (before or 0) + 1
+    finally:
+        RELAY_TOTALS.rejected -= 1
 
 
 async def test_a_socket_path_too_long_for_unix_sockets_is_refused(tmp_path: Path) -> None:

@@ -31,8 +31,10 @@ from harbor_exec.protocol import (
     PrewarmSummary,
     RolloutStatus,
 )
+from harbor_exec.relay import RELAY_TOTALS
 from harbor_exec.server import create_rollout_server
-from harbor_exec.server.metrics import Histogram
+from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from harbor_exec.server.run import uvicorn_implementations
 from harbor_exec.server.trajectory import (
     REDACTED,
     build_trajectory_document,
@@ -49,6 +51,8 @@ from tests.server_utils import (
     ServerThread,
     free_port,
     local_app,
+    metric,
+    metric_samples,
     serve,
     wait_until,
     workflow_was_cancelled,
@@ -379,7 +383,8 @@ async def test_lease_expiry_fails_and_cancels_the_work(
         assert (result["status"], result["err_category"]) == ("failure", "lease_expired")
         assert wait_until(lambda: workflow_was_cancelled(rollout_id))
         metrics = (await http.get(f"{url}/metrics")).text
-        assert 'status="failure",err_category="lease_expired"} 1' in metrics
+        completed = "harbor_exec_rollouts_completed_total"
+        assert metric(metrics, completed, status="failure", err_category="lease_expired") == 1
 
 
 async def test_wire_reward_rules(server: tuple[str, Any, Path], http: httpx.AsyncClient) -> None:
@@ -462,22 +467,31 @@ async def test_queue_and_metrics(server: tuple[str, Any, Path], http: httpx.Asyn
     assert set(queue) == {"queued", "running", "capacity", "max_queue_depth"}
     assert queue["capacity"] == 4
     response = await http.get(f"{url}/metrics")
-    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert response.headers["content-type"] == PROMETHEUS_CONTENT_TYPE
+    assert PROMETHEUS_CONTENT_TYPE.startswith("text/plain; version=0.0.4")
     text = response.text
-    for name in (
-        "harbor_exec_rollouts_admitted_total",
-        'harbor_exec_rollouts_completed_total{status="success",err_category=""}',
-        "harbor_exec_rollouts_queued ",
-        "harbor_exec_backend_capacity 4",
-        'harbor_exec_rollout_duration_seconds_bucket{le="+Inf"}',
-        "harbor_exec_rollout_queued_seconds_count",
-        "harbor_exec_result_polls_total",
-    ):
-        assert name in text, name
-    admitted = next(
-        line for line in text.splitlines() if line.startswith("harbor_exec_rollouts_admitted")
-    )
-    assert int(admitted.split()[1]) >= 1
+    # prometheus-client's parser reads every line (it raises on a malformed one).
+    samples = metric_samples(text)
+    names = {name for name, _ in samples}
+    assert (metric(text, "harbor_exec_rollouts_admitted_total") or 0) >= 1
+    assert (metric(text, "harbor_exec_result_polls_total") or 0) >= 1
+    done = metric(text, "harbor_exec_rollouts_completed_total", status="success", err_category="")
+    assert done is not None and done >= 1
+    assert metric(text, "harbor_exec_backend_capacity") == 4
+    assert metric(text, "harbor_exec_accepting_rollouts") == 1
+    assert metric(text, "harbor_exec_rollouts_queued") is not None
+    assert metric(text, "harbor_exec_trajectories_dropped_total") == 0
+    finished = metric(text, "harbor_exec_rollout_duration_seconds_bucket", le="+Inf")
+    assert finished == metric(text, "harbor_exec_rollout_duration_seconds_count") and finished
+    assert (metric(text, "harbor_exec_rollout_queued_seconds_count") or 0) >= 1
+    # Process-wide metrics from prometheus-client's default registry: the process
+    # and the runtime, and the model relays' totals.
+    assert (metric(text, "process_cpu_seconds_total") or 0) > 0
+    assert (metric(text, "process_resident_memory_bytes") or 0) > 0
+    assert "python_gc_collections_total" in names
+    assert "python_info" in names
+    assert metric(text, "harbor_exec_relay_started_total") == RELAY_TOTALS.relays_started
+    assert metric(text, "harbor_exec_relay_tokens_total", kind="prompt") is not None
 
 
 class PrewarmBackend(LocalBackend):
@@ -556,7 +570,9 @@ async def test_full_backend_gets_429_and_shutdown_gets_503(
         )
         assert (await http.get(f"{url}/health")).json()["lifecycle"]["accepting_rollouts"] is False
         metrics = (await http.get(f"{url}/metrics")).text
-        assert 'reason="queue_full"} 1' in metrics and 'reason="shutting_down"} 1' in metrics
+        rejected = "harbor_exec_rollouts_rejected_total"
+        assert metric(metrics, rejected, reason="queue_full") == 1
+        assert metric(metrics, rejected, reason="shutting_down") == 1
 
 
 class ScriptedBackend(ExecutionBackend):
@@ -688,17 +704,34 @@ def test_trajectory_document_and_redaction_units() -> None:
     }
 
 
-def test_histogram_is_cumulative() -> None:
-    histogram = Histogram((0.1, 1.0))
-    for value in (0.05, 0.5, 0.5, 5.0):
-        histogram.observe(value)
-    assert histogram.render("h") == [
-        'h_bucket{le="0.1"} 1',
-        'h_bucket{le="1.0"} 3',
-        'h_bucket{le="+Inf"} 4',
-        "h_sum 6.05",
-        "h_count 4",
-    ]
+def test_server_metrics_are_per_server_and_cumulative() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    for seconds in (0.05, 0.5, 0.5, 5.0):
+        first.complete("success", None, seconds)
+    first.complete("failure", "agent_error", 0.01)
+    first.reject("queue_full")
+    first.reject("queue_full")
+    first.admit()
+    second.admit()
+    second.admit()
+    gauges = {"harbor_exec_rollouts_active": ("Admitted rollouts not finished.", 3)}
+    text = first.render({**gauges, "harbor_exec_backend_capacity": ("Unknown here.", None)})
+    histogram = "harbor_exec_rollout_duration_seconds"
+    assert metric(text, f"{histogram}_bucket", le="0.05") == 2  # 0.01 and 0.05
+    assert metric(text, f"{histogram}_bucket", le="1.0") == 4
+    assert metric(text, f"{histogram}_bucket", le="+Inf") == 5
+    assert metric(text, f"{histogram}_count") == 5
+    assert metric(text, f"{histogram}_sum") == pytest.approx(6.06)
+    completed = "harbor_exec_rollouts_completed_total"
+    assert metric(text, completed, status="success", err_category="") == 4
+    assert metric(text, completed, status="failure", err_category="agent_error") == 1
+    assert metric(text, "harbor_exec_rollouts_rejected_total", reason="queue_full") == 2
+    assert metric(text, "harbor_exec_rollouts_active") == 3
+    assert "harbor_exec_backend_capacity" not in text  # None: not exposed
+    # One registry per server: the second server's counts are its own.
+    assert (first.admitted, second.admitted) == (1, 2)
+    assert metric(second.render({}), "harbor_exec_rollouts_admitted_total") == 2
+    assert metric(second.render({}), completed, status="success", err_category="") is None
 
 
 def test_create_rollout_server_rejects_inconsistent_settings(tmp_path: Path) -> None:
@@ -784,6 +817,13 @@ def test_cli_serve_runs_a_workflow(tmp_path: Path) -> None:
             assert result.status is RolloutStatus.SUCCESS
             assert result.sample is not None and result.sample.reward == 1.0
             assert (await client.health())["concurrency"]["max_concurrent"] == 1
+            # serve runs uvicorn on uvloop with httptools (the server extra has both).
+            stack = await client.run_rollout(
+                PROMPT, CHAT_URL, "cli-2", label="uvloop httptools", metadata={"report_stack": 1}
+            )
+            assert stack.sample is not None and stack.sample.messages[-1]["content"] == (
+                "uvloop httptools"
+            )
 
     try:
         _wait_healthy(url, {"Authorization": "Bearer cli-secret"}, process)
@@ -793,6 +833,19 @@ def test_cli_serve_runs_a_workflow(tmp_path: Path) -> None:
         # uvicorn shuts down gracefully, then re-raises the signal it caught.
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
     assert wait_until((tmp_path / "cli-1" / "trajectory.json").exists)
+    assert process.stderr is not None
+    assert b"event loop uvloop, HTTP parser httptools" in process.stderr.read()
+
+
+def test_serve_falls_back_without_uvloop_or_httptools(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert uvicorn_implementations() == ("uvloop", "httptools")
+    # A None entry in sys.modules makes the module unimportable.
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    assert uvicorn_implementations() == ("asyncio", "httptools")
+    monkeypatch.setitem(sys.modules, "httptools", None)
+    assert uvicorn_implementations() == ("asyncio", "h11")
+    monkeypatch.delitem(sys.modules, "uvloop")
+    assert uvicorn_implementations() == ("uvloop", "h11")
 
 
 @pytest.mark.parametrize(

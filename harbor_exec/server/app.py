@@ -52,7 +52,6 @@ from harbor_exec.protocol import (
     categorize_exception,
     check_timeouts,
 )
-from harbor_exec.relay import render_relay_metrics
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from harbor_exec.server.openapi import route_docs
 from harbor_exec.server.registry import (
@@ -286,7 +285,7 @@ class RolloutService:
                 request.model_dump_json(exclude={"llm_api_key"}),
             )
         task.add_done_callback(partial(self._task_done, entry))
-        self.metrics.admitted += 1
+        self.metrics.admit()
         body = b"".join(
             (
                 b'{"rollout_id":',
@@ -474,8 +473,7 @@ class RolloutService:
             ),
             "harbor_exec_accepting_rollouts": ("1 while admitting.", int(self.accepting)),
         }
-        text = self.metrics.render(gauges)
-        return text + ("" if text.endswith("\n") else "\n") + render_relay_metrics()
+        return self.metrics.render(gauges)
 
     # ------------------------------------------------------------------ restart
 
@@ -754,7 +752,7 @@ def create_rollout_server(
         token = request.headers.get(POLLING_LEASE_HEADER)
         if not token:
             return _detail(422, [_header_error(token)])
-        service.metrics.result_polls += 1
+        service.metrics.poll()
         rollout_id: str = request.path_params["rollout_id"]
         entry = registry.get(rollout_id)
         if entry is None:

@@ -1,138 +1,143 @@
-"""In-process server metrics, rendered in the Prometheus text format (version 0.0.4).
+"""Server metrics through ``prometheus-client``, rendered in the Prometheus text format 0.0.4.
 
-Plain counters and fixed-bucket histograms: an observation is a bisect and
-two additions, cheap enough for every rollout. No client library needed.
+Each server keeps its own ``CollectorRegistry`` (one process may hold many apps,
+as the tests do): counters and histograms the routes update, plus gauges read at
+scrape time. What is truly process-wide lives in prometheus-client's default
+registry and follows every server's own metrics on ``/metrics``: the process
+and Python runtime collectors (``process_*``, ``python_*``) and the model
+relays' totals (``harbor_exec_relay_*``, registered by ``harbor_exec.relay``).
+
+The hot path stays cheap: an observation is one prometheus-client ``inc`` or
+``observe``; labelled children are looked up once and kept.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Final
 
-__all__ = ["PROMETHEUS_CONTENT_TYPE", "Histogram", "ServerMetrics"]
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+# Importing the relay registers its process-wide totals (harbor_exec_relay_*).
+import harbor_exec.relay  # noqa: F401
+
+__all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]
+
+# What generate_latest writes (prometheus-client names it CONTENT_TYPE_PLAIN_0_0_4).
 PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds; covers in-process workflows (ms) up to container trials (minutes).
-_DURATION_BUCKETS: Final = (
+DURATION_BUCKETS: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
 )  # fmt: skip
 
+Gauges = Mapping[str, tuple[str, float | int | None]]
 
-class Histogram:
-    """A cumulative-bucket histogram without labels."""
 
-    __slots__ = ("_bounds", "_counts", "count", "sum")
+class _ScrapeTime(Collector):
+    """What the server reads when scraped: the trajectory writer's drop count and
+    the gauges handed to the current ``render`` call."""
 
-    def __init__(self, bounds: Sequence[float] = _DURATION_BUCKETS) -> None:
-        self._bounds = tuple(bounds)
-        self._counts = [0] * (len(self._bounds) + 1)
-        self.count = 0
-        self.sum = 0.0
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self.gauges: Gauges = {}
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self.count += 1
-        self.sum += value
-
-    def render(self, name: str) -> list[str]:
-        lines: list[str] = []
-        cumulative = 0
-        for bound, count in zip(self._bounds, self._counts, strict=False):
-            cumulative += count
-            lines.append(f'{name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {_number(self.sum)}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "harbor_exec_trajectories_dropped",
+            "Trajectory files skipped because the writer was backlogged or failed.",
+            value=self._metrics.trajectories_dropped,
+        )
+        for name, (help_text, value) in self.gauges.items():
+            if value is not None:
+                yield GaugeMetricFamily(name, help_text, value=value)
 
 
 class ServerMetrics:
-    """Counters the routes update; gauges are read at scrape time."""
+    """One server's metrics: counters the routes update, gauges read at scrape time."""
 
     def __init__(self) -> None:
-        self.admitted = 0
-        self.rejected: dict[str, int] = {}
-        self.completed: dict[tuple[str, str], int] = {}
-        self.result_polls = 0
-        self.rollout_seconds = Histogram()
-        self.queued_seconds = Histogram()
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self._admitted = Counter(
+            "harbor_exec_rollouts_admitted", "Rollouts admitted (202).", registry=registry
+        )
+        self._rejected = Counter(
+            "harbor_exec_rollouts_rejected",
+            "Rollout submissions refused, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self._completed = Counter(
+            "harbor_exec_rollouts_completed",
+            "Rollouts finished, by status and error category.",
+            ["status", "err_category"],
+            registry=registry,
+        )
+        self._result_polls = Counter(
+            "harbor_exec_result_polls",
+            "GET /rollout/{id}/result requests.",
+            registry=registry,
+        )
+        self.rollout_seconds = Histogram(
+            "harbor_exec_rollout_duration_seconds",
+            "Admission to final result.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.queued_seconds = Histogram(
+            "harbor_exec_rollout_queued_seconds",
+            "Admission to running.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        # Set by the server before each render (the writer keeps the count).
         self.trajectories_dropped = 0
+        self._scrape = _ScrapeTime(self)
+        registry.register(self._scrape)
+        # labels() validates and locks on every call; a child per key is kept instead.
+        self._rejected_by: dict[str, Counter] = {}
+        self._completed_by: dict[tuple[str, str], Counter] = {}
+
+    @property
+    def admitted(self) -> int:
+        return int(self.registry.get_sample_value("harbor_exec_rollouts_admitted_total") or 0)
+
+    def admit(self) -> None:
+        self._admitted.inc()
+
+    def poll(self) -> None:
+        self._result_polls.inc()
 
     def reject(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        child = self._rejected_by.get(reason)
+        if child is None:
+            child = self._rejected_by[reason] = self._rejected.labels(reason)
+        child.inc()
 
     def complete(self, status: str, err_category: str | None, seconds: float) -> None:
         key = (status, err_category or "")
-        self.completed[key] = self.completed.get(key, 0) + 1
+        child = self._completed_by.get(key)
+        if child is None:
+            child = self._completed_by[key] = self._completed.labels(*key)
+        child.inc()
         self.rollout_seconds.observe(seconds)
 
-    def render(self, gauges: Mapping[str, tuple[str, float | int | None]]) -> str:
-        """The exposition text; ``gauges`` maps a name to (help, value), None skipped."""
-        out: list[str] = []
-
-        def header(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
-
-        header("harbor_exec_rollouts_admitted_total", "counter", "Rollouts admitted (202).")
-        out.append(f"harbor_exec_rollouts_admitted_total {self.admitted}")
-        header(
-            "harbor_exec_rollouts_rejected_total",
-            "counter",
-            "Rollout submissions refused, by reason.",
-        )
-        for reason, count in sorted(self.rejected.items()):
-            out.append(f'harbor_exec_rollouts_rejected_total{{reason="{_label(reason)}"}} {count}')
-        header(
-            "harbor_exec_rollouts_completed_total",
-            "counter",
-            "Rollouts finished, by status and error category.",
-        )
-        for (status, category), count in sorted(self.completed.items()):
-            out.append(
-                "harbor_exec_rollouts_completed_total"
-                f'{{status="{_label(status)}",err_category="{_label(category)}"}} {count}'
-            )
-        header("harbor_exec_result_polls_total", "counter", "GET /rollout/{id}/result requests.")
-        out.append(f"harbor_exec_result_polls_total {self.result_polls}")
-        header(
-            "harbor_exec_trajectories_dropped_total",
-            "counter",
-            "Trajectory files skipped because the writer was backlogged or failed.",
-        )
-        out.append(f"harbor_exec_trajectories_dropped_total {self.trajectories_dropped}")
-        for name, (help_text, value) in gauges.items():
-            if value is None:
-                continue
-            header(name, "gauge", help_text)
-            out.append(f"{name} {_number(value)}")
-        header(
-            "harbor_exec_rollout_duration_seconds",
-            "histogram",
-            "Admission to final result.",
-        )
-        out.extend(self.rollout_seconds.render("harbor_exec_rollout_duration_seconds"))
-        header(
-            "harbor_exec_rollout_queued_seconds",
-            "histogram",
-            "Admission to running.",
-        )
-        out.extend(self.queued_seconds.render("harbor_exec_rollout_queued_seconds"))
-        out.append("")
-        return "\n".join(out)
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def render(self, gauges: Gauges) -> str:
+        """The exposition text: this server's metrics with ``gauges`` (name ->
+        (help, value), None skipped), then the process-wide ones."""
+        self._scrape.gauges = gauges
+        try:
+            own = generate_latest(self.registry)
+        finally:
+            self._scrape.gauges = {}
+        return (own + generate_latest(REGISTRY)).decode()

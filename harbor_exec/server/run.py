@@ -4,19 +4,35 @@
 and tells it where to listen in ``_OSMOSIS_ROLLOUT_PORT`` (and where artifacts go in
 ``_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, read by ``default_artifact_root``). Explicit
 settings always win over those variables.
+
+uvicorn runs on uvloop's event loop with the httptools HTTP/1.1 parser (both in
+the ``server`` extra); when either is missing it falls back, on its own, to
+asyncio's loop or to h11.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import logging
 import os
 from typing import Any, Final
 
-__all__ = ["DEFAULT_PORT", "KEEP_ALIVE_SEC", "OSMOSIS_PORT_ENV", "resolve_port", "serve_app"]
+__all__ = [
+    "DEFAULT_PORT",
+    "KEEP_ALIVE_SEC",
+    "OSMOSIS_PORT_ENV",
+    "resolve_port",
+    "serve_app",
+    "uvicorn_implementations",
+]
+
 
 OSMOSIS_PORT_ENV: Final = "_OSMOSIS_ROLLOUT_PORT"
 DEFAULT_PORT: Final = 8000
 # Outlives common load balancers' idle timeouts (2100 s), as the reference scaffold does.
 KEEP_ALIVE_SEC: Final = 2160
+_STARTUP_FAILURE: Final = 3  # uvicorn's exit code
 
 
 def resolve_port(port: int | None) -> int:
@@ -35,6 +51,23 @@ def resolve_port(port: int | None) -> int:
     return value
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def uvicorn_implementations() -> tuple[str, str]:
+    """uvicorn's ``(loop, http)``: ``("uvloop", "httptools")`` when installed, each
+    falling back on its own to ``"asyncio"`` / ``"h11"``."""
+    return (
+        "uvloop" if _importable("uvloop") else "asyncio",
+        "httptools" if _importable("httptools") else "h11",
+    )
+
+
 def serve_app(
     app: Any,
     *,
@@ -46,11 +79,22 @@ def serve_app(
     """Serve ``app`` with uvicorn until interrupted (port: see ``resolve_port``)."""
     import uvicorn
 
-    uvicorn.run(
+    loop, http = uvicorn_implementations()
+    config = uvicorn.Config(
         app,
         host=host,
         port=resolve_port(port),
+        loop=loop,
+        http=http,
         timeout_keep_alive=KEEP_ALIVE_SEC,
         access_log=access_log,
         log_level=log_level,
     )
+    # The Config has set up uvicorn's loggers.
+    logging.getLogger("uvicorn.error").info("event loop %s, HTTP parser %s", loop, http)
+    server = uvicorn.Server(config)
+    # As uvicorn.run: Ctrl-C is a normal stop, a failed start-up exits with 3.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(_STARTUP_FAILURE)
