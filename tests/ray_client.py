@@ -41,8 +41,9 @@ async def one(
     cancelled_at = None
     if cancel_after is not None:
         await asyncio.sleep(float(cancel_after))
-        cancelled_at = time.monotonic()
-        await http.post(f"{url}/rollout/cancel", json={"rollout_id": rollout_id})
+        cancelled_at = time.time()
+        answer = await http.post(f"{url}/rollout/cancel", json={"ids": [rollout_id]})
+        answer.raise_for_status()
     result = await run
     return {
         "rollout_id": rollout_id,

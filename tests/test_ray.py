@@ -259,3 +259,115 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
         text=True,
     )
     assert leaked.stdout == "", f"the key is in {leaked.stdout}"
+
+
+def _slow_dataset(root: Path, seconds: int) -> Path:
+    """hello-shell whose oracle sleeps first: trials stay in the agent phase a while."""
+    import shutil
+
+    task = root / "slow"
+    shutil.copytree(DATASET / "hello-shell", task)
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(f"#!/bin/bash\nsleep {seconds}\n" + solve.read_text().split("\n", 1)[1])
+    return root
+
+
+def test_node_loss_cancel_and_a_joining_node(
+    ray_cluster: RayCluster, tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    dataset = _slow_dataset(tmp_path / "slow-dataset", 12)
+    url = ray_cluster.serve(
+        tmp_path / "srv",
+        "--tasks-dir",
+        str(dataset),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "oracle",
+        "--max-concurrent-trials",
+        "8",
+    )
+    ids = [uuid.uuid4().hex for _ in range(6)]
+    spec = json.dumps(
+        {
+            "url": url,
+            "key": KEY,
+            "rollouts": [{"rollout_id": i, "metadata": {"harbor_task_id": "slow"}} for i in ids],
+        }
+    )
+    client = subprocess.Popen(
+        ray_cluster.run(sys.executable, "-m", "tests.ray_client", spec),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    # Wait until all six run (three per node), then kill the first worker node.
+    deadline = time.monotonic() + 60
+    while len(_ours(docker_runtime, ids)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_ours(docker_runtime, ids)) == 6
+    time.sleep(3.0)  # well into the agent phase (the oracle sleeps 12 s)
+    lost = ray_cluster.nodes[0]
+    ray_cluster.command(f"remove {lost}")
+    removed_at = time.monotonic()
+    stdout, stderr = client.communicate(timeout=180)
+    assert client.returncode == 0, stderr[-3000:]
+    results = json.loads(stdout.strip().splitlines()[-1])["results"]
+    lost_ones = [r for r in results if r["status"] != "success"]
+    assert lost_ones and len(lost_ones) < len(results), results
+    for r in lost_ones:
+        assert r["err_category"] == "internal_error", r
+        assert f"Ray node {lost[:12]}" in r["err_message"], r
+        assert "was lost during the agent phase" in r["err_message"], r
+    # Each lost rollout ended within the lease, long before its trial would have.
+    assert all(r["seconds"] < 40 for r in lost_ones), results
+    assert time.monotonic() - removed_at < 60
+    # The dead node's containers belong to a dead process: the surviving node's
+    # reaper removes them.
+    deadline = time.monotonic() + 30
+    while _ours(docker_runtime, ids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _ours(docker_runtime, ids)
+
+    # A node that joins takes trials without a restart.
+    joined = ray_cluster.command("add", timeout=120)["node"]
+    ray_cluster.nodes[0] = joined
+    time.sleep(3.0)  # the server re-reads the node table every second
+    out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "slow"}} for _ in range(8)])
+    assert [r["status"] for r in out["results"]] == ["success"] * 8, out["results"]
+    nodes = {n["node_id"]: n for n in _find(out["health"], "nodes")}
+    assert nodes[joined]["alive"] and nodes[joined]["trials"] > 0, nodes
+    assert not nodes[lost]["alive"], nodes
+
+    # Cancel reaches a trial on any node and frees its container within 2 s.
+    cancel_id = uuid.uuid4().hex
+    spec = json.dumps(
+        {
+            "url": url,
+            "key": KEY,
+            "rollouts": [
+                {"rollout_id": cancel_id, "metadata": {"harbor_task_id": "slow"}, "cancel_after": 6}
+            ],
+        }
+    )
+    client = subprocess.Popen(
+        ray_cluster.run(sys.executable, "-m", "tests.ray_client", spec),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.monotonic() + 60
+    while not _ours(docker_runtime, [cancel_id]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours(docker_runtime, [cancel_id]), "the trial never started"
+    while _ours(docker_runtime, [cancel_id]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone_at = time.time()
+    stdout, stderr = client.communicate(timeout=120)
+    result = json.loads(stdout.strip().splitlines()[-1])["results"][0]
+    assert result["status"] in ("cancelled", "failure"), result
+    assert gone_at - result["cancelled_at"] < 2.0, (gone_at, result)
