@@ -371,3 +371,75 @@ def test_node_loss_cancel_and_a_joining_node(
     result = json.loads(stdout.strip().splitlines()[-1])["results"][0]
     assert result["status"] in ("cancelled", "failure"), result
     assert gone_at - result["cancelled_at"] < 2.0, (gone_at, result)
+
+
+def _stats_shape(job_result: Path) -> dict[str, Any]:
+    """A job's stats with trial names replaced by counts (names are random)."""
+    stats = json.loads(job_result.read_text())["stats"]
+    shape: dict[str, Any] = {
+        k: stats[k] for k in ("n_completed_trials", "n_errored_trials", "n_cancelled_trials")
+    }
+    for name, evals in stats["evals"].items():
+        shape[name] = {
+            "n_trials": evals["n_trials"],
+            "n_errors": evals["n_errors"],
+            "metrics": evals["metrics"],
+            "pass_at_k": evals["pass_at_k"],
+            "rewards": {
+                k: {v: len(t) for v, t in d.items()} for k, d in evals["reward_stats"].items()
+            },
+            "exceptions": {k: len(t) for k, t in evals["exception_stats"].items()},
+        }
+    return shape
+
+
+def test_validate_and_prewarm_on_ray_match_a_local_run(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    prewarm = subprocess.run(
+        ray_cluster.run(
+            sys.executable,
+            "-m",
+            "harbor_exec.cli",
+            "prewarm",
+            str(DATASET),
+            "--ray",
+            ray_cluster.address,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert prewarm.returncode == 0, prewarm.stdout + prewarm.stderr
+    for node in ray_cluster.nodes:
+        assert f"on node {node[:12]}" in prewarm.stdout, prewarm.stdout
+    runs = {}
+    for where in ("ray", "local"):
+        ray_args = ["--ray", ray_cluster.address] if where == "ray" else []
+        argv = [
+            sys.executable,
+            "-m",
+            "harbor_exec.cli",
+            "validate",
+            str(DATASET),
+            "-n",
+            "4",
+            "--jobs-dir",
+            str(tmp_path / where),
+            "--job-name",
+            "job",
+            *ray_args,
+        ]
+        done = subprocess.run(
+            ray_cluster.run(*argv) if where == "ray" else argv,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[where] = _stats_shape(tmp_path / where / "job" / "result.json")
+    assert runs["ray"] == runs["local"]
+    nodes = set()
+    for result in (tmp_path / "ray" / "job").glob("*/result.json"):
+        nodes.add(json.loads(result.read_text())["config"]["node"]["ray_node_id"])
+    assert len(nodes) >= 2, nodes
