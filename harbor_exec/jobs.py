@@ -9,6 +9,7 @@ re-raises, so nothing is left behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import shutil
@@ -20,15 +21,18 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from harbor_exec.errors import HarborExecError, TaskError
-from harbor_exec.results import TrialResult
+from harbor_exec.results import ExceptionInfo, TrialResult
 from harbor_exec.runtime import ContainerRuntime
 from harbor_exec.tasks import Task
-from harbor_exec.trials import Trial, TrialRequest
+from harbor_exec.trials import Trial, TrialRequest, new_trial_name
+
+if TYPE_CHECKING:
+    from harbor_exec.executor import TrialExecutor, TrialHandle
 
 
 def _finite(value: Any) -> float | None:
@@ -317,7 +321,7 @@ def _finished_trials(job_dir: Path) -> list[TrialResult]:
 
 
 def run_job(
-    runtime: ContainerRuntime,
+    runtime: ContainerRuntime | None,
     tasks: Sequence[Task],
     *,
     jobs_dir: Path,
@@ -329,12 +333,16 @@ def run_job(
     invalid_tasks: Sequence[TaskError] = (),
     make_request: Callable[[Task, Path], TrialRequest] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
+    executor: TrialExecutor | None = None,
 ) -> JobOutcome:
     """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir.
 
     An existing ``jobs_dir/job_name`` is resumed, as Harbor does: finished trials are
     kept and only the rest run; a changed dataset or ``n_attempts`` raises
     ``JobResumeError`` naming what changed.
+
+    With ``executor`` (e.g. a ``RayExecutor``), trials go through it instead of
+    running against ``runtime`` on this machine; the job closes it at the end.
     """
     started = datetime.now()
     job_dir = jobs_dir / (job_name or started.strftime("%Y-%m-%d__%H-%M-%S"))
@@ -369,12 +377,69 @@ def run_job(
     results: list[TrialResult] = list(kept)
     built = 0
 
+    loop: asyncio.AbstractEventLoop | None = None
+    remote: set[TrialHandle] = set()
+    if executor is not None:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="hx-executor", daemon=True).start()
+
+    def run_remote(task: Task, attempt: int, request: TrialRequest) -> TrialResult | None:
+        nonlocal built
+        assert executor is not None and loop is not None
+        request.trial_name = request.trial_name or new_trial_name(task.name)
+        trial_dir = job_dir / request.trial_name
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        (trial_dir / "config.json").write_text(
+            json.dumps(harbor_trial_config(task, trial_dir, job_id), indent=2)
+        )
+
+        async def go() -> TrialResult:
+            handle = executor.submit(
+                request,
+                on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
+            )
+            with lock:
+                remote.add(handle)
+            try:
+                run = await handle.result()
+            except HarborExecError as exc:  # the executor lost the trial (e.g. a Ray node)
+                result = TrialResult(
+                    task_name=task.name,
+                    trial_name=handle.name,
+                    trial_uri=trial_dir.resolve().as_uri(),
+                    task_id={"path": str(task.path)},
+                    source=request.source,
+                    task_checksum=task.checksum(),
+                    config={},
+                    agent_info=request.agent.info,
+                    exception_info=ExceptionInfo.from_exception(exc),
+                )
+                result.write(trial_dir)
+                return result
+            finally:
+                with lock:
+                    remote.discard(handle)
+            nonlocal built
+            built += run.images_built
+            return run.result
+
+        if stopping.is_set():
+            return None
+        result = asyncio.run_coroutine_threadsafe(go(), loop).result()
+        with lock:
+            results.append(result)
+        emit(JobEvent("finished", task, attempt, result=result))
+        return result
+
     def run_one(task: Task, attempt: int) -> TrialResult | None:
         nonlocal built
         if stopping.is_set():
             return None
         request = make_request(task, job_dir) if make_request else TrialRequest(task, job_dir)
         request.source = dataset_name
+        if executor is not None:
+            return run_remote(task, attempt, request)
+        assert runtime is not None
         trial = Trial(
             runtime,
             request,
@@ -415,9 +480,18 @@ def run_job(
             running = list(active)
         for trial in running:
             trial.cancel()
+        if executor is not None and loop is not None:
+            with lock:
+                handles = list(remote)
+            for handle in handles:
+                loop.call_soon_threadsafe(executor.cancel, handle)
         pool.shutdown(wait=True, cancel_futures=True)
     else:
         pool.shutdown(wait=True)
+    finally:
+        if executor is not None and loop is not None:
+            asyncio.run_coroutine_threadsafe(executor.aclose(), loop).result(timeout=120)
+            loop.call_soon_threadsafe(loop.stop)
 
     job_result = JobResult(
         id=job_id,

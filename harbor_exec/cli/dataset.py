@@ -38,7 +38,7 @@ from harbor_exec.jobs import (
     summary_rows,
 )
 from harbor_exec.prewarm import PrewarmEvent, prewarm_tasks, tally
-from harbor_exec.tasks import Discovery, discover_tasks
+from harbor_exec.tasks import Discovery, Task, discover_tasks
 from harbor_exec.trials import TrialRequest
 
 console = Console()
@@ -117,6 +117,16 @@ def _print_summary(outcome: JobOutcome) -> None:
     )
 
 
+RayOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        metavar="ADDRESS",
+        help="Run on the trial nodes of this Ray cluster (host:port of its head, or 'auto').",
+    ),
+]
+
+
 @app.command()
 def validate(
     path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
@@ -128,17 +138,21 @@ def validate(
     default_cpus: DefaultCpusOption = None,
     default_memory_mb: DefaultMemoryOption = None,
     max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
+    ray: RayOption = None,
 ) -> None:
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
+    from harbor_exec.cli.serve import open_ray_executor
+
     discovery = load_dataset(path)
-    runtime = open_runtime()
+    executor = open_ray_executor(ray) if ray else None
+    runtime = None if executor is not None else open_runtime()
     policy = sandbox_policy(
         verifier_mode=verifier_mode,
         default_cpus=default_cpus,
         default_memory_mb=default_memory_mb,
         max_log_bytes=max_log_bytes,
         max_concurrent_trials=n_concurrent,
-        pid_max=runtime.pid_max(),
+        pid_max=(executor or runtime).pid_max(),  # type: ignore[union-attr]
     )
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
     progress = Progress(
@@ -185,6 +199,7 @@ def validate(
                 invalid_tasks=discovery.broken,
                 make_request=lambda task, job_dir: TrialRequest(task, job_dir, policy=policy),
                 on_event=on_event,
+                executor=executor,
             )
     except JobResumeError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
@@ -192,7 +207,7 @@ def validate(
     except JobInterrupted as interrupted:
         if isinstance(interrupted.cause, _Signalled):
             signum = interrupted.cause.signum
-        left = runtime.remove_owned()
+        left = runtime.remove_owned() if runtime is not None else 0
         console.print(
             f"[yellow]interrupted ({signal.Signals(signum).name})[/yellow]: running trials "
             "were cancelled and their containers "
@@ -220,9 +235,18 @@ def prewarm(
             help="Images built at once (default: the engine's CPU count).",
         ),
     ] = None,
+    ray: RayOption = None,
+    node: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--node", help="With --ray: only this node (id prefix or address; repeatable)."
+        ),
+    ] = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed."""
     discovery = load_dataset(path)
+    if ray:
+        _prewarm_ray(ray, discovery.tasks, node or None, broken=len(discovery.broken))
     runtime = open_runtime()
     n_jobs = jobs or runtime.engine_cpus()
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
@@ -276,3 +300,37 @@ def prewarm(
         + f"; {wall:.1f}s with {n_jobs} job(s), builder {runtime.builder}"
     )
     raise typer.Exit(1 if counted["failed"] else 0)
+
+
+def _prewarm_ray(address: str, tasks: list[Task], nodes: list[str] | None, *, broken: int) -> None:
+    """``prewarm --ray``: build every task image on every trial node (or those named),
+    one line per task and node; exit 1 if any failed."""
+    import asyncio
+
+    from harbor_exec.cli.serve import open_ray_executor
+
+    executor = open_ray_executor(address)
+    failed = broken
+
+    async def run() -> None:
+        nonlocal failed
+        try:
+            for task in tasks:
+                started = time.monotonic()
+                report = await executor.prewarm_nodes(task, None, nodes)
+                seconds = time.monotonic() - started
+                for name, outcome in sorted(report.items()):
+                    if isinstance(outcome, str):
+                        failed += 1
+                        console.print(
+                            f"[red]failed[/] {escape(task.name)} on {name}: {escape(outcome)}"
+                        )
+                    else:
+                        status = "built" if outcome else "cached"
+                        console.print(f"{status} {escape(task.name)} on node {name} {seconds:.1f}s")
+        finally:
+            await executor.aclose()
+
+    asyncio.run(run())
+    console.print(f"{len(tasks)} task(s) on {len(executor.live_nodes())} node(s); failed: {failed}")
+    raise typer.Exit(1 if failed else 0)

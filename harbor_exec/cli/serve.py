@@ -60,6 +60,25 @@ class ServeOptions:
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
     prewarm_jobs: int | None = None
+    ray: str | None = None  # run trials on this Ray cluster ("auto": the one this node is in)
+
+
+def open_ray_executor(address: str) -> Any:
+    """A connected ``RayExecutor``, or a clear message and exit code 2."""
+    try:
+        from harbor_exec.ray_executor import RayExecutor, RayUnavailableError
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        typer.echo(
+            f"error: --ray needs the ray extra (pip install 'harbor-exec[ray]'): {exc}", err=True
+        )
+        raise typer.Exit(2) from None
+    executor = RayExecutor(address)
+    try:
+        executor.connect()
+    except RayUnavailableError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    return executor
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -72,8 +91,10 @@ def build_harbor_backend(options: ServeOptions) -> Any:
         raise typer.BadParameter("with --tasks-dir, name the workflow with --agent module:Class")
     if options.task_mode not in ("template", "dataset"):
         raise typer.BadParameter("--task-mode must be 'template' or 'dataset'")
+    executor = open_ray_executor(options.ray) if options.ray else None
     try:
         backend = HarborBackend(
+            executor=executor,
             tasks_dir=options.tasks_dir or Path("."),
             task_mode="dataset" if options.task_mode == "dataset" else "template",
             agent=options.agent or "oracle",
@@ -248,6 +269,15 @@ def serve(
         int | None,
         typer.Option(min=1, help="Images --prewarm builds at once (default: engine CPUs)."),
     ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run trials on the nodes of this Ray cluster (host:port of its head, or "
+            "'auto'); nodes offer slots with the harbor_exec_trial resource (docs/ray.md).",
+        ),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -279,6 +309,7 @@ def serve(
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,
         prewarm_jobs=prewarm_jobs,
+        ray=ray,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

@@ -1,0 +1,71 @@
+"""Rollouts through a ``serve --ray`` server with the osmosis-ai 0.3.8 client (tests only).
+
+Runs inside the test cluster's network namespace, beside the server. Argument: a
+JSON object ``{"url", "key", "rollouts": [{"metadata", "label", "prompt", "cancel_after"}]}``;
+prints one JSON line: the results, in order, and what ``/health`` said.
+A fake chat endpoint (``tests.fake_chat``) answers the workflows' model calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from typing import Any
+
+import httpx
+from osmosis_ai.rollout.client import RolloutClient
+
+from tests.fake_chat import FakeChat
+
+
+async def one(
+    url: str, chat: FakeChat, key: str, spec: dict[str, Any], http: httpx.AsyncClient
+) -> dict[str, Any]:
+    client = RolloutClient(url=url, http_client=http)
+    rollout_id = spec.get("rollout_id") or uuid.uuid4().hex
+    started = time.monotonic()
+    run = asyncio.create_task(
+        client.run_rollout(
+            initial_messages=spec.get("prompt", []),
+            chat_completions_url=chat.base_url,
+            rollout_id=rollout_id,
+            llm_api_key=key,
+            metadata=spec.get("metadata") or {},
+            label=spec.get("label"),
+        )
+    )
+    cancel_after = spec.get("cancel_after")
+    cancelled_at = None
+    if cancel_after is not None:
+        await asyncio.sleep(float(cancel_after))
+        cancelled_at = time.time()
+        answer = await http.post(f"{url}/rollout/cancel", json={"ids": [rollout_id]})
+        answer.raise_for_status()
+    result = await run
+    return {
+        "rollout_id": rollout_id,
+        "status": str(getattr(result.status, "value", result.status)),
+        "reward": result.sample.reward if result.sample is not None else None,
+        "err_category": str(getattr(result.err_category, "value", result.err_category)),
+        "err_message": result.err_message,
+        "seconds": round(time.monotonic() - started, 2),
+        "cancelled_at": cancelled_at,
+    }
+
+
+async def main(spec: dict[str, Any]) -> None:
+    url = spec["url"]
+    with FakeChat() as chat:
+        async with httpx.AsyncClient(timeout=300) as http:
+            results = await asyncio.gather(
+                *(one(url, chat, spec["key"], r, http) for r in spec["rollouts"])
+            )
+            health = (await http.get(f"{url}/health")).json()
+    print(json.dumps({"results": results, "health": health}), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(json.loads(sys.argv[1])))

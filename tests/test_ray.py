@@ -1,0 +1,445 @@
+"""``RayExecutor`` on a real multi-node Ray cluster on this machine.
+
+Ray advertises the machine's interface address even when told 127.0.0.1, so the
+cluster, the ``serve --ray`` servers and their clients run inside a network
+namespace with only loopback up (created here, deleted at the end); the Docker
+engine is reached through its unix socket. One cluster per module: a head without
+trial slots and two workers with ``harbor_exec_trial`` slots (``tests/ray_cluster.py``),
+all sharing the local Docker engine. Without Ray or Docker these tests fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from harbor_exec.docker_runtime import DockerRuntime
+from harbor_exec.runtime import LABEL_ROLLOUT
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "tasks_examples" / "dataset"
+TEMPLATE = ROOT / "tasks_examples" / "template"
+PROJECT = ROOT / "tasks_examples" / "workflow_project"
+KEY = "sk-ray-secret-" + uuid.uuid4().hex
+
+pytestmark = [pytest.mark.docker, pytest.mark.ray, pytest.mark.usefixtures("base_images")]
+
+
+def _read_json_line(stream: IO[str], timeout: float) -> dict[str, Any]:
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(timeout=max(0.0, deadline - time.monotonic())):
+            line = stream.readline()
+            if not line:
+                raise AssertionError("the process ended before answering")
+            if line.startswith("{"):
+                return dict(json.loads(line))
+    raise AssertionError(f"no answer within {timeout:g}s")
+
+
+@dataclass
+class RayCluster:
+    netns: str
+    process: subprocess.Popen[str]
+    address: str
+    nodes: list[str]
+    session: str
+    servers: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def run(self, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def command(self, line: str, timeout: float = 60) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return _read_json_line(self.process.stdout, timeout)
+
+    def serve(self, tmp: Path, *args: str) -> str:
+        """Start ``serve --ray`` in the namespace; returns its URL once it answers."""
+        port = 18000 + len(self.servers) + (os.getpid() % 500) * 8
+        server = subprocess.Popen(
+            self.run(
+                sys.executable,
+                "-m",
+                "harbor_exec.cli",
+                "serve",
+                "--ray",
+                self.address,
+                "--port",
+                str(port),
+                "--trials-dir",
+                str(tmp / "trials"),
+                "--artifact-root",
+                str(tmp / "sa"),
+                *args,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "HARBOR_EXEC_DATA_DIR": str(tmp / "data")},
+        )
+        self.servers.append(server)
+        assert server.stdout is not None
+        deadline = time.monotonic() + 180
+        seen: list[str] = []
+        while time.monotonic() < deadline:
+            line = server.stdout.readline()
+            if not line:
+                raise AssertionError("serve --ray exited:\n" + "".join(seen))
+            seen.append(line)
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                return f"http://127.0.0.1:{port}"
+        raise AssertionError("serve --ray never started:\n" + "".join(seen))
+
+    def client(self, url: str, rollouts: list[dict[str, Any]], timeout: float = 240) -> Any:
+        spec = json.dumps({"url": url, "key": KEY, "rollouts": rollouts})
+        done = subprocess.run(
+            self.run(sys.executable, "-m", "tests.ray_client", spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def stop_servers(self) -> None:
+        for server in self.servers:
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+        for server in self.servers:
+            try:
+                server.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        self.servers.clear()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"these tests need Ray (pip install -e '.[dev]'): {exc}", pytrace=False)
+    netns = f"hx-ray-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    try:
+        subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", netns, sys.executable, str(ROOT / "tests" / "ray_cluster.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert process.stdout is not None
+        started = _read_json_line(process.stdout, 120)
+        cluster = RayCluster(
+            netns, process, started["address"], list(started["nodes"]), started["session"]
+        )
+        try:
+            yield cluster
+        finally:
+            cluster.stop_servers()
+            with_timeout = time.monotonic() + 60
+            with contextlib.suppress(AssertionError, OSError, ValueError):
+                cluster.command("quit", timeout=60)
+            while process.poll() is None and time.monotonic() < with_timeout:
+                time.sleep(0.2)
+    finally:
+        # Everything left in the namespace was started by this fixture.
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "delete", netns], check=False)
+
+
+def _find(tree: Any, key: str) -> Any:
+    if isinstance(tree, dict):
+        if tree.get(key):
+            return tree[key]
+        for value in tree.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _nodes_of(trials: Path) -> set[str]:
+    nodes = set()
+    for result in trials.glob("*/result.json"):
+        data = json.loads(result.read_text())
+        nodes.add(data["config"]["node"]["ray_node_id"])
+    return nodes
+
+
+def _ours(runtime: DockerRuntime, rollout_ids: list[str]) -> list[Any]:
+    return [
+        c
+        for c in runtime.our_containers()
+        if (c.get("Labels") or {}).get(LABEL_ROLLOUT) in rollout_ids
+    ]
+
+
+def test_oracle_and_workflow_rollouts_land_on_several_nodes(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    tasks = sorted(p.name for p in DATASET.iterdir() if (p / "task.toml").is_file())
+    url = ray_cluster.serve(
+        tmp_path / "oracle",
+        "--tasks-dir",
+        str(DATASET),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "oracle",
+        "--max-concurrent-trials",
+        "8",
+    )
+    rollouts = [{"metadata": {"harbor_task_id": t}} for t in tasks + tasks[:3]]
+    out = ray_cluster.client(url, rollouts)
+    got = [(r["status"], r["reward"]) for r in out["results"]]
+    # As with the local executor: word-stats writes no 'reward' key, so a trainer gets none.
+    expected = [
+        ("failure", None) if r["metadata"]["harbor_task_id"] == "word-stats" else ("success", 1.0)
+        for r in rollouts
+    ]
+    assert got == expected, [r["err_message"] for r in out["results"]]
+    nodes = _find(out["health"], "nodes")
+    assert {n["node_id"] for n in nodes} == set(ray_cluster.nodes), nodes
+    # Trials landed on more than one node.
+    assert sum(1 for n in nodes if n["trials"] > 0) >= 2, nodes
+
+    workflow_url = ray_cluster.serve(
+        tmp_path / "workflow",
+        "--tasks-dir",
+        str(TEMPLATE),
+        "--agent",
+        "arith_agent.workflow:ArithWorkflow",
+        "--grader",
+        "arith_agent.workflow:ArithGrader",
+        "--workflow-config",
+        "arith_agent.workflow:workflow_config",
+        "--grader-config",
+        "arith_agent.workflow:grader_config",
+        "--code-dir",
+        str(PROJECT),
+    )
+    question = [{"role": "user", "content": "What is 6 * 7?"}]
+    wf = ray_cluster.client(
+        workflow_url,
+        [{"prompt": question, "label": "42"}] * 3 + [{"prompt": question, "label": "41"}],
+    )
+    assert [(r["status"], r["reward"]) for r in wf["results"]] == [("success", 1.0)] * 3 + [
+        ("success", 0.0)
+    ], wf["results"]
+    ray_cluster.stop_servers()
+    # The LLM key never reached Ray's logs, object store spill files or dashboard.
+    leaked = subprocess.run(
+        ["grep", "-rl", "--binary-files=text", KEY, ray_cluster.session],
+        capture_output=True,
+        text=True,
+    )
+    assert leaked.stdout == "", f"the key is in {leaked.stdout}"
+
+
+def _slow_dataset(root: Path, seconds: int) -> Path:
+    """hello-shell whose oracle sleeps first: trials stay in the agent phase a while."""
+    import shutil
+
+    task = root / "slow"
+    shutil.copytree(DATASET / "hello-shell", task)
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(f"#!/bin/bash\nsleep {seconds}\n" + solve.read_text().split("\n", 1)[1])
+    return root
+
+
+def test_node_loss_cancel_and_a_joining_node(
+    ray_cluster: RayCluster, tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    dataset = _slow_dataset(tmp_path / "slow-dataset", 12)
+    url = ray_cluster.serve(
+        tmp_path / "srv",
+        "--tasks-dir",
+        str(dataset),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "oracle",
+        "--max-concurrent-trials",
+        "8",
+    )
+    ids = [uuid.uuid4().hex for _ in range(6)]
+    spec = json.dumps(
+        {
+            "url": url,
+            "key": KEY,
+            "rollouts": [{"rollout_id": i, "metadata": {"harbor_task_id": "slow"}} for i in ids],
+        }
+    )
+    client = subprocess.Popen(
+        ray_cluster.run(sys.executable, "-m", "tests.ray_client", spec),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    # Wait until all six run (three per node), then kill the first worker node.
+    deadline = time.monotonic() + 60
+    while len(_ours(docker_runtime, ids)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_ours(docker_runtime, ids)) == 6
+    time.sleep(3.0)  # well into the agent phase (the oracle sleeps 12 s)
+    lost = ray_cluster.nodes[0]
+    ray_cluster.command(f"remove {lost}")
+    removed_at = time.monotonic()
+    stdout, stderr = client.communicate(timeout=180)
+    assert client.returncode == 0, stderr[-3000:]
+    results = json.loads(stdout.strip().splitlines()[-1])["results"]
+    lost_ones = [r for r in results if r["status"] != "success"]
+    assert lost_ones and len(lost_ones) < len(results), results
+    for r in lost_ones:
+        assert r["err_category"] == "internal_error", r
+        assert f"Ray node {lost[:12]}" in r["err_message"], r
+        assert "was lost during the agent phase" in r["err_message"], r
+    # Each lost rollout ended within the lease, long before its trial would have.
+    assert all(r["seconds"] < 40 for r in lost_ones), results
+    assert time.monotonic() - removed_at < 60
+    # The dead node's containers belong to a dead process: the surviving node's
+    # reaper removes them.
+    deadline = time.monotonic() + 30
+    while _ours(docker_runtime, ids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _ours(docker_runtime, ids)
+
+    # A node that joins takes trials without a restart.
+    joined = ray_cluster.command("add", timeout=120)["node"]
+    ray_cluster.nodes[0] = joined
+    time.sleep(3.0)  # the server re-reads the node table every second
+    out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "slow"}} for _ in range(8)])
+    assert [r["status"] for r in out["results"]] == ["success"] * 8, out["results"]
+    nodes = {n["node_id"]: n for n in _find(out["health"], "nodes")}
+    assert nodes[joined]["alive"] and nodes[joined]["trials"] > 0, nodes
+    assert not nodes[lost]["alive"], nodes
+
+    # Cancel reaches a trial on any node and frees its container within 2 s.
+    cancel_id = uuid.uuid4().hex
+    spec = json.dumps(
+        {
+            "url": url,
+            "key": KEY,
+            "rollouts": [
+                {"rollout_id": cancel_id, "metadata": {"harbor_task_id": "slow"}, "cancel_after": 6}
+            ],
+        }
+    )
+    client = subprocess.Popen(
+        ray_cluster.run(sys.executable, "-m", "tests.ray_client", spec),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.monotonic() + 60
+    while not _ours(docker_runtime, [cancel_id]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours(docker_runtime, [cancel_id]), "the trial never started"
+    while _ours(docker_runtime, [cancel_id]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone_at = time.time()
+    stdout, stderr = client.communicate(timeout=120)
+    result = json.loads(stdout.strip().splitlines()[-1])["results"][0]
+    assert result["status"] in ("cancelled", "failure"), result
+    assert gone_at - result["cancelled_at"] < 2.0, (gone_at, result)
+
+
+def _stats_shape(job_result: Path) -> dict[str, Any]:
+    """A job's stats with trial names replaced by counts (names are random)."""
+    stats = json.loads(job_result.read_text())["stats"]
+    shape: dict[str, Any] = {
+        k: stats[k] for k in ("n_completed_trials", "n_errored_trials", "n_cancelled_trials")
+    }
+    for name, evals in stats["evals"].items():
+        shape[name] = {
+            "n_trials": evals["n_trials"],
+            "n_errors": evals["n_errors"],
+            "metrics": evals["metrics"],
+            "pass_at_k": evals["pass_at_k"],
+            "rewards": {
+                k: {v: len(t) for v, t in d.items()} for k, d in evals["reward_stats"].items()
+            },
+            "exceptions": {k: len(t) for k, t in evals["exception_stats"].items()},
+        }
+    return shape
+
+
+def test_validate_and_prewarm_on_ray_match_a_local_run(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    prewarm = subprocess.run(
+        ray_cluster.run(
+            sys.executable,
+            "-m",
+            "harbor_exec.cli",
+            "prewarm",
+            str(DATASET),
+            "--ray",
+            ray_cluster.address,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert prewarm.returncode == 0, prewarm.stdout + prewarm.stderr
+    for node in ray_cluster.nodes:
+        assert f"on node {node[:12]}" in prewarm.stdout, prewarm.stdout
+    runs = {}
+    for where in ("ray", "local"):
+        ray_args = ["--ray", ray_cluster.address] if where == "ray" else []
+        argv = [
+            sys.executable,
+            "-m",
+            "harbor_exec.cli",
+            "validate",
+            str(DATASET),
+            "-n",
+            "4",
+            "--jobs-dir",
+            str(tmp_path / where),
+            "--job-name",
+            "job",
+            *ray_args,
+        ]
+        done = subprocess.run(
+            ray_cluster.run(*argv) if where == "ray" else argv,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[where] = _stats_shape(tmp_path / where / "job" / "result.json")
+    assert runs["ray"] == runs["local"]
+    nodes = set()
+    for result in (tmp_path / "ray" / "job").glob("*/result.json"):
+        nodes.add(json.loads(result.read_text())["config"]["node"]["ray_node_id"])
+    assert len(nodes) >= 2, nodes
