@@ -225,7 +225,11 @@ def test_cancel_queued_and_running_and_429(
     async def scenario(url: str) -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=60) as http:
             ours = RolloutClient(url=url, http_client=http)
-            kwargs: dict[str, Any] = {"chat_completions_url": chat.base_url, "llm_api_key": KEY, "label": "42"}
+            kwargs: dict[str, Any] = {
+                "chat_completions_url": chat.base_url,
+                "llm_api_key": KEY,
+                "label": "42",
+            }
             prompt = [{"role": "user", "content": "What is 6 * 7?"}]
             running = await ours.run_rollout_async(prompt, rollout_id="run-1", **kwargs)
             await asyncio.wait_for(running.wait_for_running(), 30)
