@@ -23,17 +23,23 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from pydantic import ValidationError
 
-from bundler.cache import default_cache_dir, publish, work_dir
-from bundler.errors import BundleBuildError, BundleError
-from bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
-from bundler.project import Project, check_ref, iter_project_files, load_project, tree_digest
-from bundler.runtime import (
+from harbor_exec.bundler.cache import default_cache_dir, publish, work_dir
+from harbor_exec.bundler.errors import BundleBuildError, BundleError
+from harbor_exec.bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
+from harbor_exec.bundler.project import (
+    Project,
+    check_ref,
+    iter_project_files,
+    load_project,
+    tree_digest,
+)
+from harbor_exec.bundler.runtime import (
     RUNTIME_DISTRIBUTION,
     RuntimeSource,
     ensure_runtime_wheel,
     runtime_source,
 )
-from bundler.wheels import (
+from harbor_exec.bundler.wheels import (
     DEFAULT_PLATFORM,
     Target,
     build_wheel,

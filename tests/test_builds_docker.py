@@ -309,8 +309,8 @@ def test_prewarm_cli_progress_summary_and_second_run(
 def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
     tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from bundler import build_bundle
     from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.bundler import build_bundle
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 
     bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)

@@ -27,7 +27,7 @@ from bundle_utils import (  # noqa: F401  (fixtures are used by name)
 )
 from typer.testing import CliRunner
 
-from bundler import (
+from harbor_exec.bundler import (
     Bundle,
     BundleBuildError,
     BundleError,
@@ -38,7 +38,7 @@ from bundler import (
     build_bundle,
     platform_tags,
 )
-from bundler.wheels import build_wheel, marker_environment, target_requirements
+from harbor_exec.bundler.wheels import build_wheel, marker_environment, target_requirements
 
 
 def _sha256(path: Path) -> str:

@@ -35,7 +35,7 @@ from bundle_utils import (  # noqa: F401  (fixtures are used by name)
 )
 from fake_chat import FakeChat
 
-from bundler import Bundle
+from harbor_exec.bundler import Bundle
 
 CUSTOM_FLOWS = """
     import asyncio

@@ -297,7 +297,8 @@ class HarborBackend(ExecutionBackend):
         code_dir: str | Path | None,
         bundle: Any,
     ) -> None:
-        from bundler import build_bundle  # the bundler extra is only needed for workflows
+        # The bundler extra is only needed for workflows.
+        from harbor_exec.bundler import build_bundle
 
         workflow_ref = _ref_for(agent, what="agent")
         assert workflow_ref is not None

@@ -49,7 +49,7 @@ def bundle(
     """Build a workflow project into a bundle: its wheel, a dependency wheelhouse for
     the task container, and manifest.json. Reuses the cached bundle when nothing changed."""
     # Imported here: the bundler needs the 'bundler' extra, other commands do not.
-    from bundler import DEFAULT_PLATFORM, BundleError, build_bundle
+    from harbor_exec.bundler import DEFAULT_PLATFORM, BundleError, build_bundle
 
     err = Console(stderr=True)
     try:
