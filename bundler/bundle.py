@@ -139,7 +139,8 @@ def build_bundle(
     project's package. ``python_version`` and ``platform`` describe the task
     container (default: Debian bookworm's CPython 3.11 on x86_64; every manylinux
     tag down to the oldest glibc is accepted). ``cache_dir`` defaults to
-    ``$HARBOR_EXEC_CACHE_DIR`` or ``~/.cache/harbor-exec/bundles``.
+    ``<harbor-exec cache>/bundles`` (``$HARBOR_EXEC_CACHE_DIR/bundles``, else
+    ``~/.cache/harbor-exec/bundles``).
 
     Raises a :class:`bundler.errors.BundleError` subclass naming what to fix.
     """

@@ -42,7 +42,10 @@ def bundle(
     ] = None,
     cache_dir: Annotated[
         Path | None,
-        typer.Option(help="bundle cache [default: $HARBOR_EXEC_CACHE_DIR or ~/.cache/...]"),
+        typer.Option(
+            help="bundle cache [default: $HARBOR_EXEC_CACHE_DIR/bundles, "
+            "else ~/.cache/harbor-exec/bundles]"
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
