@@ -38,13 +38,13 @@ def bundle(
     python_version: Annotated[str, typer.Option(help="the task container's Python, X.Y")] = "3.11",
     platform: Annotated[
         str | None,
-        typer.Option(help="the container's wheel platform tag [default: manylinux_2_36_x86_64]"),
+        typer.Option(help="the container's wheel platform tag (default: manylinux_2_36_x86_64)"),
     ] = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option(
-            help="bundle cache [default: $HARBOR_EXEC_CACHE_DIR/bundles, "
-            "else ~/.cache/harbor-exec/bundles]"
+            help="bundle cache (default: $HARBOR_EXEC_CACHE_DIR/bundles, "
+            "else ~/.cache/harbor-exec/bundles)"
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
