@@ -548,15 +548,6 @@ def load_task(
     return Task(source_dir.resolve(), name, config, instruction, digests, task_dir, env_allow)
 
 
-def is_task_dir(path: Path) -> bool:
-    """Harbor's ``Task.is_valid_dir``: the directory loads as a task."""
-    try:
-        load_task(path)
-    except TaskError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class Discovery:
     """What a dataset path holds: its valid tasks, and task dirs that failed to load."""
