@@ -271,7 +271,7 @@ def test_parallel_prewarm_builds_each_tag_once(
             with guard:
                 active -= 1
 
-    docker_runtime._build = counting  # type: ignore[method-assign]
+    docker_runtime._build = counting  # type: ignore[method-assign,assignment]
     try:
         outcomes = prewarm_tasks(docker_runtime, tasks, jobs=4)
     finally:

@@ -16,15 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from bundle_utils import (  # noqa: F401  (fixtures are used by name)
-    EXAMPLE_DIR,
-    EXAMPLE_REFS,
-    WORKFLOW_MODULE,
-    bundle_cache,
-    example_bundle,
-    setuptools_pyproject,
-    write_project,
-)
 from typer.testing import CliRunner
 
 from harbor_exec.bundler import (
@@ -39,6 +30,15 @@ from harbor_exec.bundler import (
     platform_tags,
 )
 from harbor_exec.bundler.wheels import build_wheel, marker_environment, target_requirements
+from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
+    EXAMPLE_DIR,
+    EXAMPLE_REFS,
+    WORKFLOW_MODULE,
+    bundle_cache,
+    example_bundle,
+    setuptools_pyproject,
+    write_project,
+)
 
 
 def _sha256(path: Path) -> str:

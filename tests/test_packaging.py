@@ -38,7 +38,7 @@ def _requirements(group: str | None) -> set[str]:
 def _imports(path: Path) -> tuple[set[str], set[str]]:
     """Top-level names a module imports at module level, and inside functions."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nested: set[str] = set()
+    nested: set[int] = set()
     for func in ast.walk(tree):
         if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
             nested |= {id(node) for node in ast.walk(func)}

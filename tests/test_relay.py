@@ -27,8 +27,6 @@ from typing import Any
 
 import httpx
 import pytest
-from bundle_utils import PYTHON311, REPO_ROOT, clean_env
-from fake_chat import FakeChat
 
 from harbor_exec.relay import (
     ModelRelay,
@@ -37,6 +35,8 @@ from harbor_exec.relay import (
     render_relay_metrics,
 )
 from harbor_exec.runner import RelayForwarder
+from tests.bundle_utils import PYTHON311, REPO_ROOT, clean_env
+from tests.fake_chat import FakeChat
 
 pytestmark = pytest.mark.timeout(60)
 
