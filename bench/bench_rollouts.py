@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_trials import floor_trial  # noqa: E402
-from bundler import build_bundle  # noqa: E402
 from harbor_exec.backends.harbor import HarborBackend  # noqa: E402
+from harbor_exec.bundler import build_bundle  # noqa: E402
 from harbor_exec.client import RolloutClient  # noqa: E402
 from harbor_exec.server.app import create_rollout_server  # noqa: E402
 from harbor_exec.tasks import load_task  # noqa: E402

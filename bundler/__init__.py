@@ -7,16 +7,16 @@ into a wheelhouse, writes ``manifest.json``, and caches the result by a hash of
 its inputs. See docs/bundles.md.
 """
 
-from bundler.bundle import Bundle, build_bundle
-from bundler.errors import (
+from harbor_exec.bundler.bundle import Bundle, build_bundle
+from harbor_exec.bundler.errors import (
     BundleBuildError,
     BundleError,
     DependencyDownloadError,
     EntryPointError,
     ProjectLayoutError,
 )
-from bundler.manifest import MANIFEST_NAME, Manifest, WheelFile
-from bundler.wheels import DEFAULT_PLATFORM, platform_tags
+from harbor_exec.bundler.manifest import MANIFEST_NAME, Manifest, WheelFile
+from harbor_exec.bundler.wheels import DEFAULT_PLATFORM, platform_tags
 
 __all__ = [
     "DEFAULT_PLATFORM",

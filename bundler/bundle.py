@@ -23,17 +23,23 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from pydantic import ValidationError
 
-from bundler.cache import default_cache_dir, publish, work_dir
-from bundler.errors import BundleBuildError, BundleError
-from bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
-from bundler.project import Project, check_ref, iter_project_files, load_project, tree_digest
-from bundler.runtime import (
+from harbor_exec.bundler.cache import default_cache_dir, publish, work_dir
+from harbor_exec.bundler.errors import BundleBuildError, BundleError
+from harbor_exec.bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
+from harbor_exec.bundler.project import (
+    Project,
+    check_ref,
+    iter_project_files,
+    load_project,
+    tree_digest,
+)
+from harbor_exec.bundler.runtime import (
     RUNTIME_DISTRIBUTION,
     RuntimeSource,
     ensure_runtime_wheel,
     runtime_source,
 )
-from bundler.wheels import (
+from harbor_exec.bundler.wheels import (
     DEFAULT_PLATFORM,
     Target,
     build_wheel,
@@ -133,7 +139,8 @@ def build_bundle(
     project's package. ``python_version`` and ``platform`` describe the task
     container (default: Debian bookworm's CPython 3.11 on x86_64; every manylinux
     tag down to the oldest glibc is accepted). ``cache_dir`` defaults to
-    ``$HARBOR_EXEC_CACHE_DIR`` or ``~/.cache/harbor-exec/bundles``.
+    ``<harbor-exec cache>/bundles`` (``$HARBOR_EXEC_CACHE_DIR/bundles``, else
+    ``~/.cache/harbor-exec/bundles``).
 
     Raises a :class:`bundler.errors.BundleError` subclass naming what to fix.
     """

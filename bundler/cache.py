@@ -1,6 +1,8 @@
 """The content-addressed cache: where bundles live and how they are published.
 
-Layout under the cache directory::
+The bundler's cache directory is ``<harbor-exec cache>/bundles`` unless a caller
+names another (``build_bundle(cache_dir=...)``, ``harbor-exec bundle --cache-dir``);
+see ``harbor_exec.cache``. Layout under it::
 
     bundles/<inputs digest[:32]>/   one bundle (manifest.json, wheel/, wheelhouse/)
     deps/<key[:32]>/                one dependency wheelhouse, keyed by the requirement set
@@ -21,18 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "default_cache_dir", "publish", "work_dir"]
+from harbor_exec.cache import BUNDLES, cache_root
 
-CACHE_ENV = "HARBOR_EXEC_CACHE_DIR"
+__all__ = ["default_cache_dir", "publish", "work_dir"]
+
 _STALE_WORK_SEC = 24 * 3600.0
 
 
 def default_cache_dir() -> Path:
-    """``$HARBOR_EXEC_CACHE_DIR``, else ``~/.cache/harbor-exec/bundles``."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "harbor-exec" / "bundles"
+    """``<harbor-exec cache>/bundles``: ``$HARBOR_EXEC_CACHE_DIR/bundles``, else
+    ``~/.cache/harbor-exec/bundles``."""
+    return cache_root() / BUNDLES
 
 
 def work_dir(cache_dir: Path, prefix: str) -> Path:

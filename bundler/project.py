@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bundler.errors import EntryPointError, ProjectLayoutError, rel
+from harbor_exec.bundler.errors import EntryPointError, ProjectLayoutError, rel
 
 __all__ = [
     "EXCLUDED_DIRS",

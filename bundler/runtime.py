@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import harbor_exec
-from bundler.cache import publish, work_dir
-from bundler.errors import BundleBuildError
-from bundler.wheels import build_wheel
+from harbor_exec.bundler.cache import publish, work_dir
+from harbor_exec.bundler.errors import BundleBuildError
+from harbor_exec.bundler.wheels import build_wheel
 
 __all__ = [
     "RUNTIME_DISTRIBUTION",

@@ -30,7 +30,7 @@ from packaging.utils import (
 )
 from packaging.version import Version
 
-from bundler.errors import BundleBuildError, DependencyDownloadError
+from harbor_exec.bundler.errors import BundleBuildError, DependencyDownloadError
 
 __all__ = [
     "DEFAULT_PLATFORM",

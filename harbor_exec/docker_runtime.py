@@ -52,6 +52,7 @@ import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.buildkit import TRACE_ID, BuildkitProgress
+from harbor_exec.cache import BUILD_LOGS, cache_root
 from harbor_exec.cgroups import HostCgroup
 from harbor_exec.errors import (
     DockerUnavailableError,
@@ -72,7 +73,6 @@ from harbor_exec.runtime import (
     ImageInfo,
     cut_marker,
 )
-from harbor_exec.tasks import default_cache_dir
 
 _LOG_TAIL_LINES = 25
 # What one exec may return on stdout/stderr (the tail is kept): phases redirect
@@ -271,7 +271,8 @@ class DockerRuntime:
         #: Builds started per tag by this runtime (a tag is built once unless it failed).
         self.build_counts: Counter[str] = Counter()
         self.owner = owner or current_owner()
-        self.cache_dir = cache_dir or default_cache_dir()
+        #: The harbor-exec cache root (build logs go to its build-logs/).
+        self.cache_dir = cache_dir or cache_root()
         self._base_url = base_url
         try:
             # Control calls are short; exec streams can last as long as an agent runs,
@@ -359,7 +360,7 @@ class DockerRuntime:
         with self._lock_for(tag):
             if self.image_exists(tag):  # another thread built it while we waited
                 return BuildResult(tag, False, time.monotonic() - started, None)
-            log_path = self.cache_dir / "build-logs" / f"{tag.replace('/', '_')}.log"
+            log_path = self.cache_dir / BUILD_LOGS / f"{tag.replace('/', '_')}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._build(context_dir, tag, timeout_sec, labels, build_args or {}, log_path)
             return BuildResult(tag, True, time.monotonic() - started, log_path)

@@ -4,15 +4,20 @@
 locally, else pulled, else built here (``debian:bookworm-slim`` from Debian's
 own packages with ``debootstrap`` + import; the others from ``images/<name>/Dockerfile``
 on top of it). Idempotent: with the images present it only inspects them.
+
+debootstrap fetches from the Debian mirror the host's apt already uses (read from
+``/etc/apt/sources.list``, ``sources.list.d/*.list`` and deb822 ``*.sources``), or
+from the one the caller names (``images bootstrap --mirror URL``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +26,17 @@ from harbor_exec.errors import EnvironmentStartError, HarborExecError
 from harbor_exec.runtime import LABEL_KIND, LABEL_MANAGED
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
+DEBIAN_SUITE = "bookworm"
+#: The environment variable behind ``images bootstrap --mirror``.
+MIRROR_ENV = "HARBOR_EXEC_DEBIAN_MIRROR"
+APT_DIR = Path("/etc/apt")
+# Debian's release codenames: an apt source for one of them (component main) is a
+# Debian archive mirror. Aliases such as "stable" are left out on purpose: third-party
+# repositories use them too ("deb https://vendor.example/apt stable main").
+_DEBIAN_CODENAMES = frozenset({"buster", "bullseye", "bookworm", "trixie", "forky", "duke", "sid"})
+_MIRROR_SCHEMES = ("http://", "https://", "file:/")
+# A one-line entry: deb [option=value ...] uri suite [component ...]
+_ONE_LINE = re.compile(r"deb\s+(?:\[[^\]]*\]\s*)?(\S+)\s+(\S+)\s*(.*)")
 
 
 class BootstrapError(HarborExecError):
@@ -48,7 +63,102 @@ def images_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "images"
 
 
-def _debootstrap_rootfs(runtime: DockerRuntime, tag: str, log: Callable[[str], None]) -> None:
+@dataclass(frozen=True)
+class AptSource:
+    """One ``deb`` entry of the host's apt configuration."""
+
+    uri: str
+    suites: tuple[str, ...]
+    components: tuple[str, ...]
+    file: Path
+
+
+def _one_line_sources(path: Path, text: str) -> Iterator[AptSource]:
+    for raw in text.splitlines():
+        match = _ONE_LINE.match(raw.split("#", 1)[0].strip())
+        if match:
+            uri, suite, components = match.groups()
+            yield AptSource(uri, (suite,), tuple(components.split()), path)
+
+
+def _deb822_sources(path: Path, text: str) -> Iterator[AptSource]:
+    # Stanzas of "Field: value" lines, separated by blank lines; values may continue
+    # on indented lines. See sources.list(5).
+    stanzas: list[dict[str, str]] = [{}]
+    key = ""
+    for raw in text.splitlines():
+        if raw.startswith("#"):
+            continue
+        if not raw.strip():
+            stanzas.append({})
+            key = ""
+        elif raw[0] in " \t" and key:
+            stanzas[-1][key] += " " + raw.strip()
+        elif ":" in raw:
+            key, _, value = raw.partition(":")
+            key = key.strip().lower()
+            stanzas[-1][key] = value.strip()
+    for stanza in stanzas:
+        if "deb" not in stanza.get("types", "").split():
+            continue
+        if stanza.get("enabled", "yes").strip().lower() == "no":
+            continue
+        suites = tuple(stanza.get("suites", "").split())
+        components = tuple(stanza.get("components", "").split())
+        for uri in stanza.get("uris", "").split():
+            yield AptSource(uri, suites, components, path)
+
+
+def apt_sources(apt_dir: Path = APT_DIR) -> list[AptSource]:
+    """The host's ``deb`` sources in apt's order: ``sources.list``, then the files of
+    ``sources.list.d`` (``*.list`` one-line and ``*.sources`` deb822) by name."""
+    files = [apt_dir / "sources.list"]
+    parts = apt_dir / "sources.list.d"
+    if parts.is_dir():
+        files += sorted(p for p in parts.iterdir() if p.suffix in (".list", ".sources"))
+    found: list[AptSource] = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        parse = _deb822_sources if path.suffix == ".sources" else _one_line_sources
+        found.extend(parse(path, text))
+    return found
+
+
+def host_debian_mirror(apt_dir: Path = APT_DIR) -> AptSource | None:
+    """The first apt source that is a Debian archive mirror: a ``deb`` entry for a
+    Debian release (``bookworm``, not ``bookworm-security``) with component ``main``."""
+    for source in apt_sources(apt_dir):
+        if (
+            source.uri.startswith(_MIRROR_SCHEMES)
+            and "main" in source.components
+            and any(suite in _DEBIAN_CODENAMES for suite in source.suites)
+        ):
+            return source
+    return None
+
+
+def debian_mirror(mirror: str | None = None, *, apt_dir: Path = APT_DIR) -> tuple[str, str]:
+    """The mirror debootstrap uses and where it came from: ``mirror`` when given, else
+    the host's apt sources. Raises :class:`BootstrapError` when there is neither."""
+    if mirror:
+        return mirror, "--mirror"
+    found = host_debian_mirror(apt_dir)
+    if found is None:
+        raise BootstrapError(
+            f"cannot build {DEBIAN_IMAGE}: no Debian mirror in this host's apt sources "
+            f"({apt_dir}/sources.list, {apt_dir}/sources.list.d/*.list or *.sources: a "
+            f"'deb' entry for a Debian release with component main). Name one with "
+            f"`harbor-exec images bootstrap --mirror URL` (or ${MIRROR_ENV})."
+        )
+    return found.uri, str(found.file)
+
+
+def _debootstrap_rootfs(
+    runtime: DockerRuntime, tag: str, mirror: str | None, log: Callable[[str], None]
+) -> None:
     if os.geteuid() != 0:
         raise BootstrapError(f"building {tag} with debootstrap needs root; run as root")
     if shutil.which("debootstrap") is None:
@@ -56,12 +166,12 @@ def _debootstrap_rootfs(runtime: DockerRuntime, tag: str, log: Callable[[str], N
             f"cannot build {tag}: debootstrap is not installed (apt-get install debootstrap, "
             "or run scripts/setup.sh)"
         )
-    mirror = os.environ.get("HARBOR_EXEC_DEBIAN_MIRROR", DEFAULT_MIRROR)
+    url, origin = debian_mirror(mirror)
     with tempfile.TemporaryDirectory(prefix="hx-rootfs-") as scratch:
         root = Path(scratch) / "rootfs"
-        log(f"debootstrap --variant=minbase bookworm from {mirror} (about 30 s)")
+        log(f"debootstrap --variant=minbase {DEBIAN_SUITE} from {url} ({origin}; about 30 s)")
         done = subprocess.run(
-            ["debootstrap", "--variant=minbase", "bookworm", str(root), mirror],
+            ["debootstrap", "--variant=minbase", DEBIAN_SUITE, str(root), url],
             capture_output=True,
             text=True,
         )
@@ -85,8 +195,16 @@ def _debootstrap_rootfs(runtime: DockerRuntime, tag: str, log: Callable[[str], N
         )
 
 
-def bootstrap(runtime: DockerRuntime, *, log: Callable[[str], None] = print) -> dict[str, str]:
-    """Make every base image present; returns ``{tag: "present" | "pulled" | "built"}``."""
+def bootstrap(
+    runtime: DockerRuntime,
+    *,
+    mirror: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, str]:
+    """Make every base image present; returns ``{tag: "present" | "pulled" | "built"}``.
+
+    ``mirror`` is the Debian mirror for debootstrap (default: the host's apt sources);
+    it is only looked for when an image has to be built from Debian's packages."""
     outcome: dict[str, str] = {}
     for image in BASE_IMAGES:
         if runtime.image_exists(image.tag):
@@ -99,7 +217,7 @@ def bootstrap(runtime: DockerRuntime, *, log: Callable[[str], None] = print) -> 
         except EnvironmentStartError:
             log(f"{image.tag}: not present and no registry answers; building it locally")
         if image.dockerfile_dir is None:
-            _debootstrap_rootfs(runtime, image.tag, log)
+            _debootstrap_rootfs(runtime, image.tag, mirror, log)
         else:
             context = images_dir() / image.dockerfile_dir
             result = runtime.ensure_image(

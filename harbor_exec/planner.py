@@ -60,7 +60,7 @@ def prepare_bundle(
     bundle: Any = None,
 ) -> PreparedBundle:
     """Build (or reuse) the bundle of ``agent`` and read what trials need from it."""
-    from bundler import build_bundle  # the bundler extra: workflows only
+    from harbor_exec.bundler import build_bundle  # the bundler extra: workflows only
 
     workflow_ref = _ref_for(agent, what="agent")
     assert workflow_ref is not None

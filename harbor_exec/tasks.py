@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harbor_exec.cache import SNAPSHOTS, cache_root
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
 
 ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
@@ -319,12 +320,6 @@ def resolve_env(
     return resolved
 
 
-def default_cache_dir() -> Path:
-    """Where task snapshots, build logs and other host-side caches live."""
-    base = os.environ.get("HARBOR_EXEC_CACHE_DIR")
-    return Path(base) if base else Path.home() / ".cache" / "harbor-exec"
-
-
 def task_fingerprint(task_dir: Path) -> str:
     """A cheap digest of every entry's metadata (no content read): changes whenever a
     file is written, added, removed, renamed or replaced by a symlink."""
@@ -398,7 +393,7 @@ def _copy_tree_checked(source: Path, target: Path, root: Path, *, task: str) -> 
 def snapshot_task(task_dir: Path, *, task: str, store: Path | None = None) -> Path:
     """Check and copy ``task_dir`` into ``store`` (default: ``<cache>/snapshots``),
     named by its content hash; returns the snapshot's directory."""
-    store = store or default_cache_dir() / "snapshots"
+    store = store or cache_root() / SNAPSHOTS
     store.mkdir(parents=True, exist_ok=True)
     root = task_dir.resolve()
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=store))
@@ -551,15 +546,6 @@ def load_task(
         tree_digest(task_dir / "tests"),
     )
     return Task(source_dir.resolve(), name, config, instruction, digests, task_dir, env_allow)
-
-
-def is_task_dir(path: Path) -> bool:
-    """Harbor's ``Task.is_valid_dir``: the directory loads as a task."""
-    try:
-        load_task(path)
-    except TaskError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from bundler.wheels import DEFAULT_PLATFORM, Target, build_wheel, download_wheels
+from harbor_exec.bundler.wheels import DEFAULT_PLATFORM, Target, build_wheel, download_wheels
 
 ROOT = Path(__file__).resolve().parent.parent
 

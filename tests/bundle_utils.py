@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bundler import Bundle, build_bundle
+from harbor_exec.bundler import Bundle, build_bundle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "tasks_examples" / "workflow_project"

@@ -51,7 +51,9 @@ def main() -> None:
 
     started = [add() for _ in range(workers)]
     cluster.wait_for_nodes()
-    session = cluster.head_node.get_session_dir_path()
+    head = cluster.head_node
+    assert head is not None
+    session = head.get_session_dir_path()
     print(
         json.dumps({"address": cluster.address, "nodes": started, "session": session}), flush=True
     )
@@ -68,7 +70,7 @@ def main() -> None:
             print(json.dumps({"removed": words[1]}), flush=True)
         elif words[0] == "quit":
             break
-    cluster.shutdown()
+    cluster.shutdown()  # type: ignore[no-untyped-call]
     print(json.dumps({"quit": True}), flush=True)
 
 

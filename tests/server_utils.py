@@ -151,7 +151,8 @@ class ServerThread:
             port=0,
             log_level="warning",
             lifespan="on",
-            timeout_graceful_shutdown=graceful_shutdown_sec,
+            # uvicorn annotates both as int; it takes (and these tests use) float seconds.
+            timeout_graceful_shutdown=graceful_shutdown_sec,  # type: ignore[arg-type]
             timeout_keep_alive=keep_alive_sec,  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)

@@ -49,7 +49,7 @@ def test_sample_rejects_non_finite_reward_on_construction_and_assignment(bad: fl
 
 
 def test_trajectory_messages_default_to_a_deep_copy_of_messages() -> None:
-    messages = [{"role": "user", "content": "hi", "nested": {"k": [1]}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi", "nested": {"k": [1]}}]
     sample = RolloutSample(messages=messages)
     assert sample.trajectory_messages == messages
     messages[0]["nested"]["k"].append(2)

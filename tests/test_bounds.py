@@ -164,7 +164,7 @@ def test_longest_accepted_id_is_stored_and_run(server: Any) -> None:
             f"{url}/rollout/{rollout_id}/result", headers={"X-Osmosis-Rollout-Lease": lease}
         ).json()
         final.update(answer)
-        return answer["status"] == "success"
+        return bool(answer["status"] == "success")
 
     assert wait_until(finished, timeout=10, interval=0.05)
     assert final["sample"]["reward"] == 1.0

@@ -271,7 +271,7 @@ def test_parallel_prewarm_builds_each_tag_once(
             with guard:
                 active -= 1
 
-    docker_runtime._build = counting  # type: ignore[method-assign]
+    docker_runtime._build = counting  # type: ignore[method-assign,assignment]
     try:
         outcomes = prewarm_tasks(docker_runtime, tasks, jobs=4)
     finally:
@@ -309,8 +309,8 @@ def test_prewarm_cli_progress_summary_and_second_run(
 def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
     tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from bundler import build_bundle
     from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.bundler import build_bundle
     from harbor_exec.executor import LocalExecutor
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 

@@ -16,18 +16,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from bundle_utils import (  # noqa: F401  (fixtures are used by name)
-    EXAMPLE_DIR,
-    EXAMPLE_REFS,
-    WORKFLOW_MODULE,
-    bundle_cache,
-    example_bundle,
-    setuptools_pyproject,
-    write_project,
-)
 from typer.testing import CliRunner
 
-from bundler import (
+from harbor_exec.bundler import (
     Bundle,
     BundleBuildError,
     BundleError,
@@ -38,7 +29,16 @@ from bundler import (
     build_bundle,
     platform_tags,
 )
-from bundler.wheels import build_wheel, marker_environment, target_requirements
+from harbor_exec.bundler.wheels import build_wheel, marker_environment, target_requirements
+from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
+    EXAMPLE_DIR,
+    EXAMPLE_REFS,
+    WORKFLOW_MODULE,
+    bundle_cache,
+    example_bundle,
+    setuptools_pyproject,
+    write_project,
+)
 
 
 def _sha256(path: Path) -> str:

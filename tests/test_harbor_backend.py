@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bundler import build_bundle
-from bundler.errors import BundleBuildError
 from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.bundler import build_bundle
+from harbor_exec.bundler.errors import BundleBuildError
 from harbor_exec.client import RolloutClient
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.executor import LocalExecutor

@@ -189,8 +189,8 @@ def test_categorize_exception() -> None:
         (SandboxApiException(404), RolloutErrorCategory.AGENT_ERROR),
         (RuntimeError("boom"), RolloutErrorCategory.AGENT_ERROR),
     ]
-    for exc, expected in cases:
-        assert categorize_exception(exc) is expected, exc
+    for error, expected in cases:
+        assert categorize_exception(error) is expected, error
 
 
 # ---------------------------------------------------------------------------- reference parity
@@ -198,7 +198,8 @@ def test_categorize_exception() -> None:
 
 def test_wire_models_match_osmosis_field_for_field() -> None:
     """Same field names, required-ness and defaults as osmosis-ai 0.3.8's models."""
-    if sys.version_info < (3, 12):  # osmosis-ai 0.3.8 needs Python 3.12
+    osmosis_python = sys.version_info >= (3, 12)  # a bool: mypy (as 3.11) reads on
+    if not osmosis_python:  # osmosis-ai 0.3.8 needs Python 3.12
         pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only")
     from osmosis_ai.rollout import types as reference
 

@@ -27,10 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from bundle_utils import PYTHON311, REPO_ROOT, clean_env
-from fake_chat import FakeChat
 from prometheus_client import REGISTRY
-from server_utils import metric
 
 from harbor_exec.relay import (
     RELAY_TOTALS,
@@ -40,6 +37,9 @@ from harbor_exec.relay import (
     render_relay_metrics,
 )
 from harbor_exec.runner import RelayForwarder
+from tests.bundle_utils import PYTHON311, REPO_ROOT, clean_env
+from tests.fake_chat import FakeChat
+from tests.server_utils import metric
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bundler import Bundle, build_bundle
 from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.bundler import Bundle, build_bundle
 from harbor_exec.client import RolloutClient
 from harbor_exec.relay import RELAY_TOTALS
 from harbor_exec.server.app import create_rollout_server

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bundle_utils import (  # noqa: F401  (fixtures are used by name)
+
+from harbor_exec.bundler import Bundle
+from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     API_KEY,
     EXAMPLE_SRC,
     PYTHON311,
@@ -33,9 +35,7 @@ from bundle_utils import (  # noqa: F401  (fixtures are used by name)
     run_runner,
     write_rollout,
 )
-from fake_chat import FakeChat
-
-from bundler import Bundle
+from tests.fake_chat import FakeChat
 
 CUSTOM_FLOWS = """
     import asyncio

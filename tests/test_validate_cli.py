@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "tasks_examples" / "dataset"
 CLI = [sys.executable, "-m", "harbor_exec.cli"]
 
-pytestmark = pytest.mark.usefixtures("base_images")
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

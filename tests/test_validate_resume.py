@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -38,7 +39,7 @@ def ours(client: docker.DockerClient, prefix: str) -> list[str]:
     ]
 
 
-def trial_results(job: Path) -> dict[str, dict[str, object]]:
+def trial_results(job: Path) -> dict[str, dict[str, Any]]:
     return {
         p.name: json.loads((p / "result.json").read_text())
         for p in job.iterdir()

@@ -38,18 +38,21 @@ def bundle(
     python_version: Annotated[str, typer.Option(help="the task container's Python, X.Y")] = "3.11",
     platform: Annotated[
         str | None,
-        typer.Option(help="the container's wheel platform tag [default: manylinux_2_36_x86_64]"),
+        typer.Option(help="the container's wheel platform tag (default: manylinux_2_36_x86_64)"),
     ] = None,
     cache_dir: Annotated[
         Path | None,
-        typer.Option(help="bundle cache [default: $HARBOR_EXEC_CACHE_DIR or ~/.cache/...]"),
+        typer.Option(
+            help="bundle cache (default: $HARBOR_EXEC_CACHE_DIR/bundles, "
+            "else ~/.cache/harbor-exec/bundles)"
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """Build a workflow project into a bundle: its wheel, a dependency wheelhouse for
     the task container, and manifest.json. Reuses the cached bundle when nothing changed."""
     # Imported here: the bundler needs the 'bundler' extra, other commands do not.
-    from bundler import DEFAULT_PLATFORM, BundleError, build_bundle
+    from harbor_exec.bundler import DEFAULT_PLATFORM, BundleError, build_bundle
 
     err = Console(stderr=True)
     try:

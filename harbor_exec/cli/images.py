@@ -10,18 +10,28 @@ from rich.table import Table
 
 from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import console, open_runtime
-from harbor_exec.images import BootstrapError, bootstrap, build_cache_report, prune
+from harbor_exec.images import MIRROR_ENV, BootstrapError, bootstrap, build_cache_report, prune
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
 app.add_typer(images_app, name="images")
 
 
 @images_app.command("bootstrap")
-def bootstrap_command() -> None:
+def bootstrap_command(
+    mirror: Annotated[
+        str | None,
+        typer.Option(
+            "--mirror",
+            envvar=MIRROR_ENV,
+            metavar="URL",
+            help="Debian mirror for debootstrap (default: the one the host's apt sources name)",
+        ),
+    ] = None,
+) -> None:
     """Make the base images the examples build on (debootstrap when no registry answers)."""
     runtime = open_runtime()
     try:
-        outcome = bootstrap(runtime, log=console.print)
+        outcome = bootstrap(runtime, mirror=mirror, log=console.print)
     except BootstrapError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None

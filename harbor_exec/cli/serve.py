@@ -83,8 +83,8 @@ def open_ray_executor(address: str) -> Any:
 
 def build_harbor_backend(options: ServeOptions) -> Any:
     """``HarborBackend`` for ``--tasks-dir``; bundle and Docker errors end the command."""
-    from bundler.errors import BundleError
     from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.bundler.errors import BundleError
     from harbor_exec.errors import DockerUnavailableError
 
     if options.workflow is not None:

@@ -339,9 +339,6 @@ class RolloutRegistry:
             return [rollout_id for rollout_id in self.entries if rollout_id.startswith(prefix)]
         return list(dict.fromkeys(ids or ()))
 
-    def live_entries(self) -> list[RolloutEntry]:
-        return [entry for entry in self.entries.values() if not entry.finished]
-
     def close(self) -> None:
         """Stop the shared timers and release every parked poll."""
         for timer in (self._lease_timer, self._retention_timer):
