@@ -70,7 +70,7 @@ def main() -> None:
             print(json.dumps({"removed": words[1]}), flush=True)
         elif words[0] == "quit":
             break
-    cluster.shutdown()  # type: ignore[no-untyped-call]
+    cluster.shutdown()
     print(json.dumps({"quit": True}), flush=True)
 
 
