@@ -23,6 +23,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 EXTRA_OF = {
     "harbor_exec/server/": "server",
     "harbor_exec/client.py": "server",
+    "harbor_exec/_client_http.py": "server",
+    "harbor_exec/ray_executor.py": "ray",
     "harbor_exec/relay.py": "server",
     "bundler/": "bundler",
 }
@@ -59,7 +61,7 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
 def test_declared_dependencies_cover_every_import() -> None:
     distributions = importlib.metadata.packages_distributions()
     core = _requirements(None)
-    extras = {name: _requirements(name) for name in ("server", "bundler")}
+    extras = {name: _requirements(name) for name in ("server", "bundler", "ray")}
     missing: list[str] = []
     files = sorted(ROOT.glob("harbor_exec/**/*.py")) + sorted(ROOT.glob("bundler/**/*.py"))
     checked = 0
