@@ -328,7 +328,9 @@ class NodeAgent:
     async def run(self, call: _Call) -> AsyncIterator[Any]:
         """Run one trial; yields ``("phase", name)`` as it goes, then ``("done", dict)``."""
         name = call.request.trial_name or ""
+        started = time.perf_counter()
         request, model = await self._prepare(call)
+        prepared = time.perf_counter()
         phases: asyncio.Queue[str] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -357,20 +359,29 @@ class NodeAgent:
         finally:
             self._handles.pop(name, None)
             self._cancelled.discard(name)
-        data = await anyio.to_thread.run_sync(
-            lambda: tar_dir(run.trial_dir, limit=MAX_RESULT_BYTES)
-        )
-        await anyio.to_thread.run_sync(
-            lambda: shutil.rmtree(request.trials_dir, ignore_errors=True)
-        )
+        ran = time.perf_counter()
+
+        def pack() -> bytes:
+            data = tar_dir(run.trial_dir, limit=MAX_RESULT_BYTES)
+            shutil.rmtree(request.trials_dir, ignore_errors=True)
+            return data
+
+        data = await anyio.to_thread.run_sync(pack)
         usage = run.usage
+        # The image list (a Docker call) only changes when the trial built an image.
+        images = await self._images() if run.images_built else None
         yield (
             "done",
             {
                 "archive": data,
                 "images_built": run.images_built,
                 "usage": None if usage is None else usage.__dict__,
-                "images": await self._images(),
+                "images": images,
+                "timings": {
+                    "node_prepare": prepared - started,
+                    "node_trial": ran - prepared,
+                    "node_pack": time.perf_counter() - ran,
+                },
             },
         )
 
@@ -478,6 +489,7 @@ class RayExecutor:
         self._connected = False
         self._unreachable: str | None = None
         self._asking_since: float | None = None
+        self._timings: dict[str, list[float]] = {}
         self._blobs: dict[str, Any] = {}  # content key -> ObjectRef
         self._bundle_keys: dict[int, tuple[Any, str]] = {}
         self._handles: set[_RayHandle] = set()
@@ -734,6 +746,7 @@ class RayExecutor:
         if not self._connected:
             await anyio.to_thread.run_sync(self.connect)
         request = handle.request
+        setup = time.perf_counter()
         task_key, task_ref = await self._task_blob(request.task)
         deps_key, deps_blob = await self._deps_blob(request.deps)
         agent = request.agent
@@ -759,6 +772,7 @@ class RayExecutor:
         node = await self._acquire(handle)
         handle.node = node
         node.trials += 1
+        placed = time.perf_counter()
         try:
             call = _Call(
                 request=plain,
@@ -802,11 +816,24 @@ class RayExecutor:
                 raise RayNodeLostError(f"Ray node {node.short} ended the trial without a result")
         finally:
             self._release(node)
-        node.images.update(done["images"])
+        if done["images"] is not None:
+            node.images.update(done["images"])
+        elif (image := request.image or self._image_key(request.task)) is not None:
+            node.images.add(image)  # it ran there, so the node has it now
         trial_dir = request.trials_dir / handle.name
+        back = time.perf_counter()
         result = await anyio.to_thread.run_sync(
             lambda: self._write_back(trial_dir, done["archive"], node)
         )
+        timings = dict(done.get("timings") or {})
+        timings["server_setup_and_place"] = placed - setup
+        timings["server_remote"] = back - placed
+        timings["server_write_back"] = time.perf_counter() - back
+        # What the remote call cost beyond the node's own work: Ray's share.
+        timings["ray_transport"] = timings["server_remote"] - sum(
+            v for k, v in timings.items() if k.startswith("node_")
+        )
+        self._record(timings)
         usage = done.get("usage")
         return TrialRun(
             result,
@@ -815,6 +842,18 @@ class RayExecutor:
             node=node.node_id,
             usage=ModelUsage(**usage) if usage else None,
         )
+
+    def _record(self, timings: dict[str, float]) -> None:
+        for key, value in timings.items():
+            samples = self._timings.setdefault(key, [])
+            samples.append(value)
+            del samples[:-1000]
+
+    def timings(self) -> dict[str, float]:
+        """Median milliseconds per part of a remote trial (the last 1000 trials)."""
+        import statistics
+
+        return {k: round(statistics.median(v) * 1000, 2) for k, v in self._timings.items() if v}
 
     def _write_back(self, trial_dir: Path, archive: bytes, node: _Node) -> TrialResult:
         untar(archive, trial_dir)
