@@ -58,17 +58,23 @@ async def inner(address: str) -> None:
         trials = Path(scratch)
         for name, executor in (("local", local), ("ray", ray_executor)):
             await _batch(executor, 4, 4, trials)  # warm: images, actors, caches
+            cpu = time.process_time()
             per_trial = await _batch(executor, 12, 4, trials)
+            cpu = time.process_time() - cpu
             started = time.monotonic()
             await _batch(executor, 16, 8, trials)
             out[name] = {
                 "per_trial_sec_c4": round(sum(per_trial) / len(per_trial), 3),
                 "wall_16_c8_sec": round(time.monotonic() - started, 2),
+                # This process's CPU (all its threads) per trial: the server's cost.
+                "server_cpu_ms_per_trial": round(cpu / len(per_trial) * 1000, 1),
             }
     local_s, ray_s = out["local"], out["ray"]  # type: ignore[assignment]
     out["dispatch_overhead"] = round(ray_s["per_trial_sec_c4"] / local_s["per_trial_sec_c4"] - 1, 3)  # type: ignore[index]
     out["throughput_ratio"] = round(ray_s["wall_16_c8_sec"] / local_s["wall_16_c8_sec"], 3)  # type: ignore[index]
     out["nodes"] = ray_executor.nodes()
+    with contextlib.suppress(Exception):
+        out["profile"] = ray_executor.timings()
     await local.aclose()
     await ray_executor.aclose()
     print(json.dumps(out, indent=2), flush=True)

@@ -156,18 +156,21 @@ def _pid_namespace() -> str:
         return "unknown"
 
 
-def current_owner() -> str:
+def current_owner(namespace: str | None = None) -> str:
     """This process's owner id: ``boot_id/pid-namespace/pid/start-time``.
 
     Stable for the life of the process and never reused, so the reaper can tell
-    a live owner from a dead one without any heartbeat.
+    a live owner from a dead one without any heartbeat. ``namespace`` replaces the
+    PID namespace with a name (a Ray node's): only runtimes with that same owner
+    namespace reap such containers.
     """
     pid = os.getpid()
-    return f"{_boot_id()}/{_pid_namespace()}/{pid}/{_proc_start_time(pid)}"
+    return f"{_boot_id()}/{namespace or _pid_namespace()}/{pid}/{_proc_start_time(pid)}"
 
 
-def owner_is_alive(owner: str) -> bool:
-    """Whether the process that wrote ``owner`` still runs (unknowable means alive)."""
+def owner_is_alive(owner: str, *, own_namespace: str | None = None) -> bool:
+    """Whether the process that wrote ``owner`` still runs (unknowable means alive).
+    ``own_namespace``: the reaper's own owner namespace, when it is a name."""
     try:
         boot, namespace, pid_text, start = owner.split("/", 3)
         pid = int(pid_text)
@@ -175,8 +178,8 @@ def owner_is_alive(owner: str) -> bool:
         return True
     if boot != _boot_id():
         return False  # the machine rebooted since: that process is gone
-    if namespace != _pid_namespace():
-        return True  # another PID namespace; we cannot see it, so leave it alone
+    if namespace not in (_pid_namespace(), own_namespace):
+        return True  # another PID namespace or node; we cannot see it, so leave it alone
     return _proc_start_time(pid) == start
 
 
@@ -810,7 +813,8 @@ class DockerRuntime:
         reaped: list[str] = []
         for container in self.our_containers():
             owner = (container.get("Labels") or {}).get(LABEL_OWNER, "")
-            if owner != self.owner and not owner_is_alive(owner):
+            mine = self.owner.split("/")[1] if self.owner.count("/") >= 3 else None
+            if owner != self.owner and not owner_is_alive(owner, own_namespace=mine):
                 self.remove(container["Id"])
                 reaped.append((container.get("Names") or [container["Id"]])[0].lstrip("/"))
         return reaped

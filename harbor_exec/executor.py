@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -81,6 +81,15 @@ class ExecutorHealth:
     images: dict[str, int] = field(default_factory=dict)  # ours, by kind
     builder: str | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)  # per node, when several
+
+
+@runtime_checkable
+class MultiNodeExecutor(Protocol):
+    """An executor whose trials run on several nodes (``RayExecutor``)."""
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Per node: ``node`` (short id), ``address``, ``alive``, ``slots``, ``in_use``..."""
+        ...
 
 
 class TrialHandle(Protocol):

@@ -35,6 +35,7 @@ __all__ = [
     "ExecutionRequest",
     "ExecutionResult",
     "MessageDict",
+    "NodeSlots",
     "PrewarmSummary",
     "QueueInfo",
     "RolloutErrorCategory",
@@ -299,13 +300,25 @@ class ExecutionOutcome(BaseModel):
 # ---------------------------------------------------------------------------- backend contract
 
 
+class NodeSlots(BaseModel):
+    """One node of a multi-node executor (Ray), as ``GET /queue`` lists it."""
+
+    node: str  # short id
+    address: str = ""
+    alive: bool = True
+    slots: int = 0
+    in_use: int = 0
+
+
 class QueueInfo(BaseModel):
-    """``GET /queue``: None where the backend does not track it (the server fills in)."""
+    """``GET /queue``: None where the backend does not track it (the server fills in).
+    ``nodes`` only where trials run on several nodes (absent from the JSON otherwise)."""
 
     queued: int | None = None
     running: int | None = None
     capacity: int | None = None
     max_queue_depth: int | None = None
+    nodes: list[NodeSlots] | None = None
 
 
 class BackendHealth(BaseModel):

@@ -81,6 +81,15 @@ NAMESPACE = "harbor-exec"
 MAX_RESULT_BYTES = 256 * 1024 * 1024
 REFRESH_SEC = 1.0
 CALL_TIMEOUT_SEC = 30.0
+#: The node table read is the server's heartbeat to the cluster: unanswered this
+#: long, the cluster counts as unreachable (admissions get 503) until it answers.
+UNREACHABLE_AFTER_SEC = 5.0
+#: How long the server's Ray driver keeps retrying a GCS that went away before Ray
+#: ends the process (Ray's default is 60 s); the server must outlive an outage.
+GCS_RECONNECT_SEC = 7 * 24 * 3600
+#: Names a node for its containers' owner labels (default: the host name); a node
+#: that returns under the same name reaps what its previous incarnation left.
+NODE_NAME_ENV = "HARBOR_EXEC_NODE_NAME"
 
 
 class RayUnavailableError(HarborExecError):
@@ -229,7 +238,16 @@ class NodeAgent:
         self.cache = Path(cache_dir) / self.node_id[:16]
         self.cache.mkdir(parents=True, exist_ok=True)
         self._opener = Opener()
-        self.local = LocalExecutor(reap_interval_sec=reap_interval_sec)
+        from harbor_exec.docker_runtime import DockerRuntime, current_owner
+
+        # Owner labels name the node, so only this node's actors (this one, or a
+        # later one once the node returns) reap what a dead actor here left; other
+        # nodes sharing an engine leave those containers alone.
+        self.name = (os.environ.get(NODE_NAME_ENV) or socket.gethostname()).replace("/", "_")
+        runtime = DockerRuntime(owner=current_owner(f"ray-node:{self.name}"))
+        with contextlib.suppress(Exception):
+            runtime.reap_orphans()
+        self.local = LocalExecutor(runtime, reap_interval_sec=reap_interval_sec)
         self._handles: dict[str, TrialHandle] = {}
         self._cancelled: set[str] = set()
         self._bundles: dict[str, list[Any]] = {}
@@ -244,6 +262,7 @@ class NodeAgent:
         )
         return {
             "node_id": self.node_id,
+            "name": self.name,
             "hostname": socket.gethostname(),
             "pid_max": pid_max,
             "cpus": cpus,
@@ -309,7 +328,9 @@ class NodeAgent:
     async def run(self, call: _Call) -> AsyncIterator[Any]:
         """Run one trial; yields ``("phase", name)`` as it goes, then ``("done", dict)``."""
         name = call.request.trial_name or ""
+        started = time.perf_counter()
         request, model = await self._prepare(call)
+        prepared = time.perf_counter()
         phases: asyncio.Queue[str] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -338,20 +359,29 @@ class NodeAgent:
         finally:
             self._handles.pop(name, None)
             self._cancelled.discard(name)
-        data = await anyio.to_thread.run_sync(
-            lambda: tar_dir(run.trial_dir, limit=MAX_RESULT_BYTES)
-        )
-        await anyio.to_thread.run_sync(
-            lambda: shutil.rmtree(request.trials_dir, ignore_errors=True)
-        )
+        ran = time.perf_counter()
+
+        def pack() -> bytes:
+            data = tar_dir(run.trial_dir, limit=MAX_RESULT_BYTES)
+            shutil.rmtree(request.trials_dir, ignore_errors=True)
+            return data
+
+        data = await anyio.to_thread.run_sync(pack)
         usage = run.usage
+        # The image list (a Docker call) only changes when the trial built an image.
+        images = await self._images() if run.images_built else None
         yield (
             "done",
             {
                 "archive": data,
                 "images_built": run.images_built,
                 "usage": None if usage is None else usage.__dict__,
-                "images": await self._images(),
+                "images": images,
+                "timings": {
+                    "node_prepare": prepared - started,
+                    "node_trial": ran - prepared,
+                    "node_pack": time.perf_counter() - ran,
+                },
             },
         )
 
@@ -401,6 +431,7 @@ class _Node:
     slots: int
     actor: Any
     public_key: bytes
+    name: str = ""
     pid_max: int = 4_194_304
     cpus: int = 1
     in_use: int = 0
@@ -457,6 +488,8 @@ class RayExecutor:
         self._lock = threading.Lock()
         self._connected = False
         self._unreachable: str | None = None
+        self._asking_since: float | None = None
+        self._timings: dict[str, list[float]] = {}
         self._blobs: dict[str, Any] = {}  # content key -> ObjectRef
         self._bundle_keys: dict[int, tuple[Any, str]] = {}
         self._handles: set[_RayHandle] = set()
@@ -486,6 +519,8 @@ class RayExecutor:
                     "with `ray start --head` (see docs/ray.md) or pass --ray auto on a node "
                     "of a running cluster"
                 ) from None
+        # Read by the driver's core worker at init: outlive a GCS outage.
+        os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_RECONNECT_SEC))
         try:
             if not ray.is_initialized():
                 ray.init(
@@ -516,11 +551,16 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self._asking_since = time.monotonic()
         try:
             table = self._node_table()
         except Exception as exc:
             self._unreachable = f"the Ray cluster at {self.address} is unreachable: {exc}"
             return
+        finally:
+            self._asking_since = None
+        if self._unreachable is not None:
+            logger.warning("the Ray cluster at %s answers again", self.address)
         self._unreachable = None
         alive = {n["NodeID"]: n for n in table}
         with self._lock:
@@ -555,6 +595,7 @@ class RayExecutor:
                 slots=int(entry["Resources"][TRIAL_RESOURCE]),
                 actor=actor,
                 public_key=public_key,
+                name=str(info.get("name", "")),
                 pid_max=int(info["pid_max"]),
                 cpus=int(info["cpus"]),
                 images=set(info["images"]),
@@ -576,19 +617,53 @@ class RayExecutor:
         self._refresher = loop.create_task(self._refresh_loop())
 
     async def _refresh_loop(self) -> None:
+        """Re-read the node table every ``REFRESH_SEC`` on a thread of its own, one read
+        at a time; a read unanswered for ``UNREACHABLE_AFTER_SEC`` marks the cluster
+        unreachable (a hung GCS blocks the read; the server keeps answering)."""
+        loop = asyncio.get_running_loop()
+        pending: asyncio.Future[None] | None = None
         while not self._closed:
             await asyncio.sleep(REFRESH_SEC)
-            try:
-                await asyncio.wait_for(
-                    anyio.to_thread.run_sync(self._refresh_sync, abandon_on_cancel=True),
-                    timeout=CALL_TIMEOUT_SEC,
-                )
-            except TimeoutError:
+            if pending is not None and pending.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    if (exc := pending.exception()) is not None:
+                        logger.warning("refreshing the Ray node table failed: %s", exc)
+                pending = None
+            if pending is None:
+                pending = self._refresh_in_thread(loop)
+                continue
+            since = self._asking_since
+            if since is not None and time.monotonic() - since > UNREACHABLE_AFTER_SEC:
+                if self._unreachable is None:
+                    logger.warning("the Ray cluster at %s does not answer", self.address)
                 self._unreachable = (
-                    f"the Ray cluster at {self.address} did not answer within {CALL_TIMEOUT_SEC:g}s"
+                    f"the Ray cluster at {self.address} has not answered for "
+                    f"{time.monotonic() - since:.0f}s (its GCS is down or hung)"
                 )
-            except Exception:
-                logger.warning("refreshing the Ray node table failed", exc_info=True)
+
+    def _refresh_in_thread(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """``_refresh_sync`` on a daemon thread (a read hung on a dead GCS must not
+        hold up the server's exit)."""
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if not future.done():
+                if exc is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(exc)
+
+        def work() -> None:
+            outcome: BaseException | None = None
+            try:
+                self._refresh_sync()
+            except Exception as exc:
+                outcome = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, outcome)
+
+        threading.Thread(target=work, name="hx-ray-refresh", daemon=True).start()
+        return future
 
     def live_nodes(self) -> list[_Node]:
         with self._lock:
@@ -671,6 +746,7 @@ class RayExecutor:
         if not self._connected:
             await anyio.to_thread.run_sync(self.connect)
         request = handle.request
+        setup = time.perf_counter()
         task_key, task_ref = await self._task_blob(request.task)
         deps_key, deps_blob = await self._deps_blob(request.deps)
         agent = request.agent
@@ -696,6 +772,7 @@ class RayExecutor:
         node = await self._acquire(handle)
         handle.node = node
         node.trials += 1
+        placed = time.perf_counter()
         try:
             call = _Call(
                 request=plain,
@@ -739,11 +816,24 @@ class RayExecutor:
                 raise RayNodeLostError(f"Ray node {node.short} ended the trial without a result")
         finally:
             self._release(node)
-        node.images.update(done["images"])
+        if done["images"] is not None:
+            node.images.update(done["images"])
+        elif (image := request.image or self._image_key(request.task)) is not None:
+            node.images.add(image)  # it ran there, so the node has it now
         trial_dir = request.trials_dir / handle.name
+        back = time.perf_counter()
         result = await anyio.to_thread.run_sync(
             lambda: self._write_back(trial_dir, done["archive"], node)
         )
+        timings = dict(done.get("timings") or {})
+        timings["server_setup_and_place"] = placed - setup
+        timings["server_remote"] = back - placed
+        timings["server_write_back"] = time.perf_counter() - back
+        # What the remote call cost beyond the node's own work: Ray's share.
+        timings["ray_transport"] = timings["server_remote"] - sum(
+            v for k, v in timings.items() if k.startswith("node_")
+        )
+        self._record(timings)
         usage = done.get("usage")
         return TrialRun(
             result,
@@ -752,6 +842,18 @@ class RayExecutor:
             node=node.node_id,
             usage=ModelUsage(**usage) if usage else None,
         )
+
+    def _record(self, timings: dict[str, float]) -> None:
+        for key, value in timings.items():
+            samples = self._timings.setdefault(key, [])
+            samples.append(value)
+            del samples[:-1000]
+
+    def timings(self) -> dict[str, float]:
+        """Median milliseconds per part of a remote trial (the last 1000 trials)."""
+        import statistics
+
+        return {k: round(statistics.median(v) * 1000, 2) for k, v in self._timings.items() if v}
 
     def _write_back(self, trial_dir: Path, archive: bytes, node: _Node) -> TrialResult:
         untar(archive, trial_dir)
@@ -783,6 +885,7 @@ class RayExecutor:
             {
                 "node": n.short,
                 "node_id": n.node_id,
+                "name": n.name,
                 "address": n.address,
                 "alive": n.alive,
                 "slots": n.slots,

@@ -27,7 +27,7 @@ from typing import IO, Any
 import pytest
 
 from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.runtime import LABEL_ROLLOUT
+from harbor_exec.runtime import LABEL_OWNER, LABEL_ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "tasks_examples" / "dataset"
@@ -119,6 +119,24 @@ class RayCluster:
         )
         assert done.returncode == 0, done.stderr[-4000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def http(self, method: str, url: str, body: Any = None) -> tuple[int, str]:
+        """One request from inside the namespace: (status, body text)."""
+        script = (
+            "import httpx, json, sys\n"
+            "body = json.loads(sys.argv[3])\n"
+            "r = httpx.request(sys.argv[1], sys.argv[2], json=body, timeout=30)\n"
+            "print(json.dumps([r.status_code, r.text]))\n"
+        )
+        done = subprocess.run(
+            self.run(sys.executable, "-c", script, method, url, json.dumps(body)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        status, text = json.loads(done.stdout.strip().splitlines()[-1])
+        return int(status), str(text)
 
     def stop_servers(self) -> None:
         for server in self.servers:
@@ -308,8 +326,22 @@ def test_node_loss_cancel_and_a_joining_node(
     while len(_ours(docker_runtime, ids)) < 6 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(_ours(docker_runtime, ids)) == 6
-    time.sleep(3.0)  # well into the agent phase (the oracle sleeps 12 s)
-    lost = ray_cluster.nodes[0]
+    # /queue and /metrics show each node's slots in use (three trials per node).
+    status, text = ray_cluster.http("GET", f"{url}/queue")
+    queue = json.loads(text)
+    assert status == 200 and queue["running"] == 6, queue
+    in_use = {n["node"]: n["in_use"] for n in queue["nodes"]}
+    assert in_use == {n[:12]: 3 for n in ray_cluster.nodes}, queue
+    assert all(n["slots"] == 4 and n["alive"] for n in queue["nodes"]), queue
+    status, metrics = ray_cluster.http("GET", f"{url}/metrics")
+    for node in ray_cluster.nodes:
+        assert (
+            f'harbor_exec_node_slots_in_use{{address="127.0.0.1",node="{node[:12]}"}} 3.0'
+            in metrics
+        ), metrics
+        assert f'harbor_exec_node_up{{address="127.0.0.1",node="{node[:12]}"}} 1.0' in metrics
+    time.sleep(2.0)  # well into the agent phase (the oracle sleeps 12 s)
+    lost = ray_cluster.nodes[0]  # named w0
     ray_cluster.command(f"remove {lost}")
     removed_at = time.monotonic()
     stdout, stderr = client.communicate(timeout=180)
@@ -324,15 +356,20 @@ def test_node_loss_cancel_and_a_joining_node(
     # Each lost rollout ended within the lease, long before its trial would have.
     assert all(r["seconds"] < 40 for r in lost_ones), results
     assert time.monotonic() - removed_at < 60
-    # The dead node's containers belong to a dead process: the surviving node's
-    # reaper removes them.
+    # The dead node's containers carry its name in their owner label: the other
+    # node's reaper (every 5 s) leaves them alone, as it would another machine's...
+    time.sleep(7.0)
+    left = _ours(docker_runtime, ids)
+    assert left, "the lost node's containers were removed by another node"
+    assert all("/ray-node:w0/" in c["Labels"][LABEL_OWNER] for c in left), left
+    # ...and the node, when it returns (same name, new Ray node id), reaps them.
+    joined = ray_cluster.command("add w0", timeout=120)["node"]
     deadline = time.monotonic() + 30
     while _ours(docker_runtime, ids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _ours(docker_runtime, ids)
 
     # A node that joins takes trials without a restart.
-    joined = ray_cluster.command("add", timeout=120)["node"]
     ray_cluster.nodes[0] = joined
     time.sleep(3.0)  # the server re-reads the node table every second
     out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "slow"}} for _ in range(8)])
@@ -443,3 +480,59 @@ def test_validate_and_prewarm_on_ray_match_a_local_run(
     for result in (tmp_path / "ray" / "job").glob("*/result.json"):
         nodes.add(json.loads(result.read_text())["config"]["node"]["ray_node_id"])
     assert len(nodes) >= 2, nodes
+
+
+def test_cluster_unreachable_after_start_then_back(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """The head's GCS stops answering under a running server: /health says why and
+    admissions get 503; the server keeps answering, and admits again once it is back.
+    (Last in the module: it freezes the shared cluster's GCS for a while.)"""
+    url = ray_cluster.serve(
+        tmp_path / "srv",
+        "--tasks-dir",
+        str(DATASET),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "oracle",
+    )
+    server = ray_cluster.servers[-1]
+    status, text = ray_cluster.http("GET", f"{url}/health")
+    assert status == 200 and json.loads(text)["status"] == "ok", text
+    body = {
+        "rollout_id": "while-down",
+        "initial_messages": [],
+        "chat_completions_url": "http://127.0.0.1:9/v1",
+        "metadata": {"harbor_task_id": "hello-shell"},
+    }
+    ray_cluster.command("gcs stop")
+    try:
+        deadline = time.monotonic() + 20
+        health: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status, text = ray_cluster.http("GET", f"{url}/health")
+            assert status == 200, text
+            health = json.loads(text)
+            if health["status"] != "ok":
+                break
+            time.sleep(0.5)
+        reason = str(_find(health, "docker_reason"))
+        assert health["status"] == "degraded", health
+        assert f"the Ray cluster at {ray_cluster.address}" in reason, health
+        assert "has not answered" in reason, health
+        status, text = ray_cluster.http("POST", f"{url}/rollout", body)
+        assert status == 503, text
+        assert "Ray cluster" in json.loads(text)["detail"], text
+        time.sleep(3.0)
+        assert server.poll() is None, "the server died with the cluster away"
+    finally:
+        ray_cluster.command("gcs cont")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, text = ray_cluster.http("GET", f"{url}/health")
+        if json.loads(text)["status"] == "ok":
+            break
+        time.sleep(0.5)
+    assert json.loads(text)["status"] == "ok", text
+    out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "hello-shell"}}])
+    assert [r["status"] for r in out["results"]] == ["success"], out["results"]
+    assert server.poll() is None

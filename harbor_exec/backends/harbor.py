@@ -35,13 +35,20 @@ from pydantic import Field
 from harbor_exec.authoring import RolloutErrorCategory, RolloutStatus, get_rollout_context
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
-from harbor_exec.executor import LocalExecutor, TrialExecutor, TrialHandle, TrialRun
+from harbor_exec.executor import (
+    LocalExecutor,
+    MultiNodeExecutor,
+    TrialExecutor,
+    TrialHandle,
+    TrialRun,
+)
 from harbor_exec.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.planner import PreparedBundle, RolloutPlan, TrialPlanner, prepare_bundle
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
     ExecutionRequest,
+    NodeSlots,
     PrewarmSummary,
     QueueInfo,
     rollout_dir_name,
@@ -317,11 +324,15 @@ class HarborBackend(ExecutionBackend):
 
     def queue_info(self) -> QueueInfo:
         queued, running = self._counts()
+        nodes = None
+        if isinstance(self.executor, MultiNodeExecutor):
+            nodes = [NodeSlots.model_validate(n) for n in self.executor.nodes()]
         return QueueInfo(
             queued=queued,
             running=running,
             capacity=self.max_concurrent_trials,
             max_queue_depth=self.max_queue_depth,
+            nodes=nodes,
         )
 
     def unavailable_reason(self) -> str | None:

@@ -445,7 +445,7 @@ class RolloutService:
             info.queued = counts[RolloutStatus.QUEUED]
         if info.running is None:
             info.running = counts[RolloutStatus.RUNNING] + counts[RolloutStatus.GRADING]
-        return info.model_dump()
+        return info.model_dump(exclude={"nodes"} if info.nodes is None else None)
 
     def render_metrics(self) -> str:
         self.metrics.trajectories_dropped = self.writer.dropped
@@ -473,7 +473,7 @@ class RolloutService:
             ),
             "harbor_exec_accepting_rollouts": ("1 while admitting.", int(self.accepting)),
         }
-        return self.metrics.render(gauges)
+        return self.metrics.render(gauges, nodes=queue.get("nodes") or ())
 
     # ------------------------------------------------------------------ restart
 

@@ -42,6 +42,13 @@ DURATION_BUCKETS: Final = (
 
 Gauges = Mapping[str, tuple[str, float | int | None]]
 
+# Per-node series (multi-node executors): metric name -> (help, field of a /queue node).
+NODE_GAUGES: Final = (
+    ("harbor_exec_node_up", "1 while the node is alive.", "alive"),
+    ("harbor_exec_node_slots", "Trial slots the node offers.", "slots"),
+    ("harbor_exec_node_slots_in_use", "Trial slots in use on the node.", "in_use"),
+)
+
 
 class _ScrapeTime(Collector):
     """What the server reads when scraped: the trajectory writer's drop count and
@@ -50,6 +57,7 @@ class _ScrapeTime(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self.gauges: Gauges = {}
+        self.nodes: Iterable[Mapping[str, object]] = ()
 
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(
@@ -60,6 +68,16 @@ class _ScrapeTime(Collector):
         for name, (help_text, value) in self.gauges.items():
             if value is not None:
                 yield GaugeMetricFamily(name, help_text, value=value)
+        nodes = list(self.nodes)
+        if nodes:
+            for name, help_text, key in NODE_GAUGES:
+                family = GaugeMetricFamily(name, help_text, labels=["node", "address"])
+                for node in nodes:
+                    family.add_metric(
+                        [str(node.get("node", "")), str(node.get("address", ""))],
+                        float(node.get(key) or 0),  # type: ignore[arg-type]
+                    )
+                yield family
 
 
 class ServerMetrics:
@@ -132,12 +150,15 @@ class ServerMetrics:
         child.inc()
         self.rollout_seconds.observe(seconds)
 
-    def render(self, gauges: Gauges) -> str:
+    def render(self, gauges: Gauges, nodes: Iterable[Mapping[str, object]] = ()) -> str:
         """The exposition text: this server's metrics with ``gauges`` (name ->
-        (help, value), None skipped), then the process-wide ones."""
+        (help, value), None skipped) and per-node series for ``nodes`` (``/queue``'s
+        entries), then the process-wide ones."""
         self._scrape.gauges = gauges
+        self._scrape.nodes = nodes
         try:
             own = generate_latest(self.registry)
         finally:
             self._scrape.gauges = {}
+            self._scrape.nodes = ()
         return (own + generate_latest(REGISTRY)).decode()

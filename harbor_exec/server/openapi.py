@@ -17,6 +17,7 @@ from harbor_exec.protocol import (
     POLLING_LEASE_HEADER,
     CancelRolloutsRequest,
     CancelRolloutsResponse,
+    NodeSlots,
     RolloutErrorCategory,
     RolloutInitRequest,
     RolloutInitResponse,
@@ -71,6 +72,7 @@ class QueueResponse(BaseModel):
     running: int | None = None
     capacity: int | None = None
     max_queue_depth: int | None = None
+    nodes: list[NodeSlots] | None = None
 
 
 class PrewarmRequestDoc(BaseModel):
