@@ -109,7 +109,7 @@ async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
     local = backend(tmp_path, workflow_config=SINGLE_SLOT)
     first = asyncio.create_task(run(local, request("first", metadata={"sleep": 0.4})))
     await asyncio.sleep(0.05)
-    assert local.queue_info().model_dump() == {
+    assert local.queue_info().model_dump(exclude={"nodes"}) == {
         "queued": 0,
         "running": 1,
         "capacity": 1,
