@@ -145,12 +145,12 @@ class TrialExecutor(Protocol):
 # --------------------------------------------------------------------------- local
 
 
-class _LocalHandle:
+class TaskTrialHandle:
+    """A submitted trial that runs as an asyncio task (what both executors hand out)."""
+
     def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
         self.request = request
         self.on_phase = on_phase
-        self.trial: Trial | None = None
-        self.cancelled = threading.Event()
         self.task: asyncio.Task[TrialRun] | None = None
 
     @property
@@ -159,7 +159,26 @@ class _LocalHandle:
 
     async def result(self) -> TrialRun:
         assert self.task is not None
+        # Shielded: a caller that stops waiting must not cancel the trial's own task.
         return await asyncio.shield(self.task)
+
+
+async def cancel_and_wait(
+    executor: TrialExecutor, handles: set[Any], *, timeout_sec: float = 30.0
+) -> None:
+    """Cancel every trial ``executor`` still runs and wait (bounded) for them to end."""
+    for handle in list(handles):
+        executor.cancel(handle)
+    tasks = [h.task for h in handles if h.task is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_sec)
+
+
+class _LocalHandle(TaskTrialHandle):
+    def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
+        super().__init__(request, on_phase)
+        self.trial: Trial | None = None
+        self.cancelled = threading.Event()
 
 
 def _relay_root() -> Path:
@@ -347,11 +366,7 @@ class LocalExecutor:
         self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
-        for handle in list(self._handles):
-            self.cancel(handle)
-        tasks = [h.task for h in self._handles if h.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=30)
+        await cancel_and_wait(self, self._handles)
         if self._relay_transport is not None:
             await self._relay_transport.aclose()
         if self._runtime is not None:
@@ -365,7 +380,9 @@ __all__ = [
     "LocalExecutor",
     "ModelEndpoint",
     "ModelUsage",
+    "TaskTrialHandle",
     "TrialExecutor",
     "TrialHandle",
     "TrialRun",
+    "cancel_and_wait",
 ]

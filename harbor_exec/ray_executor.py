@@ -65,8 +65,10 @@ from harbor_exec.executor import (
     ModelEndpoint,
     ModelUsage,
     PhaseCallback,
+    TaskTrialHandle,
     TrialHandle,
     TrialRun,
+    cancel_and_wait,
 )
 from harbor_exec.results import TrialResult
 from harbor_exec.tasks import Task
@@ -444,22 +446,12 @@ class _Node:
         return self.node_id[:12]
 
 
-class _RayHandle:
+class _RayHandle(TaskTrialHandle):
     def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
-        self.request = request
-        self.on_phase = on_phase
+        super().__init__(request, on_phase)
         self.node: _Node | None = None
         self.phase: str | None = None
         self.cancelled = False
-        self.task: asyncio.Task[TrialRun] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.request.trial_name or ""
-
-    async def result(self) -> TrialRun:
-        assert self.task is not None
-        return await asyncio.shield(self.task)
 
 
 class RayExecutor:
@@ -976,11 +968,7 @@ class RayExecutor:
         self._closed = True
         if self._refresher is not None:
             self._refresher.cancel()
-        for handle in list(self._handles):
-            self.cancel(handle)
-        tasks = [h.task for h in self._handles if h.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=30)
+        await cancel_and_wait(self, self._handles)
         if not self._connected:
             return
         import ray
