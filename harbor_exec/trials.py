@@ -153,7 +153,6 @@ class TrialRequest:
     trial_name: str | None = None
     source: str | None = None
     image: str | None = None  # run on this image instead of the task's own
-    network: NetworkKind | None = None  # override the task's network_mode
     agent_timeout_sec: float | None = None  # override [agent].timeout_sec
     verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -285,8 +284,6 @@ class Trial:
         return "separate" if config.environment is not None else "shared"
 
     def _network(self) -> NetworkKind:
-        if self.request.network is not None:
-            return self.request.network
         mode = self.request.task.config.environment.network_mode
         if mode is NetworkMode.NO_NETWORK:
             return "none"
