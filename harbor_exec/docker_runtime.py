@@ -666,11 +666,11 @@ class DockerRuntime:
         try:
             self._api.kill(container_id)
             self._api.wait(container_id, timeout=10)
-            self._api.start(container_id)
         except docker.errors.APIError as exc:
             raise EnvironmentStartError(
                 f"could not stop the container's processes: {exc.explanation or exc}"
             ) from None
+        self.start(container_id)  # through the start gate, as every start
 
     @_engine_boundary
     def exec(

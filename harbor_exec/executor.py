@@ -20,7 +20,7 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -163,6 +163,16 @@ class TaskTrialHandle:
         return await asyncio.shield(self.task)
 
 
+def launch(
+    handles: set[Any], handle: TaskTrialHandle, work: Coroutine[Any, Any, TrialRun]
+) -> TaskTrialHandle:
+    """Run ``work`` as ``handle``'s task, kept in ``handles`` until it ends."""
+    handle.task = asyncio.get_running_loop().create_task(work)
+    handles.add(handle)
+    handle.task.add_done_callback(lambda _task: handles.discard(handle))
+    return handle
+
+
 async def cancel_and_wait(
     executor: TrialExecutor, handles: set[Any], *, timeout_sec: float = 30.0
 ) -> None:
@@ -233,10 +243,7 @@ class LocalExecutor:
     ) -> TrialHandle:
         self._ensure_monitor()
         handle = _LocalHandle(request, on_phase)
-        handle.task = asyncio.get_running_loop().create_task(self._run(handle, model))
-        self._handles.add(handle)
-        handle.task.add_done_callback(lambda _t: self._handles.discard(handle))
-        return handle
+        return launch(self._handles, handle, self._run(handle, model))
 
     async def _run(self, handle: _LocalHandle, model: ModelEndpoint | None) -> TrialRun:
         async with contextlib.AsyncExitStack() as stack:
@@ -385,4 +392,5 @@ __all__ = [
     "TrialHandle",
     "TrialRun",
     "cancel_and_wait",
+    "launch",
 ]

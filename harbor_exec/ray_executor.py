@@ -69,6 +69,7 @@ from harbor_exec.executor import (
     TrialHandle,
     TrialRun,
     cancel_and_wait,
+    launch,
 )
 from harbor_exec.results import TrialResult
 from harbor_exec.tasks import Task
@@ -703,10 +704,7 @@ class RayExecutor:
         if request.trial_name is None:
             request = replace(request, trial_name=new_trial_name(request.task.name))
         handle = _RayHandle(request, on_phase)
-        handle.task = asyncio.get_running_loop().create_task(self._run(handle, model))
-        self._handles.add(handle)
-        handle.task.add_done_callback(lambda _t: self._handles.discard(handle))
-        return handle
+        return launch(self._handles, handle, self._run(handle, model))
 
     def _image_key(self, task: Task) -> str:
         env = task.config.environment

@@ -170,11 +170,9 @@ class RolloutStore:
 
     def status(self, rollout_id: str, status: str) -> None:
         with self._guard:
-            row = self._pending.get(rollout_id)
+            row = self._pending_row(rollout_id)
             if row is None:
-                if (stub := self._stub(rollout_id)) is None:
-                    return
-                self._pending[rollout_id] = row = stub
+                return
             row[4] = status
         self._kick()
 
@@ -189,13 +187,19 @@ class RolloutStore:
         err_category: str | None,
     ) -> None:
         with self._guard:
-            row = self._pending.get(rollout_id)
+            row = self._pending_row(rollout_id)
             if row is None:
-                if (stub := self._stub(rollout_id)) is None:
-                    return
-                self._pending[rollout_id] = row = stub
+                return
             row[4:] = [status, row[5], time.time(), body, reward, err_message, err_category]
         self._kick()
+
+    def _pending_row(self, rollout_id: str) -> list[Any] | None:
+        """The unwritten row of ``rollout_id`` (a stub for a known one already written);
+        None for an id never admitted. Call with ``_guard`` held."""
+        row = self._pending.get(rollout_id)
+        if row is None and (row := self._stub(rollout_id)) is not None:
+            self._pending[rollout_id] = row
+        return row
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout whose retention ended."""
