@@ -303,3 +303,48 @@ def test_forced_separate_mode_hides_the_agents_files(
     assert separate.verifier_environment_mode == "separate"
     assert rewards(separate) == {"reward": 1.0}
     assert not docker_runtime.our_containers(owner=docker_runtime.owner)
+
+
+def test_hostile_artifacts_reach_the_separate_verifier_only_as_regular_files(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """Declared artifacts that are symlinks, devices or huge files: the verifier gets
+    only bounded regular files, never what a link points at."""
+    toml = """
+artifacts = ["/app/link.txt", "/app/out"]
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+environment_mode = "separate"
+"""
+    solve = """
+        echo host-side-secret > /root/secret.txt
+        ln -s /root/secret.txt /app/link.txt
+        mkdir -p /app/out
+        ln -s /root/secret.txt /app/out/inner-link
+        ln /root/secret.txt /app/out/hardlink 2>/dev/null || true
+        mknod /app/out/device c 1 3 2>/dev/null || true
+        head -c 3000000 /dev/zero | tr '\\0' 'y' > /app/out/big.txt
+        echo fine > /app/out/ok.txt
+    """
+    test = """
+        ok=1
+        [ -e /app/link.txt ] && ok=0
+        [ -e /app/out/inner-link ] && ok=0
+        [ -e /app/out/device ] && ok=0
+        grep -rq host-side-secret /app /logs 2>/dev/null && [ ! -f /app/out/hardlink ] && ok=0
+        [ "$(cat /app/out/ok.txt)" = fine ] || ok=0
+        [ "$(stat -c %s /app/out/big.txt)" -lt 1100000 ] || ok=0
+        echo $ok > /logs/verifier/reward.txt
+    """
+    task = make_task(tmp_path, "hostile-artifacts", solve=solve, test=test, toml=toml)
+    policy = SandboxPolicy(output=OutputLimits(max_file_bytes=1 << 20))
+    result = run(docker_runtime, task, tmp_path / "trials", policy)
+    assert result.exception_info is None, result.exception_info
+    assert rewards(result) == {"reward": 1.0}
+    kept = tmp_path / "trials" / result.trial_name / "artifacts"
+    assert not (kept / "link.txt").exists() and not (kept / "out" / "inner-link").exists()
+    assert (kept / "out" / "big.txt").stat().st_size < (1 << 20) + 200
