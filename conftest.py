@@ -1,20 +1,42 @@
-"""Marks every test that needs the Docker engine with ``docker``.
+"""How the suite is selected and scheduled, for every test below.
 
-A test needs the engine when it uses the ``docker_runtime`` fixture (directly or
-through ``base_images`` and the like), whatever its module says, so
-``pytest -m "not docker"`` runs the fast suite on a machine without Docker. Tests
-that reach the engine another way (a ``harbor-exec`` subprocess) carry the marker
-in their module. Here rather than in tests/conftest.py: it holds for every test below.
+- Every test that needs the Docker engine is marked ``docker``: a test needs it
+  when it uses the ``docker_runtime`` fixture (directly or through
+  ``base_images`` and the like), whatever its module says, so
+  ``pytest -m "not docker"`` runs the fast suite on a machine without Docker.
+  Tests that reach the engine another way (a ``harbor-exec`` subprocess) carry
+  the marker in their module.
+- The fast suite runs on pytest-xdist workers (``-n auto`` in pyproject.toml);
+  a run that selects engine tests runs in one process, because those tests
+  share one engine and time its containers.
+- Tests marked ``long`` (seconds each) are scheduled first, so that a parallel
+  run does not end waiting on one of them.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 ENGINE_FIXTURES = frozenset({"docker_runtime"})
+_EXCLUDES_ENGINE = re.compile(r"\bnot\s+docker\b")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # Before xdist's own pytest_configure, which starts the workers.
+    if not hasattr(config.option, "numprocesses"):
+        return  # run with -p no:xdist
+    if not _EXCLUDES_ENGINE.search(config.option.markexpr or ""):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+        config.option.tx = []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.docker)
+    # A stable sort: the order within each half stays as collected.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

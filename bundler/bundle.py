@@ -4,7 +4,9 @@ Steps, each failing with a named error before the next starts:
 
 1. validate the project statically (layout, each ``module:attr`` ref);
 2. hash every input; a bundle already published under that digest is returned as is;
-3. build the project's wheel from a staged copy with ``build`` (its own backend);
+3. build the project's wheel from a staged copy with ``build`` (its own backend),
+   or reuse the wheel already built from the same tree (a change of refs or of
+   the container's Python alone does not rebuild it);
 4. collect the dependency wheels for the container (keyed by the requirement
    set, so a change of user code alone reuses them) plus harbor-exec's runtime;
 5. write ``manifest.json`` and publish the bundle directory atomically.
@@ -204,8 +206,9 @@ def _build(
         _stage(project, stage)
         # Key the bundle by what was actually built, even if the project changed
         # between hashing and staging.
-        digest = _inputs_digest(tree_digest(stage), refs, target, runtime)
-        built = build_wheel(stage, work / "out", what=f"the project in {project.root}")
+        tree = tree_digest(stage)
+        digest = _inputs_digest(tree, refs, target, runtime)
+        built = _project_wheel(stage, tree, cache, work, what=f"the project in {project.root}")
         info = read_wheel(built)
         if project.package not in info.top_level:
             raise BundleBuildError(
@@ -225,7 +228,7 @@ def _build(
         (bundle_dir / "wheel").mkdir(parents=True)
         (bundle_dir / "wheelhouse").mkdir()
         wheel_path = bundle_dir / "wheel" / built.name
-        shutil.move(built, wheel_path)
+        copy_or_link(built, wheel_path)
         for entry in deps.wheels:
             name = entry.filename
             copy_or_link(deps.directory / name, bundle_dir / "wheelhouse" / name)
@@ -259,6 +262,24 @@ def _build(
         return _bundle_from(root, Manifest.read(root / MANIFEST_NAME), cached=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _project_wheel(stage: Path, tree: str, cache: Path, work: Path, *, what: str) -> Path:
+    """The wheel built from the staged tree whose digest is ``tree``, built once.
+
+    The wheel depends on the project's files alone, so every bundle of the same
+    tree (other refs, another container Python) shares it.
+    """
+    entry = cache / "wheels" / _digest({"schema": _BUNDLE_SCHEMA, "tree": tree})[:32]
+    found = sorted(entry.glob("*.whl"))
+    if len(found) == 1:
+        return found[0]
+    if entry.exists():  # damaged: a published entry holds exactly one wheel
+        shutil.rmtree(entry, ignore_errors=True)
+    built = build_wheel(stage, work / "out", what=what, env_cache=cache)
+    if publish(built.parent, entry):
+        return entry / built.name
+    return built  # a concurrent builder published the same tree first; ours is as good
 
 
 @dataclass(frozen=True, slots=True)

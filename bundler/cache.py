@@ -5,8 +5,10 @@ names another (``build_bundle(cache_dir=...)``, ``harbor-exec bundle --cache-dir
 see ``harbor_exec.cache``. Layout under it::
 
     bundles/<inputs digest[:32]>/   one bundle (manifest.json, wheel/, wheelhouse/)
+    wheels/<tree digest[:32]>/      the project's wheel, built once per source tree
     deps/<key[:32]>/                one dependency wheelhouse, keyed by the requirement set
     runtime/<key[:32]>/             harbor-exec's container-side wheel, keyed by its source
+    build-envs/<key[:32]>/          a build environment per [build-system] requires
     tmp/                            work directories; entries are renamed into place
 
 Entries are immutable once published. Publication is one ``os.rename`` of a

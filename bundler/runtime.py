@@ -131,7 +131,13 @@ def ensure_runtime_wheel(cache_dir: Path, source: RuntimeSource) -> Path:
         out = work / "out"
         # Reuse an installed hatchling when there is one: saves a pip round trip.
         isolated = importlib.util.find_spec("hatchling") is None
-        build_wheel(stage, out, what="harbor-exec's container runtime", isolated=isolated)
+        build_wheel(
+            stage,
+            out,
+            what="harbor-exec's container runtime",
+            isolated=isolated,
+            env_cache=cache_dir,
+        )
         publish(out, entry)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -30,6 +30,7 @@ from packaging.utils import (
 )
 from packaging.version import Version
 
+from harbor_exec.bundler.cache import publish, work_dir
 from harbor_exec.bundler.errors import BundleBuildError, DependencyDownloadError
 
 __all__ = [
@@ -178,13 +179,20 @@ def read_wheel(path: Path) -> WheelInfo:
     return WheelInfo(path, name, version, tuple(requires), top_level)
 
 
-def _run(cmd: Sequence[str], *, cwd: Path | None, timeout: float) -> tuple[int, str]:
+def _run(
+    cmd: Sequence[str],
+    *,
+    cwd: Path | None,
+    timeout: float,
+    extra_env: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
     """Run a tool, capturing stdout and stderr together (for error tails)."""
     env = {
         **os.environ,
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
         "PIP_NO_INPUT": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
+        **(extra_env or {}),
     }
     try:
         done = subprocess.run(
@@ -205,11 +213,20 @@ def _run(cmd: Sequence[str], *, cwd: Path | None, timeout: float) -> tuple[int, 
     return done.returncode, done.stdout
 
 
-def build_wheel(srcdir: Path, outdir: Path, *, what: str, isolated: bool = True) -> Path:
+def build_wheel(
+    srcdir: Path,
+    outdir: Path,
+    *,
+    what: str,
+    isolated: bool = True,
+    env_cache: Path | None = None,
+) -> Path:
     """Build one wheel of ``srcdir`` into ``outdir`` with the ``build`` frontend.
 
-    ``isolated`` builds in a fresh environment holding only the project's
-    ``[build-system] requires``, i.e. with the project's own build backend.
+    ``isolated`` builds with only the project's ``[build-system] requires``
+    installed, i.e. with the project's own build backend: in a fresh environment
+    per build, or, with ``env_cache``, in one environment per requirement set kept
+    there and reused (creating it is most of a small project's build time).
     """
     if importlib.util.find_spec("build") is None:
         raise BundleBuildError(
@@ -217,15 +234,119 @@ def build_wheel(srcdir: Path, outdir: Path, *, what: str, isolated: bool = True)
             "install it with: pip install 'harbor-exec[bundler]'"
         )
     outdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir)]
-    if not isolated:
-        cmd.append("--no-isolation")
-    code, output = _run([*cmd, str(srcdir)], cwd=srcdir, timeout=_BUILD_TIMEOUT_SEC)
+    if isolated and env_cache is None:
+        cmd = [sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(srcdir)]
+        code, output = _run(cmd, cwd=srcdir, timeout=_BUILD_TIMEOUT_SEC)
+        if code != 0:
+            raise BundleBuildError(
+                f"building the wheel of {what} failed (exit code {code}).", output=output
+            )
+    else:
+        _build_in_env(srcdir, outdir, what=what, env_cache=env_cache if isolated else None)
     wheels = sorted(outdir.glob("*.whl"))
-    if code != 0 or len(wheels) != 1:
-        reason = f"exit code {code}" if code != 0 else f"{len(wheels)} wheels came out"
-        raise BundleBuildError(f"building the wheel of {what} failed ({reason}).", output=output)
+    if len(wheels) != 1:
+        raise BundleBuildError(f"building the wheel of {what} gave {len(wheels)} wheels, not 1.")
     return wheels[0]
+
+
+def _build_in_env(srcdir: Path, outdir: Path, *, what: str, env_cache: Path | None) -> None:
+    """Build with ``build.ProjectBuilder`` on this interpreter (``env_cache`` None) or
+    on the cached environment of the project's build requirements."""
+    import build  # the bundler extra; checked by the caller
+
+    output: list[str] = []
+
+    def runner(
+        cmd: Sequence[str], cwd: str | None = None, extra_environ: Mapping[str, str] | None = None
+    ) -> None:
+        code, text = _run(cmd, cwd=Path(cwd) if cwd else None, timeout=_BUILD_TIMEOUT_SEC,
+                          extra_env=extra_environ)  # fmt: skip
+        output.append(text)
+        if code != 0:
+            raise subprocess.CalledProcessError(code, list(cmd), text)
+
+    def failed(reason: str) -> BundleBuildError:
+        return BundleBuildError(f"building the wheel of {what} failed ({reason}).",
+                                output="".join(output))  # fmt: skip
+
+    try:
+        python = sys.executable
+        if env_cache is not None:
+            requires = build.ProjectBuilder(srcdir).build_system_requires
+            python = _build_env(env_cache, sorted(requires), output)
+        builder = build.ProjectBuilder(srcdir, python_executable=python, runner=runner)
+        if env_cache is None:
+            # This interpreter's own packages: what build's --no-isolation checks.
+            missing = builder.check_dependencies("wheel")
+            if missing:
+                listed = ", ".join(sorted(chain[-1] for chain in missing))
+                raise failed(f"build requirements missing from {python}: {listed}")
+        else:
+            # What the backend asks for beyond [build-system] (usually nothing),
+            # installed into the cached environment once.
+            _add_to_env(Path(python), sorted(builder.get_requires_for_build("wheel")), output)
+        builder.build("wheel", outdir)
+    except build.BuildBackendException as exc:
+        raise failed(f"the build backend failed: {exc.exception!r}") from exc
+    except build.BuildException as exc:
+        raise failed(str(exc)) from exc
+
+
+def _pip_install(python: str, requirements: Sequence[str], output: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", "--python", python, "install", "--progress-bar", "off"]
+    code, text = _run([*cmd, *requirements], cwd=None, timeout=_BUILD_TIMEOUT_SEC)
+    output.append(text)
+    if code != 0:
+        raise BundleBuildError(
+            f"pip could not install the build requirements [{', '.join(requirements)}].",
+            output="".join(output),
+        )
+
+
+def _add_to_env(python: Path, requires: Sequence[str], output: list[str]) -> None:
+    if not requires:
+        return
+    marker = (
+        python.parent.parent / f".added-{hashlib.sha256(repr(requires).encode()).hexdigest()[:16]}"
+    )
+    if not marker.is_file():
+        _pip_install(str(python), requires, output)
+        marker.touch()
+
+
+def _build_env(env_cache: Path, requires: Sequence[str], output: list[str]) -> str:
+    """The interpreter of the cached environment holding ``requires``, made on first use.
+
+    Keyed by the requirement strings and this interpreter: a project that pins its
+    backend gets exactly that version; an unpinned one keeps the version first
+    installed until the cache entry is removed.
+    """
+    key = hashlib.sha256(repr((list(requires), sys.version, sys.executable)).encode())
+    entry = env_cache / "build-envs" / key.hexdigest()[:32]
+    python = entry / "bin" / "python"
+    if (entry / _ENV_READY).is_file():
+        return str(python)
+    work = work_dir(env_cache, "build-env-")
+    try:
+        env = work / "env"
+        code, text = _run([sys.executable, "-m", "venv", "--without-pip", str(env)], cwd=None,
+                          timeout=_BUILD_TIMEOUT_SEC)  # fmt: skip
+        output.append(text)
+        if code != 0:
+            raise BundleBuildError("could not create a build environment.", output=text)
+        if requires:
+            _pip_install(str(env / "bin" / "python"), requires, output)
+        (env / _ENV_READY).touch()
+        # A venv finds its prefix from the pyvenv.cfg beside its interpreter, so
+        # it works from where it is renamed to (no scripts of it are used).
+        if not publish(env, entry) and not (entry / _ENV_READY).is_file():
+            raise BundleBuildError(f"the build environment {entry} is incomplete; remove it.")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return str(python)
+
+
+_ENV_READY = ".harbor-exec-ready"
 
 
 @dataclass(frozen=True, slots=True)

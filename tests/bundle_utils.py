@@ -42,8 +42,13 @@ API_KEY = "sk-test-0123456789abcdef"
 
 @pytest.fixture(scope="session")
 def bundle_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # getbasetemp() is one directory per session, so every importer shares it.
-    path = tmp_path_factory.getbasetemp() / "bundle-cache"
+    # getbasetemp() is one directory per session, so every importer shares it; under
+    # pytest-xdist it is one per worker, and the workers share their parent (the
+    # cache is safe for concurrent builders).
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / "bundle-cache"
     path.mkdir(exist_ok=True)
     return path
 
@@ -72,6 +77,24 @@ def setuptools_pyproject(name: str, dependencies: list[str] | None = None) -> st
         [project]
         name = "{name}"
         version = "0.1.0"
+        requires-python = ">=3.11"
+        dependencies = {deps}
+        """
+
+
+def flit_pyproject(name: str, dependencies: list[str] | None = None) -> str:
+    """A project on flit_core: a build backend a fraction of setuptools' cost, for
+    tests about the bundler rather than about a particular backend."""
+    deps = json.dumps(dependencies or [])
+    return f"""
+        [build-system]
+        requires = ["flit_core>=3.9,<4"]
+        build-backend = "flit_core.buildapi"
+
+        [project]
+        name = "{name}"
+        version = "0.1.0"
+        description = "a test project"
         requires-python = ">=3.11"
         dependencies = {deps}
         """

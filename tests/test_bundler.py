@@ -36,6 +36,7 @@ from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     WORKFLOW_MODULE,
     bundle_cache,
     example_bundle,
+    flit_pyproject,
     setuptools_pyproject,
     write_project,
 )
@@ -45,11 +46,17 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _tiny_project(root: Path, name: str = "tiny_flow", deps: list[str] | None = None) -> Path:
+# The example project's requirements: a tiny project with them reuses its dependency layer.
+EXAMPLE_REQUIREMENTS = ("httpx>=0.27",)
+
+
+def _tiny_project(
+    root: Path, name: str = "tiny_flow", deps: tuple[str, ...] | list[str] = EXAMPLE_REQUIREMENTS
+) -> Path:
     return write_project(
         root,
         {
-            "pyproject.toml": setuptools_pyproject(name.replace("_", "-"), deps),
+            "pyproject.toml": flit_pyproject(name.replace("_", "-"), list(deps)),
             f"{name}/__init__.py": "",
             f"{name}/flow.py": WORKFLOW_MODULE,
         },
@@ -59,6 +66,7 @@ def _tiny_project(root: Path, name: str = "tiny_flow", deps: list[str] | None = 
 # --------------------------------------------------------------------------- the example
 
 
+@pytest.mark.long
 def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     bundle = example_bundle
     manifest = Manifest.read(bundle.manifest_path)
@@ -69,7 +77,7 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert manifest.grader == EXAMPLE_REFS["grader"]
     assert manifest.workflow_config == EXAMPLE_REFS["workflow_config"]
     assert manifest.grader_config == EXAMPLE_REFS["grader_config"]
-    assert manifest.requirements == ["httpx>=0.27"]
+    assert manifest.requirements == list(EXAMPLE_REQUIREMENTS)
     assert manifest.python_version == "3.11"
     assert "manylinux_2_36_x86_64" in manifest.platform_tags
     assert "manylinux2014_x86_64" in manifest.platform_tags
@@ -153,24 +161,36 @@ def test_source_change_changes_digest_not_requirements_digest(
     )
     assert third.digest not in {first.digest, second.digest}
     assert third.manifest.grader is None
+    # ... but not the wheel: the same tree is built once.
+    assert third.manifest.wheel == second.manifest.wheel
+    assert len(list((bundle_cache / "wheels").iterdir())) >= 2
 
 
-def test_dependency_change_changes_requirements_digest(tmp_path: Path, bundle_cache: Path) -> None:
+@pytest.mark.long
+def test_dependency_change_changes_requirements_digest(
+    tmp_path: Path, example_bundle: Bundle, bundle_cache: Path
+) -> None:
+    same_deps = example_bundle.manifest.requirements
     plain = build_bundle(
-        _tiny_project(tmp_path / "a"), workflow="tiny_flow.flow:Flow", cache_dir=bundle_cache
-    )
-    with_dep = build_bundle(
-        _tiny_project(tmp_path / "b", deps=["idna>=3"]),
+        _tiny_project(tmp_path / "a", deps=same_deps),
         workflow="tiny_flow.flow:Flow",
         cache_dir=bundle_cache,
     )
-    assert plain.manifest.requirements == []
-    assert with_dep.manifest.requirements == ["idna>=3"]
+    with_dep = build_bundle(
+        _tiny_project(tmp_path / "b", deps=[*same_deps, "six>=1.16"]),
+        workflow="tiny_flow.flow:Flow",
+        cache_dir=bundle_cache,
+    )
+    # Another project with the example's requirement set shares its dependency layer.
+    assert plain.requirements_digest == example_bundle.requirements_digest
+    assert plain.manifest.wheelhouse == example_bundle.manifest.wheelhouse
+    assert with_dep.manifest.requirements == [*same_deps, "six>=1.16"]
     assert plain.requirements_digest != with_dep.requirements_digest
-    assert any(p.name.startswith("idna-") for p in with_dep.wheelhouse.iterdir())
-    assert not any(p.name.startswith("idna-") for p in plain.wheelhouse.iterdir())
+    assert any(p.name.startswith("six-") for p in with_dep.wheelhouse.iterdir())
+    assert not any(p.name.startswith("six-") for p in plain.wheelhouse.iterdir())
 
 
+@pytest.mark.long
 def test_markers_are_evaluated_for_the_container_python(
     tmp_path: Path, bundle_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,9 +202,7 @@ def test_markers_are_evaluated_for_the_container_python(
     dep = write_project(
         tmp_path / "markerdep",
         {
-            "pyproject.toml": setuptools_pyproject(
-                "markerdep", ["idna>=3; python_version < '3.12'"]
-            ),
+            "pyproject.toml": flit_pyproject("markerdep", ["idna>=3; python_version < '3.12'"]),
             "markerdep/__init__.py": "",
         },
     )
@@ -212,7 +230,58 @@ def test_markers_are_evaluated_for_the_container_python(
     assert any("-cp312-" in n for n in newer_names)
 
 
-def test_concurrent_builders_publish_one_bundle(tmp_path: Path, bundle_cache: Path) -> None:
+@pytest.mark.long
+def test_build_environment_is_made_once_per_build_requirements(
+    tmp_path: Path, bundle_cache: Path
+) -> None:
+    """Projects with the same ``[build-system] requires`` share one cached build
+    environment; what a backend asks for beyond it is installed into its own."""
+
+    def envs(*, added: bool) -> list[Path]:
+        # Other tests (and xdist workers) share the cache: pick ours by content.
+        return [
+            env
+            for env in (bundle_cache / "build-envs").iterdir()
+            if any(env.glob("lib/python*/site-packages/flit_core"))
+            and any(env.glob(".added-*")) is added
+        ]
+
+    build_bundle(_tiny_project(tmp_path / "a"), workflow="tiny_flow.flow:Flow",
+                 cache_dir=bundle_cache)  # fmt: skip
+    build_bundle(_tiny_project(tmp_path / "b", name="other_flow"),
+                 workflow="other_flow.flow:Flow", cache_dir=bundle_cache)  # fmt: skip
+    assert len(envs(added=False)) == 1
+
+    # An in-tree backend that needs flit_core only once asked (get_requires_for_build_wheel).
+    project = write_project(
+        tmp_path / "c",
+        {
+            "pyproject.toml": flit_pyproject("asking-flow").replace(
+                'requires = ["flit_core>=3.9,<4"]\n        build-backend = "flit_core.buildapi"',
+                'requires = []\n        build-backend = "asking"\n        backend-path = ["."]',
+            ),
+            "asking.py": """
+                def get_requires_for_build_wheel(config_settings=None):
+                    return ["flit_core>=3.9,<4"]
+
+                def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+                    from flit_core import buildapi
+                    return buildapi.build_wheel(wheel_directory, config_settings)
+                """,
+            "asking_flow/__init__.py": "",
+            "asking_flow/flow.py": WORKFLOW_MODULE,
+        },
+    )
+    bundle = build_bundle(project, workflow="asking_flow.flow:Flow", cache_dir=bundle_cache)
+    assert bundle.manifest.distribution == "asking-flow"
+    assert len(envs(added=True)) == 1
+    assert len(envs(added=False)) == 1
+
+
+def test_concurrent_builders_publish_one_bundle(
+    tmp_path: Path, example_bundle: Bundle, bundle_cache: Path
+) -> None:
+    # The example's dependency layer is already collected: the race is over the bundle.
     project = _tiny_project(tmp_path / "p", name="race_flow")
     results: list[Bundle] = []
     errors: list[BaseException] = []
@@ -234,7 +303,8 @@ def test_concurrent_builders_publish_one_bundle(tmp_path: Path, bundle_cache: Pa
     assert len({b.root for b in results}) == 1
     assert results[0].manifest == results[1].manifest
     assert results[0].wheel.is_file()
-    assert not list((bundle_cache / "tmp").iterdir())
+    # No work directory of theirs is left (other builders may share the cache).
+    assert not any((w / "stage" / "race_flow").exists() for w in (bundle_cache / "tmp").iterdir())
 
 
 # --------------------------------------------------------------------------- broken projects
@@ -316,7 +386,7 @@ def test_refs_resolve_through_reexports_and_src_layout(tmp_path: Path, bundle_ca
     project = write_project(
         tmp_path / "p",
         {
-            "pyproject.toml": setuptools_pyproject("src-flow"),
+            "pyproject.toml": flit_pyproject("src-flow", list(EXAMPLE_REQUIREMENTS)),
             "src/src_flow/__init__.py": "from src_flow.impl import Flow as Exported\n",
             "src/src_flow/impl.py": WORKFLOW_MODULE,
         },
@@ -326,7 +396,7 @@ def test_refs_resolve_through_reexports_and_src_layout(tmp_path: Path, bundle_ca
     assert bundle.manifest.workflow == "src_flow:Exported"
 
 
-def test_build_error_carries_the_output_tail(tmp_path: Path) -> None:
+def test_build_error_carries_the_output_tail(tmp_path: Path, bundle_cache: Path) -> None:
     project = write_project(
         tmp_path / "p",
         {
@@ -341,18 +411,19 @@ def test_build_error_carries_the_output_tail(tmp_path: Path) -> None:
             "flowpkg/__init__.py": WORKFLOW_MODULE,
         },
     )
+    entries = {d: sorted((bundle_cache / d).glob("*")) for d in ("bundles", "wheels")}
     with pytest.raises(BundleBuildError) as info:
-        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=bundle_cache)
     message = str(info.value)
     assert f"building the wheel of the project in {project}" in message
     assert "last lines of the build output" in message
     assert "setup.py exploded: fix the frobnicator" in message
     # Nothing half-built is published; the work dir is gone.
-    assert not (tmp_path / "cache" / "bundles").exists()
-    assert not list((tmp_path / "cache" / "tmp").iterdir())
+    assert {d: sorted((bundle_cache / d).glob("*")) for d in entries} == entries
+    assert not any((w / "stage" / "setup.py").exists() for w in (bundle_cache / "tmp").iterdir())
 
 
-def test_wheel_without_the_package_is_refused(tmp_path: Path) -> None:
+def test_wheel_without_the_package_is_refused(tmp_path: Path, bundle_cache: Path) -> None:
     project = write_project(
         tmp_path / "p",
         {
@@ -362,7 +433,7 @@ def test_wheel_without_the_package_is_refused(tmp_path: Path) -> None:
         },
     )
     with pytest.raises(BundleBuildError, match="does not contain the package 'flowpkg'"):
-        build_bundle(project, workflow="flowpkg:Flow", cache_dir=tmp_path / "cache")
+        build_bundle(project, workflow="flowpkg:Flow", cache_dir=bundle_cache)
 
 
 def test_dependency_that_does_not_exist(tmp_path: Path, bundle_cache: Path) -> None:

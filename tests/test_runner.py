@@ -443,6 +443,7 @@ def test_grader_that_sets_no_reward_fails_without_reward_file(
 # --------------------------------------------------------------------------- Python 3.11
 
 
+@pytest.mark.long
 def test_runner_on_python_311_with_only_the_wheelhouse(
     tmp_path: Path, example_bundle: Bundle, chat: FakeChat
 ) -> None:

@@ -9,18 +9,21 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from harbor_exec.client import RolloutClient
 from harbor_exec.protocol import RolloutStatus
 from tests.server_utils import CHAT_URL, PROMPT, UNLIMITED, local_app, serve, wait_until
 
 ROLLOUTS = 10_000
+WARM_UP = 200
 CONCURRENCY = 32
 # Long enough that a client under CI load always fetches its result before it expires.
-RETENTION_SEC = 3.0
-LEASE_SEC = 5.0
+RETENTION_SEC = 2.0
+LEASE_SEC = 3.0
 # uvicorn's keep-alive timers (one per request, cancelled but still queued in
 # the event loop until they are due) are let go after this.
-KEEP_ALIVE_SEC = 1.0
+KEEP_ALIVE_SEC = 0.5
 TIME_LIMIT_SEC = 150.0
 # Interpreter blocks allowed to remain (bounded caches); a leak of one block per
 # rollout would leave 10,000.
@@ -50,6 +53,7 @@ def _settled_blocks() -> int:
     return sys.getallocatedblocks()
 
 
+@pytest.mark.long
 def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None:
     app = local_app(
         tmp_path,
@@ -72,7 +76,7 @@ def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None
 
     with serve(app, keep_alive_sec=KEEP_ALIVE_SEC) as url:
         # Warm-up: imports, caches, connection pools, the writer thread.
-        assert asyncio.run(_drive(url, 500)) == 500
+        assert asyncio.run(_drive(url, WARM_UP)) == WARM_UP
         assert wait_until(drained, timeout=LEASE_SEC + RETENTION_SEC + 5)
         time.sleep(KEEP_ALIVE_SEC + 0.5)
         baseline = _settled_blocks()
@@ -94,5 +98,5 @@ def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None
         f"{after - baseline} interpreter blocks still allocated after {ROLLOUTS} rollouts "
         f"(baseline {baseline})"
     )
-    assert service.metrics.admitted == ROLLOUTS + 500
-    assert len(list(tmp_path.glob("*/trajectory.json"))) == ROLLOUTS + 500
+    assert service.metrics.admitted == ROLLOUTS + WARM_UP
+    assert len(list(tmp_path.glob("*/trajectory.json"))) == ROLLOUTS + WARM_UP
