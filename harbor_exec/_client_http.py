@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,7 +32,14 @@ import httpx
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["DEFAULT_TIMEOUT_SEC", "Answer", "HttpxTransport", "Transport", "default_transport"]
+__all__ = [
+    "DEFAULT_TIMEOUT_SEC",
+    "Answer",
+    "HttpxTransport",
+    "Request",
+    "Transport",
+    "default_transport",
+]
 
 DEFAULT_TIMEOUT_SEC: Final = 5.0  # httpx's default
 _MAX_CONNECTIONS: Final = 100  # httpx's default
@@ -53,7 +61,21 @@ class Answer:
         return self.content.decode("utf-8", "replace")
 
 
-class Transport(Protocol):
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One call of ``Transport.request``, as an implementation receives it."""
+
+    method: str
+    url: str
+    headers: Mapping[str, str]
+    content: bytes | None
+    params: Mapping[str, str] | None
+    timeout: float | None
+
+
+class Transport(ABC):
+    """Sends the client's requests; implementations say how, in ``_send``."""
+
     async def request(
         self,
         method: str,
@@ -64,36 +86,33 @@ class Transport(Protocol):
         params: Mapping[str, str] | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_SEC,  # noqa: ASYNC109 (per wait, as httpx)
     ) -> Answer:
-        """One request; ``timeout`` (None: none) bounds each wait, not the whole call."""
-        ...
+        """One request; ``timeout`` (None: none) bounds each wait, not the whole call.
+        No redirect is followed; failures raise httpx's exceptions."""
+        return await self._send(Request(method, url, headers, content, params, timeout))
 
-    async def aclose(self) -> None: ...
+    @abstractmethod
+    async def _send(self, request: Request) -> Answer: ...
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release the connections (an ``HttpxTransport`` closes only a client it owns)."""
 
 
-class HttpxTransport:
+class HttpxTransport(Transport):
     """Requests through an ``httpx.AsyncClient`` (closed by ``aclose`` only when owned)."""
 
     def __init__(self, client: httpx.AsyncClient, *, owned: bool) -> None:
         self.client = client
         self._owned = owned
 
-    async def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        content: bytes | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT_SEC,  # noqa: ASYNC109 (per wait, as httpx)
-    ) -> Answer:
+    async def _send(self, request: Request) -> Answer:
         response = await self.client.request(
-            method,
-            url,
-            content=content,
-            params=params,
-            headers=headers,
-            timeout=timeout,
+            request.method,
+            request.url,
+            content=request.content,
+            params=request.params,
+            headers=request.headers,
+            timeout=request.timeout,
             follow_redirects=False,
         )
         return Answer(response.status_code, response.headers, response.content)
@@ -103,7 +122,7 @@ class HttpxTransport:
             await self.client.aclose()
 
 
-class AiohttpTransport:
+class AiohttpTransport(Transport):
     """Requests through one ``aiohttp.ClientSession``, made on first use (inside the
     event loop, as aiohttp requires) for a client that talks to ``base_url``."""
 
@@ -137,27 +156,18 @@ class AiohttpTransport:
             )
         return timeout
 
-    async def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        content: bytes | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT_SEC,  # noqa: ASYNC109 (per wait, as httpx)
-    ) -> Answer:
+    async def _send(self, request: Request) -> Answer:
         import aiohttp
 
         session = self._session if self._session is not None else self._open()
         try:
             async with session.request(
-                method,
-                url,
-                data=content,
-                params=params,
-                headers=headers,
-                timeout=self._timeout(timeout),
+                request.method,
+                request.url,
+                data=request.content,
+                params=request.params,
+                headers=request.headers,
+                timeout=self._timeout(request.timeout),
                 allow_redirects=False,
                 proxy=self._proxy,
             ) as response:

@@ -29,12 +29,13 @@ raise httpx's exception classes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from time import monotonic
-from typing import Any, Final
+from typing import Any, Final, ParamSpec
 
 import httpx
 from pydantic import ValidationError
@@ -47,7 +48,9 @@ from harbor_exec._client_http import (
     default_transport,
 )
 from harbor_exec.protocol import (
+    FEATURES_HEADER,
     POLLING_LEASE_HEADER,
+    STATUS_WAIT_FEATURE,
     TERMINAL_STATUSES,
     CancelRolloutsRequest,
     CancelRolloutsResponse,
@@ -68,8 +71,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FEATURES_HEADER: Final = "X-Harbor-Exec-Features"
-STATUS_WAIT_FEATURE: Final = "status-wait"
+P = ParamSpec("P")
 
 _RETRY_AFTER_MIN_SEC: Final = 0.05
 _RETRY_AFTER_MAX_SEC: Final = 60.0
@@ -298,6 +300,24 @@ def _expect(response: Answer, status_code: int, route: str) -> None:
         )
 
 
+def _waiting_for_result(
+    submit: Callable[P, Awaitable[RolloutHandle]],
+) -> Callable[P, Coroutine[Any, Any, RolloutResultResponse]]:
+    """``run_rollout`` from ``run_rollout_async``: the same parameters, then it awaits
+    the handle."""
+
+    async def run_rollout(*args: P.args, **kwargs: P.kwargs) -> RolloutResultResponse:
+        """Submit a rollout and wait for its final result."""
+        handle = await submit(*args, **kwargs)
+        return await handle
+
+    # What help() and IDEs show: submit's parameters, this function's result.
+    run_rollout.__signature__ = inspect.signature(submit).replace(  # type: ignore[attr-defined]
+        return_annotation=RolloutResultResponse.__name__
+    )
+    return run_rollout
+
+
 class RolloutClient:
     """Client of a rollout server (ours or osmosis-ai 0.3.8's).
 
@@ -355,34 +375,6 @@ class RolloutClient:
             await self._spare_http_client.aclose()
 
     # ------------------------------------------------------------------ rollouts
-
-    async def run_rollout(
-        self,
-        initial_messages: list[MessageDict],
-        chat_completions_url: str,
-        rollout_id: str,
-        llm_api_key: str | None = None,
-        label: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        grade: bool = True,
-        agent_timeout_sec: float | None = None,
-        grader_timeout_sec: float | None = None,
-        extra_fields: dict[str, Any] | None = None,
-    ) -> RolloutResultResponse:
-        """Submit a rollout and wait for its final result."""
-        handle = await self.run_rollout_async(
-            initial_messages=initial_messages,
-            chat_completions_url=chat_completions_url,
-            rollout_id=rollout_id,
-            llm_api_key=llm_api_key,
-            label=label,
-            metadata=metadata,
-            grade=grade,
-            agent_timeout_sec=agent_timeout_sec,
-            grader_timeout_sec=grader_timeout_sec,
-            extra_fields=extra_fields,
-        )
-        return await handle
 
     async def run_rollout_async(
         self,
@@ -462,6 +454,8 @@ class RolloutClient:
             lease_deadline=started + admission.polling_lease_timeout_sec,
             status_wait=STATUS_WAIT_FEATURE in features.split(","),
         )
+
+    run_rollout = _waiting_for_result(run_rollout_async)
 
     async def _get_result(
         self, admission: RolloutInitResponse, *, lease_deadline: float

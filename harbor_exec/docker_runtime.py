@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import IO, Any, Literal, ParamSpec, TypeVar
+from typing import IO, Any, Literal, ParamSpec, TypeVar, Unpack
 
 import docker
 import docker.errors
@@ -69,7 +69,9 @@ from harbor_exec.runtime import (
     LABEL_OWNER,
     BuildResult,
     ContainerSpec,
+    ExecOptions,
     ExecResult,
+    ImageBuild,
     ImageInfo,
     cut_marker,
 )
@@ -348,15 +350,8 @@ class DockerRuntime:
             return self._build_locks.setdefault(tag, threading.Lock())
 
     @_engine_boundary
-    def ensure_image(
-        self,
-        *,
-        context_dir: Path,
-        tag: str,
-        timeout_sec: float,
-        labels: Mapping[str, str],
-        build_args: Mapping[str, str] | None = None,
-    ) -> BuildResult:
+    def ensure_image(self, **build: Unpack[ImageBuild]) -> BuildResult:
+        tag = build["tag"]
         started = time.monotonic()
         if self.image_exists(tag):
             return BuildResult(tag, built=False, duration_sec=0.0, log_path=None)
@@ -365,7 +360,7 @@ class DockerRuntime:
                 return BuildResult(tag, False, time.monotonic() - started, None)
             log_path = self.cache_dir / BUILD_LOGS / f"{tag.replace('/', '_')}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._build(context_dir, tag, timeout_sec, labels, build_args or {}, log_path)
+            self._build(build, log_path)
             return BuildResult(tag, True, time.monotonic() - started, log_path)
 
     # ----------------------------------------------------------------- builder
@@ -395,48 +390,32 @@ class DockerRuntime:
             return "buildkit"
         return "legacy"
 
-    def _build(
-        self,
-        context_dir: Path,
-        tag: str,
-        timeout_sec: float,
-        labels: Mapping[str, str],
-        build_args: Mapping[str, str],
-        log_path: Path,
-    ) -> None:
+    def _build(self, build: ImageBuild, log_path: Path) -> None:
         builder = self.builder
         with self._locks_guard:
-            self.build_counts[tag] += 1
+            self.build_counts[build["tag"]] += 1
         try:
-            self._run_build(builder, context_dir, tag, timeout_sec, labels, build_args, log_path)
+            self._run_build(builder, build, log_path)
         except _BuildkitUnavailable:
             # The engine looked able but refuses BuildKit (disabled in daemon.json, or a
             # platform without it): fall back for good, once per engine.
             with self._locks_guard:
                 self._builder = "legacy"
-            self._run_build("legacy", context_dir, tag, timeout_sec, labels, build_args, log_path)
+            self._run_build("legacy", build, log_path)
 
-    def _run_build(
-        self,
-        builder: BuilderKind,
-        context_dir: Path,
-        tag: str,
-        timeout_sec: float,
-        labels: Mapping[str, str],
-        build_args: Mapping[str, str],
-        log_path: Path,
-    ) -> None:
+    def _run_build(self, builder: BuilderKind, build: ImageBuild, log_path: Path) -> None:
+        context_dir, timeout_sec = build["context_dir"], build["timeout_sec"]
         deadline = time.monotonic() + timeout_sec
         # A read timeout on a dedicated client bounds a build step that prints nothing;
         # dropping the connection makes the daemon cancel the build.
         client = self._client(timeout=max(1, int(timeout_sec) + 1), max_pool_size=1)
         params: dict[str, Any] = {
-            "t": tag,
+            "t": build["tag"],
             "rm": True,
             "forcerm": True,
             "pull": False,
-            "labels": json.dumps({**labels, LABEL_MANAGED: "true"}),
-            "buildargs": json.dumps(dict(build_args)),
+            "labels": json.dumps({**build["labels"], LABEL_MANAGED: "true"}),
+            "buildargs": json.dumps(dict(build.get("build_args") or {})),
         }
         progress: BuildkitProgress | None = None
         if builder == "buildkit":
@@ -674,25 +653,18 @@ class DockerRuntime:
 
     @_engine_boundary
     def exec(
-        self,
-        container_id: str,
-        command: list[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        workdir: str | None = None,
-        timeout_sec: float | None = None,
-        stdin: bytes | None = None,
+        self, container_id: str, command: list[str], **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        environment = [f"{k}={v}" for k, v in (env or {}).items()]
+        environment = [f"{k}={v}" for k, v in (options.get("env") or {}).items()]
+        stdin, timeout_sec = options.get("stdin"), options.get("timeout_sec")
         started = time.monotonic()
         try:
             exec_id = self._api.exec_create(
                 container_id,
                 command,
                 environment=environment,
-                user=user or "",
-                workdir=workdir,
+                user=options.get("user") or "",
+                workdir=options.get("workdir"),
                 stdin=stdin is not None,
             )["Id"]
         except docker.errors.APIError as exc:

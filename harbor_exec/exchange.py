@@ -28,9 +28,10 @@ GRADER_ERROR: Final = "verifier/grader_error.json"
 GRADER_INPUT: Final = "rollout.json"
 
 #: Where a bundle lives in the container (the venv comes from the dependency layer).
-VENV_PYTHON: Final = "/opt/harbor-exec/venv/bin/python"
-USER_CODE_DIR: Final = "/opt/harbor-exec/user"
-MANIFEST_PATH: Final = "/opt/harbor-exec/manifest.json"
+BUNDLE_ROOT: Final = "/opt/harbor-exec"
+VENV_PYTHON: Final = f"{BUNDLE_ROOT}/venv/bin/python"
+USER_CODE_DIR: Final = f"{BUNDLE_ROOT}/user"
+MANIFEST_PATH: Final = f"{BUNDLE_ROOT}/manifest.json"
 #: The rollout's model relay directory, mounted read-only.
 RELAY_DIR: Final = "/run/harbor-exec/relay"
 RELAY_SOCKET: Final = f"{RELAY_DIR}/relay.sock"

@@ -20,10 +20,11 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Coroutine
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -163,27 +164,6 @@ class TaskTrialHandle:
         return await asyncio.shield(self.task)
 
 
-def launch(
-    handles: set[Any], handle: TaskTrialHandle, work: Coroutine[Any, Any, TrialRun]
-) -> TaskTrialHandle:
-    """Run ``work`` as ``handle``'s task, kept in ``handles`` until it ends."""
-    handle.task = asyncio.get_running_loop().create_task(work)
-    handles.add(handle)
-    handle.task.add_done_callback(lambda _task: handles.discard(handle))
-    return handle
-
-
-async def cancel_and_wait(
-    executor: TrialExecutor, handles: set[Any], *, timeout_sec: float = 30.0
-) -> None:
-    """Cancel every trial ``executor`` still runs and wait (bounded) for them to end."""
-    for handle in list(handles):
-        executor.cancel(handle)
-    tasks = [h.task for h in handles if h.task is not None]
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout_sec)
-
-
 class _LocalHandle(TaskTrialHandle):
     def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
         super().__init__(request, on_phase)
@@ -198,13 +178,73 @@ def _relay_root() -> Path:
     return root
 
 
-class LocalExecutor:
+H = TypeVar("H", bound=TaskTrialHandle)
+
+
+class TaskExecutor(ABC, Generic[H]):
+    """What both executors share: every trial runs as an asyncio task, kept in
+    ``_handles`` until it ends, and one background task (``_background``) runs from
+    the first call made on an event loop (constructors stay passive) until ``aclose``.
+    """
+
+    def __init__(self) -> None:
+        self._handles: set[H] = set()
+        self._background_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def submit(
+        self,
+        request: TrialRequest,
+        *,
+        model: ModelEndpoint | None = None,
+        on_phase: PhaseCallback | None = None,
+    ) -> TrialHandle:
+        self._start_background()
+        handle = self._new_handle(request, on_phase)
+        handle.task = asyncio.get_running_loop().create_task(self._run(handle, model))
+        self._handles.add(handle)
+        handle.task.add_done_callback(lambda _task: self._handles.discard(handle))
+        return handle
+
+    @abstractmethod
+    def cancel(self, handle: TrialHandle) -> None: ...
+
+    @abstractmethod
+    def _new_handle(self, request: TrialRequest, on_phase: PhaseCallback | None) -> H: ...
+
+    @abstractmethod
+    async def _run(self, handle: H, model: ModelEndpoint | None) -> TrialRun: ...
+
+    @abstractmethod
+    async def _background(self) -> None: ...
+
+    def _start_background(self) -> None:
+        if self._background_task is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._background_task = loop.create_task(self._background())
+
+    async def _stop_trials(self, *, timeout_sec: float = 30.0) -> None:
+        """Stop the background task, cancel every trial and wait (bounded) for them to end."""
+        self._closed = True
+        if self._background_task is not None:
+            self._background_task.cancel()
+        for handle in list(self._handles):
+            self.cancel(handle)
+        tasks = [h.task for h in self._handles if h.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_sec)
+
+
+class LocalExecutor(TaskExecutor[_LocalHandle]):
     """Trials on worker threads against one ``ContainerRuntime`` (this machine's engine).
 
     Its constructor only reads configuration; the runtime is opened on first use.
-    A background task started on the first call from an event loop reaps containers
-    whose owner died (and removals owed while the engine was away) every
-    ``reap_interval_sec``, faster while the engine is down.
+    The background task reaps containers whose owner died (and removals owed while
+    the engine was away) every ``reap_interval_sec``, faster while the engine is down.
     """
 
     def __init__(
@@ -214,13 +254,11 @@ class LocalExecutor:
         max_threads: int = 64,
         reap_interval_sec: float = 5.0,
     ) -> None:
+        super().__init__()
         self._runtime = runtime
         self._threads = anyio.CapacityLimiter(max_threads)
         self.reap_interval_sec = reap_interval_sec
-        self._handles: set[_LocalHandle] = set()
-        self._monitor: asyncio.Task[None] | None = None
         self._relay_transport: Any = None
-        self._closed = False
 
     @property
     def runtime(self) -> ContainerRuntime:
@@ -234,16 +272,8 @@ class LocalExecutor:
 
     # ----------------------------------------------------------------- trials
 
-    def submit(
-        self,
-        request: TrialRequest,
-        *,
-        model: ModelEndpoint | None = None,
-        on_phase: PhaseCallback | None = None,
-    ) -> TrialHandle:
-        self._ensure_monitor()
-        handle = _LocalHandle(request, on_phase)
-        return launch(self._handles, handle, self._run(handle, model))
+    def _new_handle(self, request: TrialRequest, on_phase: PhaseCallback | None) -> _LocalHandle:
+        return _LocalHandle(request, on_phase)
 
     async def _run(self, handle: _LocalHandle, model: ModelEndpoint | None) -> TrialRun:
         async with contextlib.AsyncExitStack() as stack:
@@ -305,7 +335,7 @@ class LocalExecutor:
     # ----------------------------------------------------------------- engine
 
     def health(self) -> ExecutorHealth:
-        self._ensure_monitor()
+        self._start_background()
         runtime = self.runtime
         if not runtime.engine_available:
             return ExecutorHealth(
@@ -323,7 +353,7 @@ class LocalExecutor:
         return ExecutorHealth(available=True, images=images, builder=runtime.builder)
 
     def available(self) -> str | None:
-        self._ensure_monitor()
+        self._start_background()
         runtime = self._runtime
         if runtime is not None and not runtime.engine_available:
             return (
@@ -348,17 +378,7 @@ class LocalExecutor:
 
         return await anyio.to_thread.run_sync(build, limiter=self._threads)
 
-    def _ensure_monitor(self) -> None:
-        """Start the reaper on the running loop (once; constructors stay passive)."""
-        if self._monitor is not None or self._closed:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._monitor = loop.create_task(self._watch_engine())
-
-    async def _watch_engine(self) -> None:
+    async def _background(self) -> None:
         """Reap periodically (owed removals, dead owners' containers), and poll the
         engine quickly while it is down so admissions resume as soon as it is back."""
         while not self._closed:
@@ -370,10 +390,7 @@ class LocalExecutor:
             await asyncio.sleep(self.reap_interval_sec if runtime.engine_available else 0.5)
 
     async def aclose(self) -> None:
-        self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-        await cancel_and_wait(self, self._handles)
+        await self._stop_trials()
         if self._relay_transport is not None:
             await self._relay_transport.aclose()
         if self._runtime is not None:
@@ -387,10 +404,9 @@ __all__ = [
     "LocalExecutor",
     "ModelEndpoint",
     "ModelUsage",
+    "TaskExecutor",
     "TaskTrialHandle",
     "TrialExecutor",
     "TrialHandle",
     "TrialRun",
-    "cancel_and_wait",
-    "launch",
 ]

@@ -24,8 +24,10 @@ from harbor_exec.authoring import (
 __all__ = [
     "CANCEL_DISPOSITIONS",
     "DEFAULT_MAX_TIMEOUT_SEC",
+    "FEATURES_HEADER",
     "MAX_ROLLOUT_ID_CHARS",
     "POLLING_LEASE_HEADER",
+    "STATUS_WAIT_FEATURE",
     "TERMINAL_STATUSES",
     "BackendHealth",
     "CancelDisposition",
@@ -53,6 +55,11 @@ __all__ = [
 ]
 
 POLLING_LEASE_HEADER: Final = "X-Osmosis-Rollout-Lease"
+# Our server sends it with every 202, listing what it offers beyond the reference
+# protocol (comma-separated); other clients ignore unknown headers.
+FEATURES_HEADER: Final = "X-Harbor-Exec-Features"
+# The feature of ``GET /rollout/{id}/status?status=<seen>&wait=<sec>`` (a long-poll).
+STATUS_WAIT_FEATURE: Final = "status-wait"
 
 MessageDict = dict[str, Any]
 

@@ -65,11 +65,10 @@ from harbor_exec.executor import (
     ModelEndpoint,
     ModelUsage,
     PhaseCallback,
+    TaskExecutor,
     TaskTrialHandle,
     TrialHandle,
     TrialRun,
-    cancel_and_wait,
-    launch,
 )
 from harbor_exec.results import TrialResult
 from harbor_exec.tasks import Task
@@ -281,19 +280,19 @@ class NodeAgent:
         health = await anyio.to_thread.run_sync(self.local.health)
         return {"available": health.available, "reason": health.reason, "images": health.images}
 
-    async def _task(self, key: str, blob: list[Any], task: Task) -> Task:
-        root = self.cache / "tasks" / key
+    async def _unpacked(self, kind: str, key: str, blob: list[Any]) -> Path:
+        """The tree of ``blob`` under ``<cache>/<kind>/<key>``, unpacked on first use."""
+        root = self.cache / kind / key
         if not root.is_dir():
             data = await blob[0]
-            root = await anyio.to_thread.run_sync(_materialize, self.cache / "tasks", key, data)
-        return replace(task, files=root)
+            root = await anyio.to_thread.run_sync(_materialize, self.cache / kind, key, data)
+        return root
+
+    async def _task(self, key: str, blob: list[Any], task: Task) -> Task:
+        return replace(task, files=await self._unpacked("tasks", key, blob))
 
     async def _deps(self, key: str, blob: list[Any], deps: DepsLayer) -> DepsLayer:
-        root = self.cache / "deps" / key
-        if not root.is_dir():
-            data = await blob[0]
-            root = await anyio.to_thread.run_sync(_materialize, self.cache / "deps", key, data)
-        return replace(deps, wheelhouse=root)
+        return replace(deps, wheelhouse=await self._unpacked("deps", key, blob))
 
     async def _bundle(self, key: str, blob: list[Any]) -> list[Any]:
         if key not in self._bundles:
@@ -455,7 +454,7 @@ class _RayHandle(TaskTrialHandle):
         self.cancelled = False
 
 
-class RayExecutor:
+class RayExecutor(TaskExecutor[_RayHandle]):
     """Trials on the Ray nodes that offer ``harbor_exec_trial`` slots (see module doc).
 
     ``connect()`` joins the cluster (``address``: ``host:port`` of the head, or
@@ -472,6 +471,7 @@ class RayExecutor:
         reap_interval_sec: float = 5.0,
         connect_timeout_sec: float = 10.0,
     ) -> None:
+        super().__init__()
         self.address = address
         self.cache_dir = cache_dir or str(Path(tempfile.gettempdir()) / "harbor-exec-ray")
         self.namespace = namespace
@@ -485,10 +485,8 @@ class RayExecutor:
         self._timings: dict[str, list[float]] = {}
         self._blobs: dict[str, Any] = {}  # content key -> ObjectRef
         self._bundle_keys: dict[int, tuple[Any, str]] = {}
-        self._handles: set[_RayHandle] = set()
-        self._refresher: asyncio.Task[None] | None = None
-        self._slot_freed: asyncio.Event | None = None
-        self._closed = False
+        # Set when a slot may have freed (or the node table changed).
+        self._slot_freed = asyncio.Event()
         self._owner = f"{socket.gethostname()}-{os.getpid()}-{secrets_module.token_hex(3)}"
 
     # ----------------------------------------------------------------- cluster
@@ -596,20 +594,9 @@ class RayExecutor:
             with self._lock:
                 self._nodes[node_id] = node
             logger.info("Ray node %s joined with %d trial slot(s)", node.short, node.slots)
-        if self._slot_freed is not None:
-            self._slot_freed.set()
+        self._slot_freed.set()
 
-    def _ensure_refresher(self) -> None:
-        if self._refresher is not None or self._closed:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._slot_freed = asyncio.Event()
-        self._refresher = loop.create_task(self._refresh_loop())
-
-    async def _refresh_loop(self) -> None:
+    async def _background(self) -> None:
         """Re-read the node table every ``REFRESH_SEC`` on a thread of its own, one read
         at a time; a read unanswered for ``UNREACHABLE_AFTER_SEC`` marks the cluster
         unreachable (a hung GCS blocks the read; the server keeps answering)."""
@@ -693,18 +680,10 @@ class RayExecutor:
 
     # ----------------------------------------------------------------- trials
 
-    def submit(
-        self,
-        request: TrialRequest,
-        *,
-        model: ModelEndpoint | None = None,
-        on_phase: PhaseCallback | None = None,
-    ) -> TrialHandle:
-        self._ensure_refresher()
-        if request.trial_name is None:
+    def _new_handle(self, request: TrialRequest, on_phase: PhaseCallback | None) -> _RayHandle:
+        if request.trial_name is None:  # the node agent cancels trials by name
             request = replace(request, trial_name=new_trial_name(request.task.name))
-        handle = _RayHandle(request, on_phase)
-        return launch(self._handles, handle, self._run(handle, model))
+        return _RayHandle(request, on_phase)
 
     def _image_key(self, task: Task) -> str:
         env = task.config.environment
@@ -720,15 +699,13 @@ class RayExecutor:
                 node = min(free, key=lambda n: (image not in n.images, n.in_use / n.slots))
                 node.in_use += 1
                 return node
-            assert self._slot_freed is not None
             self._slot_freed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=REFRESH_SEC)
 
     def _release(self, node: _Node) -> None:
         node.in_use = max(0, node.in_use - 1)
-        if self._slot_freed is not None:
-            self._slot_freed.set()
+        self._slot_freed.set()
 
     async def _run(self, handle: _RayHandle, model: ModelEndpoint | None) -> TrialRun:
         import ray
@@ -863,8 +840,7 @@ class RayExecutor:
         handle.cancelled = True
         if handle.node is not None and handle.node.alive:
             handle.node.actor.cancel.remote(handle.name)
-        if self._slot_freed is not None:
-            self._slot_freed.set()
+        self._slot_freed.set()
 
     # ----------------------------------------------------------------- health
 
@@ -887,7 +863,7 @@ class RayExecutor:
         ]
 
     def health(self) -> ExecutorHealth:
-        self._ensure_refresher()
+        self._start_background()
         reason = self.available()
         images: dict[str, int] = {}
         for node in self.live_nodes():
@@ -903,7 +879,7 @@ class RayExecutor:
         )
 
     def available(self) -> str | None:
-        self._ensure_refresher()
+        self._start_background()
         if not self._connected:
             try:
                 self.connect()
@@ -963,10 +939,7 @@ class RayExecutor:
         return {n.short: r for n, r in zip(targets, results, strict=True)}
 
     async def aclose(self) -> None:
-        self._closed = True
-        if self._refresher is not None:
-            self._refresher.cancel()
-        await cancel_and_wait(self, self._handles)
+        await self._stop_trials()
         if not self._connected:
             return
         import ray

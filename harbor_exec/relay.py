@@ -46,6 +46,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from harbor_exec.runner import abort_connections
+
 __all__ = [
     "RELAY_TOTALS",
     "SOCKET_NAME",
@@ -120,16 +122,12 @@ class RelayUsage:
 
 
 @dataclass
-class RelayTotals:
-    """Process-wide sums over every relay, for ``/metrics``."""
+class RelayTotals(RelayUsage):
+    """Process-wide sums of every relay's usage, and how many relays there are, for
+    ``/metrics``."""
 
     relays_started: int = 0
     relays_active: int = 0
-    requests: int = 0
-    rejected: int = 0
-    upstream_errors: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 class RelayTotalsCollector(Collector):
@@ -392,13 +390,7 @@ class ModelRelay:
         # Removing the path first means no new connect can even reach the listener.
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        tasks = list(self._connections)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await abort_connections(self._writers, self._connections)
         if server is not None:
             # Bounded: a connection accepted in this very moment closes itself on its first step.
             with contextlib.suppress(TimeoutError):
@@ -428,14 +420,14 @@ class ModelRelay:
 
     def _count(self, what: str, amount: int = 1) -> None:
         setattr(self.usage, what, getattr(self.usage, what) + amount)
-        if self._totals is not None and hasattr(self._totals, what):
+        if self._totals is not None:
             setattr(self._totals, what, getattr(self._totals, what) + amount)
 
     def _record_usage(self, numbers: tuple[int, int, int]) -> None:
         prompt, completion, total = numbers
         self._count("prompt_tokens", prompt)
         self._count("completion_tokens", completion)
-        self.usage.total_tokens += total
+        self._count("total_tokens", total)
 
     # ------------------------------------------------------------------ connections
 

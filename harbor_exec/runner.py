@@ -83,7 +83,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -314,6 +314,19 @@ _PIPE_CHUNK = 64 * 1024
 _CLOSE_GRACE_SEC = 2.0
 
 
+async def abort_connections(
+    writers: Iterable[asyncio.StreamWriter], handlers: Iterable[asyncio.Task[Any]]
+) -> None:
+    """Cut every connection (no flush) and wait for their handler tasks to end."""
+    for writer in list(writers):
+        writer.transport.abort()
+    tasks = list(handlers)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class RelayForwarder:
     """A loopback TCP port whose connections are piped, byte for byte, to a unix socket.
 
@@ -339,13 +352,7 @@ class RelayForwarder:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await abort_connections(self._writers, self._tasks)
 
     async def _on_connection(
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter

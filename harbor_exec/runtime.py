@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NotRequired, Protocol, TypedDict, Unpack
 
 NetworkKind = Literal["bridge", "none"]
 
@@ -93,6 +93,26 @@ class ImageInfo:
     size_bytes: int
 
 
+class ImageBuild(TypedDict):
+    """What ``ContainerRuntime.ensure_image`` builds (its keyword arguments)."""
+
+    context_dir: Path
+    tag: str
+    timeout_sec: float
+    labels: Mapping[str, str]
+    build_args: NotRequired[Mapping[str, str] | None]
+
+
+class ExecOptions(TypedDict, total=False):
+    """``ContainerRuntime.exec``'s keyword options; each defaults to None."""
+
+    env: Mapping[str, str] | None  # added to the container's environment
+    user: str | None  # None: the image's USER
+    workdir: str | None  # None: the image's WORKDIR
+    timeout_sec: float | None  # None: no limit
+    stdin: bytes | None  # None: the command reads no input
+
+
 class ContainerRuntime(Protocol):
     """What trials and executors need from a container engine. Every method blocks.
 
@@ -137,15 +157,7 @@ class ContainerRuntime(Protocol):
         """Remove every container this runtime's owner created; returns how many."""
         ...
 
-    def ensure_image(
-        self,
-        *,
-        context_dir: Path,
-        tag: str,
-        timeout_sec: float,
-        labels: Mapping[str, str],
-        build_args: Mapping[str, str] | None = None,
-    ) -> BuildResult:
+    def ensure_image(self, **build: Unpack[ImageBuild]) -> BuildResult:
         """Build ``context_dir`` as ``tag`` unless that tag exists; one build per tag at a time.
 
         Raises ``SandboxBuildFailedError`` (with the log tail) or
@@ -192,15 +204,7 @@ class ContainerRuntime(Protocol):
         ...
 
     def exec(
-        self,
-        container_id: str,
-        command: list[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        workdir: str | None = None,
-        timeout_sec: float | None = None,
-        stdin: bytes | None = None,
+        self, container_id: str, command: list[str], **options: Unpack[ExecOptions]
     ) -> ExecResult:
         """Run ``command`` (fed ``stdin`` when given); past ``timeout_sec`` every
         process it started is killed."""

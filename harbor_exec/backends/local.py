@@ -12,18 +12,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from harbor_exec.authoring import (
     AgentWorkflow,
     AgentWorkflowConfig,
-    AgentWorkflowContext,
     Grader,
     GraderConfig,
-    GraderContext,
     RolloutContext,
     RolloutErrorCategory,
     RolloutSample,
@@ -32,6 +30,7 @@ from harbor_exec.authoring import (
     resolve_import_path,
     run_workflow_once,
 )
+from harbor_exec.backends.artifacts import LazyArtifactsDir, LazyGraderContext, LazyWorkflowContext
 from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     BackendHealth,
@@ -40,7 +39,6 @@ from harbor_exec.protocol import (
     ExecutionResult,
     QueueInfo,
     categorize_exception,
-    rollout_dir_name,
 )
 
 __all__ = [
@@ -52,6 +50,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_MAX_CONCURRENT = 4
 # Below this, time spent queued is not worth mentioning in a deadline message.
@@ -223,41 +223,29 @@ class LocalBackend(ExecutionBackend):
     ) -> ExecutionResult:
         """Run a fresh workflow instance under the agent deadline (less the time queued)."""
         config = copy.deepcopy(self.workflow_config)
-        workflow_context = _WorkflowContext(
+        workflow_context = LazyWorkflowContext(
             prompt=request.prompt,
             config=config,
             metadata=request.metadata,
             artifacts=artifacts or LazyArtifactsDir(self.artifact_root, request.id),
         )
         limit = request.agent_timeout_sec
-        budget = None if limit is None else max(limit - queued_sec, 0.0)
-        started = time.monotonic()
-        deadline = asyncio.timeout(budget)
-        try:
-            async with deadline:
-                workflow = self.workflow_cls(config)
-                sample = await run_workflow_once(
-                    workflow, workflow_context, context, label=request.label
-                )
-        except Exception as exc:
-            logger.warning("rollout %s: workflow failed", request.id, exc_info=True)
-            message = (
-                _deadline_message("workflow", limit, queued_sec)
-                if deadline.expired()
-                else str(exc) or type(exc).__name__
-            )
-            return ExecutionResult(
-                status=RolloutStatus.FAILURE,
-                err_message=message,
-                err_category=categorize_exception(exc),
-            )
-        if _overran(deadline, started, budget):
-            return ExecutionResult(
-                status=RolloutStatus.FAILURE,
-                err_message=_deadline_message("workflow", limit, queued_sec),
-                err_category=RolloutErrorCategory.TIMEOUT,
-            )
-        return ExecutionResult(status=RolloutStatus.SUCCESS, sample=sample)
+
+        async def run() -> RolloutSample | None:
+            workflow = self.workflow_cls(config)
+            return await run_workflow_once(workflow, workflow_context, context, label=request.label)
+
+        outcome = await _within_deadline(
+            "workflow",
+            request.id,
+            run,
+            budget=None if limit is None else max(limit - queued_sec, 0.0),
+            limit=limit,
+            queued_sec=queued_sec,
+        )
+        if isinstance(outcome, ExecutionResult):
+            return outcome
+        return ExecutionResult(status=RolloutStatus.SUCCESS, sample=outcome)
 
     async def run_grader(
         self,
@@ -267,133 +255,68 @@ class LocalBackend(ExecutionBackend):
         artifacts: LazyArtifactsDir | None = None,
     ) -> ExecutionResult:
         """Run a fresh grader instance under its own deadline; it must leave a reward."""
-        if self.grader_cls is None:
+        grader_cls = self.grader_cls
+        if grader_cls is None:
             return workflow_result
-        grader_context = _GraderContext(
+        grader_context = LazyGraderContext(
             label=request.label,
             sample=workflow_result.sample,
             metadata=request.metadata,
             artifacts=artifacts or LazyArtifactsDir(self.artifact_root, request.id),
         )
         budget = request.grader_timeout_sec
-        started = time.monotonic()
-        deadline = asyncio.timeout(budget)
-        try:
-            async with deadline:
-                grader = self.grader_cls(self.grader_config)
-                await grader.grade(grader_context)
-                _require_reward(grader_context.sample)
-        except Exception as exc:
-            logger.warning("rollout %s: grader failed", request.id, exc_info=True)
-            message = (
-                _deadline_message("grader", budget, 0.0)
-                if deadline.expired()
-                else str(exc) or type(exc).__name__
-            )
-            return ExecutionResult(
-                status=RolloutStatus.FAILURE,
-                sample=workflow_result.sample,
-                err_message=message,
-                err_category=categorize_exception(exc),
-            )
-        if _overran(deadline, started, budget):
-            return ExecutionResult(
-                status=RolloutStatus.FAILURE,
-                sample=workflow_result.sample,
-                err_message=_deadline_message("grader", budget, 0.0),
-                err_category=RolloutErrorCategory.TIMEOUT,
-            )
+
+        async def grade() -> None:
+            grader = grader_cls(self.grader_config)
+            await grader.grade(grader_context)
+            _require_reward(grader_context.sample)
+
+        failure = await _within_deadline(
+            "grader", request.id, grade, budget=budget, limit=budget, sample=workflow_result.sample
+        )
+        if failure is not None:
+            return failure
         return ExecutionResult(status=RolloutStatus.SUCCESS, sample=grader_context.sample)
 
 
-class LazyArtifactsDir:
-    """``<root>/<id>/artifacts``, created the first time a workflow or grader asks for it.
-
-    Most rollouts never write artifacts; creating two directories for each of
-    them up front costs more than the rest of a trivial rollout and leaves
-    millions of empty directories behind a training run. The contexts below
-    expose it as the usual ``artifacts_dir`` attribute (None when it cannot
-    be created).
-    """
-
-    __slots__ = ("_made", "_path", "_rollout_id", "_value")
-
-    def __init__(self, root: Path | str, rollout_id: str) -> None:
-        # Plain strings, not pathlib: on CPython 3.12 every path component that
-        # pathlib parses is interned for good, one leaked string per rollout id.
-        self._path = os.path.join(os.fspath(root), rollout_dir_name(rollout_id), "artifacts")
-        self._rollout_id = rollout_id
-        self._made = False
-        self._value: Path | None = None
-
-    def get(self) -> Path | None:
-        if not self._made:
-            self._made = True
-            try:
-                os.makedirs(self._path, exist_ok=True)
-                self._value = Path(self._path)
-            except OSError as exc:
-                logger.warning(
-                    "rollout %s: no artifacts dir at %s: %s", self._rollout_id, self._path, exc
-                )
-        return self._value
-
-
-class _LazyArtifacts:
-    """``artifacts_dir`` made on first access (most rollouts never touch it).
-
-    Listed before the context dataclass in the bases, so this property wins
-    over the dataclass field; assigning it still works.
-    """
-
-    _artifacts: LazyArtifactsDir
-    _artifacts_override: tuple[Path | None] | None = None
-
-    @property
-    def artifacts_dir(self) -> Path | None:
-        if self._artifacts_override is not None:
-            return self._artifacts_override[0]
-        return self._artifacts.get()
-
-    @artifacts_dir.setter
-    def artifacts_dir(self, value: Path | None) -> None:
-        self._artifacts_override = (value,)
-
-
-class _WorkflowContext(_LazyArtifacts, AgentWorkflowContext[Any]):
-    """An ``AgentWorkflowContext`` whose ``artifacts_dir`` is made on first access."""
-
-    def __init__(
-        self,
-        *,
-        prompt: list[dict[str, Any]],
-        config: AgentWorkflowConfig | None,
-        metadata: dict[str, Any] | None,
-        artifacts: LazyArtifactsDir,
-    ) -> None:
-        # The dataclass __init__ would assign artifacts_dir; set the fields directly.
-        self.prompt = prompt
-        self.config = config
-        self.metadata = metadata
-        self._artifacts = artifacts
-
-
-class _GraderContext(_LazyArtifacts, GraderContext):
-    """A ``GraderContext`` whose ``artifacts_dir`` is made on first access."""
-
-    def __init__(
-        self,
-        *,
-        label: str | None,
-        sample: RolloutSample | None,
-        metadata: dict[str, Any] | None,
-        artifacts: LazyArtifactsDir,
-    ) -> None:
-        self.label = label
-        self.sample = sample
-        self.project_path = None
-        self.metadata = metadata
-        self._artifacts = artifacts
+async def _within_deadline(
+    phase: str,
+    rollout_id: str,
+    work: Callable[[], Awaitable[T]],
+    *,
+    budget: float | None,
+    limit: float | None,
+    queued_sec: float = 0.0,
+    sample: RolloutSample | None = None,
+) -> T | ExecutionResult:
+    """What ``work()`` returns within ``budget`` seconds, else the phase's failure
+    (carrying ``sample``); a deadline message names ``limit`` and the time queued."""
+    started = time.monotonic()
+    deadline = asyncio.timeout(budget)
+    try:
+        async with deadline:
+            result = await work()
+    except Exception as exc:
+        logger.warning("rollout %s: %s failed", rollout_id, phase, exc_info=True)
+        message = (
+            _deadline_message(phase, limit, queued_sec)
+            if deadline.expired()
+            else str(exc) or type(exc).__name__
+        )
+        return ExecutionResult(
+            status=RolloutStatus.FAILURE,
+            sample=sample,
+            err_message=message,
+            err_category=categorize_exception(exc),
+        )
+    if _overran(deadline, started, budget):
+        return ExecutionResult(
+            status=RolloutStatus.FAILURE,
+            sample=sample,
+            err_message=_deadline_message(phase, limit, queued_sec),
+            err_category=RolloutErrorCategory.TIMEOUT,
+        )
+    return result
 
 
 def _overran(deadline: asyncio.Timeout, started: float, budget: float | None) -> bool:

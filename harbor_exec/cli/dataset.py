@@ -16,16 +16,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.cli.sandbox import (
-    DEFAULT_MAX_LOG_BYTES,
-    DefaultCpusOption,
-    DefaultMemoryOption,
-    MaxLogBytesOption,
-    VerifierModeChoice,
-    VerifierModeOption,
-    sandbox_policy,
-)
 from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, DockerUnavailableError
 from harbor_exec.jobs import (
@@ -134,10 +126,10 @@ def validate(
     n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name")] = None,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
-    default_cpus: DefaultCpusOption = None,
-    default_memory_mb: DefaultMemoryOption = None,
-    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
+    verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
+    default_cpus: sandbox.DefaultCpusOption = None,
+    default_memory_mb: sandbox.DefaultMemoryOption = None,
+    max_log_bytes: sandbox.MaxLogBytesOption = sandbox.DEFAULT_MAX_LOG_BYTES,
     ray: RayOption = None,
 ) -> None:
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
@@ -146,11 +138,8 @@ def validate(
     discovery = load_dataset(path)
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
-    policy = sandbox_policy(
-        verifier_mode=verifier_mode,
-        default_cpus=default_cpus,
-        default_memory_mb=default_memory_mb,
-        max_log_bytes=max_log_bytes,
+    options = sandbox.SandboxOptions(verifier_mode, default_cpus, default_memory_mb, max_log_bytes)
+    policy = options.policy(
         max_concurrent_trials=n_concurrent,
         pid_max=(executor or runtime).pid_max(),  # type: ignore[union-attr]
     )

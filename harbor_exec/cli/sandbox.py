@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
@@ -43,20 +44,29 @@ MaxLogBytesOption = Annotated[
 ]
 
 
-def sandbox_policy(
-    *,
-    verifier_mode: VerifierModeChoice,
-    default_cpus: float | None,
-    default_memory_mb: int | None,
-    max_log_bytes: int,
-    max_concurrent_trials: int,
-    pid_max: int,
-) -> SandboxPolicy:
-    """The ``SandboxPolicy`` these options describe."""
-    return SandboxPolicy(
-        verifier_mode="separate" if verifier_mode is VerifierModeChoice.SEPARATE else None,
-        pids_limit=default_pids_limit(max_concurrent_trials, pid_max),
-        default_cpus=default_cpus,
-        default_memory_mb=default_memory_mb,
-        output=OutputLimits(max_file_bytes=max_log_bytes),
-    )
+@dataclass(frozen=True)
+class SandboxOptions:
+    """The sandbox options ``serve`` and ``validate`` share, as given."""
+
+    verifier_mode: VerifierModeChoice = VerifierModeChoice.TASK
+    default_cpus: float | None = None
+    default_memory_mb: int | None = None
+    max_log_bytes: int = DEFAULT_MAX_LOG_BYTES
+
+    @property
+    def separate_verifier(self) -> bool:
+        return self.verifier_mode is VerifierModeChoice.SEPARATE
+
+    @property
+    def output_limits(self) -> OutputLimits:
+        return OutputLimits(max_file_bytes=self.max_log_bytes)
+
+    def policy(self, *, max_concurrent_trials: int, pid_max: int) -> SandboxPolicy:
+        """The ``SandboxPolicy`` these options describe."""
+        return SandboxPolicy(
+            verifier_mode="separate" if self.separate_verifier else None,
+            pids_limit=default_pids_limit(max_concurrent_trials, pid_max),
+            default_cpus=self.default_cpus,
+            default_memory_mb=self.default_memory_mb,
+            output=self.output_limits,
+        )

@@ -20,16 +20,9 @@ from typing import Annotated, Any
 
 import typer
 
+from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.cli.sandbox import (
-    DEFAULT_MAX_LOG_BYTES,
-    DefaultCpusOption,
-    DefaultMemoryOption,
-    MaxLogBytesOption,
-    VerifierModeChoice,
-    VerifierModeOption,
-)
-from harbor_exec.runtime import OutputLimits
+from harbor_exec.cli.sandbox import SandboxOptions
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
 
@@ -53,10 +46,7 @@ class ServeOptions:
     prewarm: bool = False
     task_roots: list[Path] = field(default_factory=list)
     task_env_allow: list[str] = field(default_factory=list)
-    verifier_mode: str = "task"
-    default_cpus: float | None = None
-    default_memory_mb: int | None = None
-    max_log_bytes: int = OutputLimits().max_file_bytes
+    sandbox: SandboxOptions = field(default_factory=SandboxOptions)
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
     prewarm_jobs: int | None = None
@@ -108,10 +98,10 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             max_queue_depth=options.max_queue_depth,
             task_roots=options.task_roots,
             task_env_allow=options.task_env_allow,
-            verifier_mode="separate" if options.verifier_mode == "separate" else "task",
-            default_cpus=options.default_cpus,
-            default_memory_mb=options.default_memory_mb,
-            output_limits=OutputLimits(max_file_bytes=options.max_log_bytes),
+            verifier_mode="separate" if options.sandbox.separate_verifier else "task",
+            default_cpus=options.sandbox.default_cpus,
+            default_memory_mb=options.sandbox.default_memory_mb,
+            output_limits=options.sandbox.output_limits,
         )
         # Build the bundle and open the engine now: their errors end `serve` before it binds.
         backend.start()
@@ -250,10 +240,10 @@ def serve(
         list[str] | None,
         typer.Option(help="A host variable ${VAR} in a request-named task may read (repeatable)."),
     ] = None,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
-    default_cpus: DefaultCpusOption = None,
-    default_memory_mb: DefaultMemoryOption = None,
-    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
+    verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
+    default_cpus: sandbox.DefaultCpusOption = None,
+    default_memory_mb: sandbox.DefaultMemoryOption = None,
+    max_log_bytes: sandbox.MaxLogBytesOption = sandbox.DEFAULT_MAX_LOG_BYTES,
     data_dir: Annotated[
         Path | None,
         typer.Option(
@@ -302,10 +292,7 @@ def serve(
         prewarm=prewarm,
         task_roots=list(task_root or []),
         task_env_allow=list(task_env_allow or []),
-        verifier_mode=verifier_mode.value,
-        default_cpus=default_cpus,
-        default_memory_mb=default_memory_mb,
-        max_log_bytes=max_log_bytes,
+        sandbox=SandboxOptions(verifier_mode, default_cpus, default_memory_mb, max_log_bytes),
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,
         prewarm_jobs=prewarm_jobs,

@@ -38,7 +38,9 @@ from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.protocol import (
     DEFAULT_MAX_TIMEOUT_SEC,
+    FEATURES_HEADER,
     POLLING_LEASE_HEADER,
+    STATUS_WAIT_FEATURE,
     TERMINAL_STATUSES,
     CancelDisposition,
     CancelRolloutsRequest,
@@ -84,13 +86,19 @@ DEFAULT_RETRY_AFTER_SEC: Final = 1
 SHUTDOWN_DRAIN_SEC: Final = 10.0
 SHUTDOWN_CLEANUP_SEC: Final = 120.0
 
-# Sent with every 202 so our client knows it may use the status long-poll; other
-# clients ignore unknown headers.
-FEATURES_HEADER: Final = "X-Harbor-Exec-Features"
-FEATURES: Final = "status-wait"
+# Sent in FEATURES_HEADER with every 202, so our client knows it may use the status long-poll.
+FEATURES: Final = STATUS_WAIT_FEATURE
 INSTANCE_ID_ENVS: Final = ("HARBOR_EXEC_INSTANCE_ID", "_OSMOSIS_ROLLOUT_INSTANCE_ID")
 
 _JSON: Final = "application/json"
+# The request's fields a backend gets as they are, under the same name (``ExecutionRequest``).
+_PASSED_TO_BACKEND: Final = (
+    "label",
+    "metadata",
+    "agent_timeout_sec",
+    "grader_timeout_sec",
+    "grade",
+)
 _MAX_ECHOED_INPUT_CHARS: Final = 1024
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[Any]]
@@ -313,11 +321,7 @@ class RolloutService:
         execution = ExecutionRequest.model_construct(
             id=request.rollout_id,
             prompt=request.initial_messages,
-            label=request.label,
-            metadata=request.metadata,
-            agent_timeout_sec=request.agent_timeout_sec,
-            grader_timeout_sec=request.grader_timeout_sec,
-            grade=request.grade,
+            **{name: getattr(request, name) for name in _PASSED_TO_BACKEND},
         )
         try:
             with context:
