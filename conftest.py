@@ -9,8 +9,9 @@
 - The fast suite runs on pytest-xdist workers (``-n auto`` in pyproject.toml);
   a run that selects engine tests runs in one process, because those tests
   share one engine and time its containers.
-- Tests marked ``long`` (seconds each) are scheduled first, so that a parallel
-  run does not end waiting on one of them.
+- Tests marked ``long(seconds)`` (how long each runs alone) are scheduled
+  first, longest first, one per worker (``--maxschedchunk 1``), so that a
+  parallel run does not end waiting on one of them.
 """
 
 from __future__ import annotations
@@ -38,5 +39,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.docker)
-    # A stable sort: the order within each half stays as collected.
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    # A stable sort: the other tests keep their collected order.
+    items.sort(key=_seconds_first)
+
+
+def _seconds_first(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("long")
+    return -float(marker.args[0]) if marker is not None and marker.args else 0.0

@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from pydantic import ValidationError
 
-from harbor_exec.bundler.cache import default_cache_dir, publish, work_dir
+from harbor_exec.bundler.cache import default_cache_dir, entry_lock, publish, work_dir
 from harbor_exec.bundler.errors import BundleBuildError, BundleError
 from harbor_exec.bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
 from harbor_exec.bundler.project import (
@@ -165,7 +165,9 @@ def build_bundle(
     cached = _load_cached(root)
     if cached is not None:
         return cached
-    return _build(project, refs, target, runtime, cache)
+    with entry_lock(cache, "bundle", digest):
+        # Another process may have built it while this one waited.
+        return _load_cached(root) or _build(project, refs, target, runtime, cache)
 
 
 def _load_cached(root: Path) -> Bundle | None:
@@ -310,27 +312,9 @@ def _ensure_dependencies(
     entry = cache / "deps" / key[:32]
     index = entry / _DEPS_INDEX
     if not index.is_file():
-        runtime_wheel = ensure_runtime_wheel(cache, runtime)
-        work = work_dir(cache, "deps-")
-        try:
-            wheelhouse = work / "wheelhouse"
-            roots = [Requirement(r) for r in requirements]
-            # pip goes in too: a python3-only image can bootstrap a venv from it.
-            roots.append(Requirement("pip"))
-            paths = download_wheels(roots, [runtime_wheel], wheelhouse, target)
-            wheels = [_wheel_file(p) for p in paths]
-            infos = {read_wheel(p).name: p.name for p in paths}
-            payload = {
-                "wheels": [w.model_dump() for w in sorted(wheels, key=lambda w: w.filename)],
-                "runtime_wheel": infos[canonicalize_name(RUNTIME_DISTRIBUTION)],
-                "pip_wheel": infos[canonicalize_name("pip")],
-                # Names and hashes only: the same wheels give the same digest anywhere.
-                "digest": _digest(sorted((w.filename, w.sha256) for w in wheels)),
-            }
-            (wheelhouse / _DEPS_INDEX).write_text(json.dumps(payload, indent=2), encoding="utf-8")
-            publish(wheelhouse, entry)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with entry_lock(cache, "deps", key):
+            if not index.is_file():  # not made while this process waited
+                _collect_dependencies(cache, entry, requirements, runtime, target)
     data = json.loads(index.read_text(encoding="utf-8"))
     return _Dependencies(
         directory=entry,
@@ -339,3 +323,30 @@ def _ensure_dependencies(
         pip_wheel=data["pip_wheel"],
         digest=data["digest"],
     )
+
+
+def _collect_dependencies(
+    cache: Path, entry: Path, requirements: list[str], runtime: RuntimeSource, target: Target
+) -> None:
+    """Download the wheelhouse of ``requirements`` (with the runtime and pip); publish it."""
+    runtime_wheel = ensure_runtime_wheel(cache, runtime)
+    work = work_dir(cache, "deps-")
+    try:
+        wheelhouse = work / "wheelhouse"
+        roots = [Requirement(r) for r in requirements]
+        # pip goes in too: a python3-only image can bootstrap a venv from it.
+        roots.append(Requirement("pip"))
+        paths = download_wheels(roots, [runtime_wheel], wheelhouse, target)
+        wheels = [_wheel_file(p) for p in paths]
+        infos = {read_wheel(p).name: p.name for p in paths}
+        payload = {
+            "wheels": [w.model_dump() for w in sorted(wheels, key=lambda w: w.filename)],
+            "runtime_wheel": infos[canonicalize_name(RUNTIME_DISTRIBUTION)],
+            "pip_wheel": infos[canonicalize_name("pip")],
+            # Names and hashes only: the same wheels give the same digest anywhere.
+            "digest": _digest(sorted((w.filename, w.sha256) for w in wheels)),
+        }
+        (wheelhouse / _DEPS_INDEX).write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        publish(wheelhouse, entry)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

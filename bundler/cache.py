@@ -10,24 +10,30 @@ see ``harbor_exec.cache``. Layout under it::
     runtime/<key[:32]>/             harbor-exec's container-side wheel, keyed by its source
     build-envs/<key[:32]>/          a build environment per [build-system] requires
     tmp/                            work directories; entries are renamed into place
+    locks/                          one lock file per entry being made
 
 Entries are immutable once published. Publication is one ``os.rename`` of a
 finished directory within the same filesystem, so a reader sees a whole entry
 or none, and of two concurrent builders of one entry the loser simply uses the
-winner's.
+winner's. Builders of one entry in several processes (two servers, parallel
+test workers) take its lock first, so the later ones wait and reuse the entry
+instead of making it again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from harbor_exec.cache import BUNDLES, cache_root
 
-__all__ = ["default_cache_dir", "publish", "work_dir"]
+__all__ = ["default_cache_dir", "entry_lock", "publish", "work_dir"]
 
 _STALE_WORK_SEC = 24 * 3600.0
 
@@ -71,3 +77,17 @@ def publish(src: Path, dst: Path) -> bool:
             return False
         raise
     return True
+
+
+@contextmanager
+def entry_lock(cache_dir: Path, kind: str, key: str) -> Iterator[None]:
+    """Hold the lock of one cache entry (an exclusive ``flock``: released by the
+    kernel when the holder dies, so a killed builder never blocks the next)."""
+    locks = cache_dir / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{kind}-{key[:32]}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

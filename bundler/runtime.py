@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import harbor_exec
-from harbor_exec.bundler.cache import publish, work_dir
+from harbor_exec.bundler.cache import entry_lock, publish, work_dir
 from harbor_exec.bundler.errors import BundleBuildError
 from harbor_exec.bundler.wheels import build_wheel
 
@@ -117,6 +117,13 @@ def ensure_runtime_wheel(cache_dir: Path, source: RuntimeSource) -> Path:
     wheels = sorted(entry.glob("*.whl"))
     if wheels:
         return wheels[0]
+    with entry_lock(cache_dir, "runtime", source.digest):
+        if not any(entry.glob("*.whl")):  # not made while this process waited
+            _build_runtime_wheel(cache_dir, source, entry)
+    return sorted(entry.glob("*.whl"))[0]
+
+
+def _build_runtime_wheel(cache_dir: Path, source: RuntimeSource, entry: Path) -> None:
     for name, data in source.files:
         _check_imports(name, data)
     work = work_dir(cache_dir, "runtime-")
@@ -141,4 +148,3 @@ def ensure_runtime_wheel(cache_dir: Path, source: RuntimeSource) -> Path:
         publish(out, entry)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return sorted(entry.glob("*.whl"))[0]

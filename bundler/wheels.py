@@ -30,7 +30,7 @@ from packaging.utils import (
 )
 from packaging.version import Version
 
-from harbor_exec.bundler.cache import publish, work_dir
+from harbor_exec.bundler.cache import entry_lock, publish, work_dir
 from harbor_exec.bundler.errors import BundleBuildError, DependencyDownloadError
 
 __all__ = [
@@ -324,8 +324,16 @@ def _build_env(env_cache: Path, requires: Sequence[str], output: list[str]) -> s
     key = hashlib.sha256(repr((list(requires), sys.version, sys.executable)).encode())
     entry = env_cache / "build-envs" / key.hexdigest()[:32]
     python = entry / "bin" / "python"
-    if (entry / _ENV_READY).is_file():
-        return str(python)
+    if not (entry / _ENV_READY).is_file():
+        with entry_lock(env_cache, "build-env", key.hexdigest()):
+            if not (entry / _ENV_READY).is_file():  # not made while this process waited
+                _make_build_env(env_cache, entry, requires, output)
+    return str(python)
+
+
+def _make_build_env(
+    env_cache: Path, entry: Path, requires: Sequence[str], output: list[str]
+) -> None:
     work = work_dir(env_cache, "build-env-")
     try:
         env = work / "env"
@@ -343,7 +351,6 @@ def _build_env(env_cache: Path, requires: Sequence[str], output: list[str]) -> s
             raise BundleBuildError(f"the build environment {entry} is incomplete; remove it.")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return str(python)
 
 
 _ENV_READY = ".harbor-exec-ready"

@@ -14,6 +14,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -29,6 +30,7 @@ from harbor_exec.bundler import (
     build_bundle,
     platform_tags,
 )
+from harbor_exec.bundler import bundle as bundle_module
 from harbor_exec.bundler.wheels import build_wheel, marker_environment, target_requirements
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     EXAMPLE_DIR,
@@ -66,7 +68,7 @@ def _tiny_project(
 # --------------------------------------------------------------------------- the example
 
 
-@pytest.mark.long
+@pytest.mark.long(5)
 def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     bundle = example_bundle
     manifest = Manifest.read(bundle.manifest_path)
@@ -166,7 +168,7 @@ def test_source_change_changes_digest_not_requirements_digest(
     assert len(list((bundle_cache / "wheels").iterdir())) >= 2
 
 
-@pytest.mark.long
+@pytest.mark.long(3)
 def test_dependency_change_changes_requirements_digest(
     tmp_path: Path, example_bundle: Bundle, bundle_cache: Path
 ) -> None:
@@ -190,7 +192,7 @@ def test_dependency_change_changes_requirements_digest(
     assert not any(p.name.startswith("six-") for p in plain.wheelhouse.iterdir())
 
 
-@pytest.mark.long
+@pytest.mark.long(5)
 def test_markers_are_evaluated_for_the_container_python(
     tmp_path: Path, bundle_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,7 +232,7 @@ def test_markers_are_evaluated_for_the_container_python(
     assert any("-cp312-" in n for n in newer_names)
 
 
-@pytest.mark.long
+@pytest.mark.long(3)
 def test_build_environment_is_made_once_per_build_requirements(
     tmp_path: Path, bundle_cache: Path
 ) -> None:
@@ -279,12 +281,20 @@ def test_build_environment_is_made_once_per_build_requirements(
 
 
 def test_concurrent_builders_publish_one_bundle(
-    tmp_path: Path, example_bundle: Bundle, bundle_cache: Path
+    tmp_path: Path, example_bundle: Bundle, bundle_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The second builder waits on the entry's lock and reuses the first one's bundle."""
     # The example's dependency layer is already collected: the race is over the bundle.
     project = _tiny_project(tmp_path / "p", name="race_flow")
     results: list[Bundle] = []
     errors: list[BaseException] = []
+    wheel_builds: list[Path] = []
+
+    def counted_build_wheel(srcdir: Path, *args: Any, **kwargs: Any) -> Path:
+        wheel_builds.append(srcdir)
+        return build_wheel(srcdir, *args, **kwargs)
+
+    monkeypatch.setattr(bundle_module, "build_wheel", counted_build_wheel)
 
     def build() -> None:
         try:
@@ -302,6 +312,8 @@ def test_concurrent_builders_publish_one_bundle(
     assert not errors, errors
     assert len({b.root for b in results}) == 1
     assert results[0].manifest == results[1].manifest
+    assert sorted(b.cached for b in results) == [False, True]
+    assert len(wheel_builds) == 1, wheel_builds
     assert results[0].wheel.is_file()
     # No work directory of theirs is left (other builders may share the cache).
     assert not any((w / "stage" / "race_flow").exists() for w in (bundle_cache / "tmp").iterdir())

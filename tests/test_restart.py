@@ -77,7 +77,7 @@ def result(url: str, rollout_id: str, token: str) -> httpx.Response:
     return httpx.get(f"{url}/rollout/{rollout_id}/result", headers={LEASE: token}, timeout=10)
 
 
-@pytest.mark.long
+@pytest.mark.long(3)
 def test_sigkilled_server_serves_finished_and_fails_running(tmp_path: Path) -> None:
     data, artifacts = tmp_path / "data", tmp_path / "artifacts"
     port = free_port()

@@ -1,8 +1,9 @@
 """The container runner as real subprocesses, against a fake chat endpoint on 127.0.0.1.
 
-Most tests run it with this interpreter and the example project on PYTHONPATH;
-the last one runs it on CPython 3.11 in a fresh venv holding only the bundle's
-wheelhouse and wheel, installed offline, as a task image would.
+They run it with this interpreter and the example project on PYTHONPATH. On
+CPython 3.11, installed offline from the bundle's wheelhouse as a task image
+does it, it runs in tests/test_harbor_backend.py (bookworm containers) and, with
+this checkout on PYTHONPATH, in tests/test_relay.py.
 """
 
 # Fixtures imported from bundle_utils are parameters of the same name here.
@@ -27,7 +28,6 @@ from harbor_exec.bundler import Bundle
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     API_KEY,
     EXAMPLE_SRC,
-    PYTHON311,
     REPO_ROOT,
     bundle_cache,
     clean_env,
@@ -438,79 +438,3 @@ def test_grader_that_sets_no_reward_fails_without_reward_file(
     error = _read(custom.logs / "verifier" / "grader_error.json")["error"]
     assert error["phase"] == "grader"
     assert error["category"] == "validation_error"
-
-
-# --------------------------------------------------------------------------- Python 3.11
-
-
-@pytest.mark.long
-def test_runner_on_python_311_with_only_the_wheelhouse(
-    tmp_path: Path, example_bundle: Bundle, chat: FakeChat
-) -> None:
-    """The container side on CPython 3.11, installed offline from the bundle alone.
-
-    The venv is made without pip, then bootstrapped with the pip wheel from the
-    wheelhouse: the same commands a task image's dependency layer runs.
-    """
-    chat.reset()
-    assert PYTHON311.is_file(), f"a Python 3.11 is required for this test ({PYTHON311})"
-    venv = tmp_path / "venv"
-    env = clean_env(PIP_CONFIG_FILE=os.devnull)  # no index, no find-links from the host
-    subprocess.run([str(PYTHON311), "-m", "venv", "--without-pip", str(venv)], check=True, env=env)
-    python = venv / "bin" / "python"
-    wheelhouse = example_bundle.wheelhouse
-    pip = wheelhouse / example_bundle.manifest.pip_wheel / "pip"
-    install = subprocess.run(
-        [
-            str(python),
-            str(pip),
-            "install",
-            "--no-index",
-            "--find-links",
-            str(wheelhouse),
-            *sorted(str(p) for p in wheelhouse.glob("*.whl")),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert install.returncode == 0, install.stdout + install.stderr
-    user = subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-index", "--no-deps", str(example_bundle.wheel)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert user.returncode == 0, user.stdout + user.stderr
-
-    probe = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import sys, harbor_exec, importlib.util as u; "
-            "print(sys.version_info[:2], harbor_exec.__file__, "
-            "u.find_spec('harbor_exec.trials'), u.find_spec('docker'))",
-        ],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert probe.stdout.startswith("(3, 11) ")
-    assert str(venv) in probe.stdout
-    assert probe.stdout.strip().endswith("None None")
-
-    layout = Layout(tmp_path / "container", example_bundle.manifest_path)
-    layout.root.mkdir()
-    layout.agent_input(chat, "What is (3 + 4) * 6?")
-    agent = layout.run("agent", python=python)
-    assert agent.returncode == 0, agent.stderr
-    assert _read(layout.agent_sample)["messages"][-1]["content"] == "42"
-    layout.grader_input(chat, "What is (3 + 4) * 6?", "42")
-    grade = layout.run("grade", python=python)
-    assert grade.returncode == 0, grade.stderr
-    assert _read(layout.reward) == {"reward": 1.0}
-    assert chat.authorizations == [f"Bearer {API_KEY}"]

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import gc
+import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from harbor_exec.client import RolloutClient
 from harbor_exec.protocol import RolloutStatus
-from tests.server_utils import CHAT_URL, PROMPT, UNLIMITED, local_app, serve, wait_until
+from tests.server_utils import CHAT_URL, PROMPT, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ROLLOUTS = 10_000
 WARM_UP = 200
@@ -48,49 +52,56 @@ async def _drive(url: str, count: int) -> int:
     return succeeded
 
 
-def _settled_blocks() -> int:
-    gc.collect()
-    return sys.getallocatedblocks()
+def _probe(http: httpx.Client, *, settle: bool = False) -> dict[str, Any]:
+    answer = http.get("/_probe", params={"settle": settle})
+    answer.raise_for_status()
+    probe: dict[str, Any] = answer.json()
+    return probe
 
 
-@pytest.mark.long
+@pytest.mark.long(15)
 def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None:
-    app = local_app(
-        tmp_path,
-        workflow_config=UNLIMITED,
-        result_wait_timeout_sec=1.0,
-        polling_lease_timeout_sec=LEASE_SEC,
-        result_retention_sec=RETENTION_SEC,
-    )
-    service = app.state.rollout_service
-    registry = service.registry
+    # The server runs in its own process: its memory is measured alone, and the
+    # client does not share its interpreter lock.
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.memory_server", str(tmp_path),
+         str(LEASE_SEC), str(RETENTION_SEC), str(KEEP_ALIVE_SEC)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdin is not None
+    try:
+        url = server.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        http = httpx.Client(base_url=url, timeout=30)
 
-    def drained() -> bool:
-        return (
-            not registry.entries
-            and not registry._lease_heap
-            and not registry._retained
-            and not service.tasks
-            and service.writer.flush(0)
-        )
+        def drained() -> bool:
+            return bool(_probe(http)["drained"])
 
-    with serve(app, keep_alive_sec=KEEP_ALIVE_SEC) as url:
         # Warm-up: imports, caches, connection pools, the writer thread.
         assert asyncio.run(_drive(url, WARM_UP)) == WARM_UP
-        assert wait_until(drained, timeout=LEASE_SEC + RETENTION_SEC + 5)
+        assert wait_until(drained, timeout=LEASE_SEC + RETENTION_SEC + 5, interval=0.1)
         time.sleep(KEEP_ALIVE_SEC + 0.5)
-        baseline = _settled_blocks()
+        baseline = _probe(http, settle=True)["blocks"]
 
         started = time.monotonic()
         succeeded = asyncio.run(_drive(url, ROLLOUTS))
         elapsed = time.monotonic() - started
         assert succeeded == ROLLOUTS, f"{succeeded} of {ROLLOUTS} in {elapsed:.1f}s"
-        peak_entries = len(registry.entries)
+        peak_entries = _probe(http)["entries"]
 
         # Results are held for the retention, leases until their deadline.
-        assert wait_until(drained, timeout=LEASE_SEC + RETENTION_SEC + 5)
+        assert wait_until(drained, timeout=LEASE_SEC + RETENTION_SEC + 5, interval=0.1)
         time.sleep(KEEP_ALIVE_SEC + 0.5)
-        after = _settled_blocks()
+        final = _probe(http, settle=True)
+        after = final["blocks"]
+        http.close()
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
     print(f"blocks: baseline {baseline}, after {after}, delta {after - baseline}")
     assert peak_entries > 0  # they were retained for a while, then let go
@@ -98,5 +109,5 @@ def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None
         f"{after - baseline} interpreter blocks still allocated after {ROLLOUTS} rollouts "
         f"(baseline {baseline})"
     )
-    assert service.metrics.admitted == ROLLOUTS + WARM_UP
+    assert final["admitted"] == ROLLOUTS + WARM_UP
     assert len(list(tmp_path.glob("*/trajectory.json"))) == ROLLOUTS + WARM_UP
