@@ -6,9 +6,10 @@
   ``pytest -m "not docker"`` runs the fast suite on a machine without Docker.
   Tests that reach the engine another way (a ``harbor-exec`` subprocess) carry
   the marker in their module.
-- The fast suite runs on pytest-xdist workers (``-n auto`` in pyproject.toml);
-  a run that selects engine tests runs in one process, because those tests
-  share one engine and time its containers.
+- The fast suite runs on pytest-xdist workers (``-n auto`` in pyproject.toml:
+  one per core, plus one, because many tests wait on timers); a run that
+  selects engine tests runs in one process, because those tests share one
+  engine and time its containers.
 - Tests marked ``long(seconds)`` (how long each runs alone) are scheduled
   first, longest first, one per worker (``--maxschedchunk 1``), so that a
   parallel run does not end waiting on one of them.
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -33,6 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.numprocesses = 0
         config.option.dist = "no"
         config.option.tx = []
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return (os.cpu_count() or 1) + 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
