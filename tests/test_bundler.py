@@ -232,6 +232,22 @@ def test_markers_are_evaluated_for_the_container_python(
     assert any("-cp312-" in n for n in newer_names)
 
 
+def test_a_damaged_wheel_entry_is_built_again(tmp_path: Path, bundle_cache: Path) -> None:
+    project = _tiny_project(tmp_path / "p", name="damaged_flow")
+    first = build_bundle(project, workflow="damaged_flow.flow:Flow", cache_dir=bundle_cache)
+    entries = [e for e in (bundle_cache / "wheels").iterdir() if any(e.glob("damaged_flow-*"))]
+    assert len(entries) == 1
+    (entries[0] / "stray-0.1-py3-none-any.whl").write_bytes(b"not a wheel")
+    # Other refs: a new bundle of the same tree, whose wheel entry is now unusable.
+    again = build_bundle(
+        project, workflow="damaged_flow.flow:Flow", grader="damaged_flow.flow:Judge",
+        cache_dir=bundle_cache,
+    )  # fmt: skip
+    assert not again.cached
+    assert [p.name for p in entries[0].glob("*.whl")] == [first.wheel.name]
+    assert again.manifest.wheel.filename == first.manifest.wheel.filename
+
+
 @pytest.mark.long(3)
 def test_build_environment_is_made_once_per_build_requirements(
     tmp_path: Path, bundle_cache: Path
