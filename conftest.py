@@ -6,24 +6,68 @@
   ``pytest -m "not docker"`` runs the fast suite on a machine without Docker.
   Tests that reach the engine another way (a ``harbor-exec`` subprocess) carry
   the marker in their module.
-- The fast suite runs on pytest-xdist workers (``-n auto`` in pyproject.toml:
-  one per core, plus one, because many tests wait on timers); a run that
-  selects engine tests runs in one process, because those tests share one
-  engine and time its containers.
+- The fast suite runs on pytest-xdist workers (``-n auto --dist worksteal`` in
+  pyproject.toml: two per core, plus one, because many tests wait on timers);
+  a run that selects engine tests runs in one process, because those tests
+  share one engine and time its containers.
+- Tests marked ``slow`` need no engine but spend seconds of CPU in real
+  subprocesses: every real build (each test that uses the ``bundle_cache``
+  fixture, and harbor-exec's own wheel: pip against the package index, build
+  backends in their own environments), the ``osmosis`` and schemathesis CLIs,
+  the 10,000-rollout soak. The fast suite leaves them out:
+  a run whose ``-m`` excludes ``docker`` and says nothing of ``slow`` deselects
+  them, and says so in its header. ``--slow`` keeps them; ``-m slow`` runs only
+  them; a plain ``pytest`` (CI) runs everything.
 - Tests marked ``long(seconds)`` (how long each runs alone) are scheduled
-  first, longest first, one per worker (``--maxschedchunk 1``), so that a
-  parallel run does not end waiting on one of them.
+  first, longest first; in a parallel run they are dealt out one by one to the
+  heads of the workers' first batches, so that the run does not end waiting on
+  one worker that got them all.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 
+from tests.scheduling import long_first
+
+# Cache bytecode even where PYTHONDONTWRITEBYTECODE is set (some machines set it):
+# otherwise every xdist worker, and every runner or `serve` subprocess the tests
+# start, compiles harbor_exec and the tests anew, about a third of the fast
+# suite's CPU. Subprocesses read what this process writes.
+sys.dont_write_bytecode = False
+
 ENGINE_FIXTURES = frozenset({"docker_runtime"})
+BUILD_FIXTURES = frozenset({"bundle_cache"})
 _EXCLUDES_ENGINE = re.compile(r"\bnot\s+docker\b")
+_NAMES_SLOW = re.compile(r"\bslow\b")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="keep the tests marked slow in a run that excludes docker (the fast suite)",
+    )
+
+
+def _fast_suite(config: pytest.Config) -> bool:
+    """Whether this run is the fast suite: engine tests excluded, slow ones not asked for."""
+    markexpr = config.option.markexpr or ""
+    return bool(
+        _EXCLUDES_ENGINE.search(markexpr)
+        and not _NAMES_SLOW.search(markexpr)
+        and not config.getoption("slow")
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _fast_suite(config):
+        return "fast suite: tests marked slow are deselected (--slow keeps them, -m slow runs them)"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -38,17 +82,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return (os.cpu_count() or 1) + 1
+    return 2 * (os.cpu_count() or 1) + 1
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if ENGINE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.docker)
-    # A stable sort: the other tests keep their collected order.
-    items.sort(key=_seconds_first)
-
-
-def _seconds_first(item: pytest.Item) -> float:
-    marker = item.get_closest_marker("long")
-    return -float(marker.args[0]) if marker is not None and marker.args else 0.0
+        if BUILD_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.slow)
+    if _fast_suite(config):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:] = long_first(items, workers)

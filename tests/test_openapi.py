@@ -50,6 +50,7 @@ def test_routes_document_bodies_parameters_and_statuses(tmp_path: Path) -> None:
     assert "RolloutResultResponse" in spec["components"]["schemas"]
 
 
+@pytest.mark.slow
 @pytest.mark.long(6)
 def test_schemathesis_finds_no_server_error_or_schema_violation(tmp_path: Path) -> None:
     port = free_port()

@@ -166,6 +166,7 @@ def _rollout_environment(root: Path) -> Path:
     return env_dir
 
 
+@pytest.mark.slow
 @pytest.mark.long(8)
 def test_osmosis_eval_run_keeps_rows_rewards_and_trajectories(tmp_path: Path) -> None:
     assert README_ENTRYPOINT in README.read_text(), "the README's entrypoint changed"

@@ -11,6 +11,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -86,6 +87,7 @@ def test_declared_dependencies_cover_every_import() -> None:
     assert not missing, "\n".join(missing)
 
 
+@pytest.mark.slow  # a real isolated build: pip installs hatchling from the index
 def test_wheel_ships_the_bundler_as_harbor_exec_bundler(tmp_path: Path) -> None:
     out = tmp_path / "dist"
     done = subprocess.run(

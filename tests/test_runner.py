@@ -6,9 +6,6 @@ does it, it runs in tests/test_harbor_backend.py (bookworm containers) and, with
 this checkout on PYTHONPATH, in tests/test_relay.py.
 """
 
-# Fixtures imported from bundle_utils are parameters of the same name here.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import json
@@ -24,14 +21,12 @@ from typing import Any
 
 import pytest
 
-from harbor_exec.bundler import Bundle
-from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
+from tests.bundle_utils import (
     API_KEY,
+    EXAMPLE_REFS,
     EXAMPLE_SRC,
     REPO_ROOT,
-    bundle_cache,
     clean_env,
-    example_bundle,
     run_runner,
     write_rollout,
 )
@@ -156,9 +151,14 @@ HOST_PATH = [REPO_ROOT, EXAMPLE_SRC]
 
 
 @pytest.fixture
-def example(tmp_path: Path, example_bundle: Bundle, chat: FakeChat) -> Layout:
+def example(tmp_path: Path, chat: FakeChat) -> Layout:
+    """A layout whose manifest names the example project's workflow, grader and configs
+    (the runner reads only those refs; a built bundle's manifest is read in the
+    container tests)."""
     chat.reset()
-    return Layout(tmp_path, example_bundle.manifest_path, HOST_PATH)
+    layout = Layout(tmp_path, tmp_path / "manifest.json", HOST_PATH)
+    _manifest(layout, **EXAMPLE_REFS)
+    return layout
 
 
 @pytest.fixture

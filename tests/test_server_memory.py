@@ -59,6 +59,7 @@ def _probe(http: httpx.Client, *, settle: bool = False) -> dict[str, Any]:
     return probe
 
 
+@pytest.mark.slow
 @pytest.mark.long(15)
 def test_memory_returns_to_baseline_after_10000_rollouts(tmp_path: Path) -> None:
     # The server runs in its own process: its memory is measured alone, and the

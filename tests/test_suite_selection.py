@@ -1,0 +1,70 @@
+"""How the root conftest.py selects the fast suite: engine tests and slow tests left out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _pytest.mark.structures import Mark
+
+from tests.scheduling import long_first
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _collect(*args: str) -> set[str]:
+    """Node ids that ``pytest --collect-only`` selects with ``args``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-n", "0", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return {line for line in done.stdout.splitlines() if "::" in line}
+
+
+def test_fast_suite_leaves_out_engine_and_slow_tests() -> None:
+    fast = _collect("-m", "not docker")
+    engine_free = _collect("-m", "not docker", "--slow")
+    in_fast = {nodeid.split("::")[0] for nodeid in fast}
+
+    # The docker marker comes from the docker_runtime fixture, not from the module.
+    assert not any(n.startswith("tests/test_trials_docker.py::") for n in engine_free)
+    # Trials through the fake runtime are the core of the fast suite.
+    assert "tests/test_trials_fake.py" in in_fast
+    # A real bundle build (the bundle_cache fixture) and the soak are slow.
+    slow_ones = {
+        "tests/test_bundler.py::test_example_bundle_layout_and_manifest",
+        "tests/test_server_memory.py::test_memory_returns_to_baseline_after_10000_rollouts",
+    }
+    assert slow_ones <= engine_free
+    assert not slow_ones & fast
+    # The bundler's checks of bad projects need no build and stay in.
+    assert "tests/test_bundler.py::test_no_pyproject" in fast
+    assert fast < engine_free
+
+
+class _Item:
+    """What ``long_first`` reads of a test item: its ``long`` marker."""
+
+    def __init__(self, name: str, seconds: float = 0.0) -> None:
+        self.name = name
+        self.marker = pytest.mark.long(seconds).mark if seconds else None
+
+    def get_closest_marker(self, name: str) -> Mark | None:
+        return self.marker if name == "long" else None
+
+
+def test_long_tests_head_each_workers_first_batch() -> None:
+    items = [_Item(f"t{i}") for i in range(9)]
+    items[7] = _Item("long5", 5)
+    items[2] = _Item("long9", 9)
+    items[5] = _Item("long1", 1)
+    ordered = [item.name for item in long_first(items, 3)]  # type: ignore[arg-type]
+    # xdist's worksteal hands out batches of 3, 3, 3: each starts with a long test.
+    assert ordered == ["long9", "t0", "t1", "long5", "t3", "t4", "long1", "t6", "t8"]
+    serial = [item.name for item in long_first(items, 1)]  # type: ignore[arg-type]
+    assert serial[:3] == ["long9", "long5", "long1"]
+    assert sorted(serial) == sorted(item.name for item in items)
