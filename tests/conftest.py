@@ -67,6 +67,8 @@ def leftovers() -> list[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.option.collectonly:
+        return  # ran nothing; the containers an outer session runs are not its own
     remaining = leftovers()
     if remaining:
         print("\nharbor-exec objects left behind after the test session:", *remaining, sep="\n  ")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from _pytest.mark.structures import Mark
@@ -27,23 +30,24 @@ def _collect(*args: str) -> set[str]:
 
 def test_fast_suite_leaves_out_engine_and_slow_tests() -> None:
     fast = _collect("-m", "not docker")
-    engine_free = _collect("-m", "not docker", "--slow")
     in_fast = {nodeid.split("::")[0] for nodeid in fast}
 
-    # The docker marker comes from the docker_runtime fixture, not from the module.
-    assert not any(n.startswith("tests/test_trials_docker.py::") for n in engine_free)
+    assert "tests/test_trials_docker.py" not in in_fast
     # Trials through the fake runtime are the core of the fast suite.
     assert "tests/test_trials_fake.py" in in_fast
-    # A real bundle build (the bundle_cache fixture) and the soak are slow.
+    # A real bundle build (it uses the bundle_cache fixture) and the soak are slow.
     slow_ones = {
         "tests/test_bundler.py::test_example_bundle_layout_and_manifest",
         "tests/test_server_memory.py::test_memory_returns_to_baseline_after_10000_rollouts",
     }
-    assert slow_ones <= engine_free
+    for nodeid in slow_ones:
+        module, name = nodeid.split("::")
+        assert f"def {name}(" in (ROOT / module).read_text(), nodeid
     assert not slow_ones & fast
     # The bundler's checks of bad projects need no build and stay in.
     assert "tests/test_bundler.py::test_no_pyproject" in fast
-    assert fast < engine_free
+    # --slow keeps every engine-free test: the slow ones come back.
+    assert slow_ones <= _collect("-m", "not docker", "--slow", *sorted(slow_ones))
 
 
 class _Item:
@@ -68,3 +72,42 @@ def test_long_tests_head_each_workers_first_batch() -> None:
     serial = [item.name for item in long_first(items, 1)]  # type: ignore[arg-type]
     assert serial[:3] == ["long9", "long5", "long1"]
     assert sorted(serial) == sorted(item.name for item in items)
+
+
+class _Collected(_Item):
+    """A collected item as the root conftest's hook sees it: fixtures and markers."""
+
+    def __init__(self, name: str, *fixtures: str) -> None:
+        super().__init__(name)
+        self.fixturenames = ["tmp_path", *fixtures]
+        self.added: list[str] = []
+
+    def add_marker(self, marker: Any) -> None:
+        self.added.append(marker.name)
+
+    def get_closest_marker(self, name: str) -> Mark | None:
+        return pytest.mark.slow.mark if name == "slow" and "slow" in self.added else None
+
+
+def test_fixtures_mark_engine_and_build_tests() -> None:
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    deselected: list[Any] = []
+    config = SimpleNamespace(
+        option=SimpleNamespace(markexpr="not docker"),
+        getoption=lambda name: False,
+        hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)),
+    )
+    engine = _Collected("engine", "docker_runtime")
+    build = _Collected("build", "bundle_cache")
+    plain = _Collected("plain")
+    items = [engine, build, plain]
+    root_conftest.pytest_collection_modifyitems(config, items)
+    assert engine.added == ["docker"]
+    assert build.added == ["slow"]
+    assert plain.added == []
+    # The fast suite drops the build; deselecting "docker" is the -m expression's job.
+    assert deselected == [build]
+    assert items == [engine, plain]
