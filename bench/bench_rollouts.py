@@ -36,6 +36,7 @@ from bench.bench_trials import floor_trial  # noqa: E402
 from harbor_exec.backends.harbor import HarborBackend  # noqa: E402
 from harbor_exec.bundler import build_bundle  # noqa: E402
 from harbor_exec.client import RolloutClient  # noqa: E402
+from harbor_exec.docker_runtime import DockerRuntime  # noqa: E402
 from harbor_exec.server.app import create_rollout_server  # noqa: E402
 from harbor_exec.tasks import load_task  # noqa: E402
 from harbor_exec.trials import ensure_task_image  # noqa: E402
@@ -96,7 +97,9 @@ def main() -> int:
     # A fresh environment, so the prewarm below really builds and the first rollout is cold.
     dockerfile = task_dir / "environment" / "Dockerfile"
     dockerfile.write_text(dockerfile.read_text() + f"RUN echo {uuid.uuid4().hex} > /bench\n")
+    runtime = DockerRuntime()
     backend = HarborBackend(
+        runtime=runtime,
         tasks_dir=task_dir,
         agent=REFS["workflow"],
         grader=REFS["grader"],
@@ -108,7 +111,7 @@ def main() -> int:
     app = create_rollout_server(backend=backend, artifact_root=scratch / "artifacts")
     api = docker.from_env().api
     task = load_task(task_dir)
-    image, _ = ensure_task_image(backend.runtime, task)
+    image, _ = ensure_task_image(runtime, task)
     try:
         with FakeChat() as chat, serve(app) as url:
             summary = httpx.post(f"{url}/prewarm", json={"all": True}, timeout=900).json()
@@ -155,9 +158,10 @@ def main() -> int:
             )
     finally:
         asyncio.run(backend.shutdown())
-        deps = backend._deps_image(image)
-        backend.runtime.remove_image(deps)  # type: ignore[attr-defined]
-        backend.runtime.remove_image(image)  # type: ignore[attr-defined]
+        if backend.bundle is not None:
+            runtime.remove_image(backend.bundle.deps.tag_for(image))
+        runtime.remove_image(image)
+        runtime.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
