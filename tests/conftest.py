@@ -1,9 +1,9 @@
 """Shared fixtures: the real Docker engine, base images, and a leftover check.
 
 A test that needs Docker fails (never skips) when the engine is missing: a
-skipped engine test would hide a broken install step. After the whole session
-no container, network or volume of ours may remain; ``pytest_sessionfinish``
-turns any leftover into a failing exit status.
+skipped engine test would hide a broken install step. After a session that ran
+engine tests no container, network or volume of ours may remain;
+``pytest_sessionfinish`` turns any leftover into a failing exit status.
 """
 
 from __future__ import annotations
@@ -67,8 +67,13 @@ def leftovers() -> list[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if session.config.option.collectonly:
-        return  # ran nothing; the containers an outer session runs are not its own
+    # Only a session that ran engine tests can have left anything; the others (the
+    # fast suite, a collect-only run inside another session) do not ask the engine,
+    # which may be busy, or running an outer session's containers.
+    if session.config.option.collectonly or not any(
+        item.get_closest_marker("docker") is not None for item in session.items
+    ):
+        return
     remaining = leftovers()
     if remaining:
         print("\nharbor-exec objects left behind after the test session:", *remaining, sep="\n  ")
