@@ -46,8 +46,6 @@ def test_fast_suite_leaves_out_engine_and_slow_tests() -> None:
     assert not slow_ones & fast
     # The bundler's checks of bad projects need no build and stay in.
     assert "tests/test_bundler.py::test_no_pyproject" in fast
-    # --slow keeps every engine-free test: the slow ones come back.
-    assert slow_ones <= _collect("-m", "not docker", "--slow", *sorted(slow_ones))
 
 
 class _Item:
@@ -89,25 +87,44 @@ class _Collected(_Item):
         return pytest.mark.slow.mark if name == "slow" and "slow" in self.added else None
 
 
-def test_fixtures_mark_engine_and_build_tests() -> None:
+def _modify(markexpr: str, *, slow: bool = False) -> tuple[list[_Collected], list[Any]]:
+    """Run the root conftest's collection hook on three items; returns (kept, deselected)."""
     spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
     assert spec is not None and spec.loader is not None
     root_conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(root_conftest)
     deselected: list[Any] = []
     config = SimpleNamespace(
-        option=SimpleNamespace(markexpr="not docker"),
-        getoption=lambda name: False,
+        option=SimpleNamespace(markexpr=markexpr),
+        getoption=lambda name: slow if name == "slow" else None,
         hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)),
     )
-    engine = _Collected("engine", "docker_runtime")
-    build = _Collected("build", "bundle_cache")
-    plain = _Collected("plain")
-    items = [engine, build, plain]
+    items = [
+        _Collected("engine", "docker_runtime"),
+        _Collected("build", "bundle_cache"),
+        _Collected("plain"),
+    ]
     root_conftest.pytest_collection_modifyitems(config, items)
-    assert engine.added == ["docker"]
-    assert build.added == ["slow"]
-    assert plain.added == []
+    return items, deselected
+
+
+def test_fixtures_mark_engine_and_build_tests() -> None:
+    items, deselected = _modify("not docker")
     # The fast suite drops the build; deselecting "docker" is the -m expression's job.
-    assert deselected == [build]
-    assert items == [engine, plain]
+    assert [item.name for item in items] == ["engine", "plain"]
+    assert [item.name for item in deselected] == ["build"]
+    engine, plain = items
+    assert engine.added == ["docker"]
+    assert deselected[0].added == ["slow"]
+    assert plain.added == []
+
+
+@pytest.mark.parametrize(
+    ("markexpr", "slow"), [("not docker", True), ("not docker and slow", False), ("", False)]
+)
+def test_slow_tests_stay_when_asked_for_or_outside_the_fast_suite(
+    markexpr: str, slow: bool
+) -> None:
+    items, deselected = _modify(markexpr, slow=slow)
+    assert [item.name for item in items] == ["engine", "build", "plain"]
+    assert deselected == []
