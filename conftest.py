@@ -93,9 +93,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if BUILD_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
     if _fast_suite(config):
-        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        kept: list[pytest.Item] = []
+        slow: list[pytest.Item] = []
+        for item in items:
+            (kept if item.get_closest_marker("slow") is None else slow).append(item)
         if slow:
             config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+            items[:] = kept
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     items[:] = long_first(items, workers)
