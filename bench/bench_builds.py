@@ -4,7 +4,7 @@
 
 A set of realistic task Dockerfiles (apt and pip layers, a multi-stage build, a
 context copy, a Dockerfile whose ``COPY tests/`` source is missing) is prewarmed
-with ``harbor_exec.prewarm.prewarm_tasks`` twice per round: once with the runtime's
+with ``harbor_exec.jobs.prewarm.prewarm_tasks`` twice per round: once with the runtime's
 BuildKit builder and once forced to the legacy builder, at the same ``--jobs``.
 Every run busts the cache (a fresh nonce right after ``FROM``), so both sides build
 cold. Printed: per-task times, the total ratio (target: BuildKit at most 0.8x the
@@ -24,10 +24,10 @@ import time
 import uuid
 from pathlib import Path
 
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.prewarm import PrewarmOutcome, prewarm_tasks
-from harbor_exec.tasks import Task, discover_tasks
-from harbor_exec.trials import image_tag_for
+from harbor_exec.jobs.prewarm import PrewarmOutcome, prewarm_tasks
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.trial.task import Task, discover_tasks
+from harbor_exec.trial.trial import image_tag_for
 
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 BUST = "RUN echo {nonce} > /.cache-bust\n"

@@ -4,7 +4,7 @@
 
 Generates ``--tasks`` tasks sharing one base layer (``FROM debian:bookworm-slim``
 plus a shared ``RUN``) with one distinct layer each (a copied file), prewarms them
-in this process through ``harbor_exec.prewarm.prewarm_tasks`` and prints the
+in this process through ``harbor_exec.jobs.prewarm.prewarm_tasks`` and prints the
 process's resident memory as it goes (it should stay flat: no build log stays in
 memory past its task), per-task build times, the second (warm) run's wall time
 (target: under 1 s per 100 tasks), then removes every image it made and says how
@@ -21,11 +21,11 @@ import time
 import uuid
 from pathlib import Path
 
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.images import build_cache_report
-from harbor_exec.prewarm import PrewarmEvent, prewarm_tasks, tally
-from harbor_exec.tasks import discover_tasks
-from harbor_exec.trials import image_tag_for
+from harbor_exec.jobs.prewarm import PrewarmEvent, prewarm_tasks, tally
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.images import build_cache_report
+from harbor_exec.trial.task import discover_tasks
+from harbor_exec.trial.trial import image_tag_for
 
 
 def rss_mb() -> float:

@@ -28,8 +28,8 @@ TASK = ROOT / "tasks_examples" / "dataset" / "hello-shell"
 
 
 async def _batch(executor: object, count: int, concurrency: int, trials: Path) -> list[float]:
-    from harbor_exec.tasks import load_task
-    from harbor_exec.trials import TrialRequest
+    from harbor_exec.trial.task import load_task
+    from harbor_exec.trial.trial import TrialRequest
 
     task = load_task(TASK)
     gate = asyncio.Semaphore(concurrency)
@@ -47,8 +47,8 @@ async def _batch(executor: object, count: int, concurrency: int, trials: Path) -
 
 
 async def inner(address: str) -> None:
-    from harbor_exec.executor import LocalExecutor
-    from harbor_exec.ray_executor import RayExecutor, wait_for_nodes
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.executors.ray import RayExecutor, wait_for_nodes
 
     out: dict[str, object] = {}
     ray_executor = RayExecutor(address)

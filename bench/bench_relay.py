@@ -2,7 +2,7 @@
 
 Three processes, as in production: the fake OpenAI-compatible model
 (``tests/fake_chat.py``) on 127.0.0.1; this process, running a ``ModelRelay``
-on a unix socket; and ``python -m harbor_exec.runner agent`` with
+on a unix socket; and ``python -m harbor_exec.container.runner agent`` with
 ``BenchWorkflow`` below, whose forwarder listens on 127.0.0.1 as it would in a
 container. The workflow makes ``--calls`` chat calls each way with one httpx
 client, alternating direct and relayed so drift hits both alike, and reports
@@ -84,7 +84,7 @@ def _start_fake_model() -> tuple[subprocess.Popen[str], str]:
 
 
 async def _start_cost(directory: Path, upstream: str, count: int = 200) -> list[float]:
-    from harbor_exec.relay import ModelRelay
+    from harbor_exec.executors.relay import ModelRelay
 
     costs = []
     for index in range(count):
@@ -99,7 +99,7 @@ async def _start_cost(directory: Path, upstream: str, count: int = 200) -> list[
 
 
 async def _bench(calls: int, time_limit: float) -> dict[str, Any]:
-    from harbor_exec.relay import ModelRelay
+    from harbor_exec.executors.relay import ModelRelay
 
     model, base_url = _start_fake_model()
     try:
@@ -126,7 +126,7 @@ async def _bench(calls: int, time_limit: float) -> dict[str, Any]:
                 runner = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "harbor_exec.runner",
+                    "harbor_exec.container.runner",
                     "agent",
                     "--manifest",
                     str(manifest),

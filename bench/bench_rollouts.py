@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_trials import floor_trial  # noqa: E402
-from harbor_exec.backends.harbor import HarborBackend  # noqa: E402
+from harbor_exec.backends.harbor.backend import HarborBackend  # noqa: E402
 from harbor_exec.bundler import build_bundle  # noqa: E402
 from harbor_exec.client import RolloutClient  # noqa: E402
-from harbor_exec.docker_runtime import DockerRuntime  # noqa: E402
+from harbor_exec.sandbox.docker import DockerRuntime  # noqa: E402
 from harbor_exec.server.app import create_rollout_server  # noqa: E402
-from harbor_exec.tasks import load_task  # noqa: E402
-from harbor_exec.trials import ensure_task_image  # noqa: E402
+from harbor_exec.trial.task import load_task  # noqa: E402
+from harbor_exec.trial.trial import ensure_task_image  # noqa: E402
 from tests.fake_chat import FakeChat  # noqa: E402
 from tests.server_utils import serve, wait_until  # noqa: E402
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import docker
 
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.runtime import ArchiveEntry, build_archive, tree_entries
-from harbor_exec.tasks import Task, discover_tasks
-from harbor_exec.trials import TrialRequest, ensure_task_image, run_trial
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import ArchiveEntry, build_archive, tree_entries
+from harbor_exec.trial.task import Task, discover_tasks
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image, run_trial
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIRS = [ArchiveEntry(p, None, 0o777) for p in ("/logs", "/logs/agent", "/logs/verifier")]

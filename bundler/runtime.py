@@ -30,13 +30,15 @@ __all__ = [
 ]
 
 RUNTIME_DISTRIBUTION = "harbor-exec-runtime"
+# Paths below harbor_exec/: the public authoring face and the container/ package.
 RUNTIME_FILES = (
     "__init__.py",
     "authoring.py",
-    "exchange.py",
     "protocol.py",
-    "redaction.py",
-    "runner.py",
+    "container/__init__.py",
+    "container/exchange.py",
+    "container/redaction.py",
+    "container/runner.py",
 )
 # Mirrors harbor-exec's own pydantic pin (pyproject.toml); the runtime needs nothing else.
 RUNTIME_REQUIREMENTS = ("pydantic>=2.7",)
@@ -75,15 +77,18 @@ def runtime_source() -> RuntimeSource:
 def _check_imports(name: str, data: bytes) -> None:
     # The runtime wheel holds only these modules: an import of any other
     # harbor_exec module would fail inside every container, so catch it here.
-    allowed = {"harbor_exec", *(f"harbor_exec.{f.removesuffix('.py')}" for f in RUNTIME_FILES)}
+    allowed = {"harbor_exec", *(_module_name(f) for f in RUNTIME_FILES)}
     for node in ast.walk(ast.parse(data)):
         modules: list[str] = []
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules = [node.module]
-        elif isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            modules = [f"harbor_exec.{node.module}"]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise BundleBuildError(
+                f"harbor_exec/{name} uses a relative import; container-side modules import "
+                "absolutely (harbor_exec.authoring, harbor_exec.container.exchange, ...)."
+            )
         for module in modules:
             if module.startswith("harbor_exec.") and module not in allowed:
                 raise BundleBuildError(
@@ -91,6 +96,11 @@ def _check_imports(name: str, data: bytes) -> None:
                     f"runtime ({', '.join(RUNTIME_FILES)}); container-side modules may import "
                     "only the standard library, pydantic and each other."
                 )
+
+
+def _module_name(path: str) -> str:
+    dotted = "harbor_exec." + path.removesuffix(".py").replace("/", ".")
+    return dotted.removesuffix(".__init__")
 
 
 def _pyproject(version: str) -> str:
@@ -129,7 +139,7 @@ def _build_runtime_wheel(cache_dir: Path, source: RuntimeSource, entry: Path) ->
     work = work_dir(cache_dir, "runtime-")
     try:
         stage = work / "stage"
-        (stage / "harbor_exec").mkdir(parents=True)
+        (stage / "harbor_exec" / "container").mkdir(parents=True)
         # The local version label ties the wheel to its exact sources.
         version = f"{source.version}+src.{source.digest[:12]}"
         (stage / "pyproject.toml").write_text(_pyproject(version), encoding="utf-8")

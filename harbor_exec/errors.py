@@ -169,7 +169,7 @@ POLICIES: dict[str, ErrorPolicy] = {
     # Ours. Infrastructure faults: nothing in the container can be trusted to grade,
     # and a trainer may retry them elsewhere.
     "EngineUnavailableError": _policy(True, False, False, "internal_error", "none"),
-    # A Ray node died (or left) with the trial on it (harbor_exec.ray_executor).
+    # A Ray node died (or left) with the trial on it (harbor_exec.executors.ray).
     "RayNodeLostError": _policy(True, False, False, "internal_error", "none"),
     # The task cannot run here as written (Harbor refuses these too).
     "GpuUnavailableError": _policy(False, False, False, "validation_error", "environment"),

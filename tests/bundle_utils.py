@@ -159,7 +159,7 @@ def run_runner(
     pythonpath: list[Path] | None = None,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m harbor_exec.runner <command>`` as a real subprocess."""
+    """``python -m harbor_exec.container.runner <command>`` as a real subprocess."""
     extra = {}
     if pythonpath is not None:
         extra["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
@@ -167,7 +167,7 @@ def run_runner(
         [
             str(python),
             "-m",
-            "harbor_exec.runner",
+            "harbor_exec.container.runner",
             command,
             "--manifest",
             str(manifest),

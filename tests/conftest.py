@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DockerUnavailableError
-from harbor_exec.images import bootstrap
-from harbor_exec.runtime import LABEL_MANAGED
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.images import bootstrap
+from harbor_exec.sandbox.runtime import LABEL_MANAGED
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
-from harbor_exec.runtime import BuildResult, ContainerSpec, ExecResult, ImageInfo
+from harbor_exec.sandbox.runtime import BuildResult, ContainerSpec, ExecResult, ImageInfo
 
 HANG = -999  # a behaviour's answer: run until the exec's deadline
 

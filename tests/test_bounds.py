@@ -14,10 +14,16 @@ import pytest
 
 from harbor_exec.backends.base import default_artifact_root
 from harbor_exec.errors import VerifierOutputParseError
-from harbor_exec.jobs import JobOutcome, failure_reason, is_full_reward, job_stats, summary_rows
+from harbor_exec.jobs.dataset import (
+    JobOutcome,
+    failure_reason,
+    is_full_reward,
+    job_stats,
+    summary_rows,
+)
 from harbor_exec.protocol import MAX_ROLLOUT_ID_CHARS, rollout_dir_name
-from harbor_exec.results import AgentInfo, TrialResult, VerifierResult, parse_rewards
 from harbor_exec.server.run import resolve_port
+from harbor_exec.trial.results import AgentInfo, TrialResult, VerifierResult, parse_rewards
 from tests.server_utils import CHAT_URL, PROMPT, local_app, serve, wait_until
 
 # --------------------------------------------------------------------------- rewards

@@ -7,14 +7,14 @@ import base64
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from harbor_exec._buildkit.control_pb2 import (
+from harbor_exec.sandbox._buildkit.control_pb2 import (
     StatusResponse,
     Vertex,
     VertexLog,
     VertexStatus,
     VertexWarning,
 )
-from harbor_exec.buildkit import BuildkitProgress
+from harbor_exec.sandbox.buildkit import BuildkitProgress
 
 
 def at(seconds: float) -> Timestamp:

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from harbor_exec import docker_runtime as docker_runtime_module
-from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import EnvironmentStartTimeoutError, SandboxBuildFailedError
-from harbor_exec.images import build_cache_report
-from harbor_exec.jobs import is_full_reward
-from harbor_exec.prewarm import prewarm_tasks, tally
-from harbor_exec.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
-from harbor_exec.tasks import discover_tasks
-from harbor_exec.trials import TrialRequest, image_tag_for, run_trial
+from harbor_exec.jobs.dataset import is_full_reward
+from harbor_exec.jobs.prewarm import prewarm_tasks, tally
+from harbor_exec.sandbox import docker as docker_runtime_module
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.images import build_cache_report
+from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
+from harbor_exec.trial.task import discover_tasks
+from harbor_exec.trial.trial import TrialRequest, image_tag_for, run_trial
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -309,9 +309,9 @@ def test_prewarm_cli_progress_summary_and_second_run(
 def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
     tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.bundler import build_bundle
-    from harbor_exec.executor import LocalExecutor
+    from harbor_exec.executors.local import LocalExecutor
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 
     bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)
@@ -352,7 +352,7 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
                 active -= deps
 
     runtime.ensure_image = counting  # type: ignore[method-assign]
-    with caplog.at_level(logging.INFO, logger="harbor_exec.backends.harbor"):
+    with caplog.at_level(logging.INFO, logger="harbor_exec.backends.harbor.backend"):
         summary = asyncio.run(backend.prewarm(jobs=3))
     assert (
         sum("prewarm py" in r.getMessage() and "built in" in r.getMessage() for r in caplog.records)

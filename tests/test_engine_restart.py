@@ -21,10 +21,10 @@ import docker
 import httpx
 import pytest
 
-from harbor_exec.backends.harbor import HarborBackend
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.executor import LocalExecutor
-from harbor_exec.runtime import LABEL_MANAGED
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from harbor_exec.server import create_rollout_server
 from tests.server_utils import serve, wait_until
 from tests.task_factory import make_task

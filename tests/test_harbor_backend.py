@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import build_bundle
 from harbor_exec.bundler.errors import BundleBuildError
 from harbor_exec.client import RolloutClient
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.executor import LocalExecutor
-from harbor_exec.runtime import LABEL_ROLLOUT
+from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
 from harbor_exec.server.app import create_rollout_server
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve, wait_until
@@ -312,7 +312,7 @@ def test_prewarm_then_no_build(
         assert elapsed < 5
         assert health["backend"] == "harbor" and health["image_builds"] == builds
     finally:
-        from harbor_exec.trials import ensure_task_image
+        from harbor_exec.trial.trial import ensure_task_image
 
         assert isinstance(backend.executor, LocalExecutor) and backend.bundle is not None
         runtime = backend.executor.runtime

@@ -25,8 +25,8 @@ EXTRA_OF = {
     "harbor_exec/server/": "server",
     "harbor_exec/client.py": "server",
     "harbor_exec/_client_http.py": "server",
-    "harbor_exec/ray_executor.py": "ray",
-    "harbor_exec/relay.py": "server",
+    "harbor_exec/executors/ray.py": "ray",
+    "harbor_exec/executors/relay.py": "server",
     "bundler/": "bundler",
 }
 FIRST_PARTY = {"harbor_exec", "bundler"}

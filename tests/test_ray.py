@@ -26,8 +26,8 @@ from typing import IO, Any
 
 import pytest
 
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.runtime import LABEL_OWNER, LABEL_ROLLOUT
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_OWNER, LABEL_ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "tasks_examples" / "dataset"

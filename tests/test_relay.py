@@ -3,7 +3,7 @@
 A fake OpenAI-compatible model (``FakeChat``) listens on 127.0.0.1 and records
 the key it is called with; the relay listens on a unix socket under tmp_path;
 the runner's ``RelayForwarder`` pipes a loopback port to it, as in a container.
-The first test runs the real ``python -m harbor_exec.runner agent`` subprocess.
+The first test runs the real ``python -m harbor_exec.container.runner agent`` subprocess.
 Every test checks afterwards that the real key is in no file under tmp_path and
 in no log record.
 """
@@ -29,14 +29,14 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from harbor_exec.relay import (
+from harbor_exec.container.runner import RelayForwarder
+from harbor_exec.executors.relay import (
     RELAY_TOTALS,
     ModelRelay,
     RelayLimits,
     RelayTotals,
     render_relay_metrics,
 )
-from harbor_exec.runner import RelayForwarder
 from tests.bundle_utils import PYTHON311, REPO_ROOT, clean_env
 from tests.fake_chat import FakeChat
 from tests.server_utils import metric
@@ -168,7 +168,7 @@ RELAYED_FLOW = """
 async def _run_agent(
     tmp_path: Path, rollout: dict[str, Any], python: str = sys.executable
 ) -> tuple[int, str]:
-    """``python -m harbor_exec.runner agent`` as a subprocess; (exit code, stdout+stderr)."""
+    """``python -m harbor_exec.container.runner agent`` as a subprocess; (exit code, stdout+stderr)."""
     mods = tmp_path / "mods"
     mods.mkdir(exist_ok=True)
     (mods / "relayed_flow.py").write_text(textwrap.dedent(RELAYED_FLOW))
@@ -177,7 +177,7 @@ async def _run_agent(
     logs = tmp_path / "logs"
     (logs / "agent").mkdir(parents=True, exist_ok=True)
     (logs / "agent" / "rollout.json").write_text(json.dumps(rollout))
-    command = [python, "-m", "harbor_exec.runner", "agent", "--manifest", str(manifest)]
+    command = [python, "-m", "harbor_exec.container.runner", "agent", "--manifest", str(manifest)]
     command += ["--logs-dir", str(logs), "--tests-dir", str(tmp_path / "tests")]
     process = await asyncio.create_subprocess_exec(
         *command,

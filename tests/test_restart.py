@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harbor_exec.runtime import LABEL_MANAGED, LABEL_ROLLOUT
+from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_ROLLOUT
 from harbor_exec.server.store import RESTARTED_MESSAGE, DataDirLockedError, RolloutStore
 from tests.server_utils import CHAT_URL, PROMPT, free_port, local_app, serve, wait_until
 from tests.task_factory import make_task

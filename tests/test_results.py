@@ -12,9 +12,15 @@ from harbor_exec.errors import (
     RewardFileNotFoundError,
     VerifierOutputParseError,
 )
-from harbor_exec.jobs import job_stats, mean_metric, pass_at_k
-from harbor_exec.results import AgentInfo, ExceptionInfo, TrialResult, VerifierResult, parse_rewards
-from harbor_exec.runtime import ArchiveEntry, build_archive, extract_archive
+from harbor_exec.jobs.dataset import job_stats, mean_metric, pass_at_k
+from harbor_exec.sandbox.runtime import ArchiveEntry, build_archive, extract_archive
+from harbor_exec.trial.results import (
+    AgentInfo,
+    ExceptionInfo,
+    TrialResult,
+    VerifierResult,
+    parse_rewards,
+)
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

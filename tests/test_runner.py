@@ -321,7 +321,7 @@ def test_sigterm_still_leaves_the_error_form(custom: Layout, chat: FakeChat) -> 
         [
             sys.executable,
             "-m",
-            "harbor_exec.runner",
+            "harbor_exec.container.runner",
             "agent",
             "--manifest",
             str(custom.manifest),

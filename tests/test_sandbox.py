@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.cgroups import HostCgroup
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.results import TrialResult
-from harbor_exec.runtime import DROPPED_CAPABILITIES, OutputLimits
-from harbor_exec.tasks import load_task
-from harbor_exec.trials import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
+from harbor_exec.sandbox.cgroups import HostCgroup
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, OutputLimits
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

@@ -25,6 +25,7 @@ from harbor_exec.authoring import RolloutSample
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.local import LocalBackend
 from harbor_exec.client import RolloutClient
+from harbor_exec.executors.relay import RELAY_TOTALS
 from harbor_exec.protocol import (
     ExecutionOutcome,
     ExecutionRequest,
@@ -32,7 +33,6 @@ from harbor_exec.protocol import (
     PrewarmSummary,
     RolloutStatus,
 )
-from harbor_exec.relay import RELAY_TOTALS
 from harbor_exec.server import create_rollout_server
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from harbor_exec.server.run import uvicorn_implementations

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harbor_exec.runtime import LABEL_ROLLOUT
+from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
 
 HERE = Path(__file__).resolve().parent
 PORT = int(os.environ.get("HARBOR_EXEC_SERVICE_PORT", "18765"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from harbor_exec.backends.harbor import HarborBackend
+from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
 from tests.task_factory import make_task
 

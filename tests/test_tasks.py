@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
-from harbor_exec.tasks import (
+from harbor_exec.trial.task import (
     NetworkMode,
     discover_tasks,
     load_task,

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import UnsafeTaskPathError
-from harbor_exec.results import TrialResult
-from harbor_exec.runtime import LABEL_TRIAL
-from harbor_exec.tasks import load_task
-from harbor_exec.trials import Trial, TrialRequest, run_trial
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_TRIAL
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -263,7 +263,7 @@ def test_cancel_removes_the_container_within_a_second(
 
 
 def test_reaper_removes_containers_of_dead_owners(docker_runtime: DockerRuntime) -> None:
-    from harbor_exec.runtime import ContainerSpec
+    from harbor_exec.sandbox.runtime import ContainerSpec
 
     dead = DockerRuntime(owner=f"{docker_runtime.owner.rsplit('/', 2)[0]}/999999/1")
     container = dead.create(

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.backends.harbor import HarborBackend
-from harbor_exec.executor import LocalExecutor, TrialRun
-from harbor_exec.outcomes import OutcomeSpec, rollout_outcome
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
+from harbor_exec.executors.local import LocalExecutor, TrialRun
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
-from harbor_exec.results import TrialResult
-from harbor_exec.tasks import load_task
-from harbor_exec.trials import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task
 

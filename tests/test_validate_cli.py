@@ -14,10 +14,10 @@ from pathlib import Path
 import docker
 import pytest
 
-from harbor_exec.docker_runtime import DockerRuntime
-from harbor_exec.jobs import run_job
-from harbor_exec.runtime import LABEL_MANAGED
-from harbor_exec.tasks import discover_tasks
+from harbor_exec.jobs.dataset import run_job
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_MANAGED
+from harbor_exec.trial.task import discover_tasks
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def test_build_happens_once_then_is_cached(docker_runtime: DockerRuntime, tmp_pa
         assert second.images_built == 0 and second.all_passed
         assert first.job_result.stats.evals["oracle__adhoc"].pass_at_k == {2: 1.0}
     finally:
-        from harbor_exec.trials import image_tag_for
+        from harbor_exec.trial.trial import image_tag_for
 
         docker_runtime.remove_image(image_tag_for(tasks[0]))
 

@@ -16,7 +16,7 @@ from typing import Any
 import docker
 import pytest
 
-from harbor_exec.runtime import LABEL_MANAGED
+from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent

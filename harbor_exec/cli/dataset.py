@@ -18,9 +18,8 @@ from rich.table import Table
 
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import DatasetError, DockerUnavailableError
-from harbor_exec.jobs import (
+from harbor_exec.jobs.dataset import (
     JobEvent,
     JobInterrupted,
     JobOutcome,
@@ -29,9 +28,10 @@ from harbor_exec.jobs import (
     run_job,
     summary_rows,
 )
-from harbor_exec.prewarm import PrewarmEvent, prewarm_tasks, tally
-from harbor_exec.tasks import Discovery, Task, discover_tasks
-from harbor_exec.trials import TrialRequest
+from harbor_exec.jobs.prewarm import PrewarmEvent, prewarm_tasks, tally
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.trial.task import Discovery, Task, discover_tasks
+from harbor_exec.trial.trial import TrialRequest
 
 console = Console()
 

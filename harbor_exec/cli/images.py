@@ -10,7 +10,13 @@ from rich.table import Table
 
 from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import console, open_runtime
-from harbor_exec.images import MIRROR_ENV, BootstrapError, bootstrap, build_cache_report, prune
+from harbor_exec.sandbox.images import (
+    MIRROR_ENV,
+    BootstrapError,
+    bootstrap,
+    build_cache_report,
+    prune,
+)
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
 app.add_typer(images_app, name="images")

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from harbor_exec.runtime import OutputLimits
-from harbor_exec.trials import SandboxPolicy, default_pids_limit
+from harbor_exec.sandbox.runtime import OutputLimits
+from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 
 class VerifierModeChoice(StrEnum):

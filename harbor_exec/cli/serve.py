@@ -56,7 +56,7 @@ class ServeOptions:
 def open_ray_executor(address: str) -> Any:
     """A connected ``RayExecutor``, or a clear message and exit code 2."""
     try:
-        from harbor_exec.ray_executor import RayExecutor, RayUnavailableError
+        from harbor_exec.executors.ray import RayExecutor, RayUnavailableError
     except ImportError as exc:  # pragma: no cover - the extra is missing
         typer.echo(
             f"error: --ray needs the ray extra (pip install 'harbor-exec[ray]'): {exc}", err=True
@@ -73,7 +73,7 @@ def open_ray_executor(address: str) -> Any:
 
 def build_harbor_backend(options: ServeOptions) -> Any:
     """``HarborBackend`` for ``--tasks-dir``; bundle and Docker errors end the command."""
-    from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.bundler.errors import BundleError
     from harbor_exec.errors import DockerUnavailableError
 

@@ -5,7 +5,7 @@ as the tests do): counters and histograms the routes update, plus gauges read at
 scrape time. What is truly process-wide lives in prometheus-client's default
 registry and follows every server's own metrics on ``/metrics``: the process
 and Python runtime collectors (``process_*``, ``python_*``) and the model
-relays' totals (``harbor_exec_relay_*``, registered by ``harbor_exec.relay``).
+relays' totals (``harbor_exec_relay_*``, registered by ``harbor_exec.executors.relay``).
 
 The hot path stays cheap: an observation is one prometheus-client ``inc`` or
 ``observe``; labelled children are looked up once and kept.
@@ -27,7 +27,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 # Importing the relay registers its process-wide totals (harbor_exec_relay_*).
-import harbor_exec.relay  # noqa: F401
+import harbor_exec.executors.relay  # noqa: F401
 
 __all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]
 

@@ -23,8 +23,8 @@ from typing import Any, Final
 
 from harbor_exec import __version__
 from harbor_exec.authoring import RolloutSample
+from harbor_exec.container.redaction import REDACTED, needles, redact
 from harbor_exec.protocol import rollout_dir_name
-from harbor_exec.redaction import REDACTED, needles, redact
 
 __all__ = [
     "REDACTED",

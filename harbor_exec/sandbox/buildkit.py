@@ -4,7 +4,7 @@ A ``POST /build?version=2`` progress stream carries ``{"id": "moby.buildkit.trac
 "aux": "<base64>"}`` entries; each ``aux`` is one serialised
 ``moby.buildkit.v1.StatusResponse`` (vertexes = build steps, their logs, statuses
 and warnings). ``BuildkitProgress`` decodes them with the code ``protoc``
-generated from BuildKit's own ``control.proto`` (``harbor_exec/_buildkit/``) and
+generated from BuildKit's own ``control.proto`` (``harbor_exec/sandbox/_buildkit/``) and
 prints lines the way ``docker build --progress=plain`` does::
 
     #5 [2/3] RUN apt-get update
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
-from harbor_exec._buildkit.control_pb2 import StatusResponse, Vertex
+from harbor_exec.sandbox._buildkit.control_pb2 import StatusResponse, Vertex
 
 TRACE_ID = "moby.buildkit.trace"
 

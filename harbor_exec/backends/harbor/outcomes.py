@@ -21,8 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from harbor_exec.authoring import RolloutErrorCategory, RolloutSample, RolloutStatus
-from harbor_exec.errors import policy_for
-from harbor_exec.exchange import (
+from harbor_exec.container.exchange import (
     AGENT_SAMPLE,
     GRADER_ERROR,
     RUNNER_OUTPUT,
@@ -30,9 +29,10 @@ from harbor_exec.exchange import (
     ErrorFile,
     SampleFile,
 )
-from harbor_exec.executor import ModelUsage, TrialRun
+from harbor_exec.errors import policy_for
+from harbor_exec.executors.local import ModelUsage, TrialRun
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
-from harbor_exec.results import TrialResult
+from harbor_exec.trial.results import TrialResult
 
 
 @dataclass(frozen=True)

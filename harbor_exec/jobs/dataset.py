@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from harbor_exec.errors import HarborExecError, TaskError
-from harbor_exec.results import ExceptionInfo, TrialResult
-from harbor_exec.runtime import ContainerRuntime
-from harbor_exec.tasks import Task
-from harbor_exec.trials import Trial, TrialRequest, new_trial_name
+from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.trial.results import ExceptionInfo, TrialResult
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import Trial, TrialRequest, new_trial_name
 
 if TYPE_CHECKING:
-    from harbor_exec.executor import TrialExecutor, TrialHandle
+    from harbor_exec.executors.local import TrialExecutor, TrialHandle
 
 
 def _finite(value: Any) -> float | None:

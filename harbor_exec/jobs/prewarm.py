@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from harbor_exec.runtime import ContainerRuntime
-from harbor_exec.tasks import Task
-from harbor_exec.trials import ensure_task_image
+from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import ensure_task_image
 
 PrewarmStatus = Literal["built", "cached", "failed"]
 STATUSES: tuple[PrewarmStatus, ...] = ("built", "cached", "failed")

@@ -1,7 +1,7 @@
 """The narrow boundary between trial logic and containers.
 
 Like an httpx transport: trials call this small interface of plain values and
-never touch the Docker SDK. ``harbor_exec.docker_runtime.DockerRuntime`` is the
+never touch the Docker SDK. ``harbor_exec.sandbox.docker.DockerRuntime`` is the
 implementation; unit tests and a future Ray worker use the same interface.
 """
 

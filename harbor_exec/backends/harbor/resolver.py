@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 from harbor_exec.errors import DatasetError, TaskError
 from harbor_exec.protocol import ExecutionRequest
-from harbor_exec.tasks import Task, discover_tasks, load_task, task_dir_for_id, task_fingerprint
+from harbor_exec.trial.task import (
+    Task,
+    discover_tasks,
+    load_task,
+    task_dir_for_id,
+    task_fingerprint,
+)
 
 TaskMode = Literal["template", "dataset"]
 

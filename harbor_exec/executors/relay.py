@@ -9,7 +9,7 @@ enforces size and count limits and records token usage per rollout (and in the
 process-wide ``RELAY_TOTALS``, which prometheus-client's default registry
 exposes on ``/metrics``).
 
-Inside the container, ``harbor_exec.runner`` pipes a loopback TCP port to the
+Inside the container, ``harbor_exec.container.runner`` pipes a loopback TCP port to the
 socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
 network at all (``network=none`` works).
 
@@ -46,7 +46,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.runner import abort_connections
+from harbor_exec.container.runner import abort_connections
 
 __all__ = [
     "RELAY_TOTALS",
@@ -59,7 +59,7 @@ __all__ = [
     "render_relay_metrics",
 ]
 
-logger = logging.getLogger("harbor_exec.relay")
+logger = logging.getLogger("harbor_exec.executors.relay")
 
 SOCKET_NAME: Final = "relay.sock"
 # sockaddr_un.sun_path is 108 bytes on Linux, NUL included.

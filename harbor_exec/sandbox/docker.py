@@ -9,7 +9,7 @@ Why the details are as they are:
   forced removal takes milliseconds instead of the 10 s stop timeout;
 * past an exec's deadline, and between the agent and the verifier, every process
   in the container but its init is killed from the host through the container's
-  cgroup (``harbor_exec.cgroups``), or, without the host's view, by restarting
+  cgroup (``harbor_exec.sandbox.cgroups``), or, without the host's view, by restarting
   the container: nothing has to fork inside a container whose pids limit a fork
   bomb has filled, and nothing the agent detached survives;
 * containers drop ``DROPPED_CAPABILITIES``, keep ``no-new-privileges`` and
@@ -22,7 +22,7 @@ Why the details are as they are:
   source fails in milliseconds instead of after every earlier step. The legacy
   builder is the fallback (old engine, or ``builder="legacy"`` /
   ``HARBOR_EXEC_BUILDER=legacy``); BuildKit's progress is decoded by
-  ``harbor_exec.buildkit`` into the same readable log.
+  ``harbor_exec.sandbox.buildkit`` into the same readable log.
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ import requests.exceptions
 import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
-from harbor_exec.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.cache import BUILD_LOGS, cache_root
-from harbor_exec.cgroups import HostCgroup
 from harbor_exec.errors import (
     DockerUnavailableError,
     EngineUnavailableError,
@@ -62,7 +60,9 @@ from harbor_exec.errors import (
     HarborExecError,
     SandboxBuildFailedError,
 )
-from harbor_exec.runtime import (
+from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
+from harbor_exec.sandbox.cgroups import HostCgroup
+from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
     LABEL_MANAGED,
@@ -253,7 +253,7 @@ class _Tail:
 
 
 class DockerRuntime:
-    """ContainerRuntime over the Docker Engine API (see ``harbor_exec.runtime``)."""
+    """ContainerRuntime over the Docker Engine API (see ``harbor_exec.sandbox.runtime``)."""
 
     def __init__(
         self,

@@ -5,11 +5,11 @@
 the finished ``TrialRun``; ``cancel`` stops it (its container is gone within a
 second); ``health`` and ``prewarm`` speak for the engines behind it. Nothing
 above this seam knows where trials run. ``LocalExecutor`` runs them on worker
-threads against this machine's engine; ``harbor_exec.ray_executor`` runs them
+threads against this machine's engine; ``harbor_exec.executors.ray`` runs them
 on the nodes of a Ray cluster.
 
 A workflow's model endpoint travels as a ``ModelEndpoint``: the executor opens
-the rollout's relay (``harbor_exec.relay``) next to the trial's engine, mounts
+the rollout's relay (``harbor_exec.executors.relay``) next to the trial's engine, mounts
 it into the container, and closes it when the trial ends.
 """
 
@@ -29,13 +29,13 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import anyio
 import anyio.to_thread
 
-from harbor_exec.deps import DepsLayer, ensure_deps_image
+from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.errors import HarborExecError
-from harbor_exec.exchange import RELAY_DIR
-from harbor_exec.results import TrialResult
-from harbor_exec.runtime import ContainerRuntime, Mount
-from harbor_exec.tasks import Task
-from harbor_exec.trials import Trial, TrialRequest, ensure_task_image
+from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
+from harbor_exec.sandbox.runtime import ContainerRuntime, Mount
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import Trial, TrialRequest, ensure_task_image
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
     @property
     def runtime(self) -> ContainerRuntime:
         if self._runtime is None:
-            from harbor_exec.docker_runtime import DockerRuntime
+            from harbor_exec.sandbox.docker import DockerRuntime
 
             runtime = DockerRuntime()
             runtime.reap_orphans()
@@ -312,7 +312,7 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
     def _relay(self, model: ModelEndpoint) -> Any:
         import httpx  # the server extra; workflows need it
 
-        from harbor_exec.relay import ModelRelay
+        from harbor_exec.executors.relay import ModelRelay
 
         if self._relay_transport is None:
             # One upstream connection pool for every rollout's relay.

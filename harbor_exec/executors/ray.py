@@ -56,10 +56,8 @@ from typing import Any, cast
 import anyio
 import anyio.to_thread
 
-from harbor_exec.agents import TestsVerifier, WorkflowAgent
-from harbor_exec.deps import DepsLayer
 from harbor_exec.errors import HarborExecError
-from harbor_exec.executor import (
+from harbor_exec.executors.local import (
     ExecutorHealth,
     LocalExecutor,
     ModelEndpoint,
@@ -70,9 +68,11 @@ from harbor_exec.executor import (
     TrialHandle,
     TrialRun,
 )
-from harbor_exec.results import TrialResult
-from harbor_exec.tasks import Task
-from harbor_exec.trials import TrialRequest, image_tag_for, new_trial_name
+from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.trial.agents import TestsVerifier, WorkflowAgent
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import TrialRequest, image_tag_for, new_trial_name
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class NodeAgent:
         self.cache = Path(cache_dir) / self.node_id[:16]
         self.cache.mkdir(parents=True, exist_ok=True)
         self._opener = Opener()
-        from harbor_exec.docker_runtime import DockerRuntime, current_owner
+        from harbor_exec.sandbox.docker import DockerRuntime, current_owner
 
         # Owner labels name the node, so only this node's actors (this one, or a
         # later one once the node returns) reap what a dead actor here left; other

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_exec.runtime import LABEL_KIND, ContainerRuntime
+from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime
 
 DEPS_BUILD_TIMEOUT_SEC = 900.0
 

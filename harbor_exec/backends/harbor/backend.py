@@ -2,13 +2,13 @@
 
 A thin composition of one-job pieces; one rollout goes through them in order:
 
-1. ``TaskResolver.resolve`` (``harbor_exec.resolver``): which task snapshot;
-2. ``TrialPlanner.plan`` (``harbor_exec.planner``): the ``TrialRequest`` (agent,
+1. ``TaskResolver.resolve`` (``harbor_exec.backends.harbor.resolver``): which task snapshot;
+2. ``TrialPlanner.plan`` (``harbor_exec.backends.harbor.planner``): the ``TrialRequest`` (agent,
    verifier, sandbox policy) and, for workflows, the model endpoint for the relay;
 3. a slot (``queued`` until then), then ``TrialExecutor.submit``
-   (``harbor_exec.executor``): the trial runs on this machine's engine
+   (``harbor_exec.executors.local``): the trial runs on this machine's engine
    (``LocalExecutor``) or on a Ray node;
-4. ``rollout_outcome`` (``harbor_exec.outcomes``): the workflow and grader results.
+4. ``rollout_outcome`` (``harbor_exec.backends.harbor.outcomes``): the workflow and grader results.
 
 The server owns every rollout's state; this backend keeps only what it needs to
 run them (the slots, and the handles of running trials, for cancel).
@@ -34,16 +34,23 @@ from pydantic import Field
 
 from harbor_exec.authoring import RolloutErrorCategory, RolloutStatus, get_rollout_context
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
+from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
+from harbor_exec.backends.harbor.planner import (
+    PreparedBundle,
+    RolloutPlan,
+    TrialPlanner,
+    prepare_bundle,
+)
+from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskMode, TaskResolver
+from harbor_exec.container.redaction import scrub_tree
 from harbor_exec.errors import DatasetError, HarborExecError, TaskError
-from harbor_exec.executor import (
+from harbor_exec.executors.local import (
     LocalExecutor,
     MultiNodeExecutor,
     TrialExecutor,
     TrialHandle,
     TrialRun,
 )
-from harbor_exec.outcomes import cancelled, category_of, failure, rollout_outcome
-from harbor_exec.planner import PreparedBundle, RolloutPlan, TrialPlanner, prepare_bundle
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
@@ -53,10 +60,8 @@ from harbor_exec.protocol import (
     QueueInfo,
     rollout_dir_name,
 )
-from harbor_exec.redaction import scrub_tree
-from harbor_exec.resolver import RolloutRejected, TaskMode, TaskResolver
-from harbor_exec.runtime import ContainerRuntime, OutputLimits
-from harbor_exec.trials import SandboxPolicy, default_pids_limit
+from harbor_exec.sandbox.runtime import ContainerRuntime, OutputLimits
+from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One definition for both sides: the host writes ``rollout.json`` with these
 models and reads ``sample.json`` / ``reward.json`` / ``grader_error.json`` back
-with them; the runner (``harbor_exec.runner``, inside the container) reads and
+with them; the runner (``harbor_exec.container.runner``, inside the container) reads and
 writes the same. Standard library and pydantic only: this runs in containers.
 """
 

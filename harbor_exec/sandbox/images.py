@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_exec.docker_runtime import DockerRuntime
 from harbor_exec.errors import EnvironmentStartError, HarborExecError
-from harbor_exec.runtime import LABEL_KIND, LABEL_MANAGED
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
 DEBIAN_SUITE = "bookworm"
@@ -57,10 +57,11 @@ BASE_IMAGES = (
 
 def images_dir() -> Path:
     """The image definitions: packaged with the wheel, or the repository's ``images/``."""
-    packaged = Path(__file__).parent / "_images"
+    package = Path(__file__).resolve().parent.parent  # harbor_exec/
+    packaged = package / "_images"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).resolve().parent.parent / "images"
+    return package.parent / "images"
 
 
 @dataclass(frozen=True)

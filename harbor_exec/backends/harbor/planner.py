@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, WorkflowAgent, grader_verifier
 from harbor_exec.authoring import RolloutContext
-from harbor_exec.deps import DepsLayer
-from harbor_exec.exchange import (
+from harbor_exec.backends.harbor.outcomes import OutcomeSpec
+from harbor_exec.backends.harbor.resolver import ResolvedTask, RolloutRejected
+from harbor_exec.container.exchange import (
     GRADER_INPUT,
     MANIFEST_PATH,
     RELAY_SOCKET,
@@ -31,12 +31,18 @@ from harbor_exec.exchange import (
     RelayInput,
     RolloutInput,
 )
-from harbor_exec.executor import ModelEndpoint
-from harbor_exec.outcomes import OutcomeSpec
+from harbor_exec.executors.local import ModelEndpoint
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
-from harbor_exec.resolver import ResolvedTask, RolloutRejected
-from harbor_exec.runtime import ArchiveEntry
-from harbor_exec.trials import SandboxPolicy, TrialRequest
+from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.sandbox.runtime import ArchiveEntry
+from harbor_exec.trial.agents import (
+    Agent,
+    OracleAgent,
+    TestsVerifier,
+    WorkflowAgent,
+    grader_verifier,
+)
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
 
 
 @dataclass(frozen=True)

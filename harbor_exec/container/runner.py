@@ -1,4 +1,4 @@
-"""Container runner: ``python -m harbor_exec.runner agent|grade``.
+"""Container runner: ``python -m harbor_exec.container.runner agent|grade``.
 
 Runs inside task containers (Python >= 3.11) and imports only the standard
 library, pydantic and ``harbor_exec.authoring``. The bundle's manifest
@@ -32,7 +32,7 @@ the grader and their configs as ``module:attr``; only those four fields are read
         "relay": {"socket": "/run/harbor-exec/relay/relay.sock", "path": "/v1"}
 
     the model is reached through the host's per-rollout relay
-    (``harbor_exec.relay``) on that unix socket, and ``api_key`` is the
+    (``harbor_exec.executors.relay``) on that unix socket, and ``api_key`` is the
     rollout's relay token, not the model's key; ``chat_completions_url`` is then
     ignored. Before the workflow starts, the runner listens on a free port of
     127.0.0.1 inside the container and pipes every connection's bytes both ways
@@ -104,7 +104,7 @@ from harbor_exec.authoring import (
     resolve_import_path,
     run_workflow_once,
 )
-from harbor_exec.exchange import (
+from harbor_exec.container.exchange import (
     AGENT_INPUT,
     AGENT_SAMPLE,
     GRADER_ERROR,
@@ -120,8 +120,8 @@ from harbor_exec.exchange import (
     RolloutInput,
     SampleFile,
 )
+from harbor_exec.container.redaction import redact
 from harbor_exec.protocol import categorize_exception
-from harbor_exec.redaction import redact
 
 __all__ = [
     "EXIT_FAILED",
@@ -135,7 +135,7 @@ __all__ = [
     "main",
 ]
 
-logger = logging.getLogger("harbor_exec.runner")
+logger = logging.getLogger("harbor_exec.container.runner")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -587,7 +587,7 @@ def run_grade(paths: RunnerPaths) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m harbor_exec.runner",
+        prog="python -m harbor_exec.container.runner",
         description="Run a bundled workflow (agent) or grader (grade) inside a task container.",
     )
     parser.add_argument("command", choices=("agent", "grade"))

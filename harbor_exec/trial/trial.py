@@ -43,8 +43,7 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from harbor_exec.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
-from harbor_exec.deps import DepsLayer, ensure_deps_image
+from harbor_exec.container.redaction import scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
@@ -57,17 +56,8 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
-from harbor_exec.redaction import scrub_tree
-from harbor_exec.results import (
-    AgentResult,
-    ExceptionInfo,
-    TimingInfo,
-    TrialResult,
-    VerifierResult,
-    parse_rewards,
-    utcnow,
-)
-from harbor_exec.runtime import (
+from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
+from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
     LABEL_ROLLOUT,
@@ -83,7 +73,17 @@ from harbor_exec.runtime import (
     extract_archive,
     tree_entries,
 )
-from harbor_exec.tasks import EnvironmentConfig, NetworkMode, Task, resolve_env
+from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.trial.results import (
+    AgentResult,
+    ExceptionInfo,
+    TimingInfo,
+    TrialResult,
+    VerifierResult,
+    parse_rewards,
+    utcnow,
+)
+from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
 
 PhaseCallback = Callable[[str], None]
 VerifierMode = Literal["shared", "separate"]
