@@ -78,7 +78,7 @@ def _check_imports(name: str, data: bytes) -> None:
     # The runtime wheel holds only these modules: an import of any other
     # harbor_exec module would fail inside every container, so catch it here.
     allowed = {"harbor_exec", *(_module_name(f) for f in RUNTIME_FILES)}
-    for node in ast.walk(ast.parse(data)):
+    for node in _runtime_nodes(ast.parse(data)):
         modules: list[str] = []
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
@@ -96,6 +96,26 @@ def _check_imports(name: str, data: bytes) -> None:
                     f"runtime ({', '.join(RUNTIME_FILES)}); container-side modules may import "
                     "only the standard library, pydantic and each other."
                 )
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (never executed)."""
+    nodes: list[ast.AST] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _module_name(path: str) -> str:
