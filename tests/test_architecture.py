@@ -1,0 +1,183 @@
+"""The house's rules, checked: one spine of imports, a light public face, a sealed container side.
+
+Every import of a ``harbor_exec`` module (at module level or inside a function) must
+point to the same part of the package or down the spine below; the code that runs in
+task containers imports only the standard library, pydantic and itself; the Docker
+SDK stays in its adapter; ``import harbor_exec`` loads nothing but itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harbor_exec.bundler import runtime as runtime_module
+from harbor_exec.bundler.errors import BundleBuildError
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "harbor_exec"
+
+# The spine, top to bottom: a part may import its own modules and any part on a
+# lower floor, never one above. Parts on one floor do not import each other.
+FLOORS: tuple[frozenset[str], ...] = (
+    frozenset({"cli"}),
+    frozenset({"server"}),
+    frozenset({"backends", "jobs"}),
+    frozenset({"executors", "bundler"}),
+    frozenset({"trial"}),
+    frozenset({"sandbox"}),
+    frozenset({"container", "client"}),
+    frozenset({"_client_http", "protocol"}),
+    frozenset({"authoring"}),
+    frozenset({"errors", "cache"}),
+)
+FLOOR_OF = {part: level for level, parts in enumerate(FLOORS) for part in parts}
+CONTAINER_ALLOWED = {"harbor_exec", "harbor_exec.authoring", "harbor_exec.protocol"}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    found = []
+    for base in (PACKAGE, ROOT / "bundler"):
+        for path in sorted(base.rglob("*.py")):
+            if "_buildkit" in path.parts:
+                continue  # protoc's output
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[0] == "bundler":
+                parts = ["harbor_exec", *parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found.append((".".join(parts), path))
+    return found
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every harbor_exec import that runs (``TYPE_CHECKING`` ones do not)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in runtime_module._runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return [(line, module) for line, module in out if module.split(".")[0] == "harbor_exec"]
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "harbor_exec"
+
+
+def test_at_most_ten_top_level_modules() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def test_every_part_has_a_floor() -> None:
+    parts = {_part(module) for module, _ in _modules()} - {"harbor_exec"}
+    assert parts <= set(FLOOR_OF), f"parts without a floor in FLOORS: {parts - set(FLOOR_OF)}"
+
+
+def test_imports_point_down_the_spine_only() -> None:
+    wrong = []
+    for module, path in _modules():
+        here = _part(module)
+        if here == "harbor_exec":
+            continue  # the lazy entry points (harbor_exec/__init__.py) import nothing at import
+        for line, target in _imports(path):
+            there = _part(target)
+            if there == here or there == "harbor_exec":
+                continue  # a part's own modules; the package's __version__
+            if FLOOR_OF[there] <= FLOOR_OF[here]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({here}) imports {target} ({there})")
+    assert not wrong, "imports against the spine:\n" + "\n".join(wrong)
+
+
+def test_container_side_imports_only_the_standard_library_pydantic_and_itself() -> None:
+    third_party = {"pydantic", "pydantic_core", "typing_extensions"}
+    wrong = []
+    for name in runtime_module.RUNTIME_FILES:
+        path = PACKAGE / name
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in runtime_module._runtime_nodes(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for module in names:
+                top = module.split(".")[0]
+                if top == "harbor_exec":
+                    ok = module in CONTAINER_ALLOWED or module.startswith("harbor_exec.container")
+                else:
+                    ok = top in sys.stdlib_module_names or top in third_party
+                if not ok:
+                    wrong.append(f"harbor_exec/{name}:{node.lineno} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_runtime_wheel_check_refuses_a_container_module_that_reaches_the_service() -> None:
+    source = b"from harbor_exec.sandbox.docker import DockerRuntime\n"
+    with pytest.raises(BundleBuildError, match=r"container/runner\.py imports harbor_exec\.sandbox"):
+        runtime_module._check_imports("container/runner.py", source)
+    with pytest.raises(BundleBuildError, match="relative import"):
+        runtime_module._check_imports("container/runner.py", b"from . import exchange\n")
+    typing_only = b"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import harbor_exec.server\n"
+    runtime_module._check_imports("__init__.py", typing_only)  # never executed: allowed
+    for name, data in runtime_module.runtime_source().files:
+        runtime_module._check_imports(name, data)  # the real container side passes
+
+
+def test_ruff_keeps_the_docker_sdk_in_its_adapter() -> None:
+    def lint(as_file: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "ruff"), "check", "--stdin-filename", as_file, "-"],
+            input="import docker\n\nprint(docker)\n",
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
+
+    outside = lint("harbor_exec/trial/probe.py")
+    assert outside.returncode != 0 and "TID251" in outside.stdout, outside.stdout
+    assert lint("harbor_exec/sandbox/docker.py").returncode == 0
+
+
+def test_ci_runs_the_checks_before_the_tests() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    steps = [line for line in ci if line and not line.startswith(("#", "set ", "cd ", "export "))]
+    assert steps == [
+        "./scripts/setup.sh",
+        "./scripts/check.sh",
+        ".venv/bin/python -m pytest -q",
+    ], steps
+    check = (ROOT / "scripts" / "check.sh").read_text(encoding="utf-8")
+    for command in ('"$PY/mypy"', '"$PY/ruff" check .', '"$PY/ruff" format --check .'):
+        assert command in check
+    assert "set -euo pipefail" in check  # any failing check fails CI
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "./scripts/check.sh" in readme and ".venv/bin/python -m pytest -q" in readme
+
+
+def test_entry_points_import_lazily_from_the_top() -> None:
+    probe = (
+        "import sys, harbor_exec\n"
+        "heavy = {'docker', 'fastapi', 'harbor_exec.server', 'harbor_exec.backends'}\n"
+        "assert not heavy & set(sys.modules), sorted(heavy & set(sys.modules))\n"
+        "from harbor_exec import (HarborBackend, LocalBackend, RolloutClient,\n"
+        "    create_rollout_server, AgentWorkflow, Grader, GraderContext,\n"
+        "    AgentWorkflowContext, RolloutSample)\n"
+        "from harbor_exec.backends.harbor.backend import HarborBackend as H\n"
+        "assert HarborBackend is H\n"
+        "print(sorted(set(harbor_exec.__all__) - set(dir(harbor_exec))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
