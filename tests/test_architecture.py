@@ -122,11 +122,15 @@ def test_container_side_imports_only_the_standard_library_pydantic_and_itself() 
 
 def test_runtime_wheel_check_refuses_a_container_module_that_reaches_the_service() -> None:
     source = b"from harbor_exec.sandbox.docker import DockerRuntime\n"
-    with pytest.raises(BundleBuildError, match=r"container/runner\.py imports harbor_exec\.sandbox"):
+    with pytest.raises(
+        BundleBuildError, match=r"container/runner\.py imports harbor_exec\.sandbox"
+    ):
         runtime_module._check_imports("container/runner.py", source)
     with pytest.raises(BundleBuildError, match="relative import"):
         runtime_module._check_imports("container/runner.py", b"from . import exchange\n")
-    typing_only = b"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import harbor_exec.server\n"
+    typing_only = (
+        b"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import harbor_exec.server\n"
+    )
     runtime_module._check_imports("__init__.py", typing_only)  # never executed: allowed
     for name, data in runtime_module.runtime_source().files:
         runtime_module._check_imports(name, data)  # the real container side passes
