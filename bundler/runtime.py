@@ -30,10 +30,11 @@ __all__ = [
 ]
 
 RUNTIME_DISTRIBUTION = "harbor-exec-runtime"
-# Paths below harbor_exec/: the public authoring face and the container/ package.
+# Paths below harbor_exec/: the public authoring face, the error names, and container/.
 RUNTIME_FILES = (
     "__init__.py",
     "authoring.py",
+    "errors.py",
     "protocol.py",
     "container/__init__.py",
     "container/exchange.py",

@@ -1,6 +1,6 @@
 """Every named error of the trial engine, in one place.
 
-Two families live here:
+Two families live here (standard library only: it ships in the container runtime too):
 
 * user-input errors (``TaskError`` and friends): raised before anything runs,
   each message names the task, the file and the field at fault;
@@ -176,6 +176,19 @@ POLICIES: dict[str, ErrorPolicy] = {
     "FileNotFoundError": _policy(True, True, True, "validation_error", "agent"),
     "TaskConfigError": _policy(False, False, False, "validation_error", "environment"),
 }
+
+
+# Sandbox-provider failures the Osmosis protocol counts as ``http_error``, recognised
+# by class name (``protocol.categorize_exception``) so that no provider SDK is imported.
+PROVIDER_ERROR_TYPES: frozenset[str] = frozenset(
+    {
+        "SandboxConnectionException",
+        "SandboxRateLimitException",
+        "PoolStateStoreUnavailableException",
+    }
+)
+# ... only with one of the protocol's provider HTTP statuses.
+PROVIDER_API_ERROR_TYPES: frozenset[str] = frozenset({"SandboxApiException", "SandboxAPIError"})
 
 
 def policy_for(exception_type: str) -> ErrorPolicy:

@@ -20,6 +20,7 @@ from harbor_exec.authoring import (
     RolloutSample,
     RolloutStatus,
 )
+from harbor_exec.errors import PROVIDER_API_ERROR_TYPES, PROVIDER_ERROR_TYPES
 
 __all__ = [
     "CANCEL_DISPOSITIONS",
@@ -357,15 +358,6 @@ class PrewarmSummary(BaseModel):
 
 # ---------------------------------------------------------------------------- error categories
 
-# Provider failures recognised by class name, so no provider SDK is imported.
-_PROVIDER_ERROR_TYPES: Final = frozenset(
-    {
-        "SandboxConnectionException",
-        "SandboxRateLimitException",
-        "PoolStateStoreUnavailableException",
-    }
-)
-_PROVIDER_API_ERROR_TYPES: Final = frozenset({"SandboxApiException", "SandboxAPIError"})
 _PROVIDER_HTTP_STATUSES: Final = frozenset({401, 402, 403, 429, 500, 502, 503, 504})
 
 
@@ -378,8 +370,8 @@ def categorize_exception(exc: BaseException) -> RolloutErrorCategory:
     status_code = getattr(exc, "status_code", None)
     for cls in type(exc).__mro__:
         name = cls.__name__
-        if name in _PROVIDER_ERROR_TYPES or (
-            name in _PROVIDER_API_ERROR_TYPES
+        if name in PROVIDER_ERROR_TYPES or (
+            name in PROVIDER_API_ERROR_TYPES
             and isinstance(status_code, int)
             and status_code in _PROVIDER_HTTP_STATUSES
         ):

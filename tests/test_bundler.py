@@ -113,10 +113,12 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert modules == [
         "harbor_exec/__init__.py",
         "harbor_exec/authoring.py",
+        "harbor_exec/container/__init__.py",
         "harbor_exec/container/exchange.py",
-        "harbor_exec/protocol.py",
         "harbor_exec/container/redaction.py",
         "harbor_exec/container/runner.py",
+        "harbor_exec/errors.py",
+        "harbor_exec/protocol.py",
     ]
     assert manifest.pip_wheel.startswith("pip-")
 
