@@ -49,12 +49,6 @@ CHAT_BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "conten
 PROMPT_TOKENS = len(QUESTION.split())
 
 
-@pytest.fixture(scope="module")
-def chat() -> Iterator[FakeChat]:
-    with FakeChat() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def no_key_leaks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, chat: FakeChat
@@ -547,18 +541,16 @@ async def test_socket_is_open_to_any_container_user(tmp_path: Path, chat: FakeCh
     assert (taken / "keep").read_text() == "someone else's"
 
 
-async def test_start_is_cheap(tmp_path: Path, chat: FakeChat) -> None:
-    timings = []
+async def test_relays_start_and_close_one_after_another(tmp_path: Path, chat: FakeChat) -> None:
+    # What start() costs per rollout is measured by bench/bench_relay.py.
     for index in range(20):
         relay = ModelRelay(
             upstream_url=chat.base_url, api_key=REAL_KEY, directory=tmp_path / f"r{index}"
         )
-        started = time.perf_counter()
         await relay.start()
-        timings.append(time.perf_counter() - started)
+        assert stat.S_ISSOCK(relay.socket_path.stat().st_mode)
         await relay.aclose()
-    # The first may load the CA bundle (once per process); the rest are sub-millisecond here.
-    assert sorted(timings)[len(timings) // 2] < 0.005
+        assert not relay.directory.exists()
 
 
 async def test_too_many_connections_are_dropped(tmp_path: Path, chat: FakeChat) -> None:
