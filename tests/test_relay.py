@@ -39,7 +39,7 @@ from harbor_exec.executors.relay import (
 )
 from tests.bundle_utils import PYTHON311, REPO_ROOT, clean_env
 from tests.fake_chat import FakeChat
-from tests.server_utils import metric
+from tests.server_utils import metric, wait_until_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -557,7 +557,11 @@ async def test_too_many_connections_are_dropped(tmp_path: Path, chat: FakeChat) 
     async with open_rig(tmp_path, f"{chat.base_url}/v1", RelayLimits(max_connections=2)) as rig:
         path = str(rig.relay.socket_path)
         held = [await asyncio.open_unix_connection(path) for _ in range(2)]
-        await asyncio.sleep(0.05)  # let the relay register them
+
+        async def both_registered() -> bool:
+            return len(rig.relay._connections) == 2
+
+        assert await wait_until_async(both_registered)
         reader, writer = await asyncio.open_unix_connection(path)
         assert await asyncio.wait_for(reader.read(100), 5) == b""
         writer.close()
