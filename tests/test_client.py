@@ -116,7 +116,7 @@ async def test_waits_return_promptly_and_cancel_while_running_and_queued(
     )
 
     async def one_queued() -> bool:
-        return (await client.queue_info())["queued"] == 1
+        return bool((await client.queue_info())["queued"] == 1)
 
     assert await wait_until_async(one_queued)
     assert queued.status is RolloutStatus.QUEUED and not queued.done()
