@@ -1,4 +1,5 @@
-"""``FakeRuntime``: an in-memory ``ContainerRuntime`` for fast trial tests.
+"""``FakeRuntime``: an in-memory ``ContainerEngine`` (both the trial side and engine
+administration) for fast tests.
 
 Like httpx's ``MockTransport``: trials, executors and ``HarborBackend`` run
 against it unchanged, in milliseconds. Containers are dicts of files; an exec
@@ -17,7 +18,7 @@ Every exec is recorded in ``execs`` (which container, which rollout, its deadlin
 The archive calls really pack and unpack tars, so the trial's file handling
 (``/logs`` read back, a fresh ``/logs/verifier``, bounded extraction) is the
 real code. Knobs: ``fail_builds`` (tags whose build fails), ``engine_down``
-(every call raises ``EngineUnavailableError``).
+(every call raises ``EngineUnavailableError``), ``gpus`` (what ``gpu_count`` says).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class FakeRuntime:
     test: Behaviour = _default_test
     fail_builds: set[str] = field(default_factory=set)
     engine_down: bool = False
+    gpus: int = 0
     images: set[str] = field(default_factory=set)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
@@ -167,7 +169,7 @@ class FakeRuntime:
         return 2
 
     def gpu_count(self) -> int:
-        return 0
+        return self.gpus
 
     def list_images(self) -> list[ImageInfo]:
         return [ImageInfo(tag, "task-env", 0) for tag in sorted(self.images)]
