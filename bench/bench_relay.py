@@ -8,7 +8,8 @@ container. The workflow makes ``--calls`` chat calls each way with one httpx
 client, alternating direct and relayed so drift hits both alike, and reports
 every latency. Prints the medians (and p90) in ms, the overhead and the ratio
 (target: under 2 ms overhead at the median), and what ``ModelRelay.start``
-costs per rollout. Everything is bounded by ``--time-limit``.
+costs per rollout (target: under 5 ms at the median). Everything is bounded by
+``--time-limit``.
 
     .venv/bin/python bench/bench_relay.py
     .venv/bin/python bench/bench_relay.py --calls 2000
@@ -33,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_KEY = "sk-bench-0123456789abcdef"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
 WARMUP = 20
+START_TARGET_MS = 5.0  # ModelRelay.start at the median, per rollout
 
 
 class BenchWorkflow(AgentWorkflow[AgentWorkflowConfig]):
@@ -176,9 +178,11 @@ def main() -> None:
         f"overhead median {relay_ms - direct_ms:.3f} ms   ratio {relay_ms / direct_ms:.2f}x"
         f"   (target < 2 ms)"
     )
+    start_ms = _ms(result["start_costs"], 0.5)
     print(
-        f"relay.start()  median {_ms(result['start_costs'], 0.5):.3f} ms   "
-        f"max {_ms(result['start_costs'], 1.0):.3f} ms   (first one loads the CA bundle)"
+        f"relay.start()  median {start_ms:.3f} ms   "
+        f"max {_ms(result['start_costs'], 1.0):.3f} ms   (first one loads the CA bundle)   "
+        f"{start_ms / START_TARGET_MS:.2f}x the {START_TARGET_MS:g} ms target"
     )
     print(f"relay usage: {result['usage']}")
     paired = statistics.median(r - d for d, r in zip(direct, relayed, strict=True))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import docker
 
+from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.trial.task import Task, discover_tasks
 from harbor_exec.trial.trial import TrialRequest, ensure_task_image, run_trial
 

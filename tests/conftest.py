@@ -1,4 +1,5 @@
-"""Shared fixtures: the real Docker engine, base images, and a leftover check.
+"""Shared fixtures: the fake chat endpoint, the real Docker engine, base images, and a
+leftover check.
 
 A test that needs Docker fails (never skips) when the engine is missing: a
 skipped engine test would hide a broken install step. After a session that ran
@@ -16,6 +17,7 @@ from harbor_exec.errors import DockerUnavailableError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import bootstrap
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
+from tests.fake_chat import FakeChat
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +27,14 @@ def _own_data_dir(
     """Each test's ``serve`` processes keep rollout state in a fresh dir of their own
     (the default under ~/.local/state is owned by one server at a time)."""
     monkeypatch.setenv("HARBOR_EXEC_DATA_DIR", str(tmp_path_factory.mktemp("data-dir")))
+
+
+@pytest.fixture(scope="module")
+def chat() -> Iterator[FakeChat]:
+    """A fake OpenAI-compatible chat endpoint on 127.0.0.1 (``tests/fake_chat.py``),
+    one per module; tests pick its behaviour with ``chat.reset(...)``."""
+    with FakeChat() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""``FakeRuntime``: an in-memory ``ContainerRuntime`` for fast trial tests.
+"""``FakeRuntime``: an in-memory ``ContainerEngine`` (both the trial side and engine
+administration) for fast tests.
 
 Like httpx's ``MockTransport``: trials, executors and ``HarborBackend`` run
 against it unchanged, in milliseconds. Containers are dicts of files; an exec
@@ -8,10 +9,16 @@ is answered by a Python function chosen by what the command runs:
   or ``HANG``);
 * ``test``: the task's ``test.sh`` (same; the default writes reward 1).
 
+A behaviour that returns ``HOLD`` waits at the runtime's ``gate`` until the test
+opens it (then exits 0) or its container is removed (exit 137, as the engine ends
+an exec whose container it killed). ``gate.wait_held(n)`` returns once ``n``
+commands have reached the gate, so tests synchronise on events, never on sleeps.
+Every exec is recorded in ``execs`` (which container, which rollout, its deadline).
+
 The archive calls really pack and unpack tars, so the trial's file handling
 (``/logs`` read back, a fresh ``/logs/verifier``, bounded extraction) is the
 real code. Knobs: ``fail_builds`` (tags whose build fails), ``engine_down``
-(every call raises ``EngineUnavailableError``).
+(every call raises ``EngineUnavailableError``), ``gpus`` (what ``gpu_count`` says).
 """
 
 from __future__ import annotations
@@ -19,15 +26,26 @@ from __future__ import annotations
 import io
 import itertools
 import tarfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
-from harbor_exec.sandbox.runtime import BuildResult, ContainerSpec, ExecResult, ImageInfo
+from harbor_exec.sandbox.runtime import (
+    LABEL_ROLLOUT,
+    BuildResult,
+    ContainerSpec,
+    ExecResult,
+    ImageInfo,
+)
 
 HANG = -999  # a behaviour's answer: run until the exec's deadline
+HOLD = -998  # a behaviour's answer: wait at the gate (see the module doc)
+#: How long a held command waits at most: a test that forgets to open the gate
+#: fails instead of hanging the suite.
+HOLD_LIMIT_SEC = 10.0
 
 Behaviour = Callable[["FakeContainer"], int]
 
@@ -51,6 +69,54 @@ class FakeContainer:
             del self.files[name]
 
 
+@dataclass(frozen=True)
+class FakeExec:
+    """One exec the runtime was asked to run."""
+
+    container_id: str
+    rollout_id: str | None  # the container's rollout label
+    script: str  # the ``bash -c`` argument
+    timeout_sec: float | None
+
+
+class Gate:
+    """Where ``HOLD`` commands wait: until ``open()``, or until their container is
+    removed (``FakeRuntime.remove`` calls ``container_removed``)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._open = False
+        self.held: list[FakeContainer] = []  # every container whose command reached the gate
+        self.ended_by_removal: list[FakeContainer] = []  # held until their container went
+
+    def hold(self, container: FakeContainer) -> int:
+        """Wait; the command's exit code: 0 once opened, 137 when its container was removed
+        (and 0 past ``HOLD_LIMIT_SEC``, recorded nowhere, so that assertions fail)."""
+        with self._condition:
+            self.held.append(container)
+            self._condition.notify_all()
+            self._condition.wait_for(lambda: self._open or container.removed, HOLD_LIMIT_SEC)
+            if container.removed:
+                self.ended_by_removal.append(container)
+                return 137
+            return 0
+
+    def wait_held(self, count: int = 1, timeout: float = 10.0) -> bool:
+        """True once ``count`` commands have reached the gate (False past ``timeout``)."""
+        with self._condition:
+            return self._condition.wait_for(lambda: len(self.held) >= count, timeout)
+
+    def open(self) -> None:
+        """Let every held command, and every later one, through."""
+        with self._condition:
+            self._open = True
+            self._condition.notify_all()
+
+    def container_removed(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+
 def _default_test(container: FakeContainer) -> int:
     container.write("/logs/verifier/reward.txt", "1\n")
     return 0
@@ -64,10 +130,13 @@ class FakeRuntime:
     test: Behaviour = _default_test
     fail_builds: set[str] = field(default_factory=set)
     engine_down: bool = False
+    gpus: int = 0
     images: set[str] = field(default_factory=set)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    execs: list[FakeExec] = field(default_factory=list)
+    gate: Gate = field(default_factory=Gate)
     owner: str = "fake-owner"
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
@@ -100,7 +169,7 @@ class FakeRuntime:
         return 2
 
     def gpu_count(self) -> int:
-        return 0
+        return self.gpus
 
     def list_images(self) -> list[ImageInfo]:
         return [ImageInfo(tag, "task-env", 0) for tag in sorted(self.images)]
@@ -204,6 +273,11 @@ class FakeRuntime:
         self._call("exec")
         container = self.containers[container_id]
         script = command[-1]
+        rollout_id = container.spec.labels.get(LABEL_ROLLOUT)
+        self.execs.append(FakeExec(container_id, rollout_id, script, timeout_sec))
+        if timeout_sec is not None and timeout_sec <= 0:
+            # A deadline already passed: the engine's wait ends at once, as Docker's does.
+            return ExecResult(None, b"", True, 0.0)
         if "tar -xf - -C /" in script and stdin is not None:
             _extract(container, stdin)
         if "/solution/solve.sh" in script:
@@ -216,6 +290,8 @@ class FakeRuntime:
             container.files.setdefault("/logs/verifier/test-stdout.txt", b"")
         else:
             code = 0
+        if code == HOLD:
+            code = self.gate.hold(container)
         if code == HANG:
             if timeout_sec is None:
                 raise AssertionError("a hanging exec without a deadline would never end")
@@ -229,6 +305,7 @@ class FakeRuntime:
         if container is not None:
             container.removed = True
             container.running = False
+            self.gate.container_removed()
 
 
 def _extract(container: FakeContainer, data: bytes) -> None:

@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +244,16 @@ def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+async def wait_until_async(
+    predicate: Callable[[], Awaitable[bool]], within_sec: float = 5.0, interval: float = 0.01
+) -> bool:
+    """Poll the coroutine function ``predicate`` for up to ``within_sec``, letting the
+    event loop run in between; True once it holds."""
+    deadline = time.monotonic() + within_sec
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(interval)
+    return bool(await predicate())

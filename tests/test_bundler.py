@@ -9,9 +9,7 @@ import hashlib
 import json
 import os
 import shutil
-import statistics
 import threading
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -123,18 +121,13 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert manifest.pip_wheel.startswith("pip-")
 
 
-def test_cached_call_reuses_the_bundle_and_is_fast(
-    example_bundle: Bundle, bundle_cache: Path
-) -> None:
-    timings = []
+def test_cached_call_reuses_the_bundle(example_bundle: Bundle, bundle_cache: Path) -> None:
+    # What a cached call costs is measured by bench/bench_bundle_cache.py.
     for _ in range(7):
-        started = time.perf_counter()
         again = build_bundle(EXAMPLE_DIR, cache_dir=bundle_cache, **EXAMPLE_REFS)
-        timings.append(time.perf_counter() - started)
         assert again.cached
         assert again.root == example_bundle.root
         assert again.manifest == example_bundle.manifest
-    assert statistics.median(timings) < 0.050, timings
 
 
 def test_source_change_changes_digest_not_requirements_digest(

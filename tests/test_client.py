@@ -32,6 +32,7 @@ from tests.server_utils import (
     free_port,
     local_app,
     serve,
+    wait_until_async,
 )
 
 
@@ -113,7 +114,11 @@ async def test_waits_return_promptly_and_cancel_while_running_and_queued(
     queued = await client.run_rollout_async(
         PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
     )
-    await asyncio.sleep(0.1)
+
+    async def one_queued() -> bool:
+        return bool((await client.queue_info())["queued"] == 1)
+
+    assert await wait_until_async(one_queued)
     assert queued.status is RolloutStatus.QUEUED and not queued.done()
     assert (await client.cancel_rollout(queued.rollout_id)).dispositions == {
         queued.rollout_id: "cancelled_queued"
@@ -221,7 +226,12 @@ async def test_lease_expires_when_nobody_polls(tmp_path: Path) -> None:
             handle.cancel()  # stop polling locally; the server is not told
             with pytest.raises(asyncio.CancelledError):
                 await handle
-            await asyncio.sleep(1.2)
+
+            async def lease_expired() -> bool:  # /status needs no lease and renews none
+                status = await rollout_client.rollout_status(handle.rollout_id)
+                return bool(status["status"] == RolloutStatus.FAILURE.value)
+
+            assert await wait_until_async(lease_expired)
             result, _ = await rollout_client._get_result(
                 handle._admission, lease_deadline=time.monotonic() + 5
             )

@@ -8,7 +8,6 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +56,6 @@ def bundle() -> Any:
         workflow_config=REFS["workflow_config"],
         grader_config=REFS["grader_config"],
     )
-
-
-@pytest.fixture(scope="module")
-def chat() -> Iterator[FakeChat]:
-    with FakeChat() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture()

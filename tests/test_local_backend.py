@@ -21,7 +21,14 @@ from harbor_exec.authoring import (
 )
 from harbor_exec.backends.local import DEFAULT_MAX_CONCURRENT, LocalBackend, default_artifact_root
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
-from tests.server_utils import PROMPT, SINGLE_SLOT, UNLIMITED, ExactMatchGrader, ScriptedWorkflow
+from tests.server_utils import (
+    PROMPT,
+    SINGLE_SLOT,
+    UNLIMITED,
+    ExactMatchGrader,
+    ScriptedWorkflow,
+    wait_until_async,
+)
 
 
 def request(rollout_id: str = "r1", **fields: Any) -> ExecutionRequest:
@@ -108,7 +115,12 @@ async def test_a_workflow_that_blocks_past_its_deadline_is_still_a_timeout(tmp_p
 async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
     local = backend(tmp_path, workflow_config=SINGLE_SLOT)
     first = asyncio.create_task(run(local, request("first", metadata={"sleep": 0.4})))
-    await asyncio.sleep(0.05)
+
+    async def counts(queued: int, running: int) -> bool:
+        info = local.queue_info()
+        return (info.queued, info.running) == (queued, running)
+
+    assert await wait_until_async(lambda: counts(0, 1))
     assert local.queue_info().model_dump(exclude={"nodes"}) == {
         "queued": 0,
         "running": 1,
@@ -118,7 +130,7 @@ async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
     second = asyncio.create_task(
         run(local, request("second", metadata={"sleep": 0.2}, agent_timeout_sec=0.5))
     )
-    await asyncio.sleep(0.05)
+    assert await wait_until_async(lambda: counts(1, 1))
     assert local.health().concurrency == {"max_concurrent": 1, "queued": 1, "running": 1}
     (first_outcome, _), (second_outcome, second_seen) = await asyncio.gather(first, second)
     assert first_outcome.result.status is RolloutStatus.SUCCESS

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.server_utils import (
@@ -25,6 +26,7 @@ from tests.server_utils import (
     local_app,
     serve,
     wait_until,
+    wait_until_async,
     workflow_was_cancelled,
 )
 
@@ -125,7 +127,9 @@ async def test_agent_timeout(client: RolloutClient) -> None:
     )
 
 
-async def test_cancel_while_running_and_while_queued(client: RolloutClient) -> None:
+async def test_cancel_while_running_and_while_queued(
+    client: RolloutClient, server_url: str
+) -> None:
     running = await client.run_rollout_async(
         PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
     )
@@ -133,7 +137,12 @@ async def test_cancel_while_running_and_while_queued(client: RolloutClient) -> N
     queued = await client.run_rollout_async(
         PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
     )
-    await asyncio.sleep(0.2)
+
+    async def one_queued() -> bool:
+        async with httpx.AsyncClient() as http:
+            return bool((await http.get(f"{server_url}/queue")).json()["queued"] == 1)
+
+    assert await wait_until_async(one_queued)
     assert queued.status.value == "queued"
     assert (await client.cancel_rollout(queued.rollout_id)).dispositions == {
         queued.rollout_id: "cancelled_queued"
@@ -223,7 +232,13 @@ async def test_lease_expiry(tmp_path: Path) -> None:
         )
         token = _token_of(handle)
         handle.cancel()  # the controller goes away: nobody polls any more
-        await asyncio.sleep(1.2)
+
+        async def lease_expired() -> bool:  # /status needs no lease and renews none
+            async with httpx.AsyncClient() as http:
+                status = (await http.get(f"{url}/rollout/{handle.rollout_id}/status")).json()
+            return bool(status["status"] == "failure")
+
+        assert await wait_until_async(lease_expired)
         admission = RolloutInitResponse(
             rollout_id=handle.rollout_id,
             status=RolloutStatus.QUEUED,

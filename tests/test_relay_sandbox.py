@@ -12,7 +12,6 @@ import asyncio
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,12 +113,6 @@ def spy_bundle(tmp_path_factory: pytest.TempPathFactory) -> Bundle:
         },
     )
     return build_bundle(project, workflow="spy_agent.workflow:Spy", cache_dir=root / "cache")
-
-
-@pytest.fixture(scope="module")
-def chat() -> Iterator[FakeChat]:
-    with FakeChat() as endpoint:
-        yield endpoint
 
 
 def template_copy(tmp_path: Path, network_mode: str) -> Path:

@@ -56,6 +56,20 @@ def start(
     raise AssertionError("serve did not come up")
 
 
+def stored_status(data: Path, rollout_id: str) -> str | None:
+    """The status the server's store has written for ``rollout_id`` (None: no row yet)."""
+    database = data / "rollouts.sqlite3"
+    if not database.is_file():
+        return None
+    connection = sqlite3.connect(database)
+    try:
+        row = connection.execute("SELECT status FROM rollouts WHERE id = ?", (rollout_id,))
+        found = row.fetchone()
+    finally:
+        connection.close()
+    return None if found is None else str(found[0])
+
+
 def submit(url: str, rollout_id: str, **metadata: Any) -> str:
     """Admits a rollout and returns its lease token."""
     response = httpx.post(
@@ -92,7 +106,8 @@ def test_sigkilled_server_serves_finished_and_fails_running(tmp_path: Path) -> N
         assert wait_until(
             lambda: httpx.get(f"{url}/rollout/running-1/status").json()["status"] == "running"
         )
-        time.sleep(0.3)  # past one write batch
+        # Its running state has reached the disk (the store writes in batches).
+        assert wait_until(lambda: stored_status(data, "running-1") == "running")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)

@@ -13,7 +13,7 @@ from harbor_exec.errors import (
     VerifierOutputParseError,
 )
 from harbor_exec.jobs.dataset import job_stats, mean_metric, pass_at_k
-from harbor_exec.sandbox.runtime import ArchiveEntry, build_archive, extract_archive
+from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive
 from harbor_exec.trial.results import (
     AgentInfo,
     ExceptionInfo,

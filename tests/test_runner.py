@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,12 +82,6 @@ CUSTOM_FLOWS = """
             }
             ctx.set_reward(0.5)
     """
-
-
-@pytest.fixture(scope="module")
-def chat() -> Iterator[FakeChat]:
-    with FakeChat() as server:
-        yield server
 
 
 @dataclass

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.cgroups import HostCgroup
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, OutputLimits
+from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial

@@ -56,6 +56,7 @@ from tests.server_utils import (
     metric_samples,
     serve,
     wait_until,
+    wait_until_async,
     workflow_was_cancelled,
 )
 
@@ -338,7 +339,11 @@ async def test_cancel_while_queued_and_by_prefix_and_all(
         queued, queued_token = await submit(
             http, url, rollout_id="job-wait", metadata={"sleep": 30}
         )
-        await asyncio.sleep(0.1)
+
+        async def one_queued() -> bool:
+            return bool((await http.get(f"{url}/queue")).json()["queued"] == 1)
+
+        assert await wait_until_async(one_queued)
         assert (await status_of(http, url, queued))["status"] == "queued"
         queue = (await http.get(f"{url}/queue")).json()
         assert queue == {"queued": 1, "running": 1, "capacity": 1, "max_queue_depth": None}

@@ -15,6 +15,7 @@ from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from tests.server_utils import wait_until
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -237,6 +238,14 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
     client.close()
 
 
+def runs_in(runtime: DockerRuntime, container_id: str | None, command: str) -> bool:
+    """Whether a process of ``command`` runs in the container (as the engine sees it)."""
+    if container_id is None:
+        return False
+    processes = runtime._api.top(container_id).get("Processes") or []
+    return any(command in " ".join(process) for process in processes)
+
+
 def test_cancel_removes_the_container_within_a_second(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
@@ -252,7 +261,7 @@ def test_cancel_removes_the_container_within_a_second(
     worker = threading.Thread(target=lambda: results.append(trial.run()))
     worker.start()
     assert running.wait(30)
-    time.sleep(0.3)
+    assert wait_until(lambda: runs_in(docker_runtime, trial._container_id, "sleep 300"), 30)
     started = time.monotonic()
     trial.cancel()
     trial.cancel()  # idempotent

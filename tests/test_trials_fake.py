@@ -80,6 +80,20 @@ def test_verifier_timeout_has_no_reward(tmp_path: Path) -> None:
     assert result.exception_type == "VerifierTimeoutError" and rewards(result) is None
 
 
+@pytest.mark.parametrize(("engine_gpus", "error"), [(0, "GpuUnavailableError"), (2, None)])
+def test_gpus_are_asked_of_the_engine_before_anything_starts(
+    tmp_path: Path, engine_gpus: int, error: str | None
+) -> None:
+    runtime = FakeRuntime(gpus=engine_gpus)
+    result = trial(runtime, tmp_path, toml="[environment]\ngpus = 1\n")
+    assert result.exception_type == error
+    if error is not None:
+        assert result.exception_info is not None and not runtime.containers
+        assert "gpus = 1" in result.exception_info.exception_message
+    else:
+        assert [c.spec.gpus for c in runtime.containers.values()] == [1]
+
+
 def test_planted_reward_is_gone_before_test_sh(tmp_path: Path) -> None:
     def plant(container: FakeContainer) -> int:
         container.write("/logs/verifier/reward.txt", "1")

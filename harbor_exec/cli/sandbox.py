@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from harbor_exec.sandbox.runtime import OutputLimits
+from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 

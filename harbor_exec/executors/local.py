@@ -32,7 +32,7 @@ import anyio.to_thread
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
-from harbor_exec.sandbox.runtime import ContainerRuntime, Mount
+from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import Trial, TrialRequest, ensure_task_image
@@ -249,7 +249,7 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
 
     def __init__(
         self,
-        runtime: ContainerRuntime | None = None,
+        runtime: ContainerEngine | None = None,
         *,
         max_threads: int = 64,
         reap_interval_sec: float = 5.0,
@@ -261,7 +261,7 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
         self._relay_transport: Any = None
 
     @property
-    def runtime(self) -> ContainerRuntime:
+    def runtime(self) -> ContainerEngine:
         if self._runtime is None:
             from harbor_exec.sandbox.docker import DockerRuntime
 

@@ -1,4 +1,4 @@
-"""``DockerRuntime``: the ContainerRuntime over the Docker Engine API.
+"""``DockerRuntime``: the ContainerRuntime and EngineAdmin over the Docker Engine API.
 
 The only module that imports ``docker``. No ``docker`` CLI subprocesses: every
 operation is an API call (build, create, exec, archive transfer, remove).
@@ -60,6 +60,7 @@ from harbor_exec.errors import (
     HarborExecError,
     SandboxBuildFailedError,
 )
+from harbor_exec.sandbox.archives import cut_marker
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.sandbox.cgroups import HostCgroup
 from harbor_exec.sandbox.runtime import (
@@ -73,7 +74,6 @@ from harbor_exec.sandbox.runtime import (
     ExecResult,
     ImageBuild,
     ImageInfo,
-    cut_marker,
 )
 
 _LOG_TAIL_LINES = 25
@@ -253,7 +253,8 @@ class _Tail:
 
 
 class DockerRuntime:
-    """ContainerRuntime over the Docker Engine API (see ``harbor_exec.sandbox.runtime``)."""
+    """ContainerRuntime and EngineAdmin over the Docker Engine API (see
+    ``harbor_exec.sandbox.runtime``)."""
 
     def __init__(
         self,

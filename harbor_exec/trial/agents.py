@@ -26,13 +26,8 @@ from harbor_exec.container.exchange import (
     in_logs,
 )
 from harbor_exec.errors import AgentSetupError
-from harbor_exec.sandbox.runtime import (
-    ArchiveEntry,
-    ContainerRuntime,
-    ExecResult,
-    build_archive,
-    tree_entries,
-)
+from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
+from harbor_exec.sandbox.runtime import ContainerRuntime, ExecResult
 from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task, resolve_env
 

@@ -56,6 +56,13 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
+from harbor_exec.sandbox.archives import (
+    ArchiveEntry,
+    OutputLimits,
+    build_archive,
+    extract_archive,
+    tree_entries,
+)
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -63,15 +70,10 @@ from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
     LABEL_TASK,
     LABEL_TRIAL,
-    ArchiveEntry,
     ContainerRuntime,
     ContainerSpec,
     Mount,
     NetworkKind,
-    OutputLimits,
-    build_archive,
-    extract_archive,
-    tree_entries,
 )
 from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
 from harbor_exec.trial.results import (
@@ -341,9 +343,7 @@ class Trial:
         wanted = env.gpus or 0
         if wanted <= 0:
             return 0
-        # Runtimes without GPU support (fakes, other engines) report none.
-        count_gpus = getattr(self.runtime, "gpu_count", None)
-        available = int(count_gpus()) if callable(count_gpus) else 0
+        available = self.runtime.gpu_count()
         if available == 0 or 0 < available < wanted:
             types = f" of type {', '.join(env.gpu_types)}" if env.gpu_types else ""
             raise GpuUnavailableError(

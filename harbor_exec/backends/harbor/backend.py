@@ -60,7 +60,8 @@ from harbor_exec.protocol import (
     QueueInfo,
     rollout_dir_name,
 )
-from harbor_exec.sandbox.runtime import ContainerRuntime, OutputLimits
+from harbor_exec.sandbox.archives import OutputLimits
+from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class HarborBackend(ExecutionBackend):
         cleanup_successful_trials: bool = True,
         max_concurrent_trials: int = 4,
         max_queue_depth: int | None = None,
-        runtime: ContainerRuntime | None = None,
+        runtime: ContainerEngine | None = None,
         executor: TrialExecutor | None = None,
         task_roots: Sequence[str | Path] = (),
         task_env_allow: Sequence[str] = (),

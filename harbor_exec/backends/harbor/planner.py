@@ -33,8 +33,8 @@ from harbor_exec.container.exchange import (
 )
 from harbor_exec.executors.local import ModelEndpoint
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
+from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.sandbox.runtime import ArchiveEntry
 from harbor_exec.trial.agents import (
     Agent,
     OracleAgent,

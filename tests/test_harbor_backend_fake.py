@@ -1,0 +1,218 @@
+"""HarborBackend over ``FakeRuntime`` behind the real HTTP server: cancel (queued and
+running), the queue bound, a task blocked by its failed prewarm, and queue time off
+the agent's deadline. No Docker: the agent's command waits at the fake's gate, and
+the tests wait on events (the gate, the backend's queue), never on time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harbor_exec.backends.harbor import backend as backend_module
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.client import RolloutClient
+from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
+from harbor_exec.server.app import create_rollout_server
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import image_tag_for
+from tests.fake_runtime import HOLD, FakeRuntime
+from tests.server_utils import CHAT_URL, PROMPT, serve, wait_until
+from tests.task_factory import make_task
+
+#: The task's ``[agent].timeout_sec`` (``task_factory.DEFAULT_TOML``).
+TASK_AGENT_TIMEOUT_SEC = 30.0
+
+
+def held_runtime() -> FakeRuntime:
+    """A runtime whose oracle waits at the gate until the test opens it."""
+    return FakeRuntime(solve=lambda container: HOLD)
+
+
+@contextlib.contextmanager
+def served(
+    tmp_path: Path, runtime: FakeRuntime, **options: Any
+) -> Iterator[tuple[HarborBackend, str]]:
+    """The template task behind a real server; yields the backend and the base URL."""
+    task = make_task(tmp_path / "tasks", "fake-task")
+    backend = HarborBackend(
+        tasks_dir=task,
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        **options,
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+    with serve(app) as url:
+        yield backend, url
+
+
+async def wait_queued(backend: HarborBackend, count: int) -> None:
+    """Until ``count`` rollouts wait for a slot (their admission time is taken by then)."""
+    assert await asyncio.to_thread(wait_until, lambda: backend.queue_info().queued == count)
+
+
+async def wait_held(runtime: FakeRuntime, count: int) -> None:
+    assert await asyncio.to_thread(runtime.gate.wait_held, count)
+
+
+def rollouts_with_containers(runtime: FakeRuntime) -> list[str | None]:
+    return [c.spec.labels.get(LABEL_ROLLOUT) for c in runtime.containers.values()]
+
+
+def test_cancel_a_queued_and_a_running_rollout(tmp_path: Path) -> None:
+    runtime = held_runtime()
+
+    async def scenario(backend: HarborBackend, url: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            running = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="run-1")
+            await wait_held(runtime, 1)
+            queued = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="queued-1")
+            await wait_queued(backend, 1)
+            return {
+                "cancel_queued": await client.cancel_rollout("queued-1"),
+                "cancel_running": await client.cancel_rollout("run-1"),
+                "again": await client.cancel_rollout("run-1"),
+                "queued": await queued,
+                "running": await running,
+                "queue": (await http.get(f"{url}/queue")).json(),
+            }
+
+    with served(tmp_path, runtime, max_concurrent_trials=1) as (backend, url):
+        got = asyncio.run(scenario(backend, url))
+    assert got["cancel_queued"].dispositions == {"queued-1": "cancelled_queued"}
+    assert got["cancel_running"].dispositions == {"run-1": "cancelled_running"}
+    assert got["again"].dispositions == {"run-1": "not_found"}
+    assert got["queued"].status == "cancelled" and got["running"].status == "cancelled"
+    assert got["queue"]["queued"] == 0 and got["queue"]["running"] == 0
+    # The running trial's container was removed (which ended its held command); the
+    # queued rollout never got one.
+    assert rollouts_with_containers(runtime) == ["run-1"]
+    (container,) = runtime.containers.values()
+    assert container.removed and runtime.gate.ended_by_removal == [container]
+    assert [e.rollout_id for e in runtime.execs] == ["run-1"]  # nothing ran after the agent
+
+
+def test_the_queue_bound_answers_429(tmp_path: Path) -> None:
+    runtime = held_runtime()
+
+    async def scenario(backend: HarborBackend, url: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            running = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="run-1")
+            await wait_held(runtime, 1)
+            queued = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="queued-1")
+            await wait_queued(backend, 1)
+            body = {"initial_messages": PROMPT, "chat_completions_url": CHAT_URL}
+            full = await http.post(f"{url}/rollout", json={**body, "rollout_id": "third"})
+            queue = (await http.get(f"{url}/queue")).json()
+            runtime.gate.open()
+            done = [await running, await queued]
+            # With the queue empty again, the next admission is accepted.
+            after = await client.run_rollout(PROMPT, CHAT_URL, rollout_id="after-429")
+            return {"full": full, "queue": queue, "done": done, "after": after}
+
+    with served(tmp_path, runtime, max_concurrent_trials=1, max_queue_depth=1) as (backend, url):
+        got = asyncio.run(scenario(backend, url))
+    full: httpx.Response = got["full"]
+    assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+    assert full.json()["detail"] == "rollout queue is full; retry later"
+    assert got["queue"]["queued"] == 1 and got["queue"]["running"] == 1
+    assert got["queue"]["capacity"] == 1 and got["queue"]["max_queue_depth"] == 1
+    assert [r.status for r in got["done"]] == ["success", "success"]
+    assert got["after"].status == "success" and got["after"].sample.reward == 1.0
+    assert "third" not in rollouts_with_containers(runtime)
+
+
+def test_a_failed_prewarm_blocks_the_task_without_a_build(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    runtime.fail_builds.add(image_tag_for(load_task(make_task(tmp_path / "tasks", "fake-task"))))
+
+    async def scenario(url: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            summary = (await http.post(f"{url}/prewarm", json={"all": True})).json()
+            builds = runtime.calls.count("ensure_image")
+            client = RolloutClient(url=url, http_client=http)
+            result = await client.run_rollout(PROMPT, CHAT_URL, rollout_id="blocked-1")
+            return {"summary": summary, "builds": builds, "result": result}
+
+    with served(tmp_path, runtime) as (_backend, url):
+        got = asyncio.run(scenario(url))
+    summary = got["summary"]
+    assert summary["total"] == 1 and summary["failed"] == 1 and summary["built"] == 0
+    reason = summary["failed_tasks"]["fake-task"]
+    assert reason.startswith("SandboxBuildFailedError: docker build of ")
+    assert reason.endswith(" failed: exit code 42")
+    result = got["result"]
+    assert result.status == "failure" and result.err_category == "validation_error"
+    assert result.err_message == f"task 'fake-task' failed prewarm: {reason}"
+    # The rollout asked for no build and created no container.
+    assert got["builds"] == 1 and runtime.calls.count("ensure_image") == 1
+    assert runtime.builds == [] and runtime.containers == {}
+
+
+class FakeClock:
+    """Stands in for the backend module's ``time``: queue time passes when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("agent_timeout_sec", "queued_sec", "agent_budget_sec", "status"),
+    [
+        (30.0, 12.5, 17.5, "success"),  # the wait comes off the request's deadline
+        (30.0, 45.0, 0.0, "failure"),  # a deadline spent in the queue: the agent times out
+        (None, 12.5, TASK_AGENT_TIMEOUT_SEC, "success"),  # the task's own timeout is kept
+    ],
+)
+def test_queue_time_comes_off_the_agent_deadline(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    agent_timeout_sec: float | None,
+    queued_sec: float,
+    agent_budget_sec: float,
+    status: str,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(backend_module, "time", clock)
+    runtime = held_runtime()
+
+    async def scenario(backend: HarborBackend, url: str) -> list[Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            options: dict[str, Any] = {"agent_timeout_sec": agent_timeout_sec}
+            first = await client.run_rollout_async(PROMPT, CHAT_URL, "first", **options)
+            await wait_held(runtime, 1)
+            second = await client.run_rollout_async(PROMPT, CHAT_URL, "second", **options)
+            await wait_queued(backend, 1)
+            clock.now += queued_sec
+            runtime.gate.open()
+            return [await first, await second]
+
+    with served(tmp_path, runtime, max_concurrent_trials=1) as (backend, url):
+        first, second = asyncio.run(scenario(backend, url))
+    agent_deadlines = {
+        e.rollout_id: e.timeout_sec for e in runtime.execs if "/solution/solve.sh" in e.script
+    }
+    unqueued = TASK_AGENT_TIMEOUT_SEC if agent_timeout_sec is None else agent_timeout_sec
+    assert agent_deadlines == {"first": unqueued, "second": agent_budget_sec}
+    assert first.status == "success"
+    assert second.status == status
+    if status == "failure":
+        assert second.err_category == "timeout"
