@@ -246,6 +246,16 @@ def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> 
     return bool(predicate())
 
 
+def runs_command(container: Any, command: str) -> bool:
+    """Whether a process in ``container`` (a docker SDK container) runs ``command``:
+    how an engine test knows a trial reached its agent phase, rather than sleeping."""
+    try:
+        listing = container.top(ps_args="-eo pid,args")
+    except Exception:  # the container is gone or not running yet
+        return False
+    return any(command in " ".join(map(str, row)) for row in listing.get("Processes") or [])
+
+
 async def wait_until_async(
     predicate: Callable[[], Awaitable[bool]], within_sec: float = 5.0, interval: float = 0.01
 ) -> bool:

@@ -26,7 +26,7 @@ from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from harbor_exec.server import create_rollout_server
-from tests.server_utils import serve, wait_until
+from tests.server_utils import runs_command, serve, wait_until
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -171,7 +171,12 @@ def test_dockerd_restart_under_serve(own_daemon: OwnDaemon, tmp_path: Path) -> N
         assert wait_until(
             lambda: len(client.containers.list(filters=labels)) == 2, timeout=60, interval=0.2
         ), "the two trials never started"
-        time.sleep(1.0)  # both in their agent phase
+        assert wait_until(
+            lambda: all(
+                runs_command(c, "sleep 30") for c in client.containers.list(filters=labels)
+            ),
+            timeout=60,
+        ), "the two trials never reached their agent phase"
         client.close()
 
         stopped_at = time.monotonic()

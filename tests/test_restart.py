@@ -19,8 +19,18 @@ import pytest
 
 from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_ROLLOUT
 from harbor_exec.server.store import RESTARTED_MESSAGE, DataDirLockedError, RolloutStore
-from tests.server_utils import CHAT_URL, PROMPT, free_port, local_app, serve, wait_until
+from tests.server_utils import (
+    CHAT_URL,
+    PROMPT,
+    free_port,
+    local_app,
+    runs_command,
+    serve,
+    wait_until,
+)
 from tests.task_factory import make_task
+
+SLEEPY_AGENT = "sleep 120"
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE = "X-Osmosis-Rollout-Lease"
@@ -178,7 +188,7 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
 
     tasks = tmp_path / "tasks"
     make_task(tasks, "quick")
-    make_task(tasks, "sleepy", solve="sleep 120", toml="[agent]\ntimeout_sec = 300.0\n")
+    make_task(tasks, "sleepy", solve=SLEEPY_AGENT, toml="[agent]\ntimeout_sec = 300.0\n")
     data, artifacts, trials = tmp_path / "data", tmp_path / "artifacts", tmp_path / "trials"
     backend = (
         "--tasks-dir", str(tasks), "--task-mode", "dataset", "--agent", "oracle",
@@ -210,7 +220,11 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
             ),
             timeout=120,
         ), "the sleepy trial never started its container"
-        time.sleep(1.0)  # in its agent phase, and past one write batch
+        assert wait_until(
+            lambda: any(runs_command(c, SLEEPY_AGENT) for c in containers("hx-running-1")),
+            timeout=60,
+        ), "the sleepy trial never reached its agent phase"
+        assert wait_until(lambda: stored_status(data, "hx-running-1") == "running")
         assert len(trial_dirs("hx-running-1")) == 1
     finally:
         first.send_signal(signal.SIGKILL)

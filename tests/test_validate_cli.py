@@ -18,6 +18,7 @@ from harbor_exec.jobs.dataset import run_job
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from harbor_exec.trial.task import discover_tasks
+from tests.server_utils import runs_command, wait_until
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +143,9 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
                 break
             time.sleep(0.2)
         assert len(running) == 3, "the three trials never started"
-        time.sleep(0.5)  # let them reach the agent phase
+        assert wait_until(lambda: all(runs_command(c, "sleep 120") for c in running), timeout=60), (
+            "the three trials never reached their agent phase"
+        )
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
     finally:
