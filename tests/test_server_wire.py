@@ -45,7 +45,7 @@ def test_every_route_answers_the_same_bytes(
         )
 
         admitted = http.post(
-            "/rollout", json={**rollout, "rollout_id": "w-1", "metadata": {"sleep": 3}}
+            "/rollout", json={**rollout, "rollout_id": "w-1", "metadata": {"sleep": 4}}
         )
         token = admitted.json()["polling_lease_token"]
         replacements[token] = "<token>"

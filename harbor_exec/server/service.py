@@ -92,7 +92,8 @@ _PASSED_TO_BACKEND: Final = (
 
 
 class RolloutService:
-    """Admission, execution, results and shutdown; the routes are thin wrappers."""
+    """Admission, execution, leases and long-polls, results, restart recovery and
+    shutdown of the rollouts of one server; the routes are thin wrappers."""
 
     def __init__(
         self,
