@@ -28,17 +28,21 @@ __all__ = [
     "FEATURES_HEADER",
     "MAX_ROLLOUT_ID_CHARS",
     "POLLING_LEASE_HEADER",
+    "ROLLOUT_ID_JSON_SCHEMA",
     "STATUS_WAIT_FEATURE",
     "TERMINAL_STATUSES",
     "BackendHealth",
     "CancelDisposition",
     "CancelRolloutsRequest",
     "CancelRolloutsResponse",
+    "ErrorResponse",
     "ExecutionOutcome",
     "ExecutionRequest",
     "ExecutionResult",
+    "HealthResponse",
     "MessageDict",
     "NodeSlots",
+    "PrewarmRequest",
     "PrewarmSummary",
     "QueueInfo",
     "RolloutErrorCategory",
@@ -48,6 +52,8 @@ __all__ = [
     "RolloutResultResponse",
     "RolloutSample",
     "RolloutStatus",
+    "RolloutStatusResponse",
+    "ValidationErrorResponse",
     "categorize_exception",
     "check_timeouts",
     "ensure_single_path_segment",
@@ -91,6 +97,14 @@ MAX_ROLLOUT_ID_CHARS: Final = 256
 # stop at 255 bytes per name, and "<name>__<suffix>" trial names need room.
 _MAX_DIR_NAME_BYTES: Final = 200
 DEFAULT_MAX_TIMEOUT_SEC: Final = 24 * 3600.0
+# What ``is_single_path_segment`` accepts, as JSON Schema (for /openapi.json): no
+# '/', '\', control characters (C0, DEL, C1), not "." or "..".
+ROLLOUT_ID_JSON_SCHEMA: Final[dict[str, Any]] = {
+    "minLength": 1,
+    "maxLength": MAX_ROLLOUT_ID_CHARS,
+    "pattern": r"^[^/\\\u0000-\u001f\u007f-\u009f]+$",
+    "not": {"enum": [".", ".."]},
+}
 
 
 def is_single_path_segment(name: str) -> bool:
@@ -157,9 +171,13 @@ class RolloutInitRequest(BaseModel):
     initial_messages: list[MessageDict]
     label: str | None = None
     metadata: dict[str, Any] | None = None
-    rollout_id: str
+    # The validators' rules, stated for /openapi.json (they do not validate).
+    rollout_id: str = Field(json_schema_extra=ROLLOUT_ID_JSON_SCHEMA)
     chat_completions_url: str
-    llm_api_key: str | None = None
+    llm_api_key: str | None = Field(
+        default=None,
+        json_schema_extra={"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
+    )
     grade: bool = True
     # NaN would crash the event loop's timer and inf silently disables the
     # deadline; "no deadline" is spelled null.
@@ -236,6 +254,41 @@ class CancelRolloutsResponse(BaseModel):
     model_config: ClassVar[ConfigDict] = _WIRE_CONFIG
 
     dispositions: dict[str, str]
+
+
+class RolloutStatusResponse(BaseModel):
+    """Body of ``GET /rollout/{id}/status`` (no lease needed): the reward and error
+    are null until the rollout is finished."""
+
+    rollout_id: str
+    status: RolloutStatus
+    reward: float | None = None
+    err_message: str | None = None
+    err_category: RolloutErrorCategory | None = None
+
+
+class PrewarmRequest(BaseModel):
+    """Body of ``POST /prewarm``: ``{"task_ids": [...]}`` or ``{"all": true}``."""
+
+    task_ids: list[str] | None = None
+    all: bool = False
+
+    def selector_count(self) -> int:
+        """How many selectors are set (the route answers 422 unless it is 1)."""
+        return (self.task_ids is not None) + self.all
+
+
+class ErrorResponse(BaseModel):
+    """Body of an error answer: ``{"detail": "<what went wrong>"}``."""
+
+    detail: str
+
+
+class ValidationErrorResponse(BaseModel):
+    """Body of a 422: FastAPI's ``{"detail": [{type, loc, msg, input, ctx}]}`` (``loc``
+    names the field at fault), or one message when the fields conflict."""
+
+    detail: list[dict[str, Any]] | str
 
 
 class RolloutLifecycle(BaseModel):
@@ -336,6 +389,16 @@ class BackendHealth(BaseModel):
 
     status: str = "ok"
     backend: str = "custom"
+
+
+class HealthResponse(BackendHealth):
+    """Body of ``GET /health`` (always 200): the backend's fields (``BackendHealth``,
+    ``"status": "error"`` with an ``error`` when ``health()`` raised), then the
+    server's identity and admission state."""
+
+    instance_id: str
+    process_id: str
+    lifecycle: RolloutLifecycle
 
 
 class PrewarmSummary(BaseModel):

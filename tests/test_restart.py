@@ -1,9 +1,11 @@
 """A restarted server loses nothing it accepted: ``serve --data-dir`` keeps every
 admitted rollout in SQLite; after a SIGKILL the finished result is served again
-with the old lease token and the running one ends as ``internal_error``."""
+with the old lease token and the running one ends as ``internal_error``. Without
+``--data-dir`` each port has its own default data dir."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,13 @@ import httpx
 import pytest
 
 from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_ROLLOUT
-from harbor_exec.server.store import RESTARTED_MESSAGE, DataDirLockedError, RolloutStore
+from harbor_exec.server.store import (
+    DB_NAME,
+    RESTARTED_MESSAGE,
+    DataDirLockedError,
+    RolloutStore,
+    default_data_dir,
+)
 from tests.server_utils import (
     CHAT_URL,
     PROMPT,
@@ -43,11 +52,14 @@ LOCAL_BACKEND = (
 
 
 def start(
-    data_dir: Path, artifacts: Path, port: int, backend: tuple[str, ...] = LOCAL_BACKEND
+    data_dir: Path | None, artifacts: Path, port: int, backend: tuple[str, ...] = LOCAL_BACKEND
 ) -> subprocess.Popen[bytes]:
+    """``harbor-exec serve`` on ``port`` (without ``--data-dir`` when ``data_dir`` is
+    None), once its ``/health`` answers."""
+    data_dir_option = () if data_dir is None else ("--data-dir", str(data_dir))
     command = [
         sys.executable, "-m", "harbor_exec.cli", "serve", *backend,
-        "--port", str(port), "--data-dir", str(data_dir), "--artifact-root", str(artifacts),
+        "--port", str(port), *data_dir_option, "--artifact-root", str(artifacts),
     ]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
@@ -67,16 +79,14 @@ def start(
 
 
 def stored_status(data: Path, rollout_id: str) -> str | None:
-    """The status the server's store has written for ``rollout_id`` (None: no row yet)."""
-    database = data / "rollouts.sqlite3"
-    if not database.is_file():
+    """The status the server's store has written for ``rollout_id`` in the data dir
+    ``data`` (None: no row yet; the store writes in batches)."""
+    database = data / DB_NAME
+    if not database.exists():
         return None
-    connection = sqlite3.connect(database)
-    try:
+    with contextlib.closing(sqlite3.connect(database, timeout=5)) as connection:
         row = connection.execute("SELECT status FROM rollouts WHERE id = ?", (rollout_id,))
         found = row.fetchone()
-    finally:
-        connection.close()
     return None if found is None else str(found[0])
 
 
@@ -161,6 +171,80 @@ def test_sigkilled_server_serves_finished_and_fails_running(tmp_path: Path) -> N
     if wal.exists():
         database += wal.read_bytes()
     assert b"sk-never-on-disk" not in database
+
+
+def test_default_data_dir_is_one_per_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HARBOR_EXEC_DATA_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    state = tmp_path / ".local" / "state" / "harbor-exec" / "server"
+    assert default_data_dir(8000) == state / "port-8000"
+    assert default_data_dir(8001) == state / "port-8001"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert default_data_dir(8000) == tmp_path / "xdg" / "harbor-exec" / "server" / "port-8000"
+    # Named explicitly, the dir is used as it is (like --data-dir).
+    monkeypatch.setenv("HARBOR_EXEC_DATA_DIR", str(tmp_path / "mine"))
+    assert default_data_dir(8000) == tmp_path / "mine"
+
+
+@pytest.mark.long(4)
+def test_servers_without_data_dir_keep_their_rollouts_per_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``serve`` without ``--data-dir`` on different ports both start (each owns
+    its port's default data dir); after both are SIGKILLed and restarted on the same
+    ports, each serves its own rollout's result again, and only its own."""
+    # The default is under test: no HARBOR_EXEC_DATA_DIR (conftest sets one), and a
+    # home of the test's own instead of the real one.
+    monkeypatch.delenv("HARBOR_EXEC_DATA_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    ports = [free_port()]
+    while len(ports) < 2:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    ids = [f"kept-on-{port}" for port in ports]
+    databases = [
+        tmp_path / "home/.local/state/harbor-exec/server" / f"port-{port}" for port in ports
+    ]
+    artifacts = tmp_path / "artifacts"
+
+    def finished_and_stored(url: str, rollout_id: str, token: str, data: Path) -> bool:
+        # Durable before the kill: the row is written (batches are 0.1 s apart).
+        return (
+            result(url, rollout_id, token).json()["status"] == "success"
+            and stored_status(data, rollout_id) == "success"
+        )
+
+    servers: list[subprocess.Popen[bytes]] = []
+    try:
+        for port in ports:
+            servers.append(start(None, artifacts, port))
+        tokens = [submit(url, rollout_id) for url, rollout_id in zip(urls, ids, strict=True)]
+        for stored in zip(urls, ids, tokens, databases, strict=True):
+            assert wait_until(partial(finished_and_stored, *stored), timeout=10), stored
+    finally:
+        for server in servers:
+            server.send_signal(signal.SIGKILL)
+        for server in servers:
+            server.wait(timeout=10)
+
+    servers = []
+    try:
+        for port in ports:
+            servers.append(start(None, artifacts, port))
+        for url, rollout_id, token, other in zip(urls, ids, tokens, ids[::-1], strict=True):
+            recovered = result(url, rollout_id, token)
+            assert recovered.status_code == 200, recovered.text
+            body = recovered.json()
+            assert body["status"] == "success" and body["sample"]["reward"] == 1.0
+            assert result(url, other, token).status_code == 404
+    finally:
+        for server in servers:
+            server.send_signal(signal.SIGTERM)
+        for server in servers:
+            server.wait(timeout=30)
 
 
 def test_retention_applies_across_restarts(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ class ServeOptions:
     max_timeout_sec: float | None = None
     prewarm_jobs: int | None = None
     ray: str | None = None  # run trials on this Ray cluster ("auto": the one this node is in)
+    port: int | None = None  # where it listens (see resolve_port); keys the default data dir
 
 
 def open_ray_executor(address: str) -> Any:
@@ -142,6 +143,7 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
     """The FastAPI rollout server for these options."""
     from harbor_exec.errors import HarborExecError
     from harbor_exec.server import create_rollout_server
+    from harbor_exec.server.run import resolve_port
     from harbor_exec.server.store import default_data_dir
 
     backend = build_backend(options)
@@ -152,7 +154,7 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
         return create_rollout_server(
             backend=backend,
             api_key=api_key,
-            data_dir=options.data_dir or default_data_dir(),
+            data_dir=options.data_dir or default_data_dir(resolve_port(options.port)),
             artifact_root=options.artifact_root,
             lifespan=backend.prewarm_lifespan(jobs=options.prewarm_jobs)
             if options.prewarm
@@ -247,8 +249,9 @@ def serve(
     data_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where admitted rollouts are kept (SQLite) so a restart loses none "
-            "[default: $HARBOR_EXEC_DATA_DIR, else ~/.local/state/harbor-exec/server]."
+            help="Where admitted rollouts are kept (SQLite) so a restart loses none; one "
+            "server per dir [default: $HARBOR_EXEC_DATA_DIR, else "
+            "~/.local/state/harbor-exec/server/port-<PORT>, one per port]."
         ),
     ] = None,
     max_timeout_sec: Annotated[
@@ -297,6 +300,7 @@ def serve(
         max_timeout_sec=max_timeout_sec,
         prewarm_jobs=prewarm_jobs,
         ray=ray,
+        port=port,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

@@ -1,99 +1,59 @@
-"""What ``/openapi.json`` says about each route, from the pydantic models.
+"""What ``/openapi.json`` says about each route, from the protocol models the routes
+really accept and return (``harbor_exec.protocol``); no model is declared here.
 
-The routes read raw bodies and validate them with ``model_validate_json`` (much
-cheaper than FastAPI's per-parameter machinery), so FastAPI cannot infer their
-request bodies and parameters: they are declared here instead, so that generated
-clients, ``/docs`` and schema-driven fuzzers see the real API.
+Each route's success body is its ``response_model`` and each error status names
+``ErrorResponse`` or ``ValidationErrorResponse`` (what ``server.http`` answers with),
+so FastAPI documents them from those classes. The routes read raw bodies and
+validate them with ``model_validate_json`` (much cheaper than FastAPI's
+per-parameter machinery), so FastAPI cannot infer request bodies and parameters:
+request bodies are the JSON schema of the body's model, plus what only the server
+knows (its maximum timeout); parameters are declared below.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from harbor_exec.protocol import (
-    MAX_ROLLOUT_ID_CHARS,
     POLLING_LEASE_HEADER,
+    ROLLOUT_ID_JSON_SCHEMA,
     CancelRolloutsRequest,
     CancelRolloutsResponse,
-    NodeSlots,
-    RolloutErrorCategory,
+    ErrorResponse,
+    HealthResponse,
+    PrewarmRequest,
+    PrewarmSummary,
+    QueueInfo,
     RolloutInitRequest,
     RolloutInitResponse,
-    RolloutLifecycle,
     RolloutResultResponse,
     RolloutStatus,
+    RolloutStatusResponse,
+    ValidationErrorResponse,
 )
 
-__all__ = ["route_docs"]
+__all__ = ["request_body_schema", "route_docs"]
 
-# No '/', '\', control characters (C0, DEL, C1); at least one character.
-_ROLLOUT_ID_PATTERN: Final = r"^[^/\\\u0000-\u001f\u007f-\u009f]+$"
-
-
-class ErrorDetail(BaseModel):
-    """``{"detail": "..."}``: what went wrong, in words."""
-
-    detail: str
+_ROLLOUT_ID_PARAM: Final = {
+    "name": "rollout_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", **ROLLOUT_ID_JSON_SCHEMA},
+}
 
 
-class ValidationErrorDetail(BaseModel):
-    """422: FastAPI's ``{"detail": [{type, loc, msg, input}]}``, or one message."""
-
-    detail: list[dict[str, Any]] | str
-
-
-class HealthResponse(BaseModel):
-    """The backend's health fields plus the server's identity and lifecycle."""
-
-    model_config = ConfigDict(extra="allow")
-
-    status: str | None = None
-    instance_id: str
-    process_id: str
-    lifecycle: RolloutLifecycle
-
-
-class StatusResponse(BaseModel):
-    """``GET /rollout/{id}/status``."""
-
-    rollout_id: str
-    status: RolloutStatus
-    reward: float | None = None
-    err_message: str | None = None
-    err_category: RolloutErrorCategory | None = None
-
-
-class QueueResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    queued: int | None = None
-    running: int | None = None
-    capacity: int | None = None
-    max_queue_depth: int | None = None
-    nodes: list[NodeSlots] | None = None
-
-
-class PrewarmRequestDoc(BaseModel):
-    task_ids: list[str] | None = None
-    all: bool = False
-
-
-class PrewarmSummary(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    total: int
-    built: int
-    cached: int
-    failed: int
-    failed_tasks: dict[str, str]
-
-
-def _body(model: type[BaseModel], patch: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
-    for name, extra in (patch or {}).items():
+def request_body_schema(
+    model: type[BaseModel], limits: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``model``'s JSON schema as a request body, each property in ``limits``
+    extended with the server's own bounds (e.g. ``{"maximum": 600}``)."""
+    schema = model.model_json_schema()
+    if "$defs" in schema:
+        # Their schemas would need components of their own; no body model has any.
+        raise TypeError(f"{model.__name__}: nested models in a request body are not documented")
+    for name, extra in (limits or {}).items():
         schema["properties"][name].update(extra)
     return {
         "requestBody": {
@@ -103,58 +63,31 @@ def _body(model: type[BaseModel], patch: dict[str, dict[str, Any]] | None = None
     }
 
 
-def _error(description: str, model: type[BaseModel] = ErrorDetail) -> dict[str, Any]:
+def _error(description: str, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     return {"model": model, "description": description}
 
 
-_ROLLOUT_ID_PARAM: Final = {
-    "name": "rollout_id",
-    "in": "path",
-    "required": True,
-    "schema": {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": MAX_ROLLOUT_ID_CHARS,
-        "pattern": _ROLLOUT_ID_PATTERN,
-    },
-}
-
-
 def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any]]:
-    """Keyword arguments for each route decorator (``responses``, ``openapi_extra``)."""
+    """Keyword arguments for each route decorator (``response_model``, ``responses``,
+    ``openapi_extra``)."""
     common: dict[int | str, dict[str, Any]] = {}
     if auth:
         common[401] = _error("Missing or wrong `Authorization: Bearer <key>`.")
-    invalid = _error("The request does not validate; `loc` names the field.", ValidationErrorDetail)
+    invalid = _error(
+        "The request does not validate; `loc` names the field.", ValidationErrorResponse
+    )
     too_large = _error("The body exceeds the server's `max_body_bytes`.")
     timeout_limit = {"maximum": max_timeout_sec}
-    rollout_id = {
-        "maxLength": MAX_ROLLOUT_ID_CHARS,
-        "pattern": _ROLLOUT_ID_PATTERN,
-        "not": {"enum": [".", ".."]},
-    }
-    init_schema: dict[str, dict[str, Any]] = {
-        "rollout_id": rollout_id,
-        "agent_timeout_sec": timeout_limit,
-        "grader_timeout_sec": timeout_limit,
-        # "" is refused; omit it or send null.
-        "llm_api_key": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
-    }
     return {
         "health": {
-            "response_model": None,
-            "responses": {
-                200: {"model": HealthResponse, "description": "Always 200, also while degraded."},
-                **common,
-            },
+            "response_model": HealthResponse,
+            "response_description": "Always 200, also while degraded.",
+            "responses": common,
         },
         "submit": {
-            "response_model": None,
+            "response_model": RolloutInitResponse,
+            "response_description": "Admitted; poll with the lease.",
             "responses": {
-                202: {
-                    "model": RolloutInitResponse,
-                    "description": "Admitted; poll with the lease.",
-                },
                 409: _error("The rollout_id is active or still retained."),
                 413: too_large,
                 422: invalid,
@@ -162,12 +95,15 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
                 503: _error("Shutting down, or the container engine is unavailable."),
                 **common,
             },
-            "openapi_extra": _body(RolloutInitRequest, init_schema),
+            "openapi_extra": request_body_schema(
+                RolloutInitRequest,
+                {"agent_timeout_sec": timeout_limit, "grader_timeout_sec": timeout_limit},
+            ),
         },
         "result": {
-            "response_model": None,
+            "response_model": RolloutResultResponse,
+            "response_description": "Final or in-progress.",
             "responses": {
-                200: {"model": RolloutResultResponse, "description": "Final or in-progress."},
                 403: _error("Wrong polling lease token."),
                 404: _error("Unknown rollout_id (never admitted, or retention ended)."),
                 422: invalid,
@@ -186,9 +122,9 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
             },
         },
         "status": {
-            "response_model": None,
+            "response_model": RolloutStatusResponse,
+            "response_description": "Current status.",
             "responses": {
-                200: {"model": StatusResponse, "description": "Current status."},
                 404: _error("Unknown rollout_id."),
                 422: invalid,
                 **common,
@@ -212,23 +148,20 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
             },
         },
         "cancel": {
-            "response_model": None,
-            "responses": {
-                200: {"model": CancelRolloutsResponse, "description": "Disposition per id."},
-                413: too_large,
-                422: invalid,
-                **common,
-            },
-            "openapi_extra": _body(CancelRolloutsRequest),
+            "response_model": CancelRolloutsResponse,
+            "response_description": "Disposition per id.",
+            "responses": {413: too_large, 422: invalid, **common},
+            "openapi_extra": request_body_schema(CancelRolloutsRequest),
         },
         "queue": {
-            "response_model": None,
-            "responses": {200: {"model": QueueResponse, "description": "Queue depth."}, **common},
+            "response_model": QueueInfo,
+            "response_description": "Queue depth.",
+            "responses": common,
         },
         "prewarm": {
-            "response_model": None,
+            "response_model": PrewarmSummary,
+            "response_description": "What was built.",
             "responses": {
-                200: {"model": PrewarmSummary, "description": "What was built."},
                 400: _error("The backend refused the task ids."),
                 413: too_large,
                 422: invalid,
@@ -236,7 +169,7 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
                 503: _error("Shutting down."),
                 **common,
             },
-            "openapi_extra": _body(PrewarmRequestDoc),
+            "openapi_extra": request_body_schema(PrewarmRequest),
         },
         "metrics": {
             "response_model": None,

@@ -71,13 +71,16 @@ class DataDirLockedError(HarborExecError):
     """Another harbor-exec server already owns this ``--data-dir``."""
 
 
-def default_data_dir() -> Path:
-    """``$HARBOR_EXEC_DATA_DIR``, else ``$XDG_STATE_HOME/harbor-exec/server``
-    (``~/.local/state/harbor-exec/server``)."""
+def default_data_dir(port: int) -> Path:
+    """The data dir of a server on ``port`` that was given none: ``$HARBOR_EXEC_DATA_DIR``
+    as it is, else ``$XDG_STATE_HOME/harbor-exec/server/port-<port>``
+    (``~/.local/state/...``). One per port, because a dir has one owner: servers on
+    different ports each get their own, and a restart on the same port finds its
+    rollouts again."""
     if configured := os.environ.get("HARBOR_EXEC_DATA_DIR"):
         return Path(configured)
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "harbor-exec" / "server"
+    return Path(state) / "harbor-exec" / "server" / f"port-{port}"
 
 
 @dataclass
