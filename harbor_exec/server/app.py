@@ -477,7 +477,7 @@ class RolloutService:
             ),
             "harbor_exec_accepting_rollouts": ("1 while admitting.", int(self.accepting)),
         }
-        return self.metrics.render(gauges, nodes=queue.get("nodes") or ())
+        return self.metrics.render(gauges, nodes=self.backend.queue_info().nodes or ())
 
     # ------------------------------------------------------------------ restart
 
