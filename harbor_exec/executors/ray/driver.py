@@ -422,9 +422,9 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
                 raise RayNodeLostError(f"Ray node {node.short} ended the trial without a result")
         finally:
             self._release(node)
-        finished = done
-        if done.images is not None:
-            node.images.update(done.images)
+        finished = done  # narrowed, for the closure below
+        if finished.images is not None:
+            node.images.update(finished.images)
         elif (image := spec.image or self._image_key(spec.task)) is not None:
             node.images.add(image)  # it ran there, so the node has it now
         trial_dir = spec.trials_dir / handle.name
@@ -433,7 +433,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         result = await anyio.to_thread.run_sync(
             lambda: self._write_back(trial_dir, finished, node, scrub)
         )
-        timings = dict(done.timings)
+        timings = dict(finished.timings)
         timings["server_setup_and_place"] = placed - setup
         timings["server_remote"] = back - placed
         timings["server_write_back"] = time.perf_counter() - back
@@ -445,10 +445,10 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         return TrialRun(
             result,
             trial_dir,
-            done.images_built,
+            finished.images_built,
             node=node.node_id,
-            usage=done.usage,
-            output=done.output,
+            usage=finished.usage,
+            output=finished.output,
         )
 
     def _record(self, timings: dict[str, float]) -> None:
