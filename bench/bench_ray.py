@@ -28,8 +28,8 @@ TASK = ROOT / "tasks_examples" / "dataset" / "hello-shell"
 
 
 async def _batch(executor: object, count: int, concurrency: int, trials: Path) -> list[float]:
+    from harbor_exec.executors.spec import TrialSpec
     from harbor_exec.trial.task import load_task
-    from harbor_exec.trial.trial import TrialRequest
 
     task = load_task(TASK)
     gate = asyncio.Semaphore(concurrency)
@@ -38,7 +38,7 @@ async def _batch(executor: object, count: int, concurrency: int, trials: Path) -
     async def one() -> None:
         async with gate:
             started = time.monotonic()
-            run = await executor.submit(TrialRequest(task, trials)).result()  # type: ignore[attr-defined]
+            run = await executor.submit(TrialSpec(task, trials)).result()  # type: ignore[attr-defined]
             assert run.result.exception_info is None, run.result.exception_info
             times.append(time.monotonic() - started)
 
@@ -72,7 +72,7 @@ async def inner(address: str) -> None:
     local_s, ray_s = out["local"], out["ray"]  # type: ignore[assignment]
     out["dispatch_overhead"] = round(ray_s["per_trial_sec_c4"] / local_s["per_trial_sec_c4"] - 1, 3)  # type: ignore[index]
     out["throughput_ratio"] = round(ray_s["wall_16_c8_sec"] / local_s["wall_16_c8_sec"], 3)  # type: ignore[index]
-    out["nodes"] = ray_executor.nodes()
+    out["nodes"] = [n.model_dump() for n in ray_executor.nodes()]
     with contextlib.suppress(Exception):
         out["profile"] = ray_executor.timings()
     await local.aclose()

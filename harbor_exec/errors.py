@@ -13,7 +13,7 @@ Two families live here (standard library only: it ships in the container runtime
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
 
 class HarborExecError(Exception):
@@ -101,7 +101,7 @@ class EngineUnavailableError(TrialError):
     gone, a 5xx from the daemon, a timeout). An infrastructure fault, not the task's:
     rollouts end as ``internal_error``; the engine address and the phase are named."""
 
-    def __init__(self, engine: str, detail: str = "", *, phase: str | None = None) -> None:
+    def __init__(self, engine: str, detail: str = "", *, phase: TrialPhase | None = None) -> None:
         self.engine = engine
         self.detail = detail
         self.phase = phase
@@ -109,7 +109,7 @@ class EngineUnavailableError(TrialError):
         suffix = f" ({detail})" if detail else ""
         super().__init__(f"Docker engine at {engine} stopped answering{during}{suffix}")
 
-    def during(self, phase: str) -> EngineUnavailableError:
+    def during(self, phase: TrialPhase) -> EngineUnavailableError:
         """The same fault, naming the trial phase it interrupted."""
         return EngineUnavailableError(self.engine, self.detail, phase=phase)
 
@@ -123,7 +123,22 @@ class CancelledError(TrialError):
     """The trial was cancelled (Ctrl-C, a rollout cancel or shutdown) before it finished."""
 
 
-Phase = Literal["environment", "agent", "verifier", "none"]
+class RayNodeLostError(HarborExecError):
+    """The Ray node running a trial died or left the cluster."""
+
+
+class RayUnavailableError(HarborExecError):
+    """The Ray cluster cannot be reached (or has no node offering trial slots)."""
+
+
+class TrialPhase(StrEnum):
+    """The phases of a trial, in order, as progress callbacks report them and error
+    messages name them ("during the agent phase"); ``DONE`` ends every trial."""
+
+    ENVIRONMENT = "environment"
+    AGENT = "agent"
+    VERIFIER = "verifier"
+    DONE = "done"
 
 
 @dataclass(frozen=True)
@@ -132,49 +147,53 @@ class ErrorPolicy:
 
     Harbor's policy (retry it, still grade, reward valid), plus ours: the rollout
     error category it maps to (``RolloutErrorCategory`` values) and the phase it
-    belongs to (a verifier-side error leaves the workflow's own result standing).
+    belongs to (a verifier-side error leaves the workflow's own result standing;
+    None: no phase's fault, e.g. a cancel or an infrastructure fault).
     """
 
     should_retry: bool
     should_grade: bool
     has_valid_reward: bool
     category: str = "agent_error"
-    phase: Phase = "agent"
+    phase: TrialPhase | None = TrialPhase.AGENT
 
 
-def _policy(retry: bool, grade: bool, valid: bool, category: str, phase: Phase) -> ErrorPolicy:
+def _policy(
+    retry: bool, grade: bool, valid: bool, category: str, phase: TrialPhase | None
+) -> ErrorPolicy:
     return ErrorPolicy(retry, grade, valid, category, phase)
 
 
-DEFAULT_POLICY = _policy(True, True, True, "agent_error", "agent")
+_ENV, _AGENT, _VERIFIER = TrialPhase.ENVIRONMENT, TrialPhase.AGENT, TrialPhase.VERIFIER
+DEFAULT_POLICY = _policy(True, True, True, "agent_error", _AGENT)
 
 # Harbor 0.26 models/trial/error_policy.py (retry, grade, valid reward), by exception
 # class name, with the rollout category and phase. Nothing else lists exception names.
 POLICIES: dict[str, ErrorPolicy] = {
-    "EnvironmentStartTimeoutError": _policy(True, False, False, "timeout", "environment"),
-    "EnvironmentStartError": _policy(True, False, False, "agent_error", "environment"),
-    "AgentSetupTimeoutError": _policy(True, False, False, "timeout", "agent"),
-    "AgentSetupError": _policy(True, False, False, "agent_error", "agent"),
-    "HealthcheckError": _policy(True, False, False, "agent_error", "environment"),
-    "SandboxBuildFailedError": _policy(True, False, False, "validation_error", "environment"),
-    "AddTestsDirError": _policy(True, False, False, "agent_error", "verifier"),
-    "DownloadVerifierDirError": _policy(True, False, False, "agent_error", "verifier"),
-    "VerifierTimeoutError": _policy(False, True, False, "timeout", "verifier"),
-    "RewardFileNotFoundError": _policy(False, True, False, "validation_error", "verifier"),
-    "RewardFileEmptyError": _policy(False, True, False, "validation_error", "verifier"),
-    "VerifierOutputParseError": _policy(False, True, False, "validation_error", "verifier"),
-    "AgentTimeoutError": _policy(False, True, True, "timeout", "agent"),
-    "NonZeroAgentExitCodeError": _policy(False, True, True, "agent_error", "agent"),
-    "CancelledError": _policy(False, False, False, "agent_error", "none"),
+    "EnvironmentStartTimeoutError": _policy(True, False, False, "timeout", _ENV),
+    "EnvironmentStartError": _policy(True, False, False, "agent_error", _ENV),
+    "AgentSetupTimeoutError": _policy(True, False, False, "timeout", _AGENT),
+    "AgentSetupError": _policy(True, False, False, "agent_error", _AGENT),
+    "HealthcheckError": _policy(True, False, False, "agent_error", _ENV),
+    "SandboxBuildFailedError": _policy(True, False, False, "validation_error", _ENV),
+    "AddTestsDirError": _policy(True, False, False, "agent_error", _VERIFIER),
+    "DownloadVerifierDirError": _policy(True, False, False, "agent_error", _VERIFIER),
+    "VerifierTimeoutError": _policy(False, True, False, "timeout", _VERIFIER),
+    "RewardFileNotFoundError": _policy(False, True, False, "validation_error", _VERIFIER),
+    "RewardFileEmptyError": _policy(False, True, False, "validation_error", _VERIFIER),
+    "VerifierOutputParseError": _policy(False, True, False, "validation_error", _VERIFIER),
+    "AgentTimeoutError": _policy(False, True, True, "timeout", _AGENT),
+    "NonZeroAgentExitCodeError": _policy(False, True, True, "agent_error", _AGENT),
+    "CancelledError": _policy(False, False, False, "agent_error", None),
     # Ours. Infrastructure faults: nothing in the container can be trusted to grade,
     # and a trainer may retry them elsewhere.
-    "EngineUnavailableError": _policy(True, False, False, "internal_error", "none"),
+    "EngineUnavailableError": _policy(True, False, False, "internal_error", None),
     # A Ray node died (or left) with the trial on it (harbor_exec.executors.ray).
-    "RayNodeLostError": _policy(True, False, False, "internal_error", "none"),
+    "RayNodeLostError": _policy(True, False, False, "internal_error", None),
     # The task cannot run here as written (Harbor refuses these too).
-    "GpuUnavailableError": _policy(False, False, False, "validation_error", "environment"),
-    "FileNotFoundError": _policy(True, True, True, "validation_error", "agent"),
-    "TaskConfigError": _policy(False, False, False, "validation_error", "environment"),
+    "GpuUnavailableError": _policy(False, False, False, "validation_error", _ENV),
+    "FileNotFoundError": _policy(True, True, True, "validation_error", _AGENT),
+    "TaskConfigError": _policy(False, False, False, "validation_error", _ENV),
 }
 
 
@@ -194,3 +213,9 @@ PROVIDER_API_ERROR_TYPES: frozenset[str] = frozenset({"SandboxApiException", "Sa
 def policy_for(exception_type: str) -> ErrorPolicy:
     """The policy for ``exception_type``; unlisted types get Harbor's default."""
     return POLICIES.get(exception_type, DEFAULT_POLICY)
+
+
+def is_exception(exception_type: str | None, error: type[BaseException]) -> bool:
+    """Whether a recorded ``exception_type`` (a class name, as in ``result.json``)
+    names ``error``; compare through this, never against a name written out."""
+    return exception_type == error.__name__

@@ -42,6 +42,7 @@ __all__ = [
     "HealthResponse",
     "MessageDict",
     "NodeSlots",
+    "NodeStatus",
     "PrewarmRequest",
     "PrewarmSummary",
     "QueueInfo",
@@ -369,6 +370,25 @@ class NodeSlots(BaseModel):
     alive: bool = True
     slots: int = 0
     in_use: int = 0
+
+
+class NodeStatus(NodeSlots):
+    """One node as ``GET /health`` lists it: its slots, and who it is and what it holds."""
+
+    node_id: str = ""
+    name: str = ""  # its containers' owner name (the host name by default)
+    trials: int = 0  # trials placed on it so far
+    images: int = 0  # images of ours it is known to hold
+
+    def slots_only(self) -> NodeSlots:
+        """The node as ``GET /queue`` lists it."""
+        return NodeSlots(
+            node=self.node,
+            address=self.address,
+            alive=self.alive,
+            slots=self.slots,
+            in_use=self.in_use,
+        )
 
 
 class QueueInfo(BaseModel):

@@ -25,7 +25,7 @@ EXTRA_OF = {
     "harbor_exec/server/": "server",
     "harbor_exec/client.py": "server",
     "harbor_exec/_client_http.py": "server",
-    "harbor_exec/executors/ray.py": "ray",
+    "harbor_exec/executors/ray/": "ray",
     "harbor_exec/executors/relay.py": "server",
     "bundler/": "bundler",
 }

@@ -12,7 +12,8 @@ import pytest
 
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
-from harbor_exec.executors.local import LocalExecutor, TrialRun
+from harbor_exec.executors.base import TrialRun
+from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task

@@ -19,6 +19,7 @@ from rich.table import Table
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
 from harbor_exec.errors import DatasetError, DockerUnavailableError
+from harbor_exec.executors.spec import TrialSpec
 from harbor_exec.jobs.dataset import (
     JobEvent,
     JobInterrupted,
@@ -31,7 +32,6 @@ from harbor_exec.jobs.dataset import (
 from harbor_exec.jobs.prewarm import PrewarmEvent, prewarm_tasks, tally
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.trial.task import Discovery, Task, discover_tasks
-from harbor_exec.trial.trial import TrialRequest
 
 console = Console()
 
@@ -186,7 +186,7 @@ def validate(
                 dataset_name=path.resolve().name,
                 dataset_path=path.resolve(),
                 invalid_tasks=discovery.broken,
-                make_request=lambda task, job_dir: TrialRequest(task, job_dir, policy=policy),
+                make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
                 on_event=on_event,
                 executor=executor,
             )

@@ -1,3 +1,4 @@
-"""Where trials run: the ``TrialExecutor`` seam and its travelling values (``base``),
-local threads (``local``), the nodes of a Ray cluster (``ray``), and the model relay
-that lends a rollout its model endpoint (``relay``)."""
+"""Where trials run: the ``TrialExecutor`` seam (``base``) and what a trial is as it
+travels (``spec``: a picklable ``TrialSpec`` plus its ``TrialSecrets``), local
+threads (``local``), the nodes of a Ray cluster (``ray``), and the model relay that
+lends a rollout its model endpoint (``relay``)."""

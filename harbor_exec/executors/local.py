@@ -1,172 +1,59 @@
-"""Where trials run: the seam between ``HarborBackend`` and the machines.
+"""Trials on worker threads against this machine's engine (``LocalExecutor``).
 
-``HarborBackend`` plans a rollout into a ``TrialRequest`` and hands it to a
-``TrialExecutor``: ``submit`` returns a ``TrialHandle`` whose ``result()`` is
-the finished ``TrialRun``; ``cancel`` stops it (its container is gone within a
-second); ``health`` and ``prewarm`` speak for the engines behind it. Nothing
-above this seam knows where trials run. ``LocalExecutor`` runs them on worker
-threads against this machine's engine; ``harbor_exec.executors.ray`` runs them
-on the nodes of a Ray cluster.
-
-A workflow's model endpoint travels as a ``ModelEndpoint``: the executor opens
-the rollout's relay (``harbor_exec.executors.relay``) next to the trial's engine, mounts
-it into the container, and closes it when the trial ends.
+The seam it implements and the values it takes and returns are in
+``harbor_exec.executors.base`` and ``harbor_exec.executors.spec``. A workflow's
+model endpoint (``TrialSecrets.model``) gets the rollout's relay
+(``harbor_exec.executors.relay``) on this machine, mounted into the container and
+closed when the trial ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.errors import HarborExecError
+from harbor_exec.executors.base import (
+    AsyncTrialExecutor,
+    AsyncTrialHandle,
+    ExecutorHealth,
+    TrialHandle,
+    TrialRun,
+)
+from harbor_exec.executors.spec import (
+    ModelEndpoint,
+    TrialContent,
+    TrialSecrets,
+    TrialSpec,
+    trial_request,
+)
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
-from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import Trial, TrialRequest, ensure_task_image
+from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)
 
-PhaseCallback = Callable[[str], None]
 
-
-@dataclass(frozen=True)
-class ModelEndpoint:
-    """The trainer's chat endpoint for one rollout, and the token its workflow uses."""
-
-    url: str
-    api_key: str | None = field(repr=False)
-    token: str = field(repr=False)
-
-
-@dataclass(frozen=True)
-class ModelUsage:
-    """What the rollout's relay saw."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TrialRun:
-    """A finished trial: its result, its directory (where the server keeps trials),
-    how many images it built, and where it ran."""
-
-    result: TrialResult
-    trial_dir: Path
-    images_built: int = 0
-    node: str | None = None
-    usage: ModelUsage | None = None
-
-
-@dataclass(frozen=True)
-class ExecutorHealth:
-    """The engines behind an executor, for ``/health`` and admission."""
-
-    available: bool
-    reason: str | None = None  # why not, when not available
-    images: dict[str, int] = field(default_factory=dict)  # ours, by kind
-    builder: str | None = None
-    nodes: list[dict[str, Any]] = field(default_factory=list)  # per node, when several
-
-
-@runtime_checkable
-class MultiNodeExecutor(Protocol):
-    """An executor whose trials run on several nodes (``RayExecutor``)."""
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """Per node: ``node`` (short id), ``address``, ``alive``, ``slots``, ``in_use``..."""
-        ...
-
-
-class TrialHandle(Protocol):
-    """One submitted trial."""
-
-    @property
-    def name(self) -> str: ...
-
-    async def result(self) -> TrialRun:
-        """Wait for the trial to end (it always ends with a ``TrialRun``)."""
-        ...
-
-
-class TrialExecutor(Protocol):
-    """Runs trials somewhere. Every method but ``result`` returns at once."""
-
-    def submit(
+class _LocalHandle(AsyncTrialHandle):
+    def __init__(
         self,
-        request: TrialRequest,
-        *,
-        model: ModelEndpoint | None = None,
-        on_phase: PhaseCallback | None = None,
-    ) -> TrialHandle: ...
-
-    def cancel(self, handle: TrialHandle) -> None:
-        """Stop the trial; its container is removed within a second. Idempotent."""
-        ...
-
-    def health(self) -> ExecutorHealth: ...
-
-    def available(self) -> str | None:
-        """Why trials cannot start now, else None. Cheap: called on every admission."""
-        ...
-
-    def pid_max(self) -> int:
-        """The lowest ``kernel.pid_max`` of the hosts trials run on (sizes pids limits)."""
-        ...
-
-    def default_prewarm_jobs(self) -> int:
-        """How many images to build at once by default."""
-        ...
-
-    async def prewarm(self, task: Task, deps: DepsLayer | None) -> int:
-        """Build the task's image (and ``deps`` on top) where trials run; returns how
-        many images were built."""
-        ...
-
-    async def aclose(self) -> None:
-        """Cancel what runs, remove every container of ours, release resources."""
-        ...
-
-
-# --------------------------------------------------------------------------- local
-
-
-class TaskTrialHandle:
-    """A submitted trial that runs as an asyncio task (what both executors hand out)."""
-
-    def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
-        self.request = request
-        self.on_phase = on_phase
-        self.task: asyncio.Task[TrialRun] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.request.trial_name or ""
-
-    async def result(self) -> TrialRun:
-        assert self.task is not None
-        # Shielded: a caller that stops waiting must not cancel the trial's own task.
-        return await asyncio.shield(self.task)
-
-
-class _LocalHandle(TaskTrialHandle):
-    def __init__(self, request: TrialRequest, on_phase: PhaseCallback | None) -> None:
-        super().__init__(request, on_phase)
+        spec: TrialSpec,
+        secrets: TrialSecrets,
+        content: TrialContent,
+        on_phase: PhaseCallback | None,
+    ) -> None:
+        super().__init__(spec, secrets, content, on_phase)
         self.trial: Trial | None = None
         self.cancelled = threading.Event()
 
@@ -178,68 +65,7 @@ def _relay_root() -> Path:
     return root
 
 
-H = TypeVar("H", bound=TaskTrialHandle)
-
-
-class TaskExecutor(ABC, Generic[H]):
-    """What both executors share: every trial runs as an asyncio task, kept in
-    ``_handles`` until it ends, and one background task (``_background``) runs from
-    the first call made on an event loop (constructors stay passive) until ``aclose``.
-    """
-
-    def __init__(self) -> None:
-        self._handles: set[H] = set()
-        self._background_task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    def submit(
-        self,
-        request: TrialRequest,
-        *,
-        model: ModelEndpoint | None = None,
-        on_phase: PhaseCallback | None = None,
-    ) -> TrialHandle:
-        self._start_background()
-        handle = self._new_handle(request, on_phase)
-        handle.task = asyncio.get_running_loop().create_task(self._run(handle, model))
-        self._handles.add(handle)
-        handle.task.add_done_callback(lambda _task: self._handles.discard(handle))
-        return handle
-
-    @abstractmethod
-    def cancel(self, handle: TrialHandle) -> None: ...
-
-    @abstractmethod
-    def _new_handle(self, request: TrialRequest, on_phase: PhaseCallback | None) -> H: ...
-
-    @abstractmethod
-    async def _run(self, handle: H, model: ModelEndpoint | None) -> TrialRun: ...
-
-    @abstractmethod
-    async def _background(self) -> None: ...
-
-    def _start_background(self) -> None:
-        if self._background_task is not None or self._closed:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._background_task = loop.create_task(self._background())
-
-    async def _stop_trials(self, *, timeout_sec: float = 30.0) -> None:
-        """Stop the background task, cancel every trial and wait (bounded) for them to end."""
-        self._closed = True
-        if self._background_task is not None:
-            self._background_task.cancel()
-        for handle in list(self._handles):
-            self.cancel(handle)
-        tasks = [h.task for h in self._handles if h.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_sec)
-
-
-class LocalExecutor(TaskExecutor[_LocalHandle]):
+class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
     """Trials on worker threads against one ``ContainerRuntime`` (this machine's engine).
 
     Its constructor only reads configuration; the runtime is opened on first use.
@@ -272,17 +98,24 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
 
     # ----------------------------------------------------------------- trials
 
-    def _new_handle(self, request: TrialRequest, on_phase: PhaseCallback | None) -> _LocalHandle:
-        return _LocalHandle(request, on_phase)
+    def _new_handle(
+        self,
+        spec: TrialSpec,
+        secrets: TrialSecrets,
+        content: TrialContent,
+        on_phase: PhaseCallback | None,
+    ) -> _LocalHandle:
+        return _LocalHandle(spec, secrets, content, on_phase)
 
-    async def _run(self, handle: _LocalHandle, model: ModelEndpoint | None) -> TrialRun:
+    async def _run(self, handle: _LocalHandle) -> TrialRun:
         async with contextlib.AsyncExitStack() as stack:
             relay = None
-            request = handle.request
+            mounts: list[Mount] = []
+            model = handle.secrets.model
             if model is not None:
                 relay = await stack.enter_async_context(self._relay(model))
-                mount = Mount(str(relay.directory), RELAY_DIR, read_only=True)
-                request = replace(request, mounts=[*request.mounts, mount])
+                mounts.append(Mount(str(relay.directory), RELAY_DIR, read_only=True))
+            request = trial_request(handle.spec, handle.secrets, handle.content, mounts=mounts)
 
             def work() -> TrialRun:
                 trial = Trial(self.runtime, request, on_phase=handle.on_phase)
@@ -290,7 +123,7 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
                 if handle.cancelled.is_set():
                     trial.cancel()
                 result = trial.run()
-                return TrialRun(result, trial.dir, trial.images_built)
+                return TrialRun(result, trial.dir, trial.images_built, output=trial.output)
 
             try:
                 run = await anyio.to_thread.run_sync(
@@ -301,13 +134,8 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
                 raise
             if relay is None:
                 return run
-            usage = relay.usage
-            return replace(
-                run,
-                usage=ModelUsage(
-                    usage.requests, usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
-                ),
-            )
+            # A copy: the relay's own counts are done with once it closes.
+            return dataclasses.replace(run, usage=dataclasses.replace(relay.usage))
 
     def _relay(self, model: ModelEndpoint) -> Any:
         import httpx  # the server extra; workflows need it
@@ -399,14 +227,4 @@ class LocalExecutor(TaskExecutor[_LocalHandle]):
                 logger.warning("removed %d container(s) still running at shutdown", left)
 
 
-__all__ = [
-    "ExecutorHealth",
-    "LocalExecutor",
-    "ModelEndpoint",
-    "ModelUsage",
-    "TaskExecutor",
-    "TaskTrialHandle",
-    "TrialExecutor",
-    "TrialHandle",
-    "TrialRun",
-]
+__all__ = ["LocalExecutor"]

@@ -47,6 +47,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from harbor_exec.container.runner import abort_connections
+from harbor_exec.executors.base import ModelUsage
 
 __all__ = [
     "RELAY_TOTALS",
@@ -55,7 +56,6 @@ __all__ = [
     "RelayLimits",
     "RelayTotals",
     "RelayTotalsCollector",
-    "RelayUsage",
     "render_relay_metrics",
 ]
 
@@ -110,19 +110,7 @@ class RelayLimits:
 
 
 @dataclass
-class RelayUsage:
-    """What one relay saw; read it after the rollout (or live, from the same event loop)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    rejected: int = 0  # bad token, over limits, wrong path
-    upstream_errors: int = 0  # 502s: the upstream failed, timed out or answered too much
-
-
-@dataclass
-class RelayTotals(RelayUsage):
+class RelayTotals(ModelUsage):
     """Process-wide sums of every relay's usage, and how many relays there are, for
     ``/metrics``."""
 
@@ -323,7 +311,8 @@ class ModelRelay:
         self.limits = limits
         # Given when the rollout's input file was written before the relay was made.
         self.token: str = token or secrets.token_urlsafe(32)
-        self.usage = RelayUsage()
+        # What this relay saw; read it after the rollout (or live, from the same loop).
+        self.usage = ModelUsage()
         self._api_key = api_key
         self._token_bytes = self.token.encode()
         self._transport = transport

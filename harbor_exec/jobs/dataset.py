@@ -18,21 +18,22 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from harbor_exec.errors import HarborExecError, TaskError
+from harbor_exec.errors import CancelledError, HarborExecError, TaskError, TrialPhase, is_exception
+from harbor_exec.executors.spec import TrialSpec, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.trial.results import ExceptionInfo, TrialResult
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import Trial, TrialRequest, new_trial_name
+from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:
-    from harbor_exec.executors.local import TrialExecutor, TrialHandle
+    from harbor_exec.executors.base import TrialExecutor, TrialHandle
 
 
 def _finite(value: Any) -> float | None:
@@ -168,7 +169,7 @@ def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> Jo
             evals.n_errors += 1
             stats.n_errored_trials += 1
             evals.exception_stats.setdefault(result.exception_type, []).append(result.trial_name)
-            if result.exception_type == "CancelledError":
+            if is_exception(result.exception_type, CancelledError):
                 stats.n_cancelled_trials += 1
     evals.metrics = [mean_metric(valid_rewards)] if valid_rewards else []
     evals.pass_at_k = pass_at_k(results)
@@ -186,7 +187,7 @@ class JobEvent:
     kind: str  # "queued" | "phase" | "finished"
     task: Task
     attempt: int
-    phase: str | None = None
+    phase: TrialPhase | None = None
     result: TrialResult | None = None
 
 
@@ -313,7 +314,7 @@ def _finished_trials(job_dir: Path) -> list[TrialResult]:
                 result = TrialResult.model_validate_json(result_path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 result = None
-        if result is not None and result.exception_type != "CancelledError":
+        if result is not None and not is_exception(result.exception_type, CancelledError):
             kept.append(result)
         else:
             shutil.rmtree(trial_dir, ignore_errors=True)
@@ -331,7 +332,7 @@ def run_job(
     dataset_name: str = "adhoc",
     dataset_path: Path | None = None,
     invalid_tasks: Sequence[TaskError] = (),
-    make_request: Callable[[Task, Path], TrialRequest] | None = None,
+    make_spec: Callable[[Task, Path], TrialSpec] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
     executor: TrialExecutor | None = None,
 ) -> JobOutcome:
@@ -383,11 +384,12 @@ def run_job(
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="hx-executor", daemon=True).start()
 
-    def run_remote(task: Task, attempt: int, request: TrialRequest) -> TrialResult | None:
+    def run_remote(task: Task, attempt: int, spec: TrialSpec) -> TrialResult | None:
         nonlocal built
         assert executor is not None and loop is not None
-        request.trial_name = request.trial_name or new_trial_name(task.name)
-        trial_dir = job_dir / request.trial_name
+        trial_name = spec.trial_name or new_trial_name(task.name)
+        spec = replace(spec, trial_name=trial_name)
+        trial_dir = job_dir / trial_name
         trial_dir.mkdir(parents=True, exist_ok=True)
         (trial_dir / "config.json").write_text(
             json.dumps(harbor_trial_config(task, trial_dir, job_id), indent=2)
@@ -395,7 +397,7 @@ def run_job(
 
         async def go() -> TrialResult:
             handle = executor.submit(
-                request,
+                spec,
                 on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
             )
             with lock:
@@ -408,10 +410,10 @@ def run_job(
                     trial_name=handle.name,
                     trial_uri=trial_dir.resolve().as_uri(),
                     task_id={"path": str(task.path)},
-                    source=request.source,
+                    source=spec.source,
                     task_checksum=task.checksum(),
                     config={},
-                    agent_info=request.agent.info,
+                    agent_info=spec.agent.info,
                     exception_info=ExceptionInfo.from_exception(exc),
                 )
                 result.write(trial_dir)
@@ -435,14 +437,14 @@ def run_job(
         nonlocal built
         if stopping.is_set():
             return None
-        request = make_request(task, job_dir) if make_request else TrialRequest(task, job_dir)
-        request.source = dataset_name
+        spec = make_spec(task, job_dir) if make_spec else TrialSpec(task, job_dir)
+        spec = replace(spec, source=dataset_name)
         if executor is not None:
-            return run_remote(task, attempt, request)
+            return run_remote(task, attempt, spec)
         assert runtime is not None
         trial = Trial(
             runtime,
-            request,
+            trial_request(spec),
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
         )
         trial.dir.mkdir(parents=True, exist_ok=True)

@@ -232,7 +232,11 @@ def create_rollout_server(
     @app.get("/queue", **docs["queue"])
     async def queue() -> Response:
         """Backend queue depth: ``queued``, ``running``, ``capacity``, ``max_queue_depth``."""
-        return json_response(200, service.queue_info())
+        info = service.queue_info()
+        # ``nodes`` appears only where trials run on several nodes.
+        return json_response(
+            200, info.model_dump(exclude={"nodes"} if info.nodes is None else None)
+        )
 
     @app.post("/prewarm", **docs["prewarm"])
     async def prewarm(request: Request) -> Response:

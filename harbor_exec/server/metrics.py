@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 # Importing the relay registers its process-wide totals (harbor_exec_relay_*).
 import harbor_exec.executors.relay  # noqa: F401
+from harbor_exec.protocol import NodeSlots
 
 __all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]
 
@@ -57,7 +58,7 @@ class _ScrapeTime(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self.gauges: Gauges = {}
-        self.nodes: Iterable[Mapping[str, object]] = ()
+        self.nodes: Iterable[NodeSlots] = ()
 
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(
@@ -73,10 +74,7 @@ class _ScrapeTime(Collector):
             for name, help_text, key in NODE_GAUGES:
                 family = GaugeMetricFamily(name, help_text, labels=["node", "address"])
                 for node in nodes:
-                    family.add_metric(
-                        [str(node.get("node", "")), str(node.get("address", ""))],
-                        float(node.get(key) or 0),  # type: ignore[arg-type]
-                    )
+                    family.add_metric([node.node, node.address], float(getattr(node, key)))
                 yield family
 
 
@@ -150,7 +148,7 @@ class ServerMetrics:
         child.inc()
         self.rollout_seconds.observe(seconds)
 
-    def render(self, gauges: Gauges, nodes: Iterable[Mapping[str, object]] = ()) -> str:
+    def render(self, gauges: Gauges, nodes: Iterable[NodeSlots] = ()) -> str:
         """The exposition text: this server's metrics with ``gauges`` (name ->
         (help, value), None skipped) and per-node series for ``nodes`` (``/queue``'s
         entries), then the process-wide ones."""

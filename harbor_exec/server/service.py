@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from starlette.responses import Response
 
@@ -25,6 +25,7 @@ from harbor_exec.protocol import (
     CancelDisposition,
     ExecutionRequest,
     ExecutionResult,
+    QueueInfo,
     RolloutErrorCategory,
     RolloutInitRequest,
     RolloutLifecycle,
@@ -358,14 +359,15 @@ class RolloutService:
         accepting = self.accepting and self.backend.unavailable_reason() is None
         return RolloutLifecycle(accepting_rollouts=accepting, active_rollouts=len(self.tasks))
 
-    def queue_info(self) -> dict[str, Any]:
+    def queue_info(self) -> QueueInfo:
+        """The backend's queue, with what it does not track filled in from the registry."""
         info = self.backend.queue_info()
         counts = self.registry.live_counts
         if info.queued is None:
             info.queued = counts[RolloutStatus.QUEUED]
         if info.running is None:
             info.running = counts[RolloutStatus.RUNNING] + counts[RolloutStatus.GRADING]
-        return info.model_dump(exclude={"nodes"} if info.nodes is None else None)
+        return info
 
     def render_metrics(self) -> str:
         self.metrics.trajectories_dropped = self.writer.dropped
@@ -385,15 +387,15 @@ class RolloutService:
             ),
             "harbor_exec_backend_queue_depth": (
                 "Rollouts queued inside the backend.",
-                _number_or_none(queue.get("queued")),
+                queue.queued,
             ),
             "harbor_exec_backend_capacity": (
                 "Rollouts the backend runs at once.",
-                _number_or_none(queue.get("capacity")),
+                queue.capacity,
             ),
             "harbor_exec_accepting_rollouts": ("1 while admitting.", int(self.accepting)),
         }
-        return self.metrics.render(gauges, nodes=queue.get("nodes") or ())
+        return self.metrics.render(gauges, nodes=queue.nodes or ())
 
     # ------------------------------------------------------------------ restart
 
@@ -477,7 +479,3 @@ class RolloutService:
         await asyncio.to_thread(self.writer.close)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
-
-
-def _number_or_none(value: Any) -> float | int | None:
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else None

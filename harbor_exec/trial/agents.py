@@ -255,6 +255,7 @@ class TestsVerifier:
 RUNNER_ENV = {"PYTHONPATH": USER_CODE_DIR, "HARBOR_EXEC_MANIFEST": MANIFEST_PATH}
 
 
+@dataclass(frozen=True, kw_only=True)
 class WorkflowAgent:
     """A bundled ``AgentWorkflow``, run by ``python -m harbor_exec.container.runner agent``.
 
@@ -263,15 +264,17 @@ class WorkflowAgent:
     key; never the label). The runner always writes ``/logs/agent/sample.json``.
     """
 
-    def __init__(
-        self, *, name: str, version: str, bundle_files: Sequence[ArchiveEntry], rollout_input: bytes
-    ) -> None:
-        self.info = AgentInfo(name=name, version=version)
-        self._files = list(bundle_files)
-        self._input = rollout_input
+    name: str
+    version: str
+    bundle_files: Sequence[ArchiveEntry] = field(repr=False)
+    rollout_input: bytes = field(repr=False)
+
+    @property
+    def info(self) -> AgentInfo:
+        return AgentInfo(name=self.name, version=self.version)
 
     def files(self, task: Task) -> list[ArchiveEntry]:
-        return [*self._files, ArchiveEntry(in_logs(AGENT_INPUT), self._input, 0o644)]
+        return [*self.bundle_files, ArchiveEntry(in_logs(AGENT_INPUT), self.rollout_input, 0o644)]
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
         result = session.bash(
@@ -288,6 +291,15 @@ GRADER_TEST_SH = f"""#!/bin/bash
 export PYTHONPATH={USER_CODE_DIR} HARBOR_EXEC_MANIFEST={MANIFEST_PATH}
 exec {VENV_PYTHON} -m harbor_exec.container.runner grade
 """
+
+
+def tests_verifier(tests_dir: Path, grader_input: bytes | None = None) -> TestsVerifier:
+    """The task's own ``tests/``, with ``/tests/rollout.json`` (the grader's input, with
+    the label) when given: template tasks check answers against the label."""
+    if grader_input is None:
+        return TestsVerifier(tests_dir)
+    entry = ArchiveEntry(f"{TESTS_DIR}/{GRADER_INPUT}", grader_input, 0o644)
+    return TestsVerifier(tests_dir, generated=[entry])
 
 
 def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -> TestsVerifier:

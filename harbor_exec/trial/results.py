@@ -11,12 +11,14 @@ import json
 import math
 import traceback
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, computed_field, field_serializer
 
+from harbor_exec.container.redaction import redact
 from harbor_exec.errors import (
     RewardFileEmptyError,
     RewardFileNotFoundError,
@@ -172,8 +174,10 @@ class TrialResult(BaseModel):
     def exception_type(self) -> str | None:
         return self.exception_info.exception_type if self.exception_info else None
 
-    def write(self, trial_dir: Path) -> None:
-        (trial_dir / "result.json").write_text(self.model_dump_json(indent=2), encoding="utf-8")
+    def write(self, trial_dir: Path, *, redacting: Sequence[str] = ()) -> None:
+        """``<trial_dir>/result.json``, with every secret in ``redacting`` scrubbed."""
+        text = redact(self.model_dump_json(indent=2), redacting)
+        (trial_dir / "result.json").write_text(text, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- rewards

@@ -38,12 +38,12 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from harbor_exec.container.redaction import scrub_tree
+from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
@@ -53,6 +53,7 @@ from harbor_exec.errors import (
     GpuUnavailableError,
     HarborExecError,
     TrialError,
+    TrialPhase,
     VerifierTimeoutError,
     policy_for,
 )
@@ -76,6 +77,7 @@ from harbor_exec.sandbox.runtime import (
     NetworkKind,
 )
 from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
     ExceptionInfo,
@@ -87,7 +89,8 @@ from harbor_exec.trial.results import (
 )
 from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
 
-PhaseCallback = Callable[[str], None]
+#: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
+PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
@@ -186,9 +189,11 @@ class Trial:
         self._container_id: str | None = None
         self._exception: ExceptionInfo | None = None
         self._logs_downloaded = False
+        #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
+        self.output = TrialOutput()
         self.image = request.image or ""
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
-        self._current_phase: str | None = None
+        self._current_phase: TrialPhase | None = None
 
     # ----------------------------------------------------------------- control
 
@@ -212,9 +217,13 @@ class Trial:
         if self._exception is None:  # Harbor keeps only the first exception
             if isinstance(exc, EngineUnavailableError) and self._current_phase:
                 exc = exc.during(self._current_phase)
-            self._exception = ExceptionInfo.from_exception(exc)
+            info = ExceptionInfo.from_exception(exc)
+            if self.request.secrets:  # as on disk: the result never holds a secret
+                info.exception_message = redact(info.exception_message, self.request.secrets)
+                info.exception_traceback = redact(info.exception_traceback, self.request.secrets)
+            self._exception = info
 
-    def _phase(self, name: str) -> None:
+    def _phase(self, name: TrialPhase) -> None:
         self._current_phase = name
         if self._on_phase is not None:
             self._on_phase(name)
@@ -254,7 +263,7 @@ class Trial:
             self._teardown(session)
             raise
         self._teardown(session)
-        self._phase("done")
+        self._phase(TrialPhase.DONE)
         result.exception_info = self._exception
         result.finished_at = utcnow()
         self._write(result)
@@ -356,7 +365,7 @@ class Trial:
     def _environment(self, result: TrialResult) -> TrialSession:
         request, task = self.request, self.request.task
         env_config = task.config.environment
-        self._phase("environment")
+        self._phase(TrialPhase.ENVIRONMENT)
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
             gpus = self._check_gpus()
@@ -397,7 +406,7 @@ class Trial:
         timeout = request.agent_timeout_sec
         if timeout is None:
             timeout = request.task.config.agent.timeout_sec
-        self._phase("agent")
+        self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
         try:
             run = request.agent.run(session, timeout)
@@ -458,7 +467,7 @@ class Trial:
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
     def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
-        self._phase("verifier")
+        self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
             self._run_verifier(session, result)
@@ -470,7 +479,7 @@ class Trial:
     def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts."""
         task, request = self.request.task, self.request
-        self._phase("verifier")
+        self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
             self._download_logs(session.container_id, keep=("agent", "artifacts"))
@@ -569,7 +578,8 @@ class Trial:
 
     def _download_logs(self, container_id: str, *, keep: Sequence[str] = ()) -> None:
         """Read ``/logs`` through the engine, bounded, into ``agent/``, ``verifier/`` and
-        ``artifacts/`` (only the parts named in ``keep``, when given)."""
+        ``artifacts/`` (only the parts named in ``keep``, when given), and the exchange
+        files of the parts read into ``output``."""
         stream = self.runtime.get_archive(container_id, "/logs")
         if stream is None:
             return
@@ -585,6 +595,11 @@ class Trial:
                 _merge_tree(source, target)
         shutil.rmtree(staging, ignore_errors=True)
         self._logs_downloaded = True
+        secrets = self.request.secrets
+        if not keep or "agent" in keep:
+            self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
+        if not keep or "verifier" in keep:
+            self.output = replace(self.output, grader=read_grader_output(self.dir, secrets))
 
     def _remove_container(self) -> None:
         with self._container_lock:

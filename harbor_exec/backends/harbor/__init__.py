@@ -1,6 +1,6 @@
 """HarborBackend: each rollout a Docker trial of a Harbor task.
 
-``resolver`` (request to task), ``planner`` (task to trial request), ``outcomes``
+``resolver`` (request to task), ``planner`` (task to trial spec), ``outcomes``
 (trial result to rollout outcome) and ``backend`` (their composition).
 """
 

@@ -3,10 +3,11 @@
 A thin composition of one-job pieces; one rollout goes through them in order:
 
 1. ``TaskResolver.resolve`` (``harbor_exec.backends.harbor.resolver``): which task snapshot;
-2. ``TrialPlanner.plan`` (``harbor_exec.backends.harbor.planner``): the ``TrialRequest`` (agent,
-   verifier, sandbox policy) and, for workflows, the model endpoint for the relay;
+2. ``TrialPlanner.plan`` (``harbor_exec.backends.harbor.planner``): the ``TrialSpec`` (agent,
+   verifier, sandbox policy), its secrets (for workflows, the model endpoint for the
+   relay) and the bundle's files;
 3. a slot (``queued`` until then), then ``TrialExecutor.submit``
-   (``harbor_exec.executors.local``): the trial runs on this machine's engine
+   (``harbor_exec.executors.base``): the trial runs on this machine's engine
    (``LocalExecutor``) or on a Ray node;
 4. ``rollout_outcome`` (``harbor_exec.backends.harbor.outcomes``): the workflow and grader results.
 
@@ -43,19 +44,19 @@ from harbor_exec.backends.harbor.planner import (
 )
 from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskMode, TaskResolver
 from harbor_exec.container.redaction import scrub_tree
-from harbor_exec.errors import DatasetError, HarborExecError, TaskError
-from harbor_exec.executors.local import (
-    LocalExecutor,
+from harbor_exec.errors import DatasetError, HarborExecError, TaskError, TrialPhase
+from harbor_exec.executors.base import (
     MultiNodeExecutor,
     TrialExecutor,
     TrialHandle,
     TrialRun,
 )
+from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
     ExecutionRequest,
-    NodeSlots,
+    NodeStatus,
     PrewarmSummary,
     QueueInfo,
     rollout_dir_name,
@@ -82,7 +83,7 @@ class HarborHealth(BackendHealth):
     images: dict[str, int] = Field(default_factory=dict)  # ours, by kind
     image_builds: int = 0
     image_builder: str | None = None
-    nodes: list[dict[str, Any]] | None = None  # per node, on a cluster
+    nodes: list[NodeStatus] | None = None  # per node, on a cluster
     blocked_tasks: dict[str, str] = Field(default_factory=dict)
 
 
@@ -265,8 +266,8 @@ class HarborBackend(ExecutionBackend):
         context = get_rollout_context()
         loop = asyncio.get_running_loop()
 
-        def on_phase(phase: str) -> None:
-            if phase == "verifier" and context is not None:
+        def on_phase(phase: TrialPhase) -> None:
+            if phase is TrialPhase.VERIFIER and context is not None:
                 loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
 
         trial = plan.trial
@@ -274,7 +275,9 @@ class HarborBackend(ExecutionBackend):
             # The deadline counts from admission: time spent queued is the agent's.
             budget = max(request.agent_timeout_sec - (time.monotonic() - admitted), 0.0)
             trial = replace(trial, agent_timeout_sec=budget)
-        handle = self.executor.submit(trial, model=plan.model, on_phase=on_phase)
+        handle = self.executor.submit(
+            trial, secrets=plan.secrets, content=plan.content, on_phase=on_phase
+        )
         pending.handle = handle
         if pending.cancel_requested:
             self.executor.cancel(handle)
@@ -299,7 +302,7 @@ class HarborBackend(ExecutionBackend):
             if produced.is_dir() and any(produced.iterdir()):
                 target.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(produced, target / "artifacts", dirs_exist_ok=True, symlinks=False)
-                scrub_tree(target, plan.trial.secrets)
+                scrub_tree(target, plan.secrets.scrub)
             if success and self.cleanup_successful_trials:
                 shutil.rmtree(run.trial_dir, ignore_errors=True)
         except OSError:
@@ -332,7 +335,7 @@ class HarborBackend(ExecutionBackend):
         queued, running = self._counts()
         nodes = None
         if isinstance(self.executor, MultiNodeExecutor):
-            nodes = [NodeSlots.model_validate(n) for n in self.executor.nodes()]
+            nodes = [n.slots_only() for n in self.executor.nodes()]
         return QueueInfo(
             queued=queued,
             running=running,

@@ -1,8 +1,9 @@
-"""A finished trial as a rollout's outcome: ``TrialResult`` -> ``ExecutionOutcome``.
+"""A finished trial as a rollout's outcome: ``TrialRun`` -> ``ExecutionOutcome``.
 
-No side effects: it reads the trial directory (the agent's ``sample.json``, the
-grader's ``reward.json`` / ``sample.json`` / ``grader_error.json``) and maps
-exception types through the one error table (``harbor_exec.errors.POLICIES``).
+A pure function of the run: Harbor's record (``TrialResult``: the exception and
+the rewards) and what the exchange files said (``TrialOutput``: the agent's
+sample, the grader's error or changed sample), read by the trial as its logs came
+back. Exception types map through the one error table (``harbor_exec.errors``).
 
 * The workflow result fails on any agent-side error (a timeout says so), on a
   missing or failed sample, and succeeds otherwise (the oracle's sample is empty).
@@ -12,27 +13,27 @@ exception types through the one error table (``harbor_exec.errors.POLICIES``).
 
 from __future__ import annotations
 
-import contextlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from harbor_exec.authoring import RolloutErrorCategory, RolloutSample, RolloutStatus
-from harbor_exec.container.exchange import (
-    AGENT_SAMPLE,
-    GRADER_ERROR,
-    RUNNER_OUTPUT,
-    VERIFIER_SAMPLE,
-    ErrorFile,
-    SampleFile,
+from harbor_exec.errors import (
+    AgentTimeoutError,
+    CancelledError,
+    TrialPhase,
+    is_exception,
+    policy_for,
 )
-from harbor_exec.errors import policy_for
-from harbor_exec.executors.local import ModelUsage, TrialRun
+from harbor_exec.executors.base import TrialRun
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest, ExecutionResult
 from harbor_exec.trial.results import TrialResult
+
+#: Diagnostics name the phase a trial reached by its ``timings_sec`` key.
+_TIMING_KEY = {
+    TrialPhase.ENVIRONMENT: "environment_setup",
+    TrialPhase.AGENT: "agent",
+    TrialPhase.VERIFIER: "verifier",
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def rollout_outcome(
     result = run.result
     exc_type = result.exception_type
     diagnostics = diagnostics_of(run, spec)
-    if exc_type == "CancelledError":
+    if is_exception(exc_type, CancelledError):
         return ExecutionOutcome(workflow=cancelled(diagnostics))
     message = result.exception_info.exception_message if result.exception_info else ""
     workflow, sample = _workflow_result(request, run, spec, message, diagnostics)
@@ -96,38 +97,36 @@ def _workflow_result(
     diagnostics: dict[str, Any],
 ) -> tuple[ExecutionResult, RolloutSample | None]:
     exc_type = run.result.exception_type
-    if exc_type == "AgentTimeoutError":
+    if is_exception(exc_type, AgentTimeoutError):
         limit = spec.agent_timeout_sec
         text = f"workflow exceeded its {limit:g}s deadline" if limit is not None else message
         return failure(text, RolloutErrorCategory.TIMEOUT, diagnostics), None
-    verifier_side = policy_for(exc_type or "").phase == "verifier"
+    verifier_side = policy_for(exc_type or "").phase is TrialPhase.VERIFIER
     if exc_type is not None and (not verifier_side or not spec.verify):
         return failure(message, category_of(exc_type), diagnostics), None
     if spec.is_oracle:
         sample = RolloutSample(messages=[], label=request.label)
         return _success(sample, diagnostics), sample
-    path = run.trial_dir / AGENT_SAMPLE
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, ValueError):
-        tail = _tail(run.trial_dir / RUNNER_OUTPUT)
-        text = f"the workflow wrote no sample (agent/sample.json); runner output:\n{tail}"
-        return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
-    if isinstance(payload, dict) and "error" in payload:
-        error = _error_of(payload)
+    output = run.output.agent
+    if output.error is not None:
+        error = output.error
         return failure(error.message, _category(error.category), diagnostics), None
-    try:
-        parsed = SampleFile.model_validate(payload)
-    except ValidationError as exc:
-        text = f"the workflow's agent/sample.json is not a sample: {exc.errors()[0]['msg']}"
+    if output.invalid is not None:
+        text = f"the workflow's agent/sample.json is not a sample: {output.invalid}"
         return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
-    if parsed.messages is None:  # the workflow produced no sample: a success without one
+    if output.sample is None:
+        text = (
+            "the workflow wrote no sample (agent/sample.json); runner output:\n"
+            f"{output.runner_tail}"
+        )
+        return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
+    if output.sample.messages is None:  # the workflow produced no sample: a success without one
         return _success(None, diagnostics), None
     sample = RolloutSample.model_validate(
-        {**parsed.model_dump(), "label": request.label, "reward": None}
+        {**output.sample.model_dump(), "label": request.label, "reward": None}
     )
     if run.usage is not None:
-        sample.metrics = {**sample.metrics, **usage_metrics(run.usage)}
+        sample.metrics = {**sample.metrics, **run.usage.sample_metrics()}
     return _success(sample, diagnostics), sample
 
 
@@ -137,15 +136,12 @@ def _grader_result(
     message: str,
     diagnostics: dict[str, Any],
 ) -> ExecutionResult:
-    result = run.result
+    result, grader = run.result, run.output.grader
     exc_type = result.exception_type
-    if exc_type is not None and exc_type != "AgentTimeoutError":
-        error_file = run.trial_dir / GRADER_ERROR
-        if error_file.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                error = _error_of(json.loads(error_file.read_text()))
-                text = f"grader failed: {error.message}"
-                return failure(text, _category(error.category), diagnostics, sample)
+    if exc_type is not None and not is_exception(exc_type, AgentTimeoutError):
+        if grader.error is not None:
+            text = f"grader failed: {grader.error.message}"
+            return failure(text, _category(grader.error.category), diagnostics, sample)
         return failure(message, category_of(exc_type), diagnostics, sample)
     rewards = (result.verifier_result.rewards if result.verifier_result else None) or {}
     if "reward" in rewards:
@@ -155,13 +151,10 @@ def _grader_result(
     else:
         text = f"reward.json has no 'reward' key for the sample (keys: {sorted(rewards)})"
         return failure(text, RolloutErrorCategory.VALIDATION_ERROR, diagnostics, sample)
-    graded = run.trial_dir / VERIFIER_SAMPLE
-    if graded.is_file():  # the grader changed the sample: keep everything it decided
-        with contextlib.suppress(ValueError, OSError, ValidationError):
-            payload = SampleFile.model_validate_json(graded.read_text()).model_dump()
-            sample = RolloutSample.model_validate(
-                {**payload, "label": sample.label if sample else None}
-            )
+    if grader.sample is not None:  # the grader changed the sample: keep everything it decided
+        sample = RolloutSample.model_validate(
+            {**grader.sample.model_dump(), "label": sample.label if sample else None}
+        )
     sample = (sample or RolloutSample(messages=[])).model_copy(deep=True)
     sample.reward = reward
     if len(rewards) > 1:
@@ -170,16 +163,6 @@ def _grader_result(
             **{f"reward/{k}": float(v) for k, v in rewards.items()},
         }
     return _success(sample, diagnostics)
-
-
-def usage_metrics(usage: ModelUsage) -> dict[str, int]:
-    """The relay's counts as sample metrics."""
-    return {
-        "llm_requests": usage.requests,
-        "llm_prompt_tokens": usage.prompt_tokens,
-        "llm_completion_tokens": usage.completion_tokens,
-        "llm_total_tokens": usage.total_tokens,
-    }
 
 
 def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
@@ -194,22 +177,24 @@ def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
     if result.started_at and result.finished_at:
         timings["total"] = (result.finished_at - result.started_at).total_seconds()
     phase = (
-        "verifier"
+        TrialPhase.VERIFIER
         if result.verifier
-        else "agent"
+        else TrialPhase.AGENT
         if result.agent_execution
-        else "environment_setup"
+        else TrialPhase.ENVIRONMENT
     )
     exc_type = result.exception_type
-    if exc_type and phase == "verifier" and policy_for(exc_type).phase in ("agent", "environment"):
-        phase = "agent"
+    # An agent-side or environment error that let the verifier run still belongs to the agent.
+    blamed = policy_for(exc_type).phase if exc_type else None
+    if phase is TrialPhase.VERIFIER and blamed in (TrialPhase.AGENT, TrialPhase.ENVIRONMENT):
+        phase = TrialPhase.AGENT
     return {
         "backend": "harbor",
         "task": spec.task_id,
         "trial": result.trial_name,
         "trial_dir": str(run.trial_dir),
         "node": run.node,
-        "phase": phase,
+        "phase": _TIMING_KEY[phase],
         "harbor_exception_type": exc_type,
         "category": category_of(exc_type).value if exc_type else None,
         "rewards": result.verifier_result.rewards if result.verifier_result else None,
@@ -221,25 +206,11 @@ def _success(sample: RolloutSample | None, diagnostics: dict[str, Any]) -> Execu
     return ExecutionResult(status=RolloutStatus.SUCCESS, sample=sample, extra_fields=diagnostics)
 
 
-def _error_of(payload: Any) -> Any:
-    try:
-        return ErrorFile.model_validate(payload).error
-    except ValidationError:
-        return ErrorFile.model_validate({"error": {"message": "the runner failed"}}).error
-
-
 def _category(value: str) -> RolloutErrorCategory:
     try:
         return RolloutErrorCategory(value)
     except ValueError:
         return RolloutErrorCategory.AGENT_ERROR
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no output)"
 
 
 __all__ = [
@@ -249,5 +220,4 @@ __all__ = [
     "diagnostics_of",
     "failure",
     "rollout_outcome",
-    "usage_metrics",
 ]

@@ -1,4 +1,4 @@
-"""What one rollout runs: task + request -> ``TrialRequest`` (+ model endpoint).
+"""What one rollout runs: task + request -> ``TrialSpec`` (+ its secrets and content).
 
 The agent is the ``oracle`` or a bundled ``AgentWorkflow`` (``prepare_bundle``
 turns a workflow reference into the files a trial places and the dependency
@@ -23,26 +23,25 @@ from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec
 from harbor_exec.backends.harbor.resolver import ResolvedTask, RolloutRejected
 from harbor_exec.container.exchange import (
-    GRADER_INPUT,
     MANIFEST_PATH,
     RELAY_SOCKET,
-    TESTS_DIR,
     USER_CODE_DIR,
     RelayInput,
     RolloutInput,
 )
-from harbor_exec.executors.local import ModelEndpoint
+from harbor_exec.executors.spec import (
+    AgentSpec,
+    ModelEndpoint,
+    OracleAgentSpec,
+    TrialContent,
+    TrialSecrets,
+    TrialSpec,
+    WorkflowAgentSpec,
+)
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.trial.agents import (
-    Agent,
-    OracleAgent,
-    TestsVerifier,
-    WorkflowAgent,
-    grader_verifier,
-)
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
+from harbor_exec.trial.trial import SandboxPolicy
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,7 @@ class PreparedBundle:
 
     name: str  # the workflow reference, reported as the agent's name
     version: str
+    key: str  # content key of ``files`` (from the bundle's digest)
     files: list[ArchiveEntry]  # the manifest and the unpacked wheel
     deps: DepsLayer
     has_grader: bool
@@ -88,6 +88,7 @@ def prepare_bundle(
     return PreparedBundle(
         name=workflow_ref,
         version=bundle.digest[:12],
+        key=f"b-{bundle.digest}",
         files=files,
         deps=DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest),
         has_grader=bundle.manifest.grader is not None,
@@ -99,8 +100,9 @@ class RolloutPlan:
     """One rollout, ready for an executor."""
 
     task_id: str
-    trial: TrialRequest
-    model: ModelEndpoint | None
+    trial: TrialSpec
+    secrets: TrialSecrets
+    content: TrialContent  # the bundle's files (the spec names them by key)
     outcome: OutcomeSpec
 
 
@@ -132,53 +134,47 @@ class TrialPlanner:
         # tests may read it too (template tasks check answers against the label).
         grader_input = rollout_input.model_copy(update={"label": request.label})
         grader_bytes = grader_input.model_dump_json().encode()
-        verifier: TestsVerifier | None = None
-        if verify and task.has_tests:
-            tests_input = ArchiveEntry(f"{TESTS_DIR}/{GRADER_INPUT}", grader_bytes, 0o644)
-            verifier = TestsVerifier(task.tests_dir, generated=[tests_input])
-        elif verify:
-            assert bundle is not None
-            verifier = grader_verifier(grader_bytes, bundle.files)
-        agent: Agent
+        agent: AgentSpec = OracleAgentSpec()
         model: ModelEndpoint | None = None
-        secret_values: list[str] = []
-        if bundle is None:
-            agent = OracleAgent()
-        else:
+        agent_input: bytes | None = None
+        if bundle is not None:
             model = _model_endpoint(context)
-            secret_values = [model.api_key] if model.api_key else []
             # The workflow sees the relay's token as its key and a loopback URL that the
             # runner opens onto the mounted relay socket.
             relay = RelayInput(socket=RELAY_SOCKET, path=urlsplit(model.url).path.rstrip("/"))
             workflow_input = rollout_input.model_copy(
                 update={"api_key": model.token, "relay": relay}
             )
-            agent = WorkflowAgent(
-                name=bundle.name,
-                version=bundle.version,
-                bundle_files=bundle.files,
-                rollout_input=workflow_input.model_dump_json().encode(),
-            )
-        trial = TrialRequest(
+            agent = WorkflowAgentSpec(name=bundle.name, version=bundle.version)
+            agent_input = workflow_input.model_dump_json().encode()
+        trial = TrialSpec(
             task=task,
             trials_dir=self.trials_dir,
             agent=agent,
-            verifier=verifier,
+            # A task's own tests verify; without them, the bundle's grader.
+            verifier="grader" if verify and not task.has_tests else "tests",
             verify=verify,
             trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
             verifier_timeout_sec=request.grader_timeout_sec,
             rollout_id=request.id,
-            secrets=secret_values,
+            bundle=bundle.key if bundle is not None else None,
             policy=self.policy,
             deps=bundle.deps if bundle is not None else None,
         )
+        trial_secrets = TrialSecrets(
+            model=model,
+            scrub=[model.api_key] if model is not None and model.api_key else [],
+            agent_input=agent_input,
+            verifier_input=grader_bytes if verify else None,
+        )
+        content = TrialContent(bundle_files=bundle.files if bundle is not None else ())
         outcome = OutcomeSpec(
             task_id=task_id,
             is_oracle=bundle is None,
             verify=verify,
             agent_timeout_sec=request.agent_timeout_sec,
         )
-        return RolloutPlan(task_id, trial, model, outcome)
+        return RolloutPlan(task_id, trial, trial_secrets, content, outcome)
 
 
 def _model_endpoint(context: RolloutContext | None) -> ModelEndpoint:

@@ -1,0 +1,212 @@
+"""What a trial is, apart from where it runs (as uvicorn's ``Config`` is apart from its ``Server``).
+
+* ``TrialSpec``: plain, picklable, no secret. The task (its snapshot travels by
+  ``task_key``), the agent and the verifier as plain data, the workflow bundle and
+  its dependency layer by content key, the sandbox policy.
+* ``TrialSecrets``: everything per-rollout that may hold a secret (the model
+  endpoint with the trainer's key, the values to scrub, the agent's and the
+  verifier's ``rollout.json``). The Ray driver seals it for one node.
+* ``TrialContent``: one machine's copies of what a spec names by key (the task
+  snapshot, the wheelhouse, the bundle's files).
+
+``trial_request`` turns the three into the runnable ``TrialRequest``; the local
+executor and the Ray node both build their trials through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.sandbox.runtime import Mount
+from harbor_exec.trial.agents import (
+    Agent,
+    OracleAgent,
+    TestsVerifier,
+    WorkflowAgent,
+    grader_verifier,
+    tests_verifier,
+)
+from harbor_exec.trial.results import AgentInfo
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
+
+
+@dataclass(frozen=True)
+class OracleAgentSpec:
+    """Harbor's ``oracle``: runs the task's ``solution/solve.sh``."""
+
+    @property
+    def info(self) -> AgentInfo:
+        return OracleAgent.info
+
+
+@dataclass(frozen=True)
+class WorkflowAgentSpec:
+    """A bundled ``AgentWorkflow``: its files are the spec's ``bundle``, its
+    ``rollout.json`` is ``TrialSecrets.agent_input``."""
+
+    name: str
+    version: str
+
+    @property
+    def info(self) -> AgentInfo:
+        return AgentInfo(name=self.name, version=self.version)
+
+
+AgentSpec = OracleAgentSpec | WorkflowAgentSpec
+
+#: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as
+#: ``/tests/rollout.json`` when given); "grader": the bundle's grader through a
+#: generated ``test.sh`` (for tasks without tests).
+VerifierKind = Literal["tests", "grader"]
+
+
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """The trainer's chat endpoint for one rollout, and the token its workflow uses."""
+
+    url: str
+    api_key: str | None = field(repr=False)
+    token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class TrialSecrets:
+    """The part of a trial that may hold a secret; never logged, stored or shown."""
+
+    model: ModelEndpoint | None = None  # the relay's upstream, for workflows
+    scrub: Sequence[str] = field(default=(), repr=False)  # removed from the trial dir
+    agent_input: bytes | None = field(default=None, repr=False)  # a workflow's rollout.json
+    verifier_input: bytes | None = field(default=None, repr=False)  # the grader's, with the label
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One trial as plain data (see module doc); ``trials_dir`` is where the
+    submitter keeps trial directories, whichever machine runs the trial."""
+
+    task: Task
+    trials_dir: Path
+    agent: AgentSpec = field(default_factory=OracleAgentSpec)
+    verifier: VerifierKind = "tests"
+    verify: bool = True
+    trial_name: str | None = None
+    source: str | None = None
+    image: str | None = None  # run on this image instead of the task's own
+    agent_timeout_sec: float | None = None  # override [agent].timeout_sec
+    verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
+    labels: Mapping[str, str] = field(default_factory=dict)
+    rollout_id: str | None = None
+    bundle: str | None = None  # content key of the workflow bundle's files
+    deps: DepsLayer | None = None  # the bundle's dependency layer, built on the image
+    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
+
+    @property
+    def task_key(self) -> str:
+        return task_key(self.task)
+
+    @property
+    def deps_key(self) -> str | None:
+        return None if self.deps is None else deps_key(self.deps)
+
+
+@dataclass(frozen=True)
+class TrialContent:
+    """This machine's copies of what a spec names by key, and where it writes trial
+    directories (None: the spec's own paths; no bundle)."""
+
+    task_root: Path | None = None
+    wheelhouse: Path | None = None
+    bundle_files: Sequence[ArchiveEntry] = field(default=(), repr=False)
+    trials_dir: Path | None = None
+
+
+def content_digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def task_key(task: Task) -> str:
+    """A task snapshot's content key (its directory is named by its hash)."""
+    return "t-" + content_digest(task.root.name, *task.digests, task.name)
+
+
+def deps_key(deps: DepsLayer) -> str:
+    """A dependency layer's wheelhouse content key (by requirement set)."""
+    return "d-" + content_digest(deps.requirements_digest, str(deps.wheelhouse))
+
+
+def trial_request(
+    spec: TrialSpec,
+    secrets: TrialSecrets | None = None,
+    content: TrialContent | None = None,
+    *,
+    mounts: Sequence[Mount] = (),
+) -> TrialRequest:
+    """The runnable trial of ``spec`` on this machine: its agent and verifier built
+    from ``secrets`` and ``content``, with ``mounts`` in the agent's container (e.g.
+    the model relay)."""
+    secrets = secrets or TrialSecrets()
+    content = content or TrialContent()
+    task = spec.task
+    if content.task_root is not None:
+        task = replace(task, files=content.task_root)
+    deps = spec.deps
+    if deps is not None and content.wheelhouse is not None:
+        deps = replace(deps, wheelhouse=content.wheelhouse)
+    agent: Agent = OracleAgent()
+    if isinstance(spec.agent, WorkflowAgentSpec):
+        if secrets.agent_input is None:
+            raise ValueError("a workflow trial needs its rollout input (TrialSecrets.agent_input)")
+        agent = WorkflowAgent(
+            name=spec.agent.name,
+            version=spec.agent.version,
+            bundle_files=content.bundle_files,
+            rollout_input=secrets.agent_input,
+        )
+    verifier: TestsVerifier | None = None
+    if spec.verifier == "grader":
+        if secrets.verifier_input is None:
+            raise ValueError("a bundled grader needs its input (TrialSecrets.verifier_input)")
+        verifier = grader_verifier(secrets.verifier_input, content.bundle_files)
+    elif secrets.verifier_input is not None:
+        verifier = tests_verifier(task.tests_dir, secrets.verifier_input)
+    return TrialRequest(
+        task=task,
+        trials_dir=content.trials_dir or spec.trials_dir,
+        agent=agent,
+        verifier=verifier,
+        verify=spec.verify,
+        trial_name=spec.trial_name,
+        source=spec.source,
+        image=spec.image,
+        agent_timeout_sec=spec.agent_timeout_sec,
+        verifier_timeout_sec=spec.verifier_timeout_sec,
+        labels=spec.labels,
+        rollout_id=spec.rollout_id,
+        secrets=list(secrets.scrub),
+        mounts=mounts,
+        deps=deps,
+        policy=spec.policy,
+    )
+
+
+__all__ = [
+    "AgentSpec",
+    "ModelEndpoint",
+    "OracleAgentSpec",
+    "TrialContent",
+    "TrialSecrets",
+    "TrialSpec",
+    "VerifierKind",
+    "WorkflowAgentSpec",
+    "content_digest",
+    "deps_key",
+    "task_key",
+    "trial_request",
+]
