@@ -1,9 +1,11 @@
 """A small fake OpenAI-compatible chat endpoint for tests, on 127.0.0.1 only.
 
-``FakeChat`` serves ``POST <any prefix>/chat/completions`` from a thread:
+``FakeChat`` serves ``POST <any prefix>/chat/completions`` (and ``/completions``,
+answered alike) from a thread:
 it evaluates the arithmetic in the last user message and answers it (or answers
 wrong, or with no number, or fails with HTTP 500, per ``mode``), and records
-every request's path, ``Authorization`` header and body. ``base_url`` is what a
+every request's method, path, headers and body (whatever the method or path, so
+tests can assert that nothing reached it). ``base_url`` is what a
 rollout's ``chat_completions_url`` should be (clients append ``/chat/completions``).
 
 A request with ``"stream": true`` gets server-sent events as OpenAI sends them
@@ -22,7 +24,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
@@ -76,6 +78,9 @@ class ChatRequest:
     path: str
     authorization: str | None
     body: dict[str, Any]
+    method: str = "POST"
+    # (name, value) as received, names lowercased.
+    headers: tuple[tuple[str, str], ...] = field(default=())
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -116,6 +121,11 @@ class FakeChat:
         """Block until ``count`` requests arrived (True) or ``timeout`` seconds passed."""
         with self._arrived:
             return self._arrived.wait_for(lambda: len(self.requests) >= count, timeout)
+
+    def release_slow(self) -> None:
+        """Let the requests "slow" mode holds answer now."""
+        with self._lock:
+            self._release.set()
 
     def reset(self, mode: Mode = "correct") -> None:
         with self._lock:
@@ -197,23 +207,46 @@ class FakeChat:
         chat = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
+            def _record(self) -> dict[str, Any] | None:
+                """The JSON body, after recording the request (None: answered 400)."""
                 length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) or b"{}"
                 try:
-                    body = json.loads(self.rfile.read(length) or b"{}")
+                    body = json.loads(raw)
                 except json.JSONDecodeError:
-                    self._reply(400, {"error": {"message": "body is not JSON"}})
-                    return
+                    body = None
+                headers = tuple((k.lower(), v) for k, v in self.headers.items())
                 with chat._lock:
                     chat.requests.append(
-                        ChatRequest(self.path, self.headers.get("Authorization"), body)
+                        ChatRequest(
+                            self.path,
+                            self.headers.get("Authorization"),
+                            body if isinstance(body, dict) else {},
+                            self.command,
+                            headers,
+                        )
                     )
                     chat._arrived.notify_all()
+                if body is None:
+                    self._reply(400, {"error": {"message": "body is not JSON"}})
+                return body if isinstance(body, dict) else None
+
+            def _other_method(self) -> None:
+                if self._record() is not None:
+                    self._reply(404, {"error": {"message": f"no route {self.path}"}})
+
+            do_GET = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _other_method
+
+            def do_POST(self) -> None:
+                body = self._record()
+                if body is None:
+                    return
                 if chat.mode == "unauthorized":
                     quoted = self.headers.get("Authorization")
                     self._reply(401, {"error": {"message": f"Incorrect API key: {quoted}"}})
                     return
-                if not self.path.split("?")[0].rstrip("/").endswith("/chat/completions"):
+                # "/completions" too: the legacy route an operator may let through a relay.
+                if not self.path.split("?")[0].rstrip("/").endswith("/completions"):
                     self._reply(404, {"error": {"message": f"no route {self.path}"}})
                     return
                 status, answer = chat._answer(body)

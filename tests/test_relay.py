@@ -250,17 +250,15 @@ async def test_forwarder_stops_listening_when_closed(tmp_path: Path, chat: FakeC
 # --------------------------------------------------------------------------- relay behaviour
 
 
-async def test_json_call_swaps_the_key_forwards_the_query_and_records_usage(
-    tmp_path: Path, chat: FakeChat
-) -> None:
+async def test_json_call_swaps_the_key_and_records_usage(tmp_path: Path, chat: FakeChat) -> None:
     async with open_rig(tmp_path, f"{chat.base_url}/v1/") as rig:
         assert rig.relay.path_prefix == "/v1"
-        first = await rig.chat_call(params={"api-version": "2024"})
+        first = await rig.chat_call()
         second = await rig.chat_call()  # the same kept-alive connection
         assert first.status_code == second.status_code == 200
         assert first.json()["choices"][0]["message"]["content"] == "42"
         assert chat.authorizations == [f"Bearer {REAL_KEY}"] * 2
-        assert chat.requests[0].path == "/v1/chat/completions?api-version=2024"
+        assert chat.requests[0].path == "/v1/chat/completions"
         assert chat.requests[0].body == CHAT_BODY
         usage = rig.relay.usage
         assert (usage.requests, usage.rejected) == (2, 0)
@@ -332,6 +330,321 @@ async def test_paths_outside_the_prefix_are_refused(
         assert await _raw_status(rig.forwarder.port, request) == 404
         assert chat.requests == []
         assert rig.relay.usage.rejected == 1
+
+
+# --------------------------------------------------------------------------- what the relay lends
+
+# Every route a hostile workflow might try with the real key: the platform's file,
+# fine-tuning and model APIs, vLLM's adapter loading, other inference routes, and
+# the chat route dressed up (dot segments plain, encoded and double-encoded,
+# parameters, empty and trailing segments, encoded separators, a query, a fragment).
+OTHER_ROUTES = (
+    [
+        (method, path)
+        for path in (
+            b"/v1/files",
+            b"/v1/files/file-abc123",
+            b"/v1/files/file-abc123/content",
+            b"/v1/fine_tunes",
+            b"/v1/fine_tuning/jobs",
+            b"/v1/fine_tuning/jobs/ftjob-1/cancel",
+            b"/v1/models",
+            b"/v1/models/m",
+            b"/v1/load_lora_adapter",
+            b"/v1/unload_lora_adapter",
+            b"/v1/completions",
+            b"/v1/embeddings",
+            b"/v1/batches",
+        )
+        for method in (b"GET", b"DELETE", b"POST")
+    ]
+    + [
+        (b"POST", path)
+        for path in (
+            b"/v1/chat/completions/../files",
+            b"/v1/chat/completions/../../v1/files",
+            b"/v1/chat/completions/%2e%2e/files",
+            b"/v1/chat/completions/%2E%2E/files",
+            b"/v1/chat/completions/%252e%252e/files",
+            b"/v1/%252e%252e/v1/files",
+            b"/v1/chat/completions/..;/files",
+            b"/v1/..;/v1/files",
+            b"/v1/chat/completions;x",
+            b"/v1/chat;x/completions",
+            b"/v1//chat/completions",
+            b"//v1/chat/completions",
+            b"/v1/chat/completions/",
+            b"/v1/chat/completions//",
+            b"/v1/./chat/completions",
+            b"/v1/chat/./completions",
+            b"/v1/chat%2fcompletions",
+            b"/v1/chat%2Fcompletions",
+            b"/v1/chat/completion%73",
+            b"/v1/chat/completions%3b",
+            b"/v1/chat/completions%00",
+            b"/v1/chat/completions%252f",
+            b"/v1/chat\\completions",
+            b"/v1/chat%5ccompletions",
+            b"/V1/chat/completions",
+            b"/v1/chat/completions?",
+            b"/v1/chat/completions?api-version=2024",
+            b"/v1/chat/completions?x=/../files",
+            b"/v1/chat/completions#frag",
+            b"http://127.0.0.1:1/v1/chat/completions",
+        )
+    ]
+    + [
+        (method, b"/v1/chat/completions")
+        for method in (b"GET", b"DELETE", b"PUT", b"PATCH", b"OPTIONS", b"post")
+    ]
+)
+
+
+async def _raw_exchange(port: int, request: bytes) -> tuple[int, bytes]:
+    """Send raw bytes to the forwarder; the answer's (status, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        body = await asyncio.wait_for(reader.readexactly(length), 10)
+    finally:
+        writer.close()
+    return int(head.split()[1]), body
+
+
+async def _unanswered(reader: asyncio.StreamReader) -> bytes:
+    """What arrives before the relay closes the connection (a reset counts as closed:
+    the relay aborts connections it will not read)."""
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    except ConnectionResetError:
+        return b""
+
+
+def _request(method: bytes, target: bytes, token: str, body: bytes = b"{}") -> bytes:
+    return (
+        method + b" " + target + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + token.encode() + b"\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "target"), OTHER_ROUTES, ids=[f"{m.decode()} {t.decode()}" for m, t in OTHER_ROUTES]
+)
+async def test_only_post_chat_completions_reaches_the_model(
+    tmp_path: Path, chat: FakeChat, method: bytes, target: bytes
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        body = json.dumps(CHAT_BODY).encode()
+        status, answer = await _raw_exchange(
+            rig.forwarder.port, _request(method, target, rig.relay.token, body)
+        )
+        assert status == 404
+        error = json.loads(answer)["error"]
+        assert error["code"] == "route_not_allowed"
+        # The answer names the route asked for and the one allowed.
+        assert method.decode() in error["message"]
+        assert "POST /v1/chat/completions" in error["message"]
+        assert REAL_KEY not in answer.decode()
+        # Nothing reached the model, so the key went nowhere.
+        assert chat.requests == []
+        assert (rig.relay.usage.requests, rig.relay.usage.rejected) == (0, 1)
+        # And the relay still serves the one route it lends.
+        assert (await rig.chat_call()).status_code == 200
+        assert [r.path for r in chat.requests] == ["/v1/chat/completions"]
+
+
+async def test_an_operator_route_is_forwarded_and_nothing_beside_it(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    limits = RelayLimits(extra_routes=("/completions",))
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", limits) as rig:
+        response = await rig.client.post(
+            f"{rig.base_url}/completions", json=CHAT_BODY, headers=rig.auth
+        )
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["content"] == "42"
+        assert (await rig.chat_call()).status_code == 200
+        assert [(r.method, r.path) for r in chat.requests] == [
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+        ]
+        assert chat.authorizations == [f"Bearer {REAL_KEY}"] * 2
+        assert rig.relay.usage.prompt_tokens == 2 * PROMPT_TOKENS
+        chat.reset()
+        port, token = rig.forwarder.port, rig.relay.token
+        for method, target in [
+            (b"GET", b"/v1/completions"),
+            (b"POST", b"/v1/completions/"),
+            (b"POST", b"/v1/completions?stream=1"),
+            (b"POST", b"/v1/completions/../files"),
+            (b"POST", b"/v1/embeddings"),
+        ]:
+            status, answer = await _raw_exchange(port, _request(method, target, token))
+            assert status == 404, target
+            assert "POST /v1/completions" in json.loads(answer)["error"]["message"]
+        assert chat.requests == []
+
+
+async def test_a_query_in_the_operators_upstream_url_rides_along(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/openai?api-version=2024-06-01") as rig:
+        assert rig.relay.path_prefix == "/openai"
+        assert (await rig.chat_call()).status_code == 200
+        assert chat.requests[0].path == "/openai/chat/completions?api-version=2024-06-01"
+        # The workflow's own query is refused, even the same one.
+        response = await rig.chat_call(params={"api-version": "2024-06-01"})
+        assert response.status_code == 404
+        assert len(chat.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        "completions",
+        "",
+        "/",
+        "//completions",
+        "/completions/",
+        "/../files",
+        "/./completions",
+        "/%2e%2e",
+        "/completions;x",
+        "/completions?x=1",
+        "/a\\b",
+        "/.hidden",
+        "/x" * 200,
+    ],
+)
+def test_an_extra_route_must_be_a_plain_path(route: str) -> None:
+    with pytest.raises(ValueError, match="relay route"):
+        RelayLimits(extra_routes=(route,))
+
+
+async def test_only_allowlisted_headers_reach_the_model(tmp_path: Path, chat: FakeChat) -> None:
+    sent = {
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+        "User-Agent": "OpenAI/Python 1.40.0",
+        "Cookie": "session=stolen",
+        "X-Forwarded-For": "10.0.0.1",
+        "X-Forwarded-Host": "admin.internal",
+        "Forwarded": "for=10.0.0.1",
+        "X-Real-IP": "10.0.0.1",
+        "OpenAI-Organization": "org-victim",
+        "OpenAI-Project": "proj-victim",
+        "OpenAI-Beta": "assistants=v2",
+        "Api-Key": "agent-chosen",
+        "X-Api-Key": "agent-chosen",
+        "Proxy-Authorization": "Basic eDp5",
+        "X-Custom": "anything",
+        "Traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "Connection": "keep-alive, X-Custom",
+        "Keep-Alive": "timeout=5",
+        "TE": "trailers",
+        "Accept-Encoding": "gzip, br",
+        "Host": "evil.example",
+    }
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        headers = {**sent, **rig.auth}
+        response = await rig.client.post(
+            f"{rig.base_url}/chat/completions", json=CHAT_BODY, headers=headers
+        )
+        assert response.status_code == 200
+    (received,) = chat.requests
+    got = dict(received.headers)
+    assert len(got) == len(received.headers)  # no header twice
+    assert set(got) == {
+        "content-type",
+        "accept",
+        "user-agent",
+        "authorization",
+        "accept-encoding",
+        "host",
+        "content-length",
+    }
+    assert got["authorization"] == f"Bearer {REAL_KEY}"
+    assert got["user-agent"] == "OpenAI/Python 1.40.0"
+    assert got["accept-encoding"] == "identity"
+    assert got["host"] == chat.base_url.removeprefix("http://")
+
+
+async def test_refusals_are_budgeted_then_the_rollout_is_cut_off(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", RelayLimits(max_refused=3)) as rig:
+        relay = rig.relay
+        # A connection kept alive from before the budget is spent.
+        reader, writer = await asyncio.open_unix_connection(str(relay.socket_path))
+        chat_request = _request(
+            b"POST", b"/v1/chat/completions", relay.token, json.dumps(CHAT_BODY).encode()
+        )
+        writer.write(chat_request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert len(chat.requests) == 1
+        chat.reset()
+        for target in (b"/v1/files", b"/v1/models", b"/v1/%2e%2e/files"):
+            status, _ = await _raw_exchange(
+                rig.forwarder.port, _request(b"GET", target, relay.token)
+            )
+            assert status == 404
+        assert relay.refusals_spent
+        # Now even the chat route is refused: on a new connection...
+        with pytest.raises(httpx.HTTPError):
+            await rig.chat_call()
+        fresh_reader, fresh_writer = await asyncio.open_unix_connection(str(relay.socket_path))
+        fresh_writer.write(chat_request)
+        assert await _unanswered(fresh_reader) == b""
+        fresh_writer.close()
+        # ...and on the one kept alive (after the rest of its first answer).
+        writer.write(chat_request)
+        assert b"HTTP/1.1" not in await _unanswered(reader)
+        writer.close()
+        assert chat.requests == []
+        assert relay.usage.requests == 1
+        assert relay.usage.rejected == 6
+
+
+async def test_an_idle_connection_is_closed_but_a_slow_model_is_not_cut(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    limits = RelayLimits(idle_timeout_sec=0.3)
+    async with open_rig(tmp_path, f"{chat.base_url}/v1", limits) as rig:
+        path = str(rig.relay.socket_path)
+        started = time.monotonic()
+        # Kept alive after an answer, then silent.
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(_request(b"POST", b"/v1/chat/completions", rig.relay.token))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        # A request trickling in: half a head, then nothing.
+        slow_reader, slow_writer = await asyncio.open_unix_connection(path)
+        slow_writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        # A call the model sits on for longer than the idle timeout.
+        chat.reset("slow")
+        call = asyncio.create_task(rig.chat_call())
+        assert await asyncio.to_thread(chat.wait_for_requests, 1, 10.0)
+        # Both silent connections end (EOF) on the relay's clock, well within the bound.
+        await asyncio.wait_for(reader.read(), 10)
+        assert await asyncio.wait_for(slow_reader.read(), 10) == b""
+        assert time.monotonic() - started < 9
+        writer.close()
+        slow_writer.close()
+        # The slow call outlived the idle timeout, yet its answer still arrives.
+        chat.release_slow()
+        response = await asyncio.wait_for(call, 10)
+        assert response.status_code == 200
+        assert rig.relay.usage.requests == 2
 
 
 async def test_a_request_over_the_size_limit_gets_413(tmp_path: Path, chat: FakeChat) -> None:

@@ -9,6 +9,26 @@ enforces size and count limits and records token usage per rollout (and in the
 process-wide ``RELAY_TOTALS``, which prometheus-client's default registry
 exposes on ``/metrics``).
 
+It lends only what a rollout needs (``RelayLimits`` has the numbers):
+
+* Routes: only ``POST <prefix>/chat/completions`` is forwarded, plus the POST
+  routes an operator adds (``RelayLimits.extra_routes``, relative to the prefix,
+  e.g. ``/completions``). The raw request target must equal one of them byte
+  for byte: no query string (chat completions takes none; a query in the
+  operator's upstream URL is kept), no percent-encoding, no ``;`` parameters,
+  no empty, dot or trailing segments. Nothing is decoded, so nothing can decode
+  differently upstream. Anything else is a 404 naming the route, and the
+  upstream never hears of it.
+* Headers: only ``content-type``, ``accept`` and ``user-agent`` are forwarded;
+  the relay sets ``authorization`` (the real key) and ``accept-encoding``
+  (identity, so usage can be read), httpx sets ``host`` and the length.
+* Refusals: every request the relay refuses (bad token, route, size, count,
+  malformed) closes its connection and spends one of ``max_refused``; once they
+  are spent, every further request and connection of the rollout is cut.
+* Idle time: a connection that sends nothing for ``idle_timeout_sec`` while the
+  relay waits for a request (kept alive between calls, or a request trickling
+  in) is closed; at most ``max_connections`` are open at once.
+
 Inside the container, ``harbor_exec.container.runner`` pipes a loopback TCP port to the
 socket, so the workflow sees ``http://127.0.0.1:<port>/v1`` and needs no
 network at all (``network=none`` works).
@@ -30,6 +50,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import ssl
@@ -38,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import h11
 import httpx
@@ -50,12 +71,15 @@ from harbor_exec.container.runner import abort_connections
 from harbor_exec.executors.base import ModelUsage
 
 __all__ = [
+    "CHAT_COMPLETIONS_ROUTE",
+    "FORWARDED_REQUEST_HEADERS",
     "RELAY_TOTALS",
     "SOCKET_NAME",
     "ModelRelay",
     "RelayLimits",
     "RelayTotals",
     "RelayTotalsCollector",
+    "check_extra_route",
     "render_relay_metrics",
 ]
 
@@ -85,21 +109,41 @@ _HOP_BY_HOP: Final = frozenset(
         b"upgrade",
     }
 )
-# Never forwarded upstream: the relay sets the key, httpx sets host and length,
-# and identity encoding keeps the body parseable for usage.
-_REQUEST_DROP: Final = _HOP_BY_HOP | {
-    b"host",
-    b"authorization",
-    b"content-length",
-    b"accept-encoding",
-    b"expect",
-}
+# The only client headers forwarded upstream: what a chat call needs to be parsed
+# (content-type) and answered as JSON or SSE (accept), and the SDK's name for the
+# model server's logs (user-agent). Anything else (cookies, x-forwarded-*,
+# openai-organization/-project, tracing, hop-by-hop) could steer the upstream or
+# bill another account, so it is dropped. The relay adds authorization and
+# accept-encoding itself; httpx adds host and content-length.
+FORWARDED_REQUEST_HEADERS: Final = frozenset({b"content-type", b"accept", b"user-agent"})
 _RESPONSE_DROP: Final = _HOP_BY_HOP | {b"content-length"}
+#: The route every relay forwards, relative to the upstream URL's path.
+CHAT_COMPLETIONS_ROUTE: Final = "/chat/completions"
+# What an operator's extra route may be made of: plain segments, nothing to decode.
+_ROUTE_SEGMENT: Final = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+_MAX_ROUTE_IN_ERROR: Final = 200
+
+
+def check_extra_route(route: str) -> str:
+    """``route`` if it can be an extra relay route (``/name/name``: letters, digits,
+    ``-``, ``_`` and inner dots per segment), else ValueError."""
+    segments = route.split("/")
+    if (
+        len(route) > 256
+        or segments[0] != ""
+        or len(segments) < 2
+        or not all(_ROUTE_SEGMENT.fullmatch(s) for s in segments[1:])
+    ):
+        raise ValueError(
+            f"relay route {route[:_MAX_ROUTE_IN_ERROR]!r} must be a path like '/completions' "
+            "(relative to the model URL's path; letters, digits, '-', '_' and inner dots)"
+        )
+    return route
 
 
 @dataclass(frozen=True)
 class RelayLimits:
-    """Per-relay (that is, per-rollout) bounds."""
+    """Per-relay (that is, per-rollout) bounds and the routes it forwards."""
 
     max_request_bytes: int = 8 * 2**20
     max_response_bytes: int = 64 * 2**20
@@ -107,6 +151,21 @@ class RelayLimits:
     upstream_timeout_sec: float = 600.0
     # Open client connections at once; a hostile agent must not exhaust the host's fds.
     max_connections: int = 32
+    # Requests the relay may refuse before it cuts the rollout off: a workflow that
+    # works is refused rarely (a 413, the last 429s), a policy probing routes often.
+    max_refused: int = 32
+    # Silence while waiting for a request (or the rest of one) before the connection
+    # is closed; clients reopen kept-alive connections the server closed.
+    idle_timeout_sec: float = 60.0
+    # POST routes forwarded besides /chat/completions, relative to the upstream
+    # URL's path (e.g. "/completions", "/embeddings"); see check_extra_route.
+    extra_routes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for route in self.extra_routes:
+            check_extra_route(route)
+        if self.max_refused < 1 or self.max_connections < 1 or self.idle_timeout_sec <= 0:
+            raise ValueError("max_refused, max_connections and idle_timeout_sec must be positive")
 
 
 @dataclass
@@ -262,23 +321,6 @@ class _SseUsage:
         self._dispatch()
 
 
-def _safe_path(target: bytes, prefix: str) -> bool:
-    """Whether the request target is an origin-form path under ``prefix``, no dot segments."""
-    path = target.split(b"?", 1)[0]
-    # "//" first would read as an authority to some URL parsers.
-    if not path.startswith(b"/") or path.startswith(b"//") or b"\\" in path or b"#" in path:
-        return False
-    try:
-        text = unquote(path.decode("ascii"), errors="strict")
-    except (UnicodeDecodeError, ValueError):
-        return False
-    # Decoded too: an upstream that decodes %2e%2e before routing must not escape the prefix.
-    segments = text.split("/")
-    if any(s in (".", "..") for s in segments) or "\x00" in text:
-        return False
-    return not prefix or text == prefix or text.startswith(prefix + "/")
-
-
 class ModelRelay:
     """One rollout's model relay; see the module docstring."""
 
@@ -306,6 +348,16 @@ class ModelRelay:
             raise ValueError("upstream_url must be an absolute http(s) URL")
         self.upstream_origin = f"{parts.scheme}://{parts.netloc}"
         self.path_prefix: str = parts.path.rstrip("/")
+        # The agent's query strings are refused; the operator's (e.g. Azure's
+        # api-version) rides on every forwarded call.
+        query = f"?{parts.query}" if parts.query else ""
+        #: The exact request targets forwarded (POST only), and where each goes upstream.
+        self.routes: dict[bytes, str] = {
+            (self.path_prefix + route).encode(): (
+                f"{self.upstream_origin}{self.path_prefix}{route}{query}"
+            )
+            for route in (CHAT_COMPLETIONS_ROUTE, *limits.extra_routes)
+        }
         self.directory = Path(directory)
         self.socket_path: Path = self.directory / SOCKET_NAME
         self.limits = limits
@@ -326,6 +378,7 @@ class ModelRelay:
         self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
         self._made_directory = False
+        self._refused = 0
 
     def __repr__(self) -> str:
         # Never the key, nor the token.
@@ -424,7 +477,12 @@ class ModelRelay:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         task = asyncio.current_task()
-        if self._closed or task is None or len(self._connections) >= self.limits.max_connections:
+        if (
+            self._closed
+            or task is None
+            or len(self._connections) >= self.limits.max_connections
+            or self.refusals_spent
+        ):
             self._count("rejected")
             writer.transport.abort()
             return
@@ -463,25 +521,44 @@ class ModelRelay:
             writer.close()
             await writer.wait_closed()
 
+    @property
+    def refusals_spent(self) -> bool:
+        """Whether this rollout has been refused ``max_refused`` times (it is cut off)."""
+        return self._refused >= self.limits.max_refused
+
+    def _refuse(self) -> None:
+        self._count("rejected")
+        self._refused += 1
+        if self._refused == self.limits.max_refused:
+            logger.warning(
+                "model relay %s: %d requests refused; refusing the rest of this rollout",
+                self.socket_path.parent.name,
+                self._refused,
+            )
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
         while True:
             try:
                 event = await self._next_event(conn, reader)
             except h11.RemoteProtocolError:
-                self._count("rejected")
+                self._refuse()
                 await self._send_error(conn, writer, 400, "bad_request", "malformed HTTP request")
                 return
             if isinstance(event, h11.ConnectionClosed):
                 return
             if not isinstance(event, h11.Request):  # pragma: no cover - h11 orders events
                 return
+            if self.refusals_spent:
+                # Another connection spent the budget while this one was kept alive.
+                self._count("rejected")
+                return
             try:
                 body = await self._admit(conn, reader, writer, event)
             except _Cut:
                 return
             except _Reject as rejected:
-                self._count("rejected")
+                self._refuse()
                 await self._send_error(
                     conn, writer, rejected.status, rejected.code, rejected.message
                 )
@@ -500,7 +577,10 @@ class ModelRelay:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            conn.receive_data(await reader.read(_READ_SIZE))
+            # TimeoutError ends the connection without an answer (see _on_connection).
+            async with asyncio.timeout(self.limits.idle_timeout_sec):
+                data = await reader.read(_READ_SIZE)
+            conn.receive_data(data)
 
     async def _admit(
         self,
@@ -509,7 +589,7 @@ class ModelRelay:
         writer: asyncio.StreamWriter,
         request: h11.Request,
     ) -> bytes:
-        """Check the token, path, count and size; return the whole request body."""
+        """Check the token, route, count and size; return the whole request body."""
         authorization = b""
         length: int | None = None
         for name, value in request.headers:
@@ -523,8 +603,8 @@ class ModelRelay:
             presented.strip(), self._token_bytes
         ):
             raise _Reject(401, "invalid_token", "missing or invalid relay token")
-        if not _safe_path(request.target, self.path_prefix):
-            raise _Reject(404, "path_not_allowed", f"only paths under {self.path_prefix or '/'}")
+        if request.method != b"POST" or request.target not in self.routes:
+            raise self._route_refusal(request)
         self._check_count()
         limit = self.limits.max_request_bytes
         if length is not None and length > limit:
@@ -548,6 +628,18 @@ class ModelRelay:
                 return bytes(body)
             else:  # ConnectionClosed mid-body
                 raise _Cut
+
+    def _route_refusal(self, request: h11.Request) -> _Reject:
+        asked = request.method + b" " + request.target
+        allowed = ", ".join(f"POST {target.decode()}" for target in self.routes)
+        return _Reject(
+            404,
+            "route_not_allowed",
+            # The agent's own bytes, shortened; json.dumps escapes them in the answer.
+            f"{asked[:_MAX_ROUTE_IN_ERROR].decode('ascii', 'replace')} is not a route this "
+            f"relay forwards; it forwards only {allowed} (exactly: no query string, "
+            "encoding or parameters)",
+        )
 
     def _check_count(self) -> None:
         if self.usage.requests >= self.limits.max_requests:
@@ -584,16 +676,9 @@ class ModelRelay:
     # ------------------------------------------------------------------ forwarding
 
     def _upstream_headers(self, request: h11.Request) -> list[tuple[bytes, bytes]]:
-        named_by_connection = {
-            token.strip().lower()
-            for name, value in request.headers
-            if name == b"connection"
-            for token in value.split(b",")
-        }
+        # h11 lowercases names; an allowlist needs no hop-by-hop or Connection parsing.
         headers = [
-            (name, value)
-            for name, value in request.headers
-            if name not in _REQUEST_DROP and name not in named_by_connection
+            (name, value) for name, value in request.headers if name in FORWARDED_REQUEST_HEADERS
         ]
         headers.append((b"accept-encoding", b"identity"))
         if self._api_key:
@@ -607,8 +692,9 @@ class ModelRelay:
         if transport is None:
             raise _Cut
         upstream = httpx.Request(
-            request.method.decode("ascii"),
-            self.upstream_origin + request.target.decode("ascii"),
+            "POST",
+            # _admit let only an exact route through: the URL is the operator's.
+            self.routes[request.target],
             headers=self._upstream_headers(request),
             content=body,
             extensions={"timeout": self._timeout},
