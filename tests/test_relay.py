@@ -917,3 +917,53 @@ async def test_a_socket_path_too_long_for_unix_sockets_is_refused(tmp_path: Path
     with pytest.raises(ValueError, match="longer than"):
         await relay.start()
     assert not relay.directory.exists()
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+async def test_a_rollouts_extra_routes_reach_its_relay(tmp_path: Path, chat: FakeChat) -> None:
+    """What an operator allows travels in the rollout's ModelEndpoint (sealed to a
+    Ray node along with the key) to the relay LocalExecutor opens for it."""
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.executors.spec import ModelEndpoint
+
+    executor = LocalExecutor()
+    endpoint = ModelEndpoint(
+        f"{chat.base_url}/v1", api_key=REAL_KEY, token="tok-1", extra_routes=("/completions",)
+    )
+    try:
+        relay = executor._relay(endpoint)
+        assert relay.limits.extra_routes == ("/completions",)
+        assert set(relay.routes) == {b"/v1/chat/completions", b"/v1/completions"}
+        async with relay:
+            transport = httpx.AsyncHTTPTransport(uds=str(relay.socket_path))
+            async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+                response = await client.post(
+                    "http://relay/v1/completions",
+                    json=CHAT_BODY,
+                    headers={"Authorization": "Bearer tok-1"},
+                )
+        assert response.status_code == 200
+        assert chat.requests[0].path == "/v1/completions"
+        assert executor._relay(ModelEndpoint("http://m/v1", None, "t")).limits == RelayLimits()
+    finally:
+        await executor.aclose()
+
+
+def test_serve_checks_relay_routes_and_hands_them_to_the_backend(tmp_path: Path) -> None:
+    import typer
+
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.cli.serve import ServeOptions, build_backend
+
+    backend = HarborBackend(tasks_dir=tmp_path, relay_extra_routes=["/completions"])
+    assert backend.relay_extra_routes == ("/completions",)
+    with pytest.raises(ValueError, match="relay route"):
+        HarborBackend(tasks_dir=tmp_path, relay_extra_routes=["/v1/../files"])
+    bad = ServeOptions(tasks_dir=tmp_path, relay_extra_routes=["/completions?x"])
+    with pytest.raises(typer.BadParameter, match="relay route"):
+        build_backend(bad)
+    local = ServeOptions(workflow="m:W", relay_extra_routes=["/completions"])
+    with pytest.raises(typer.BadParameter, match="needs --tasks-dir"):
+        build_backend(local)

@@ -52,6 +52,8 @@ class ServeOptions:
     prewarm_jobs: int | None = None
     ray: str | None = None  # run trials on this Ray cluster ("auto": the one this node is in)
     port: int | None = None  # where it listens (see resolve_port); keys the default data dir
+    # POST routes a workflow's relay forwards besides /chat/completions (--relay-allow-route).
+    relay_extra_routes: list[str] = field(default_factory=list)
 
 
 def open_ray_executor(address: str) -> Any:
@@ -103,6 +105,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             default_cpus=options.sandbox.default_cpus,
             default_memory_mb=options.sandbox.default_memory_mb,
             output_limits=options.sandbox.output_limits,
+            relay_extra_routes=options.relay_extra_routes,
         )
         # Build the bundle and open the engine now: their errors end `serve` before it binds.
         backend.start()
@@ -125,6 +128,9 @@ def build_backend(options: ServeOptions) -> Any:
         return build_harbor_backend(options)
     if options.agent is not None or options.prewarm:
         raise typer.BadParameter("--agent and --prewarm need --tasks-dir")
+    if options.relay_extra_routes:
+        # In-process workflows call the model directly: there is no relay to configure.
+        raise typer.BadParameter("--relay-allow-route needs --tasks-dir")
     if options.workflow is None:
         raise typer.BadParameter("give --workflow module:Class (or --app module:attr)")
     try:
@@ -271,6 +277,15 @@ def serve(
             "'auto'); nodes offer slots with the harbor_exec_trial resource (docs/ray.md).",
         ),
     ] = None,
+    relay_allow_route: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="PATH",
+            help="With --tasks-dir and a workflow: another POST route the model relay "
+            "forwards, relative to the model URL's path, e.g. /completions (repeatable; "
+            "only /chat/completions otherwise).",
+        ),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -301,6 +316,7 @@ def serve(
         prewarm_jobs=prewarm_jobs,
         ray=ray,
         port=port,
+        relay_extra_routes=list(relay_allow_route or []),
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

@@ -140,7 +140,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
     def _relay(self, model: ModelEndpoint) -> Any:
         import httpx  # the server extra; workflows need it
 
-        from harbor_exec.executors.relay import ModelRelay
+        from harbor_exec.executors.relay import ModelRelay, RelayLimits
 
         if self._relay_transport is None:
             # One upstream connection pool for every rollout's relay.
@@ -151,6 +151,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             token=model.token,
             directory=_relay_root() / f"r-{secrets.token_hex(6)}",
             transport=self._relay_transport,
+            limits=RelayLimits(extra_routes=model.extra_routes),
         )
 
     def cancel(self, handle: TrialHandle) -> None:

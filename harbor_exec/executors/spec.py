@@ -74,6 +74,9 @@ class ModelEndpoint:
     url: str
     api_key: str | None = field(repr=False)
     token: str = field(repr=False)
+    # POST routes under the URL's path the relay forwards besides /chat/completions
+    # (RelayLimits.extra_routes); here so they travel with the trial to its node.
+    extra_routes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -131,13 +131,22 @@ class HarborBackend(ExecutionBackend):
         default_memory_mb: int | None = None,
         pids_limit: int | None = None,
         output_limits: OutputLimits | None = None,
+        relay_extra_routes: Sequence[str] = (),
     ) -> None:
+        """``relay_extra_routes``: POST routes under the model URL's path (e.g.
+        ``/completions``) a workflow's relay forwards besides ``/chat/completions``."""
         if max_queue_depth is not None and max_queue_depth < 1:
             raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
         if max_concurrent_trials < 1:
             raise ValueError("max_concurrent_trials must be at least 1")
         if verifier_mode not in ("task", "separate"):
             raise ValueError(f"verifier_mode must be 'task' or 'separate'; got {verifier_mode!r}")
+        if relay_extra_routes:
+            from harbor_exec.executors.relay import check_extra_route  # the server extra
+
+            self.relay_extra_routes = tuple(check_extra_route(r) for r in relay_extra_routes)
+        else:
+            self.relay_extra_routes = ()
         tasks_path = Path(tasks_dir).resolve()
         if not tasks_path.is_dir():
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
@@ -213,7 +222,10 @@ class HarborBackend(ExecutionBackend):
             self.trials_dir.mkdir(parents=True, exist_ok=True)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
             self.planner = TrialPlanner(
-                bundle=self.bundle, policy=SandboxPolicy(**args), trials_dir=self.trials_dir
+                bundle=self.bundle,
+                policy=SandboxPolicy(**args),
+                trials_dir=self.trials_dir,
+                relay_extra_routes=self.relay_extra_routes,
             )
 
     @property

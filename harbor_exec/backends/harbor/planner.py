@@ -110,11 +110,17 @@ class TrialPlanner:
     """Plans rollouts for one agent (oracle or bundle) under one sandbox policy."""
 
     def __init__(
-        self, *, bundle: PreparedBundle | None, policy: SandboxPolicy, trials_dir: Path
+        self,
+        *,
+        bundle: PreparedBundle | None,
+        policy: SandboxPolicy,
+        trials_dir: Path,
+        relay_extra_routes: tuple[str, ...] = (),
     ) -> None:
         self.bundle = bundle
         self.policy = policy
         self.trials_dir = trials_dir
+        self.relay_extra_routes = relay_extra_routes
 
     def plan(
         self, request: ExecutionRequest, resolved: ResolvedTask, context: RolloutContext | None
@@ -138,7 +144,7 @@ class TrialPlanner:
         model: ModelEndpoint | None = None
         agent_input: bytes | None = None
         if bundle is not None:
-            model = _model_endpoint(context)
+            model = _model_endpoint(context, self.relay_extra_routes)
             # The workflow sees the relay's token as its key and a loopback URL that the
             # runner opens onto the mounted relay socket.
             relay = RelayInput(socket=RELAY_SOCKET, path=urlsplit(model.url).path.rstrip("/"))
@@ -177,7 +183,9 @@ class TrialPlanner:
         return RolloutPlan(task_id, trial, trial_secrets, content, outcome)
 
 
-def _model_endpoint(context: RolloutContext | None) -> ModelEndpoint:
+def _model_endpoint(
+    context: RolloutContext | None, extra_routes: tuple[str, ...] = ()
+) -> ModelEndpoint:
     url = context.chat_completions_url if context else ""
     if not url:
         raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
@@ -188,6 +196,7 @@ def _model_endpoint(context: RolloutContext | None) -> ModelEndpoint:
         url=url,
         api_key=context.api_key if context else None,
         token=secrets.token_urlsafe(32),
+        extra_routes=extra_routes,
     )
 
 
