@@ -44,6 +44,7 @@ SPY_WORKFLOW = r'''
     import os
     import re
     import socket
+    import urllib.error
     import urllib.request
     from pathlib import Path
 
@@ -51,6 +52,17 @@ SPY_WORKFLOW = r'''
 
     KEY_PATTERN = re.compile(rb"sk-test-[0-9a-f]{32}")
     PLACES = ("/logs", "/run", "/tmp", "/opt/harbor-exec/manifest.json", "/etc/hosts")
+
+
+    def status_of(url, key, method, body=None):
+        request = urllib.request.Request(
+            url, data=body, method=method, headers={"Authorization": f"Bearer {key}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
 
 
     def readable_bytes():
@@ -92,11 +104,22 @@ SPY_WORKFLOW = r'''
             with urllib.request.urlopen(request, timeout=30) as response:
                 reply = json.loads(response.read())["choices"][0]["message"]["content"]
             Path("/logs/artifacts/answer.txt").write_text(reply)
+            base = rollout.chat_completions_url.rstrip("/")
+            # What a reward-hacking policy would try with the relay's token.
+            probes = {
+                "models_status": status_of(base + "/models", rollout.api_key, "GET"),
+                "files_status": status_of(base + "/files", rollout.api_key, "POST", b"{}"),
+                "escape_status": status_of(
+                    base + "/chat/completions/%2e%2e/files", rollout.api_key, "POST", b"{}"
+                ),
+                # The route the operator added.
+                "completions_status": status_of(base + "/completions", rollout.api_key, "POST", body),
+            }
             return AgentWorkflowOutput(
                 messages=[*ctx.prompt, {"role": "assistant", "content": reply}],
                 metrics={"server_reachable": reachable, "keys_found": len(found),
                          "chat_url_is_loopback": int(rollout.chat_completions_url.startswith(
-                             "http://127.0.0.1:"))},
+                             "http://127.0.0.1:")), **probes},
             )
 '''
 
@@ -135,6 +158,7 @@ def test_hostile_workflow_reaches_only_the_model(
         trials_dir=tmp_path / "trials",
         artifacts_dir=tmp_path / "artifacts",
         cleanup_successful_trials=False,
+        relay_extra_routes=["/completions"],
     )
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     with serve(app) as url:
@@ -160,7 +184,18 @@ def test_hostile_workflow_reaches_only_the_model(
     assert metrics["server_reachable"] == 0
     assert metrics["keys_found"] == 0
     assert metrics["chat_url_is_loopback"] == 1
-    assert metrics["llm_requests"] == 1 and metrics["llm_total_tokens"] > 0
+    # Only the chat route and the operator's route reached the model.
+    assert (metrics["models_status"], metrics["files_status"], metrics["escape_status"]) == (
+        404,
+        404,
+        404,
+    )
+    assert metrics["completions_status"] == 200
+    assert [(r.method, r.path) for r in chat.requests] == [
+        ("POST", "/chat/completions"),
+        ("POST", "/completions"),
+    ]
+    assert metrics["llm_requests"] == 2 and metrics["llm_total_tokens"] > 0
     assert result.sample.reward == 1.0
     # The model saw the real key, which reached it only through the relay.
     assert chat.authorizations[-1] == f"Bearer {KEY}"
