@@ -462,6 +462,16 @@ async def test_only_post_chat_completions_reaches_the_model(
         assert [r.path for r in chat.requests] == ["/v1/chat/completions"]
 
 
+async def test_head_on_the_chat_route_is_refused_without_a_body(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        request = _request(b"HEAD", b"/v1/chat/completions", rig.relay.token)
+        assert await _raw_status(rig.forwarder.port, request) == 404
+        assert chat.requests == []
+        assert rig.relay.usage.rejected == 1
+
+
 async def test_an_operator_route_is_forwarded_and_nothing_beside_it(
     tmp_path: Path, chat: FakeChat
 ) -> None:

@@ -560,7 +560,13 @@ class ModelRelay:
             except _Reject as rejected:
                 self._refuse()
                 await self._send_error(
-                    conn, writer, rejected.status, rejected.code, rejected.message
+                    conn,
+                    writer,
+                    rejected.status,
+                    rejected.code,
+                    rejected.message,
+                    # h11 refuses a body on a HEAD answer (the status still says it all).
+                    with_body=event.method != b"HEAD",
                 )
                 return
             self._count("requests")
@@ -654,6 +660,8 @@ class ModelRelay:
         status: int,
         code: str,
         message: str,
+        *,
+        with_body: bool = True,
     ) -> None:
         if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
@@ -668,7 +676,9 @@ class ModelRelay:
         ]
         with contextlib.suppress(h11.LocalProtocolError):
             data = conn.send(h11.Response(status_code=status, headers=headers))
-            data = (data or b"") + (conn.send(h11.Data(data=body)) or b"")
+            data = data or b""
+            if with_body:
+                data += conn.send(h11.Data(data=body)) or b""
             data += conn.send(h11.EndOfMessage()) or b""
             writer.write(data)
             await writer.drain()
