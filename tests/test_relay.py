@@ -591,7 +591,9 @@ async def test_only_allowlisted_headers_reach_the_model(tmp_path: Path, chat: Fa
 async def test_refusals_are_budgeted_then_the_rollout_is_cut_off(
     tmp_path: Path, chat: FakeChat
 ) -> None:
-    async with open_rig(tmp_path, f"{chat.base_url}/v1", RelayLimits(max_refused=3)) as rig:
+    async with open_rig(
+        tmp_path, f"{chat.base_url}/v1", RelayLimits(max_refused_requests=3)
+    ) as rig:
         relay = rig.relay
         # A connection kept alive from before the budget is spent.
         reader, writer = await asyncio.open_unix_connection(str(relay.socket_path))

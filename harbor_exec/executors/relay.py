@@ -23,7 +23,7 @@ It lends only what a rollout needs (``RelayLimits`` has the numbers):
   the relay sets ``authorization`` (the real key) and ``accept-encoding``
   (identity, so usage can be read), httpx sets ``host`` and the length.
 * Refusals: every request the relay refuses (bad token, route, size, count,
-  malformed) closes its connection and spends one of ``max_refused``; once they
+  malformed) closes its connection and spends one of ``max_refused_requests``; once they
   are spent, every further request and connection of the rollout is cut.
 * Idle time: a connection that sends nothing for ``idle_timeout_sec`` while the
   relay waits for a request (kept alive between calls, or a request trickling
@@ -153,7 +153,7 @@ class RelayLimits:
     max_connections: int = 32
     # Requests the relay may refuse before it cuts the rollout off: a workflow that
     # works is refused rarely (a 413, the last 429s), a policy probing routes often.
-    max_refused: int = 32
+    max_refused_requests: int = 32
     # Silence while waiting for a request (or the rest of one) before the connection
     # is closed; clients reopen kept-alive connections the server closed.
     idle_timeout_sec: float = 60.0
@@ -164,8 +164,10 @@ class RelayLimits:
     def __post_init__(self) -> None:
         for route in self.extra_routes:
             check_extra_route(route)
-        if self.max_refused < 1 or self.max_connections < 1 or self.idle_timeout_sec <= 0:
-            raise ValueError("max_refused, max_connections and idle_timeout_sec must be positive")
+        if self.max_refused_requests < 1 or self.max_connections < 1 or self.idle_timeout_sec <= 0:
+            raise ValueError(
+                "max_refused_requests, max_connections and idle_timeout_sec must be positive"
+            )
 
 
 @dataclass
@@ -523,13 +525,13 @@ class ModelRelay:
 
     @property
     def refusals_spent(self) -> bool:
-        """Whether this rollout has been refused ``max_refused`` times (it is cut off)."""
-        return self._refused >= self.limits.max_refused
+        """Whether this rollout has been refused ``max_refused_requests`` times (it is cut off)."""
+        return self._refused >= self.limits.max_refused_requests
 
     def _refuse(self) -> None:
         self._count("rejected")
         self._refused += 1
-        if self._refused == self.limits.max_refused:
+        if self._refused == self.limits.max_refused_requests:
             logger.warning(
                 "model relay %s: %d requests refused; refusing the rest of this rollout",
                 self.socket_path.parent.name,
