@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +158,9 @@ def run_runner(
     python: Path | str = sys.executable,
     pythonpath: list[Path] | None = None,
     cwd: Path | None = None,
+    args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m harbor_exec.container.runner <command>`` as a real subprocess."""
+    """``python -m harbor_exec.container.runner <command> [args]`` as a real subprocess."""
     extra = {}
     if pythonpath is not None:
         extra["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
@@ -175,6 +176,7 @@ def run_runner(
             str(logs_dir),
             "--tests-dir",
             str(tests_dir),
+            *args,
         ],
         env=clean_env(**extra),
         cwd=cwd or logs_dir.parent,

@@ -7,7 +7,9 @@ is answered by a Python function chosen by what the command runs:
 
 * ``solve``: the oracle's ``solve.sh`` (gets the container, returns an exit code
   or ``HANG``);
-* ``test``: the task's ``test.sh`` (same; the default writes reward 1).
+* ``test``: the task's ``test.sh`` (same; the default writes reward 1);
+* ``runner``: the bundled workflow's runner (``runner agent``): returns its exit
+  code and stdout (where the runner frames the sample); the default prints nothing.
 
 A behaviour that returns ``HOLD`` waits at the runtime's ``gate`` until the test
 opens it (then exits 0) or its container is removed (exit 137, as the engine ends
@@ -128,6 +130,7 @@ class FakeRuntime:
 
     solve: Behaviour = lambda container: 0
     test: Behaviour = _default_test
+    runner: Callable[[FakeContainer], tuple[int, bytes]] = lambda container: (0, b"")
     fail_builds: set[str] = field(default_factory=set)
     engine_down: bool = False
     gpus: int = 0
@@ -288,6 +291,9 @@ class FakeRuntime:
         elif "/tests/test.sh" in script:
             code = self.test(container)
             container.files.setdefault("/logs/verifier/test-stdout.txt", b"")
+        elif "harbor_exec.container.runner agent" in script:
+            code, stdout = self.runner(container)
+            return ExecResult(code, stdout, False, 0.0)
         else:
             code = 0
         if code == HOLD:

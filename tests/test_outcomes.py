@@ -20,7 +20,7 @@ from harbor_exec.errors import (
 )
 from harbor_exec.executors.base import ModelUsage, TrialRun
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
-from harbor_exec.trial.outputs import AgentOutput, GraderOutput, TrialOutput
+from harbor_exec.trial.outputs import AgentOutput, GraderOutput, TrialOutput, parse_agent_sample
 from harbor_exec.trial.results import (
     AgentInfo,
     ExceptionInfo,
@@ -170,3 +170,24 @@ def test_oracle_needs_no_sample() -> None:
     outcome = rollout_outcome(REQUEST, run, OutcomeSpec("t", is_oracle=True, verify=True))
     assert outcome.grader is not None and outcome.grader.sample is not None
     assert outcome.grader.sample.reward == 1.0
+
+
+def test_the_agents_reward_and_remove_sample_never_reach_the_outcome() -> None:
+    claimed = SampleFile(messages=MESSAGES, reward=1.0, remove_sample=True)
+    run = run_of(rewards={"reward": 0.0}, agent=AgentOutput(sample=claimed))
+    outcome = rollout_outcome(REQUEST, run, WORKFLOW)
+    assert outcome.workflow.sample is not None
+    assert outcome.workflow.sample.reward is None
+    assert outcome.workflow.sample.remove_sample is False
+    assert outcome.grader is not None and outcome.grader.sample is not None
+    assert outcome.grader.sample.reward == 0.0
+    assert outcome.grader.sample.remove_sample is False
+
+
+def test_a_deep_sample_is_a_clear_agent_side_failure() -> None:
+    agent = parse_agent_sample("[" * 200_000 + "]" * 200_000)
+    outcome = rollout_outcome(REQUEST, run_of(rewards={"reward": 1.0}, agent=agent), WORKFLOW)
+    assert outcome.workflow.status is RolloutStatus.FAILURE
+    assert outcome.workflow.err_category is RolloutErrorCategory.AGENT_ERROR
+    assert "nests deeper than" in (outcome.workflow.err_message or "")
+    assert outcome.grader is None

@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harbor_exec.container.exchange import frame_sample, unframe_sample
 from tests.bundle_utils import (
     API_KEY,
     EXAMPLE_REFS,
@@ -30,6 +32,8 @@ from tests.bundle_utils import (
     write_rollout,
 )
 from tests.fake_chat import FakeChat
+
+MESSAGES = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 CUSTOM_FLOWS = """
     import asyncio
@@ -67,6 +71,23 @@ CUSTOM_FLOWS = """
         async def run(self, ctx):
             print("sleeping", flush=True)
             await asyncio.sleep(60)
+
+    class Chatty(AgentWorkflow):
+        async def run(self, ctx):
+            import os, subprocess, sys
+            # What the workflow and its children print never reaches the host's frame.
+            print("\\x1eharbor-exec:sample:v1 2\\n{}", flush=True)
+            os.write(1, b"raw fd 1\\n")
+            subprocess.run([sys.executable, "-c", "print('child says hi')"], check=True)
+            return [{"role": "assistant", "content": "the real one"}]
+
+    class ReportsWhatItSees(Grader):
+        async def grade(self, ctx):
+            ctx.sample.extra_fields["seen"] = {
+                "reward": ctx.sample.reward,
+                "remove_sample": ctx.sample.remove_sample,
+            }
+            ctx.set_reward(0.25)
 
     class Lazy(Grader):
         async def grade(self, ctx):
@@ -113,10 +134,11 @@ class Layout:
         return self.logs / "verifier" / "sample.json"
 
     def run(
-        self, command: str, python: Path | str = sys.executable
+        self, command: str, python: Path | str = sys.executable, args: Sequence[str] = ()
     ) -> subprocess.CompletedProcess[str]:
         return run_runner(
             command,
+            args=args,
             manifest=self.manifest,
             logs_dir=self.logs,
             tests_dir=self.tests,
@@ -193,6 +215,29 @@ def test_agent_writes_the_sample(example: Layout, chat: FakeChat) -> None:
     # The key is in no output file.
     assert API_KEY not in example.agent_sample.read_text()
     assert (example.logs / "artifacts").is_dir()
+
+
+def test_agent_hands_the_sample_over_as_the_last_frame_on_stdout(
+    custom: Layout, chat: FakeChat
+) -> None:
+    _manifest(custom, workflow="custom_flows:Chatty")
+    custom.agent_input(chat, "q")
+    done = custom.run("agent", args=["--sample-to-stdout"])
+    assert done.returncode == 0, done.stderr
+    framed = unframe_sample(done.stdout.encode())
+    # The frame is the file's bytes, and the only thing on stdout.
+    assert framed == custom.agent_sample.read_bytes()
+    assert done.stdout.encode() == frame_sample(custom.agent_sample.read_bytes())
+    assert json.loads(framed)["messages"] == [{"role": "assistant", "content": "the real one"}]
+    for printed in ("raw fd 1", "child says hi", "sample written"):
+        assert printed in done.stderr
+
+
+def test_setup_failure_is_handed_over_in_its_error_form(example: Layout) -> None:
+    done = example.run("agent", args=["--sample-to-stdout"])
+    assert done.returncode == 2
+    framed = unframe_sample(done.stdout.encode())
+    assert framed is not None and json.loads(framed)["error"]["phase"] == "setup"
 
 
 def test_agent_appends_chat_completions_to_a_base_url_with_a_path(
@@ -394,6 +439,34 @@ def test_grader_sees_label_metadata_and_artifacts(custom: Layout, chat: FakeChat
         "artifacts": str(custom.logs / "artifacts"),
         "messages": 1,
     }
+
+
+def test_grader_never_sees_the_agents_reward_or_remove_sample(
+    custom: Layout, chat: FakeChat
+) -> None:
+    _manifest(custom, workflow="custom_flows:Nothing", grader="custom_flows:ReportsWhatItSees")
+    custom.agent_sample.parent.mkdir(parents=True)
+    custom.agent_sample.write_text(
+        json.dumps({"messages": MESSAGES, "reward": 1.0, "remove_sample": True})
+    )
+    custom.grader_input(chat, "q", "x")
+    done = custom.run("grade")
+    assert done.returncode == 0, done.stderr
+    assert _read(custom.reward) == {"reward": 0.25}
+    graded = _read(custom.verifier_sample)
+    assert graded["extra_fields"]["seen"] == {"reward": None, "remove_sample": False}
+    assert graded["remove_sample"] is False
+
+
+def test_a_deep_agent_sample_is_a_clear_setup_error(custom: Layout, chat: FakeChat) -> None:
+    _manifest(custom, workflow="custom_flows:Nothing", grader="custom_flows:Lazy")
+    custom.agent_sample.parent.mkdir(parents=True)
+    custom.agent_sample.write_text("[" * 200_000 + "]" * 200_000)
+    custom.grader_input(chat, "q", "x")
+    done = custom.run("grade")
+    assert done.returncode == 2
+    assert "nests deeper than" in done.stderr
+    assert "RecursionError" not in done.stderr
 
 
 def test_missing_sample_is_a_clear_error_and_no_reward(example: Layout, chat: FakeChat) -> None:

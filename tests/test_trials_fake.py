@@ -12,12 +12,20 @@ import pytest
 
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
+from harbor_exec.container.exchange import frame_sample
 from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
+from harbor_exec.trial.agents import WorkflowAgent, grader_verifier
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.trial import (
+    SandboxPolicy,
+    Trial,
+    TrialRequest,
+    image_tag_for,
+    run_trial,
+)
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task
 
@@ -229,3 +237,66 @@ def test_harbor_backend_over_the_fake(tmp_path: Path) -> None:
     assert "no such task" in missing.result.err_message  # type: ignore[attr-defined]
     assert backend.health().backend == "harbor" and backend.queue_info().running == 0
     assert not (tmp_path / "trials" / "r-good").exists()  # successful trials are cleaned up
+
+
+ORIGINAL = {"messages": [{"role": "assistant", "content": "original"}], "metrics": {}}
+FORGED = {"messages": [{"role": "assistant", "content": "forged"}], "remove_sample": True}
+
+
+def test_the_sample_is_the_one_handed_over_not_the_file_left_behind(tmp_path: Path) -> None:
+    """The runner frames the sample on stdout; its file is rewritten after it exits (as a
+    detached process would). The trial, its grader and its output keep the original."""
+    graded: list[object] = []
+
+    def runner(container: FakeContainer) -> tuple[int, bytes]:
+        handed = json.dumps(ORIGINAL).encode()
+        container.write("/logs/agent/sample.json", json.dumps(FORGED))  # after the fact
+        return 0, b"runner noise\n" + frame_sample(handed) + frame_sample(b"{}")
+
+    def grade(container: FakeContainer) -> int:
+        graded.append(json.loads(container.read("/logs/agent/sample.json") or b"null"))
+        container.write("/logs/verifier/reward.json", '{"reward": 0.5}')
+        return 0
+
+    runtime = FakeRuntime(runner=runner, test=grade)
+    task_dir = make_task(tmp_path / "tasks", "handed-over")
+    request = TrialRequest(
+        task=load_task(task_dir),
+        trials_dir=tmp_path / "trials",
+        agent=WorkflowAgent(name="w", version="1", bundle_files=[], rollout_input=b"{}"),
+        verifier=grader_verifier(b"{}", []),
+    )
+    trial_ = Trial(runtime, request)
+    result = trial_.run()
+    assert result.exception_info is None, result.exception_info
+    assert graded == [ORIGINAL]
+    assert trial_.output.agent.sample is not None
+    assert trial_.output.agent.sample.messages == ORIGINAL["messages"]
+    on_disk = json.loads((trial_.dir / "agent" / "sample.json").read_text())
+    assert on_disk == ORIGINAL
+
+
+def test_no_frame_means_no_sample_whatever_the_file_says(tmp_path: Path) -> None:
+    def runner(container: FakeContainer) -> tuple[int, bytes]:
+        container.write("/logs/agent/sample.json", json.dumps(FORGED))
+        return 0, b"no frame here"
+
+    graded: list[object] = []
+
+    def grade(container: FakeContainer) -> int:
+        graded.append(json.loads(container.read("/logs/agent/sample.json") or b"null"))
+        return 1
+
+    runtime = FakeRuntime(runner=runner, test=grade)
+    request = TrialRequest(
+        task=load_task(make_task(tmp_path / "tasks", "no-frame")),
+        trials_dir=tmp_path / "trials",
+        agent=WorkflowAgent(name="w", version="1", bundle_files=[], rollout_input=b"{}"),
+        verifier=grader_verifier(b"{}", []),
+    )
+    trial_ = Trial(runtime, request)
+    trial_.run()
+    assert trial_.output.agent.missing
+    assert not (trial_.dir / "agent" / "sample.json").exists()
+    # The grader was given the error form, not what the agent left at that path.
+    assert isinstance(graded[0], dict) and "error" in graded[0]

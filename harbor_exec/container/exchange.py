@@ -8,6 +8,8 @@ writes the same. Standard library and pydantic only: this runs in containers.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -43,6 +45,108 @@ SAMPLE_FIELDS: Final = ("messages", "reward", "remove_sample", "metrics", "extra
 def in_logs(relative: str) -> str:
     """The container path of a file under ``/logs``."""
     return f"{LOGS_DIR}/{relative}"
+
+
+# --------------------------------------------------------------------------- bounded JSON
+
+#: Every JSON document that comes out of a container is hostile: bounded in bytes
+#: and nesting BEFORE it is parsed (a 200,000-deep array makes ``json.loads`` raise
+#: RecursionError, and pydantic or ``repr`` recurse on what it returns).
+MAX_EXCHANGE_JSON_BYTES: Final = 4 * 2**20
+MAX_EXCHANGE_JSON_DEPTH: Final = 128
+
+# A JSON string token (unrolled loop: no backtracking on long strings), and a bracket.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+class ExchangeJSONError(ValueError):
+    """A JSON document from a container is too big, too deep, or not JSON."""
+
+
+def json_depth(text: str, limit: int) -> int:
+    """How deep ``text`` nests arrays and objects, counting no further than ``limit + 1``.
+
+    Brackets inside strings do not count; for text that is not JSON the answer is
+    only an estimate (parsing it fails anyway).
+    """
+    if text.count("[") + text.count("{") <= limit:  # the common case: too few to matter
+        return min(text.count("[") + text.count("{"), limit)
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def load_exchange_json(
+    data: bytes | str,
+    what: str,
+    *,
+    max_bytes: int = MAX_EXCHANGE_JSON_BYTES,
+    max_depth: int = MAX_EXCHANGE_JSON_DEPTH,
+) -> Any:
+    """Parse ``data`` (``what`` names it in errors) after checking its size and depth.
+
+    Raises ``ExchangeJSONError`` (a ValueError) for anything it refuses; never
+    RecursionError. NaN and infinities are refused: JSON has no such values.
+    """
+    size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    if size > max_bytes:
+        raise ExchangeJSONError(f"{what} is {size} bytes; at most {max_bytes} are read")
+    try:
+        text = data if isinstance(data, str) else data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ExchangeJSONError(f"{what} is not UTF-8: {exc}") from None
+    if json_depth(text, max_depth) > max_depth:
+        raise ExchangeJSONError(f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # RecursionError: a depth estimate was off
+        raise ExchangeJSONError(f"{what} is not valid JSON: {str(exc)[:200]}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+# --------------------------------------------------------------------------- the sample's frame
+
+#: The runner hands the sample to the host on the stdout of its exec, as one frame:
+#: ``SAMPLE_FRAME_MARKER <length>\n<sample.json bytes>\n``. The host takes the first
+#: complete frame of what the exec printed when it ended; nothing written later
+#: (a detached process, a rewritten ``sample.json``) changes it. No nonce: the
+#: workflow runs inside the runner's process and could read one, and only the agent
+#: can write to that stdout anyway (the workflow's own fd 1 goes to ``runner.txt``),
+#: so the frame proves *when* the sample was taken, not who wrote it. That is why the
+#: agent's ``reward`` and ``remove_sample`` are never believed.
+SAMPLE_FRAME_MARKER: Final = b"\x1eharbor-exec:sample:v1 "
+
+
+def frame_sample(payload: bytes) -> bytes:
+    """``payload`` (a ``sample.json`` document) as the runner's stdout frame."""
+    return b"\n" + SAMPLE_FRAME_MARKER + str(len(payload)).encode() + b"\n" + payload + b"\n"
+
+
+def unframe_sample(output: bytes, max_bytes: int = MAX_EXCHANGE_JSON_BYTES) -> bytes | None:
+    """The payload of the first frame in ``output``; None when it has no complete one
+    (or the first declares more than ``max_bytes``). Later frames never count."""
+    start = output.find(SAMPLE_FRAME_MARKER)
+    if start < 0:
+        return None
+    start += len(SAMPLE_FRAME_MARKER)
+    newline = output.find(b"\n", start, start + 20)
+    length_text = output[start:newline] if newline > 0 else b""
+    if not length_text.isdigit() or int(length_text) > max_bytes:
+        return None
+    payload = output[newline + 1 : newline + 1 + int(length_text)]
+    return payload if len(payload) == int(length_text) else None
 
 
 # --------------------------------------------------------------------------- models
@@ -129,19 +233,27 @@ __all__ = [
     "GRADER_INPUT",
     "LOGS_DIR",
     "MANIFEST_PATH",
+    "MAX_EXCHANGE_JSON_BYTES",
+    "MAX_EXCHANGE_JSON_DEPTH",
     "RELAY_DIR",
     "RELAY_SOCKET",
     "REWARD_JSON",
     "RUNNER_OUTPUT",
+    "SAMPLE_FRAME_MARKER",
     "TESTS_DIR",
     "USER_CODE_DIR",
     "VENV_PYTHON",
     "VERIFIER_SAMPLE",
     "ErrorDetail",
     "ErrorFile",
+    "ExchangeJSONError",
     "RelayInput",
     "RewardFile",
     "RolloutInput",
     "SampleFile",
+    "frame_sample",
     "in_logs",
+    "json_depth",
+    "load_exchange_json",
+    "unframe_sample",
 ]

@@ -40,6 +40,13 @@ the grader and their configs as ``module:attr``; only those four fields are read
     ``http://127.0.0.1:<port><path>``. The listener and its connections close
     when the workflow ends. A missing socket is a setup failure.
 
+    With ``--sample-to-stdout`` (how the host runs it) the same bytes also go, as
+    the last thing the runner does, to its stdout as one frame
+    (``exchange.frame_sample``); the workflow's own stdout goes to stderr. The host
+    takes the sample from that frame when the exec ends, so nothing the workflow
+    leaves running can change it later; ``sample.json`` in the container is only a
+    copy. A sample over ``MAX_EXCHANGE_JSON_BYTES`` as JSON becomes the error form.
+
     A host detects agent failure by a non-zero exit code or, reading only the
     file, by the presence of the ``error`` key. ``category`` follows the SDK's
     ``categorize_exception``; ``phase`` is ``setup`` when the run never started
@@ -48,8 +55,10 @@ the grader and their configs as ``module:attr``; only those four fields are read
 
 ``grade``
     reads ``<tests>/rollout.json`` (the same schema, WITH ``label``) and
-    ``<logs>/agent/sample.json``, runs a fresh grader with a ``GraderContext``
-    (label, sample, metadata, ``<logs>/artifacts``), then writes
+    ``<logs>/agent/sample.json`` (the host places its own copy there first), runs a
+    fresh grader with a ``GraderContext`` (label, sample without the agent's
+    ``reward`` and ``remove_sample``: those are the grader's to decide, metadata,
+    ``<logs>/artifacts``), then writes
     ``<logs>/verifier/reward.json`` as ``{"reward": <float>}``. When the grader
     changed anything but the reward (``remove_sample``, metrics, extra_fields,
     messages) it also writes ``<logs>/verifier/sample.json`` (the full sample in the
@@ -111,14 +120,18 @@ from harbor_exec.container.exchange import (
     GRADER_INPUT,
     INPUT_VERSION,
     MANIFEST_PATH,
+    MAX_EXCHANGE_JSON_BYTES,
     REWARD_JSON,
     SAMPLE_FIELDS,
     VERIFIER_SAMPLE,
     ErrorDetail,
     ErrorFile,
+    ExchangeJSONError,
     RelayInput,
     RolloutInput,
     SampleFile,
+    frame_sample,
+    load_exchange_json,
 )
 from harbor_exec.container.redaction import redact
 from harbor_exec.protocol import categorize_exception
@@ -458,8 +471,41 @@ async def _run_workflow(
             forwarder.close()
 
 
-def run_agent(paths: RunnerPaths) -> int:
-    """The ``agent`` command; always leaves ``agent/sample.json`` behind."""
+def _sample_bytes(payload: dict[str, Any]) -> bytes:
+    """``payload`` as ``sample.json``'s bytes; one the host would refuse to read (too
+    big) becomes the error form, so host and file agree on what the agent produced."""
+    data = (json.dumps(payload, ensure_ascii=False, allow_nan=False, indent=1) + "\n").encode()
+    if len(data) <= MAX_EXCHANGE_JSON_BYTES:
+        return data
+    too_big = ValueError(
+        f"the sample is {len(data)} bytes as JSON; at most {MAX_EXCHANGE_JSON_BYTES} are taken"
+    )
+    return _sample_bytes(_error_payload(too_big, "workflow", None))
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _hand_over(paths: RunnerPaths, payload: dict[str, Any], frame_fd: int | None) -> None:
+    """Write ``sample.json`` and, last of all, its frame on ``frame_fd`` (the host's copy)."""
+    data = _sample_bytes(payload)
+    if frame_fd is None:
+        _write_bytes(paths.agent_sample, data)
+        return
+    with contextlib.suppress(OSError):  # only a copy now: the frame is what the host takes
+        _write_bytes(paths.agent_sample, data)
+    with contextlib.suppress(OSError), os.fdopen(frame_fd, "wb", closefd=True) as frame:
+        frame.write(frame_sample(data))
+
+
+def run_agent(paths: RunnerPaths, frame_fd: int | None = None) -> int:
+    """The ``agent`` command; always leaves ``agent/sample.json`` behind and, with
+    ``frame_fd``, hands the same bytes to the host there (see ``frame_sample``)."""
     secret: str | None = None
     phase = "setup"
     try:
@@ -490,10 +536,10 @@ def run_agent(paths: RunnerPaths) -> int:
         phase = "workflow"
         workflow = workflow_cls(config)
         sample = asyncio.run(_run_workflow(workflow, context, rollout))
-        _write_json(paths.agent_sample, _sample_payload(sample))
+        _hand_over(paths, _sample_payload(sample), frame_fd)
     except (Exception, KeyboardInterrupt, _Terminated) as exc:
         payload = _error_payload(exc, phase, secret)
-        _write_json(paths.agent_sample, payload)
+        _hand_over(paths, payload, frame_fd)
         print(f"harbor-exec runner: agent failed: {payload['error']['message']}", file=sys.stderr)
         print(payload["error"]["traceback"], file=sys.stderr)
         return EXIT_SETUP if phase == "setup" else EXIT_FAILED
@@ -505,7 +551,12 @@ def run_agent(paths: RunnerPaths) -> int:
 
 
 def _load_agent_sample(path: Path, label: str | None) -> RolloutSample:
-    data = _read_json(path, "agent sample")
+    try:
+        data = load_exchange_json(path.read_bytes(), f"agent sample {path}")
+    except FileNotFoundError:
+        raise SetupError(f"agent sample {path} does not exist") from None
+    except (OSError, ExchangeJSONError) as exc:
+        raise SetupError(f"agent sample {path} is unreadable: {exc}") from exc
     if isinstance(data, dict) and "error" in data:
         error = data["error"] if isinstance(data["error"], dict) else {}
         raise SetupError(
@@ -518,11 +569,11 @@ def _load_agent_sample(path: Path, label: str | None) -> RolloutSample:
         raise SetupError(f"agent sample {path} is invalid: {exc}") from exc
     if parsed.messages is None:
         raise SetupError("No sample to grade: the workflow produced none")
+    # The agent wrote this file: its reward and remove_sample are not the grader's
+    # to see (the grader decides both), so they start unset.
     return RolloutSample(
         messages=parsed.messages,
         label=label,
-        reward=parsed.reward,
-        remove_sample=parsed.remove_sample,
         metrics=parsed.metrics,
         extra_fields=parsed.extra_fields,
     )
@@ -592,6 +643,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("command", choices=("agent", "grade"))
     parser.add_argument(
+        "--sample-to-stdout",
+        action="store_true",
+        help="agent: hand the sample to the host as a frame on stdout, written last; "
+        "everything else the runner and the workflow print goes to stderr",
+    )
+    parser.add_argument(
         "--manifest",
         type=Path,
         default=Path(os.environ.get(MANIFEST_ENV) or DEFAULT_MANIFEST),
@@ -618,7 +675,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
     # Turn the host's SIGTERM into an exception so the error file still gets written.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    return run_agent(paths) if args.command == "agent" else run_grade(paths)
+    if args.command == "grade":
+        return run_grade(paths)
+    frame_fd = None
+    if args.sample_to_stdout:
+        # Keep the exec's stdout for the frame alone (a private, non-inheritable dup):
+        # what the workflow and its children print goes where stderr goes.
+        sys.stdout.flush()
+        frame_fd = os.dup(1)
+        os.dup2(2, 1)
+    return run_agent(paths, frame_fd)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from harbor_exec.container.exchange import (
     USER_CODE_DIR,
     VENV_PYTHON,
     in_logs,
+    unframe_sample,
 )
 from harbor_exec.errors import AgentSetupError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
@@ -127,6 +128,9 @@ class AgentRun:
 
     exit_code: int | None
     timed_out: bool
+    # A bundled workflow's ``sample.json``, taken from the runner's stdout as its exec
+    # ended (b"": none came); None for agents that hand over no sample (the oracle).
+    sample: bytes | None = None
 
 
 class Agent(Protocol):
@@ -191,8 +195,9 @@ class TestsVerifier:
     tests_dir: Path | None = None
     generated: Sequence[ArchiveEntry] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
-    # Agent outputs this verifier reads (a bundled grader grades the agent's sample);
-    # a separate verifier container gets them beside the task's declared artifacts.
+    # Agent outputs this verifier reads (a bundled grader grades the agent's sample):
+    # the trial places its own copies there before the verifier runs, in the agent's
+    # container too (the agent may have rewritten its files after handing them over).
     agent_files: Sequence[str] = ()
 
     def files(self, *, upload_tests: bool = True) -> list[ArchiveEntry]:
@@ -209,7 +214,12 @@ class TestsVerifier:
         return entries + list(self.generated)
 
     def run(
-        self, session: TrialSession, timeout_sec: float | None, *, upload_tests: bool = True
+        self,
+        session: TrialSession,
+        timeout_sec: float | None,
+        *,
+        upload_tests: bool = True,
+        placed: Sequence[ArchiveEntry] = (),
     ) -> VerifierRun:
         """Place ``/tests`` and an empty ``/logs/verifier`` through the engine, then run
         ``test.sh`` under ``timeout_sec``.
@@ -218,6 +228,7 @@ class TestsVerifier:
         container (which the agent may have replaced): the archive's ``/logs/verifier``
         and ``/tests`` entries replace whatever the agent left at those paths, stale
         reward files included. The trial reads ``/logs`` back the same way.
+        ``placed`` are more files put in with them (the host's copies of ``agent_files``).
         """
         config = session.task.config
         env = {
@@ -233,6 +244,7 @@ class TestsVerifier:
             ArchiveEntry("/logs", None, 0o755),
             ArchiveEntry("/logs/verifier", None, 0o777, fresh=True),
             *self.files(upload_tests=upload_tests),
+            *placed,
         ]
         try:
             session.runtime.put_archive(session.container_id, build_archive(entries))
@@ -261,7 +273,8 @@ class WorkflowAgent:
 
     ``bundle_files`` hold the manifest and the user's code (the unpacked wheel);
     ``rollout_input`` is ``/logs/agent/rollout.json`` (prompt, metadata, chat URL and
-    key; never the label). The runner always writes ``/logs/agent/sample.json``.
+    key; never the label). The runner hands the sample back on its stdout; the trial
+    keeps that copy as ``agent/sample.json``, whatever the container's file says later.
     """
 
     name: str
@@ -277,13 +290,18 @@ class WorkflowAgent:
         return [*self.bundle_files, ArchiveEntry(in_logs(AGENT_INPUT), self.rollout_input, 0o644)]
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+        # The sample comes back on the exec's stdout (see ``exchange.frame_sample``),
+        # taken when the runner's exec ends: a ``sample.json`` rewritten later by
+        # something the workflow left running changes nothing.
         result = session.bash(
-            f"{VENV_PYTHON} -m harbor_exec.container.runner agent > {in_logs(RUNNER_OUTPUT)} 2>&1",
+            f"{VENV_PYTHON} -m harbor_exec.container.runner agent --sample-to-stdout "
+            f"2> {in_logs(RUNNER_OUTPUT)}",
             user=session.task.config.agent.user,
             env=RUNNER_ENV,
             timeout_sec=timeout_sec,
         )
-        return AgentRun(exit_code=result.exit_code, timed_out=result.timed_out)
+        sample = unframe_sample(result.output) or b""
+        return AgentRun(exit_code=result.exit_code, timed_out=result.timed_out, sample=sample)
 
 
 GRADER_TEST_SH = f"""#!/bin/bash

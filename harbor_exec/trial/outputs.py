@@ -6,11 +6,14 @@ or ``/logs/verifier/sample.json`` (the sample as the grader changed it). The tri
 reads them when it downloads ``/logs`` (with the rollout's secrets redacted, as
 on disk) into a ``TrialOutput``, so that mapping a trial to a rollout outcome
 reads no file. The reward stays in ``TrialResult`` (Harbor's record).
+
+Every file here came out of a container: each is parsed with
+``load_exchange_json`` (bounded in bytes and nesting), and what it refuses
+becomes a typed value (``AgentOutput.invalid``), never an exception.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,9 @@ from harbor_exec.container.exchange import (
     VERIFIER_SAMPLE,
     ErrorDetail,
     ErrorFile,
+    ExchangeJSONError,
     SampleFile,
+    load_exchange_json,
 )
 from harbor_exec.container.redaction import redact
 
@@ -86,15 +91,12 @@ def _tail(path: Path, secrets: Sequence[str]) -> str:
     return redact("\n".join(text.splitlines()[-RUNNER_TAIL_LINES:]), secrets)
 
 
-def read_agent_output(trial_dir: Path, secrets: Sequence[str] = ()) -> AgentOutput:
-    """``agent/sample.json`` under ``trial_dir`` (and the runner's tail if no sample)."""
-    text = _read_text(trial_dir / AGENT_SAMPLE, secrets)
+def parse_agent_sample(text: str) -> AgentOutput:
+    """The text of a ``sample.json`` as an ``AgentOutput`` (``invalid`` says what is wrong)."""
     try:
-        payload = None if text is None else json.loads(text)
-    except ValueError:
-        text = None
-    if text is None:
-        return AgentOutput(runner_tail=_tail(trial_dir / RUNNER_OUTPUT, secrets))
+        payload = load_exchange_json(text, AGENT_SAMPLE)
+    except ExchangeJSONError as exc:
+        return AgentOutput(invalid=str(exc))
     if isinstance(payload, dict) and "error" in payload:
         return AgentOutput(error=_error_detail(payload))
     try:
@@ -103,21 +105,33 @@ def read_agent_output(trial_dir: Path, secrets: Sequence[str] = ()) -> AgentOutp
         return AgentOutput(invalid=str(exc.errors()[0]["msg"]))
 
 
+def read_agent_output(trial_dir: Path, secrets: Sequence[str] = ()) -> AgentOutput:
+    """``agent/sample.json`` under ``trial_dir`` (and the runner's tail if no sample)."""
+    text = _read_text(trial_dir / AGENT_SAMPLE, secrets)
+    if text is None:
+        return AgentOutput(runner_tail=_tail(trial_dir / RUNNER_OUTPUT, secrets))
+    return parse_agent_sample(text)
+
+
 def read_grader_output(trial_dir: Path, secrets: Sequence[str] = ()) -> GraderOutput:
-    """``verifier/sample.json`` and ``verifier/grader_error.json`` under ``trial_dir``."""
+    """``verifier/sample.json`` and ``verifier/grader_error.json`` under ``trial_dir``.
+
+    A file that is not what the runner writes counts as absent: without a reward
+    the trial already fails on the verifier side.
+    """
     sample: SampleFile | None = None
     error: ErrorDetail | None = None
     text = _read_text(trial_dir / VERIFIER_SAMPLE, secrets)
     if text is not None:
         try:
-            sample = SampleFile.model_validate_json(text)
-        except ValidationError:
+            sample = SampleFile.model_validate(load_exchange_json(text, VERIFIER_SAMPLE))
+        except (ExchangeJSONError, ValidationError):
             sample = None
     text = _read_text(trial_dir / GRADER_ERROR, secrets)
     if text is not None:
         try:
-            error = _error_detail(json.loads(text))
-        except ValueError:
+            error = _error_detail(load_exchange_json(text, GRADER_ERROR))
+        except ExchangeJSONError:
             error = None
     return GraderOutput(sample=sample, error=error)
 
@@ -126,6 +140,7 @@ __all__ = [
     "AgentOutput",
     "GraderOutput",
     "TrialOutput",
+    "parse_agent_sample",
     "read_agent_output",
     "read_grader_output",
 ]

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, computed_field, field_serializer
 
+from harbor_exec.container.exchange import json_depth
 from harbor_exec.container.redaction import redact
 from harbor_exec.errors import (
     RewardFileEmptyError,
@@ -205,6 +206,7 @@ def _check_number(value: Any, path: Path, key: str) -> float | int:
 #: files are refused before they are parsed.
 MAX_REWARD_FILE_BYTES = 1 << 20
 MAX_REWARD_KEYS = 1024
+_MAX_REWARD_DEPTH = 8
 
 
 def _check_reward_size(path: Path) -> None:
@@ -232,10 +234,16 @@ def parse_rewards(verifier_dir: Path) -> Rewards:
     if json_path.is_file():
         if json_path.stat().st_size == 0:
             raise RewardFileEmptyError(f"reward file is empty: {json_path}")
-        try:
-            data = json.loads(
-                json_path.read_text(encoding="utf-8", errors="replace"), parse_int=_parse_int
+        text = json_path.read_text(encoding="utf-8", errors="replace")
+        # Bounded before parsing: the file came out of a container (a deep one would
+        # make json.loads recurse). A reward file is flat; some slack for the message.
+        if json_depth(text, _MAX_REWARD_DEPTH) > _MAX_REWARD_DEPTH:
+            raise VerifierOutputParseError(
+                f"{json_path} nests deeper than {_MAX_REWARD_DEPTH} levels; it must be a "
+                'flat JSON object of numbers, like {"reward": 1.0}'
             )
+        try:
+            data = json.loads(text, parse_int=_parse_int)
         except (ValueError, RecursionError) as exc:
             # ValueError also covers JSONDecodeError and integers past Python's
             # digit limit for int conversion (4300 digits).

@@ -43,6 +43,7 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from harbor_exec.container.exchange import AGENT_SAMPLE, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
@@ -93,6 +94,13 @@ from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve
 PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
+#: What a grader finds when the agent handed over no sample: the runner's error form.
+_NOTHING_HANDED_OVER = (
+    ErrorFile(error=ErrorDetail(type="NoSample", message="the workflow handed over no sample"))
+    .model_dump_json()
+    .encode()
+)
+
 LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
@@ -189,6 +197,8 @@ class Trial:
         self._container_id: str | None = None
         self._exception: ExceptionInfo | None = None
         self._logs_downloaded = False
+        #: The sample the agent handed over as its exec ended (``AgentRun.sample``).
+        self._agent_sample: bytes | None = None
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
         self.image = request.image or ""
@@ -415,6 +425,9 @@ class Trial:
             # Nothing the agent started may run on into the verifier phase.
             if not self.cancelled:
                 self.runtime.stop_processes(session.container_id)
+        if run.sample is not None:
+            self._agent_sample = run.sample
+            self._pin_agent_sample()
         self._check_cancelled()
         result.agent_result = AgentResult()
         if run.timed_out:
@@ -452,7 +465,8 @@ class Trial:
         timeout = self._verifier_timeout()
         started = result.verifier.started_at if result.verifier else None
         remaining = None if timeout is None else timeout - _elapsed(started)
-        run = verifier.run(session, remaining, upload_tests=upload_tests)
+        placed = self._agent_files(verifier)
+        run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
         self._check_cancelled()
         if run.timed_out:
             raise VerifierTimeoutError(
@@ -478,18 +492,13 @@ class Trial:
 
     def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts."""
-        task, request = self.request.task, self.request
+        task = self.request.task
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
             self._download_logs(session.container_id, keep=("agent", "artifacts"))
             carried = self._collect_artifacts(session.container_id)
             self._remove_container()
-            verifier = request.verifier or TestsVerifier(task.tests_dir)
-            for path in verifier.agent_files:  # e.g. the sample a bundled grader grades
-                local = self.dir / "agent" / PurePosixPath(path).relative_to("/logs/agent")
-                if local.is_file():
-                    carried.append(ArchiveEntry(path, local.read_bytes(), 0o644))
             image, upload_tests = self._verifier_image()
             env_config = task.config.verifier.environment or task.config.environment
             container_id = self._create(self._spec(image, env_config, kind="verifier", mounts=()))
@@ -503,6 +512,31 @@ class Trial:
             self._record(exc)
         finally:
             timing.finished_at = utcnow()
+
+    def _agent_files(self, verifier: TestsVerifier) -> list[ArchiveEntry]:
+        """The host's copies of the agent outputs ``verifier`` reads (e.g. the sample a
+        bundled grader grades); a missing one is placed as the runner's error form, so
+        that nothing the agent left at that path is graded."""
+        entries: list[ArchiveEntry] = []
+        for path in verifier.agent_files:
+            local = self.dir / "agent" / PurePosixPath(path).relative_to("/logs/agent")
+            data = local.read_bytes() if local.is_file() else _NOTHING_HANDED_OVER
+            entries += [ArchiveEntry("/logs/agent", None, 0o755), ArchiveEntry(path, data, 0o644)]
+        return entries
+
+    def _pin_agent_sample(self) -> None:
+        """Make ``agent/sample.json`` the copy the agent handed over (``AgentRun.sample``):
+        a download of ``/logs`` brings back the container's file, which something the
+        workflow left running may have rewritten."""
+        if self._agent_sample is None:
+            return
+        path = self.dir / AGENT_SAMPLE
+        if path.exists() or path.is_symlink():
+            _remove_path(path)
+        if self._agent_sample:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = self._agent_sample.decode("utf-8", errors="replace")
+            path.write_text(redact(text, self.request.secrets), encoding="utf-8")
 
     def _verifier_image(self) -> tuple[str, bool]:
         """Harbor's order: ``[verifier.environment].docker_image``; an image built from
@@ -595,6 +629,7 @@ class Trial:
                 _merge_tree(source, target)
         shutil.rmtree(staging, ignore_errors=True)
         self._logs_downloaded = True
+        self._pin_agent_sample()
         secrets = self.request.secrets
         if not keep or "agent" in keep:
             self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))

@@ -9,6 +9,8 @@ back. Exception types map through the one error table (``harbor_exec.errors``).
   missing or failed sample, and succeeds otherwise (the oracle's sample is empty).
 * The grader result, when the rollout is graded, carries the reward: the
   ``reward`` key, or the only key; other keys become ``reward/<key>`` metrics.
+  ``reward`` and ``remove_sample`` come from the grader (its changed sample) or
+  the task's tests only; the agent's sample never sets them.
 """
 
 from __future__ import annotations
@@ -122,8 +124,15 @@ def _workflow_result(
         return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
     if output.sample.messages is None:  # the workflow produced no sample: a success without one
         return _success(None, diagnostics), None
+    # The reward and whether the sample is dropped are the grader's to say (or the
+    # task's tests'), never the agent's: what it wrote there is ignored.
     sample = RolloutSample.model_validate(
-        {**output.sample.model_dump(), "label": request.label, "reward": None}
+        {
+            **output.sample.model_dump(),
+            "label": request.label,
+            "reward": None,
+            "remove_sample": False,
+        }
     )
     if run.usage is not None:
         sample.metrics = {**sample.metrics, **run.usage.sample_metrics()}
