@@ -559,7 +559,16 @@ class DockerRuntime:
             init=True,
             nano_cpus=int(spec.cpus * 1e9) if spec.cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
+            # Equal to mem_limit: no swap, so a memory hog is OOM-killed instead of
+            # thrashing the host's swap (Docker's default allows as much swap again).
+            memswap_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
             pids_limit=spec.pids_limit,
+            shm_size=f"{spec.shm_mb}m" if spec.shm_mb else None,
+            ulimits=[
+                docker.types.Ulimit(name="nofile", soft=spec.nofile_limit, hard=spec.nofile_limit)
+            ]
+            if spec.nofile_limit
+            else None,
             security_opt=["no-new-privileges"],
             cap_drop=[c for c in DROPPED_CAPABILITIES if c not in given_back],
             cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,

@@ -54,9 +54,11 @@ class ContainerSpec:
     name: str
     labels: Mapping[str, str]
     env: Mapping[str, str] = field(default_factory=dict)
-    cpus: float | None = None
-    memory_mb: int | None = None
+    cpus: float | None = None  # None: no CPU quota
+    memory_mb: int | None = None  # None: unlimited; else memory+swap is this too (no swap)
     pids_limit: int = 4096
+    shm_mb: int | None = None  # size of /dev/shm; None: the engine's default
+    nofile_limit: int | None = None  # open files (soft = hard); None: the engine's default
     network: NetworkKind = "bridge"
     mounts: Sequence[Mount] = ()
     cap_add: Sequence[str] = ()

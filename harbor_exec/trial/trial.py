@@ -106,17 +106,60 @@ def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
     return max(128, min(4096, share))
 
 
+#: Limits for tasks whose ``[environment]`` sets none (Harbor 0.26 defaults them to
+#: None, i.e. unlimited; one hostile rollout would then share the host's whole budget).
+DEFAULT_CPUS = 2.0
+DEFAULT_MEMORY_MB = 4096  # swap is never added: memory+swap equals this
+DEFAULT_STORAGE_MB = 10240  # the writable layer, /logs included
+DEFAULT_SHM_MB = 256  # /dev/shm (tmpfs: it counts against memory too)
+DEFAULT_NOFILE_LIMIT = 65536  # open files per process (soft and hard)
+
+
 @dataclass(frozen=True)
 class SandboxPolicy:
-    """The operator's settings for every trial container."""
+    """The operator's settings for every trial container.
+
+    The ``default_*`` limits apply to tasks whose ``[environment]`` leaves the field
+    unset; a task's own ``cpus``, ``memory_mb`` and ``storage_mb`` win (see
+    ``ContainerLimits.resolve``).
+    """
 
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
     #: None: each task's own ``[verifier].environment_mode``.
     verifier_mode: VerifierMode | None = None
     pids_limit: int = 4096
-    default_cpus: float | None = None  # for tasks that set no [environment].cpus
-    default_memory_mb: int | None = None  # for tasks that set no [environment].memory_mb
+    default_cpus: float = DEFAULT_CPUS
+    default_memory_mb: int = DEFAULT_MEMORY_MB
+    default_storage_mb: int = DEFAULT_STORAGE_MB
+    shm_mb: int = DEFAULT_SHM_MB
+    nofile_limit: int = DEFAULT_NOFILE_LIMIT
     output: OutputLimits = field(default_factory=OutputLimits)
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    """The limits one container runs under: the task's own, else the operator's."""
+
+    cpus: float
+    memory_mb: int
+    storage_mb: int
+    shm_mb: int
+    nofile_limit: int
+    pids_limit: int
+
+    @classmethod
+    def resolve(cls, policy: SandboxPolicy, env: EnvironmentConfig) -> ContainerLimits:
+        # Harbor leaves these None unless task.toml sets them, so "unset" is exact;
+        # 0 is as good as unset (Harbor's docker environment passes no limit for it).
+        memory_mb = env.memory_mb or policy.default_memory_mb
+        return cls(
+            cpus=float(env.cpus) if env.cpus else policy.default_cpus,
+            memory_mb=memory_mb,
+            storage_mb=env.storage_mb or policy.default_storage_mb,
+            shm_mb=min(policy.shm_mb, memory_mb),  # tmpfs pages are memory
+            nofile_limit=policy.nofile_limit,
+            pids_limit=policy.pids_limit,
+        )
 
 
 def image_tag_for(task: Task) -> str:
@@ -317,6 +360,7 @@ class Trial:
         request, task, policy = self.request, self.request.task, self.request.policy
         label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
+        limits = ContainerLimits.resolve(policy, env_config)
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -330,9 +374,11 @@ class Trial:
             env=resolve_env(
                 env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
             ),
-            cpus=float(env_config.cpus) if env_config.cpus else policy.default_cpus,
-            memory_mb=env_config.memory_mb or policy.default_memory_mb,
-            pids_limit=policy.pids_limit,
+            cpus=limits.cpus,
+            memory_mb=limits.memory_mb,
+            pids_limit=limits.pids_limit,
+            shm_mb=limits.shm_mb,
+            nofile_limit=limits.nofile_limit,
             network=self._network(),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
@@ -675,6 +721,13 @@ def run_trial(
 
 
 __all__ = [
+    "DEFAULT_CPUS",
+    "DEFAULT_MEMORY_MB",
+    "DEFAULT_NOFILE_LIMIT",
+    "DEFAULT_SHM_MB",
+    "DEFAULT_STORAGE_MB",
+    "ContainerLimits",
+    "SandboxPolicy",
     "Trial",
     "TrialRequest",
     "ensure_task_image",
