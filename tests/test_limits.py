@@ -5,12 +5,18 @@ The Docker suite (``tests/test_limits_docker.py``) shows that the engine applies
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.cli import sandbox
+from harbor_exec.errors import DiskBudgetExceededError, TrialPhase, is_exception, policy_for
+from harbor_exec.sandbox import disk
+from harbor_exec.sandbox.disk import WritableLayer, walk
 from harbor_exec.trial.task import EnvironmentConfig, load_task
 from harbor_exec.trial.trial import (
     DEFAULT_CPUS,
@@ -23,7 +29,7 @@ from harbor_exec.trial.trial import (
     TrialRequest,
     run_trial,
 )
-from tests.fake_runtime import FakeRuntime
+from tests.fake_runtime import HOLD, FakeContainer, FakeRuntime
 from tests.task_factory import DEFAULT_TOML, make_task
 
 
@@ -126,3 +132,73 @@ def test_cli_help_documents_every_default_option() -> None:
             "--default-nofile",
         ):
             assert option in out, (command, option)
+
+
+# ----------------------------------------------------------------- disk budget
+
+
+def test_an_agent_past_its_disk_budget_is_stopped_and_graded(tmp_path: Path) -> None:
+    def fill(container: FakeContainer) -> int:
+        container.write("/tmp/big", b"x" * (3 << 20))
+        return HOLD  # runs on until its processes are killed
+
+    toml = DEFAULT_TOML + "\n[environment]\nstorage_mb = 2\n"
+    task = load_task(make_task(tmp_path / "tasks", "t", toml=toml))
+    runtime = FakeRuntime(solve=fill)
+    request = TrialRequest(task=task, trials_dir=tmp_path / "trials")
+    started = time.monotonic()
+    result = run_trial(runtime, request)
+    assert time.monotonic() - started < 5  # not the gate's own limit
+    assert result.exception_info is not None
+    assert is_exception(result.exception_info.exception_type, DiskBudgetExceededError)
+    assert "2 MB disk budget" in result.exception_info.exception_message
+    # Agent-side and graded, like a timeout: the verifier's reward stands.
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1}
+    assert policy_for("DiskBudgetExceededError").phase is TrialPhase.AGENT
+    assert not (tmp_path / "trials" / result.trial_name / "agent" / "exit-code.txt").exists()
+
+
+def test_an_agent_within_its_disk_budget_runs_on(tmp_path: Path) -> None:
+    def small(container: FakeContainer) -> int:
+        container.write("/tmp/small", b"x" * (1 << 20))
+        return 0
+
+    toml = DEFAULT_TOML + "\n[environment]\nstorage_mb = 2\n"
+    task = load_task(make_task(tmp_path / "tasks", "t", toml=toml))
+    result = run_trial(FakeRuntime(solve=small), TrialRequest(task=task, trials_dir=tmp_path))
+    assert result.exception_info is None
+
+
+def test_the_walk_counts_allocated_bytes_once_and_stops_past_its_bounds(tmp_path: Path) -> None:
+    root = tmp_path / "upper"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "data").write_bytes(os.urandom(256 << 10))
+    os.link(root / "a" / "b" / "data", root / "a" / "hardlink")
+    with (root / "sparse").open("wb") as sparse:
+        sparse.truncate(1 << 30)  # 1 GiB long, nothing allocated
+    (root / "loop").symlink_to(root)
+    usage = walk(root, stop_above=1 << 30)
+    assert not usage.incomplete and usage.entries == 6
+    assert 256 << 10 <= usage.bytes_used < (256 << 10) + (64 << 10)
+    assert walk(root, stop_above=100 << 10).incomplete == "past the budget"
+    assert walk(root, stop_above=1 << 30, max_entries=3).incomplete == "more than 3 files"
+
+
+def test_between_walks_the_filesystems_loss_bounds_the_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free = [100 << 20]
+    monkeypatch.setattr(disk, "_free_bytes", lambda directory: free[0])
+    (tmp_path / "file").write_bytes(os.urandom(64 << 10))
+    layer = WritableLayer(tmp_path)
+    walked = layer.usage(1 << 30)  # the first ask walks
+    assert walked.entries == 1 and walked.bytes_used >= 64 << 10
+    free[0] -= 5 << 20  # someone wrote 5 MiB: no walk, the estimate is an upper bound
+    estimate = layer.usage(1 << 30)
+    assert estimate.bytes_used == walked.bytes_used + (5 << 20)
+    # An estimate past the budget is never the verdict: a walk decides (the loss was
+    # another container's), once walks are not too close together.
+    assert layer.usage(1 << 20).bytes_used <= 1 << 20
+    time.sleep(0.1)
+    decided = layer.usage(1 << 20)
+    assert decided == walked and not decided.incomplete

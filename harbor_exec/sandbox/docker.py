@@ -63,6 +63,7 @@ from harbor_exec.errors import (
 from harbor_exec.sandbox.archives import cut_marker
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.sandbox.cgroups import HostCgroup
+from harbor_exec.sandbox.disk import WritableLayer
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -70,6 +71,7 @@ from harbor_exec.sandbox.runtime import (
     LABEL_OWNER,
     BuildResult,
     ContainerSpec,
+    DiskUsage,
     ExecOptions,
     ExecResult,
     ImageBuild,
@@ -301,6 +303,8 @@ class DockerRuntime:
         self._image_configs: dict[str, dict[str, Any]] = {}
         # Containers whose removal failed while the engine was away; reap() retries them.
         self._unremoved: set[str] = set()
+        # Each container's writable layer on this host (None: not visible from here).
+        self._layers: dict[str, WritableLayer | None] = {}
         self.engine_available = True
         self.last_engine_error: str | None = None
 
@@ -741,9 +745,31 @@ class DockerRuntime:
                 f"pulled ({exc.explanation or exc}); build or load it first"
             ) from None
 
+    @_engine_boundary
+    def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
+        if container_id not in self._layers:
+            try:
+                graph = self._api.inspect_container(container_id).get("GraphDriver") or {}
+            except docker.errors.NotFound:
+                return None
+            # overlay2's upper dir holds everything the container wrote; it is a path on
+            # the engine's host, measurable only when that is this host (a local engine).
+            upper = (graph.get("Data") or {}).get("UpperDir")
+            self._layers[container_id] = (
+                WritableLayer(Path(upper)) if upper and Path(upper).is_dir() else None
+            )
+        layer = self._layers[container_id]
+        if layer is None:
+            return None
+        try:
+            return layer.usage(budget_bytes)
+        except FileNotFoundError:
+            return None  # removed meanwhile
+
     def remove(self, container_id: str) -> None:
         """Force-remove; never raises for an engine fault: the container is kept in a
         list that ``reap`` retries once the engine answers again."""
+        self._layers.pop(container_id, None)
         try:
             self._api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:

@@ -77,6 +77,17 @@ class ExecResult:
 
 
 @dataclass(frozen=True)
+class DiskUsage:
+    """What a container has written to the host's disk, as far as one count went."""
+
+    bytes_used: int  # allocated bytes (a sparse file counts what it occupies)
+    entries: int  # files, directories and links counted
+    #: Why the count stopped before the end ("" when it did not): the container has
+    #: then written at least ``bytes_used`` and is over its budget.
+    incomplete: str = ""
+
+
+@dataclass(frozen=True)
 class BuildResult:
     """Outcome of ``ensure_image``: the tag, and whether this call built it."""
 
@@ -177,6 +188,12 @@ class ContainerRuntime(Protocol):
     ) -> ExecResult:
         """Run ``command`` (fed ``stdin`` when given); past ``timeout_sec`` every
         process it started is killed."""
+        ...
+
+    def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
+        """What the container has written to disk (its writable layer, ``/logs``
+        included), exact up to ``budget_bytes``; cheap enough to ask every fraction of a
+        second. None when this engine cannot tell (no disk budget is kept then)."""
         ...
 
     def remove(self, container_id: str) -> None:

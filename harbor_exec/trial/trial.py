@@ -48,6 +48,7 @@ from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
     CancelledError,
+    DiskBudgetExceededError,
     EngineUnavailableError,
     EnvironmentStartError,
     GpuUnavailableError,
@@ -77,6 +78,7 @@ from harbor_exec.sandbox.runtime import (
     NetworkKind,
 )
 from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
@@ -97,6 +99,7 @@ LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
 CAP_ADD_LABEL = "harbor-exec.cap-add"
+_MIB = 1024 * 1024
 
 
 def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
@@ -454,8 +457,11 @@ class Trial:
             timeout = request.task.config.agent.timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
+        limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
+        watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
         try:
-            run = request.agent.run(session, timeout)
+            with watch:
+                run = request.agent.run(session, timeout)
         finally:
             timing.finished_at = utcnow()
             # Nothing the agent started may run on into the verifier phase.
@@ -463,6 +469,16 @@ class Trial:
                 self.runtime.stop_processes(session.container_id)
         self._check_cancelled()
         result.agent_result = AgentResult()
+        if watch.exceeded is not None:
+            used = watch.exceeded
+            why = f" ({used.incomplete})" if used.incomplete else ""
+            self._record(
+                DiskBudgetExceededError(
+                    f"the agent wrote more than its {limits.storage_mb} MB disk budget "
+                    f"(at least {used.bytes_used // _MIB} MB{why}); its processes were killed "
+                    "and the trial was verified anyway"
+                )
+            )
         if run.timed_out:
             self._record(
                 AgentTimeoutError(
@@ -470,7 +486,7 @@ class Trial:
                     "and the trial was verified anyway"
                 )
             )
-        if run.exit_code not in (0, None) and not run.timed_out:
+        if run.exit_code not in (0, None) and not run.timed_out and watch.exceeded is None:
             (self.dir / "agent").mkdir(parents=True, exist_ok=True)
             (self.dir / "agent" / "exit-code.txt").write_text(f"{run.exit_code}\n")
 

@@ -1,0 +1,112 @@
+"""How much a container has written to the host's disk, measured from the host, cheaply.
+
+Docker's overlay2 on ext4 cannot bound a container's writable layer
+(``--storage-opt size`` needs xfs with project quotas), so a trial's disk budget is
+kept by watching: the writable layer is one host directory (the overlay's upper
+dir; ``/logs`` lives in it too), and ``WritableLayer.usage`` counts it.
+
+Counting is a walk of that directory, which the agent shaped: it may hold a
+million empty files or a path deeper than ``PATH_MAX``. So a walk is bounded (it
+stops once past the budget, or past ``max_entries`` entries, and reports the
+layer as over budget when it cannot finish), and walks are rare: between them a
+``statvfs`` of the host filesystem (one syscall) bounds how much anything wrote
+since the last walk, and a new walk runs only when that could have crossed the
+budget, or when the last walk is old. Standard library only.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harbor_exec.sandbox.runtime import DiskUsage
+
+#: Entries one walk visits at most (also a bound on the host inodes a trial may use).
+MAX_ENTRIES = 1_000_000
+#: A walk is repeated at least this often, however quiet the filesystem looks
+#: (another trial freeing space would hide this one's growth from statvfs).
+_REWALK_SEC = 5.0
+#: ... and no more often than this many times its own cost, so that watching costs
+#: at most a few percent of a core whatever the agent does.
+_COST_FACTOR = 20.0
+
+
+@dataclass
+class WritableLayer:
+    """A container's writable layer (a host directory), measured by bounded walks."""
+
+    directory: Path
+    max_entries: int = MAX_ENTRIES
+    _last: DiskUsage | None = field(default=None, init=False)
+    _free_at_walk: int = field(default=0, init=False)
+    _walked_at: float = field(default=0.0, init=False)
+    _walk_cost: float = field(default=0.0, init=False)
+
+    def usage(self, budget_bytes: int) -> DiskUsage:
+        """The layer's use, exact up to ``budget_bytes`` (beyond it: at least that much).
+
+        Between walks the answer is an upper bound: the last walk plus whatever the
+        whole filesystem lost since."""
+        free = _free_bytes(self.directory)
+        now = time.monotonic()
+        last = self._last
+        if last is not None and not last.incomplete:
+            estimate = last.bytes_used + max(0, self._free_at_walk - free)
+            since = now - self._walked_at
+            if since < _COST_FACTOR * self._walk_cost:
+                # Too soon for another walk; only a walk may say "over" (the estimate
+                # also counts what other containers wrote).
+                return DiskUsage(min(estimate, budget_bytes), last.entries)
+            if estimate <= budget_bytes and since < _REWALK_SEC:
+                return DiskUsage(estimate, last.entries)
+        walked = walk(self.directory, stop_above=budget_bytes, max_entries=self.max_entries)
+        self._walk_cost = time.monotonic() - now
+        self._last, self._free_at_walk, self._walked_at = walked, free, now
+        return walked
+
+
+def _free_bytes(directory: Path) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
+def walk(root: Path, *, stop_above: int, max_entries: int = MAX_ENTRIES) -> DiskUsage:
+    """Allocated bytes under ``root`` (not following links, hard links counted once),
+    stopping once past ``stop_above`` bytes or ``max_entries`` entries."""
+    total = entries = 0
+    seen: set[int] = set()  # inodes with several links
+    stack = [os.fspath(root)]
+    while stack:
+        directory = stack.pop()
+        try:
+            with os.scandir(directory) as listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > max_entries:
+                        return DiskUsage(total, entries, f"more than {max_entries:,} files")
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed while we looked
+                    if info.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
+                        if info.st_ino in seen:
+                            continue
+                        seen.add(info.st_ino)
+                    total += info.st_blocks * 512
+                    if total > stop_above:
+                        return DiskUsage(total, entries, "past the budget")
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                return DiskUsage(total, entries, "paths too deep to measure")
+            raise
+    return DiskUsage(total, entries)
+
+
+__all__ = ["MAX_ENTRIES", "WritableLayer", "walk"]
