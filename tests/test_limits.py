@@ -197,8 +197,6 @@ def test_between_walks_the_filesystems_loss_bounds_the_layer(
     estimate = layer.usage(1 << 30)
     assert estimate.bytes_used == walked.bytes_used + (5 << 20)
     # An estimate past the budget is never the verdict: a walk decides (the loss was
-    # another container's), once walks are not too close together.
-    assert layer.usage(1 << 20).bytes_used <= 1 << 20
-    time.sleep(0.1)
+    # another container's).
     decided = layer.usage(1 << 20)
     assert decided == walked and not decided.incomplete

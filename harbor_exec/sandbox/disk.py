@@ -12,6 +12,10 @@ layer as over budget when it cannot finish), and walks are rare: between them a
 ``statvfs`` of the host filesystem (one syscall) bounds how much anything wrote
 since the last walk, and a new walk runs only when that could have crossed the
 budget, or when the last walk is old. Standard library only.
+
+Residual: an agent may write about one watch interval's worth past its budget
+before it is stopped (``harbor_exec.trial.diskwatch``); a layer of a million empty
+files is stopped as over budget rather than walked further.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from pathlib import Path
 from harbor_exec.sandbox.runtime import DiskUsage
 
 #: Entries one walk visits at most (also a bound on the host inodes a trial may use).
-MAX_ENTRIES = 1_000_000
-#: A walk is repeated at least this often, however quiet the filesystem looks
-#: (another trial freeing space would hide this one's growth from statvfs).
-_REWALK_SEC = 5.0
-#: ... and no more often than this many times its own cost, so that watching costs
-#: at most a few percent of a core whatever the agent does.
+MAX_ENTRIES = 500_000  # about a second to walk
+#: A walk is repeated this often however quiet the filesystem looks (another trial
+#: freeing space would hide this one's growth from statvfs) ...
+_REWALK_SEC = 10.0
+#: ... or, for a big layer, every this many times the walk's own cost, so that a
+#: quiet container's watch costs at most a few percent of a core.
 _COST_FACTOR = 20.0
 
 
@@ -56,11 +60,11 @@ class WritableLayer:
         if last is not None and not last.incomplete:
             estimate = last.bytes_used + max(0, self._free_at_walk - free)
             since = now - self._walked_at
-            if since < _COST_FACTOR * self._walk_cost:
-                # Too soon for another walk; only a walk may say "over" (the estimate
-                # also counts what other containers wrote).
-                return DiskUsage(min(estimate, budget_bytes), last.entries)
-            if estimate <= budget_bytes and since < _REWALK_SEC:
+            # Only a walk may say "over" (the estimate counts other containers' writes
+            # too); it resets the estimate, so walks stay rare however busy the disk.
+            if estimate <= budget_bytes and since < max(
+                _REWALK_SEC, _COST_FACTOR * self._walk_cost
+            ):
                 return DiskUsage(estimate, last.entries)
         walked = walk(self.directory, stop_above=budget_bytes, max_entries=self.max_entries)
         self._walk_cost = time.monotonic() - now
