@@ -6,6 +6,7 @@ The Docker suite (``tests/test_limits_docker.py``) shows that the engine applies
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -200,3 +201,20 @@ def test_between_walks_the_filesystems_loss_bounds_the_layer(
     # another container's).
     decided = layer.usage(1 << 20)
     assert decided == walked and not decided.incomplete
+
+
+def test_a_tree_too_deep_for_path_max_counts_as_over_budget(tmp_path: Path) -> None:
+    root = tmp_path / "upper"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(40):  # 40 * 200 characters: past PATH_MAX (4096)
+            os.mkdir("d" * 200, dir_fd=fd)
+            deeper = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+    usage = walk(root, stop_above=1 << 40)
+    assert usage.incomplete == "paths too deep to measure"
+    shutil.rmtree(root)  # rmtree walks by file descriptors

@@ -107,9 +107,13 @@ def walk(root: Path, *, stop_above: int, max_entries: int = MAX_ENTRIES) -> Disk
         except FileNotFoundError:
             continue
         except OSError as exc:
+            if directory == os.fspath(root):
+                raise  # the layer itself: this host cannot measure it at all
+            # Below it the agent chose the shape: what cannot be counted is over budget,
+            # or an agent could hide its writes from the count.
             if exc.errno == errno.ENAMETOOLONG:
                 return DiskUsage(total, entries, "paths too deep to measure")
-            raise
+            return DiskUsage(total, entries, f"cannot be measured: {exc.strerror}")
     return DiskUsage(total, entries)
 
 

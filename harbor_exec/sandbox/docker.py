@@ -754,10 +754,9 @@ class DockerRuntime:
                 return None
             # overlay2's upper dir holds everything the container wrote; it is a path on
             # the engine's host, measurable only when that is this host (a local engine).
-            upper = (graph.get("Data") or {}).get("UpperDir")
-            self._layers[container_id] = (
-                WritableLayer(Path(upper)) if upper and Path(upper).is_dir() else None
-            )
+            upper = str((graph.get("Data") or {}).get("UpperDir") or "")
+            readable = bool(upper) and os.access(upper, os.R_OK | os.X_OK)  # root, here
+            self._layers[container_id] = WritableLayer(Path(upper)) if readable else None
         layer = self._layers[container_id]
         if layer is None:
             return None
