@@ -66,11 +66,12 @@ class DiskWatch:
             if usage is None:
                 return  # this engine cannot tell: no budget is kept
             if usage.bytes_used > self.budget_bytes or usage.incomplete:
-                self.exceeded = usage
+                self.exceeded = self.exceeded or usage
                 # A failure here shows again in the trial's own stop after the phase.
+                # Not the last ask: an agent that runs several commands is stopped
+                # again each interval until its phase ends.
                 with contextlib.suppress(HarborExecError, OSError):
                     self.runtime.stop_processes(self.container_id)
-                return
 
 
 __all__ = ["DISK_WATCH_INTERVAL_SEC", "DiskWatch"]
