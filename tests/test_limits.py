@@ -45,7 +45,7 @@ def test_a_task_without_limits_gets_the_documented_defaults() -> None:
         pids_limit=SandboxPolicy().pids_limit,
     )
     assert (DEFAULT_CPUS, DEFAULT_MEMORY_MB, DEFAULT_STORAGE_MB) == (2.0, 4096, 10240)
-    assert (DEFAULT_SHM_MB, DEFAULT_NOFILE_LIMIT) == (256, 65536)
+    assert (DEFAULT_SHM_MB, DEFAULT_NOFILE_LIMIT) == (256, 16384)
 
 
 def test_a_tasks_own_limits_win_over_the_defaults_both_ways() -> None:

@@ -78,7 +78,7 @@ def test_a_task_without_limits_gets_the_documented_defaults(
     assert result.exception_info is None
     assert host["Memory"] == DEFAULT_MEMORY_MB * MIB
     assert host["MemorySwap"] == host["Memory"]  # no swap
-    assert host["NanoCpus"] == int(DEFAULT_CPUS * 1e9)
+    assert host["NanoCpus"] == int(min(DEFAULT_CPUS, docker_runtime.engine_cpus()) * 1e9)
     assert host["PidsLimit"] == SandboxPolicy().pids_limit
     assert host["ShmSize"] == DEFAULT_SHM_MB * MIB
     assert nofile(host) == (DEFAULT_NOFILE_LIMIT, DEFAULT_NOFILE_LIMIT)
@@ -93,14 +93,30 @@ def test_a_tasks_own_memory_and_cpus_raise_the_defaults(
         [agent]
         timeout_sec = 30.0
         [environment]
-        cpus = 3
+        cpus = 1.5
         memory_mb = 6144
     """
     task = make_task(tmp_path, "raised", toml=toml)
+    low_cpus = SandboxPolicy(default_cpus=0.5)
+    result, host = run_seeing_host_config(docker_runtime, client, task, tmp_path / "t", low_cpus)
+    assert result.exception_info is None
+    assert (host["NanoCpus"], host["Memory"]) == (1_500_000_000, 6144 * MIB)
+    assert host["MemorySwap"] == host["Memory"]
+
+
+def test_more_cpus_than_the_engine_has_get_every_cpu(
+    docker_runtime: DockerRuntime, client: docker.DockerClient, tmp_path: Path
+) -> None:
+    toml = """
+        [agent]
+        timeout_sec = 30.0
+        [environment]
+        cpus = 512
+    """
+    task = make_task(tmp_path, "greedy", toml=toml)
     result, host = run_seeing_host_config(docker_runtime, client, task, tmp_path / "t")
     assert result.exception_info is None
-    assert (host["NanoCpus"], host["Memory"]) == (3_000_000_000, 6144 * MIB)
-    assert host["MemorySwap"] == host["Memory"]
+    assert host["NanoCpus"] == docker_runtime.engine_cpus() * 1_000_000_000
 
 
 def test_operator_defaults_override_the_built_in_ones(
@@ -187,6 +203,7 @@ def test_a_3_gib_write_stops_at_the_disk_budget(
     assert f"{budget_mb} MB disk budget" in result.exception_info.exception_message
     assert elapsed < 30
     drop = before - lowest[0]
+    print(f"{target}: the host lost at most {drop // MIB} MiB; the trial took {elapsed:.1f}s")
     assert drop < budget_mb * MIB + slack, f"the host lost {drop // MIB} MiB"
     # Graded anyway (agent-side, like a timeout), and nothing huge was copied back.
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1}

@@ -303,6 +303,7 @@ class DockerRuntime:
         self._image_configs: dict[str, dict[str, Any]] = {}
         # Containers whose removal failed while the engine was away; reap() retries them.
         self._unremoved: set[str] = set()
+        self._cpus: int | None = None  # the engine's CPU count, asked once
         # Each container's writable layer on this host (None: not visible from here).
         self._layers: dict[str, WritableLayer | None] = {}
         self.engine_available = True
@@ -559,9 +560,14 @@ class DockerRuntime:
                 "'bridge' or 'none', never the host's network"
             )
         given_back = set(spec.cap_add)
+        if self._cpus is None:
+            self._cpus = self.engine_cpus()
+        # The engine refuses a quota above its CPU count: a task (or a default) asking
+        # for more gets every CPU there is rather than a container that cannot start.
+        cpus = min(spec.cpus, float(self._cpus)) if spec.cpus else None
         host_config = self._api.create_host_config(
             init=True,
-            nano_cpus=int(spec.cpus * 1e9) if spec.cpus else None,
+            nano_cpus=int(cpus * 1e9) if cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
             # Equal to mem_limit: no swap, so a memory hog is OOM-killed instead of
             # thrashing the host's swap (Docker's default allows as much swap again).
@@ -610,8 +616,14 @@ class DockerRuntime:
             with self._start_gate:
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
+            hint = ""
+            if "setting rlimit" in str(exc.explanation or exc):
+                hint = (
+                    " (a ulimit above the Docker daemon's own: lower --default-nofile to at "
+                    "most the daemon's open-files limit)"
+                )
             raise EnvironmentStartError(
-                f"cannot start container: {exc.explanation or exc}"
+                f"cannot start container: {exc.explanation or exc}{hint}"
             ) from None
 
     @_engine_boundary

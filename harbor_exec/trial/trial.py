@@ -115,7 +115,10 @@ DEFAULT_CPUS = 2.0
 DEFAULT_MEMORY_MB = 4096  # swap is never added: memory+swap equals this
 DEFAULT_STORAGE_MB = 10240  # the writable layer, /logs included
 DEFAULT_SHM_MB = 256  # /dev/shm (tmpfs: it counts against memory too)
-DEFAULT_NOFILE_LIMIT = 65536  # open files per process (soft and hard)
+# Open files per process (soft and hard). Docker's own default is the daemon's, often
+# 1,048,576; this stays under the hard limit of daemons started without
+# CAP_SYS_RESOURCE or with a low LimitNOFILE (runc cannot raise it past theirs).
+DEFAULT_NOFILE_LIMIT = 16384
 
 
 @dataclass(frozen=True)
