@@ -20,7 +20,7 @@ from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.runtime import ContainerRuntime, DiskUsage
 
 #: How often the watch asks; each ask is one ``statvfs`` unless a walk is due.
-DISK_WATCH_INTERVAL_SEC = 0.2
+DISK_WATCH_INTERVAL_SEC = 0.1
 
 
 class DiskWatch:
