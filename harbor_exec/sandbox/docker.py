@@ -775,6 +775,7 @@ class DockerRuntime:
         try:
             return layer.usage(budget_bytes)
         except FileNotFoundError:
+            self._layers.pop(container_id, None)
             return None  # removed meanwhile
 
     def remove(self, container_id: str) -> None:
