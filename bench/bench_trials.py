@@ -21,11 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
+import docker.types
 
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.trial.task import Task, discover_tasks
-from harbor_exec.trial.trial import TrialRequest, ensure_task_image, run_trial
+from harbor_exec.trial.trial import (
+    ContainerLimits,
+    SandboxPolicy,
+    TrialRequest,
+    ensure_task_image,
+    run_trial,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIRS = [ArchiveEntry(p, None, 0o777) for p in ("/logs", "/logs/agent", "/logs/verifier")]
@@ -34,15 +41,19 @@ LOG_DIRS = [ArchiveEntry(p, None, 0o777) for p in ("/logs", "/logs/agent", "/log
 def floor_trial(api: docker.APIClient, image: str, task: Task) -> float:
     """The same steps, straight through the SDK: returns the reward."""
     network = "none" if task.config.environment.network_mode == "no-network" else None
+    # The limits a trial gets (the task's own, else the defaults), so the ratio is fair.
+    limits = ContainerLimits.resolve(SandboxPolicy(), task.config.environment)
     host_config = api.create_host_config(
         init=True,
         network_mode=network,
-        nano_cpus=int(float(task.config.environment.cpus) * 1e9)
-        if task.config.environment.cpus
-        else None,
-        mem_limit=f"{task.config.environment.memory_mb}m"
-        if task.config.environment.memory_mb
-        else None,
+        nano_cpus=int(limits.cpus * 1e9),
+        mem_limit=f"{limits.memory_mb}m",
+        memswap_limit=f"{limits.memory_mb}m",
+        pids_limit=limits.pids_limit,
+        shm_size=f"{limits.shm_mb}m",
+        ulimits=[
+            docker.types.Ulimit(name="nofile", soft=limits.nofile_limit, hard=limits.nofile_limit)
+        ],
     )
     container = api.create_container(image, ["sleep", "infinity"], host_config=host_config)["Id"]
     try:

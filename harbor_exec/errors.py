@@ -72,6 +72,12 @@ class AgentTimeoutError(TrialError):
     """The agent ran past ``[agent].timeout_sec``; it was killed and the trial still verified."""
 
 
+class DiskBudgetExceededError(TrialError):
+    """The agent's container wrote more than its disk budget (``[environment].storage_mb``,
+    else the operator's ``--default-storage-mb``); its processes were killed and the
+    trial was verified anyway, as after an agent timeout."""
+
+
 class AgentSetupError(TrialError):
     """The agent could not be installed or prepared in the container."""
 
@@ -185,6 +191,9 @@ POLICIES: dict[str, ErrorPolicy] = {
     "AgentTimeoutError": _policy(False, True, True, "timeout", _AGENT),
     "NonZeroAgentExitCodeError": _policy(False, True, True, "agent_error", _AGENT),
     "CancelledError": _policy(False, False, False, "agent_error", None),
+    # Ours. The agent filled its disk budget: its own doing, like a timeout (not
+    # retried, it would do it again; graded, so the policy learns what it cost).
+    "DiskBudgetExceededError": _policy(False, True, True, "agent_error", _AGENT),
     # Ours. Infrastructure faults: nothing in the container can be trusted to grade,
     # and a trainer may retry them elsewhere.
     "EngineUnavailableError": _policy(True, False, False, "internal_error", None),

@@ -12,10 +12,11 @@ is answered by a Python function chosen by what the command runs:
   code and stdout (where the runner frames the sample); the default prints nothing.
 
 A behaviour that returns ``HOLD`` waits at the runtime's ``gate`` until the test
-opens it (then exits 0) or its container is removed (exit 137, as the engine ends
-an exec whose container it killed). ``gate.wait_held(n)`` returns once ``n``
-commands have reached the gate, so tests synchronise on events, never on sleeps.
-Every exec is recorded in ``execs`` (which container, which rollout, its deadline).
+opens it (then exits 0), its container is removed (exit 137, as the engine ends
+an exec whose container it killed) or ``stop_processes`` kills it (137, too).
+``gate.wait_held(n)`` returns once ``n`` commands have reached the gate, so tests
+synchronise on events, never on sleeps. Every exec is recorded in ``execs`` (which
+container, which rollout, its deadline).
 
 The archive calls really pack and unpack tars, so the trial's file handling
 (``/logs`` read back, a fresh ``/logs/verifier``, bounded extraction) is the
@@ -39,6 +40,7 @@ from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
     BuildResult,
     ContainerSpec,
+    DiskUsage,
     ExecResult,
     ImageInfo,
 )
@@ -58,6 +60,7 @@ class FakeContainer:
     files: dict[str, bytes | None] = field(default_factory=dict)  # None: a directory
     running: bool = False
     removed: bool = False
+    processes_stopped: int = 0  # stop_processes calls (each ends a held command)
 
     def write(self, path: str, data: bytes | str) -> None:
         self.files[path] = data.encode() if isinstance(data, str) else data
@@ -96,12 +99,16 @@ class Gate:
         (and 0 past ``HOLD_LIMIT_SEC``, recorded nowhere, so that assertions fail)."""
         with self._condition:
             self.held.append(container)
+            stops = container.processes_stopped
             self._condition.notify_all()
-            self._condition.wait_for(lambda: self._open or container.removed, HOLD_LIMIT_SEC)
+            self._condition.wait_for(
+                lambda: self._open or container.removed or container.processes_stopped > stops,
+                HOLD_LIMIT_SEC,
+            )
             if container.removed:
                 self.ended_by_removal.append(container)
                 return 137
-            return 0
+            return 137 if container.processes_stopped > stops else 0
 
     def wait_held(self, count: int = 1, timeout: float = 10.0) -> bool:
         """True once ``count`` commands have reached the gate (False past ``timeout``)."""
@@ -112,6 +119,12 @@ class Gate:
         """Let every held command, and every later one, through."""
         with self._condition:
             self._open = True
+            self._condition.notify_all()
+
+    def processes_stopped(self, container: FakeContainer) -> None:
+        """``stop_processes`` ran: the container's held command ends (137)."""
+        with self._condition:
+            container.processes_stopped += 1
             self._condition.notify_all()
 
     def container_removed(self) -> None:
@@ -261,6 +274,17 @@ class FakeRuntime:
 
     def stop_processes(self, container_id: str) -> None:
         self._call("stop_processes")
+        container = self.containers.get(container_id)
+        if container is not None:
+            self.gate.processes_stopped(container)
+
+    def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
+        # Not recorded in ``calls``: the trial's disk watch polls it on a timer.
+        container = self.containers.get(container_id)
+        if container is None or container.removed:
+            return None
+        used = sum(len(data) for data in container.files.values() if data)
+        return DiskUsage(used, len(container.files))
 
     def exec(
         self,

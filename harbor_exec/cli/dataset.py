@@ -127,8 +127,11 @@ def validate(
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name")] = None,
     verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
-    default_cpus: sandbox.DefaultCpusOption = None,
-    default_memory_mb: sandbox.DefaultMemoryOption = None,
+    default_cpus: sandbox.DefaultCpusOption = sandbox.DEFAULT_CPUS,
+    default_memory_mb: sandbox.DefaultMemoryOption = sandbox.DEFAULT_MEMORY_MB,
+    default_storage_mb: sandbox.DefaultStorageOption = sandbox.DEFAULT_STORAGE_MB,
+    default_shm_mb: sandbox.DefaultShmOption = sandbox.DEFAULT_SHM_MB,
+    default_nofile: sandbox.DefaultNofileOption = sandbox.DEFAULT_NOFILE_LIMIT,
     max_log_bytes: sandbox.MaxLogBytesOption = sandbox.DEFAULT_MAX_LOG_BYTES,
     ray: RayOption = None,
 ) -> None:
@@ -138,7 +141,15 @@ def validate(
     discovery = load_dataset(path)
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
-    options = sandbox.SandboxOptions(verifier_mode, default_cpus, default_memory_mb, max_log_bytes)
+    options = sandbox.SandboxOptions(
+        verifier_mode,
+        default_cpus,
+        default_memory_mb,
+        max_log_bytes,
+        default_storage_mb=default_storage_mb,
+        default_shm_mb=default_shm_mb,
+        default_nofile=default_nofile,
+    )
     policy = options.policy(
         max_concurrent_trials=n_concurrent,
         pid_max=(executor or runtime).pid_max(),  # type: ignore[union-attr]

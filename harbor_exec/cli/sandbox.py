@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 
 from harbor_exec.sandbox.archives import OutputLimits
-from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
+from harbor_exec.trial.trial import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_NOFILE_LIMIT,
+    DEFAULT_SHM_MB,
+    DEFAULT_STORAGE_MB,
+    SandboxPolicy,
+    default_pids_limit,
+)
 
 
 class VerifierModeChoice(StrEnum):
@@ -27,11 +35,28 @@ VerifierModeOption = Annotated[
     ),
 ]
 DefaultCpusOption = Annotated[
-    float | None, typer.Option(min=0.01, help="CPUs for tasks that set no [environment].cpus.")
+    float, typer.Option(min=0.01, help="CPUs for tasks that set no \\[environment].cpus.")
 ]
 DefaultMemoryOption = Annotated[
-    int | None,
-    typer.Option(min=16, help="Memory (MB) for tasks that set no \\[environment].memory_mb."),
+    int,
+    typer.Option(
+        min=16,
+        help="Memory (MB) for tasks that set no \\[environment].memory_mb; never any swap.",
+    ),
+]
+DefaultStorageOption = Annotated[
+    int,
+    typer.Option(
+        min=16,
+        help="Disk (MB) a container may write (writable layer and /logs) for tasks that set "
+        "no \\[environment].storage_mb; past it the agent is stopped (DiskBudgetExceededError).",
+    ),
+]
+DefaultShmOption = Annotated[
+    int, typer.Option(min=1, help="Size (MB) of /dev/shm, at most the container's memory.")
+]
+DefaultNofileOption = Annotated[
+    int, typer.Option(min=64, help="Open files per process in a container (nofile ulimit).")
 ]
 DEFAULT_MAX_LOG_BYTES = OutputLimits().max_file_bytes
 MaxLogBytesOption = Annotated[
@@ -49,9 +74,12 @@ class SandboxOptions:
     """The sandbox options ``serve`` and ``validate`` share, as given."""
 
     verifier_mode: VerifierModeChoice = VerifierModeChoice.TASK
-    default_cpus: float | None = None
-    default_memory_mb: int | None = None
+    default_cpus: float = DEFAULT_CPUS
+    default_memory_mb: int = DEFAULT_MEMORY_MB
     max_log_bytes: int = DEFAULT_MAX_LOG_BYTES
+    default_storage_mb: int = DEFAULT_STORAGE_MB
+    default_shm_mb: int = DEFAULT_SHM_MB
+    default_nofile: int = DEFAULT_NOFILE_LIMIT
 
     @property
     def separate_verifier(self) -> bool:
@@ -68,5 +96,27 @@ class SandboxOptions:
             pids_limit=default_pids_limit(max_concurrent_trials, pid_max),
             default_cpus=self.default_cpus,
             default_memory_mb=self.default_memory_mb,
+            default_storage_mb=self.default_storage_mb,
+            shm_mb=self.default_shm_mb,
+            nofile_limit=self.default_nofile,
             output=self.output_limits,
         )
+
+
+__all__ = [
+    "DEFAULT_CPUS",
+    "DEFAULT_MAX_LOG_BYTES",
+    "DEFAULT_MEMORY_MB",
+    "DEFAULT_NOFILE_LIMIT",
+    "DEFAULT_SHM_MB",
+    "DEFAULT_STORAGE_MB",
+    "DefaultCpusOption",
+    "DefaultMemoryOption",
+    "DefaultNofileOption",
+    "DefaultShmOption",
+    "DefaultStorageOption",
+    "MaxLogBytesOption",
+    "SandboxOptions",
+    "VerifierModeChoice",
+    "VerifierModeOption",
+]

@@ -63,6 +63,7 @@ from harbor_exec.errors import (
 from harbor_exec.sandbox.archives import cut_marker
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.sandbox.cgroups import HostCgroup
+from harbor_exec.sandbox.disk import WritableLayer
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -70,6 +71,7 @@ from harbor_exec.sandbox.runtime import (
     LABEL_OWNER,
     BuildResult,
     ContainerSpec,
+    DiskUsage,
     ExecOptions,
     ExecResult,
     ImageBuild,
@@ -301,6 +303,9 @@ class DockerRuntime:
         self._image_configs: dict[str, dict[str, Any]] = {}
         # Containers whose removal failed while the engine was away; reap() retries them.
         self._unremoved: set[str] = set()
+        self._cpus: int | None = None  # the engine's CPU count, asked once
+        # Each container's writable layer on this host (None: not visible from here).
+        self._layers: dict[str, WritableLayer | None] = {}
         self.engine_available = True
         self.last_engine_error: str | None = None
 
@@ -555,11 +560,25 @@ class DockerRuntime:
                 "'bridge' or 'none', never the host's network"
             )
         given_back = set(spec.cap_add)
+        if self._cpus is None:
+            self._cpus = self.engine_cpus()
+        # The engine refuses a quota above its CPU count: a task (or a default) asking
+        # for more gets every CPU there is rather than a container that cannot start.
+        cpus = min(spec.cpus, float(self._cpus)) if spec.cpus else None
         host_config = self._api.create_host_config(
             init=True,
-            nano_cpus=int(spec.cpus * 1e9) if spec.cpus else None,
+            nano_cpus=int(cpus * 1e9) if cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
+            # Equal to mem_limit: no swap, so a memory hog is OOM-killed instead of
+            # thrashing the host's swap (Docker's default allows as much swap again).
+            memswap_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
             pids_limit=spec.pids_limit,
+            shm_size=f"{spec.shm_mb}m" if spec.shm_mb else None,
+            ulimits=[
+                docker.types.Ulimit(name="nofile", soft=spec.nofile_limit, hard=spec.nofile_limit)
+            ]
+            if spec.nofile_limit
+            else None,
             security_opt=["no-new-privileges"],
             cap_drop=[c for c in DROPPED_CAPABILITIES if c not in given_back],
             cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,
@@ -597,8 +616,14 @@ class DockerRuntime:
             with self._start_gate:
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
+            hint = ""
+            if "setting rlimit" in str(exc.explanation or exc):
+                hint = (
+                    " (a ulimit above the Docker daemon's own: lower --default-nofile to at "
+                    "most the daemon's open-files limit)"
+                )
             raise EnvironmentStartError(
-                f"cannot start container: {exc.explanation or exc}"
+                f"cannot start container: {exc.explanation or exc}{hint}"
             ) from None
 
     @_engine_boundary
@@ -732,9 +757,31 @@ class DockerRuntime:
                 f"pulled ({exc.explanation or exc}); build or load it first"
             ) from None
 
+    @_engine_boundary
+    def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
+        if container_id not in self._layers:
+            try:
+                graph = self._api.inspect_container(container_id).get("GraphDriver") or {}
+            except docker.errors.NotFound:
+                return None
+            # overlay2's upper dir holds everything the container wrote; it is a path on
+            # the engine's host, measurable only when that is this host (a local engine).
+            upper = str((graph.get("Data") or {}).get("UpperDir") or "")
+            readable = bool(upper) and os.access(upper, os.R_OK | os.X_OK)  # root, here
+            self._layers[container_id] = WritableLayer(Path(upper)) if readable else None
+        layer = self._layers[container_id]
+        if layer is None:
+            return None
+        try:
+            return layer.usage(budget_bytes)
+        except FileNotFoundError:
+            self._layers.pop(container_id, None)
+            return None  # removed meanwhile
+
     def remove(self, container_id: str) -> None:
         """Force-remove; never raises for an engine fault: the container is kept in a
         list that ``reap`` retries once the engine answers again."""
+        self._layers.pop(container_id, None)
         try:
             self._api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:

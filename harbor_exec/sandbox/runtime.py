@@ -54,9 +54,11 @@ class ContainerSpec:
     name: str
     labels: Mapping[str, str]
     env: Mapping[str, str] = field(default_factory=dict)
-    cpus: float | None = None
-    memory_mb: int | None = None
+    cpus: float | None = None  # None: no CPU quota
+    memory_mb: int | None = None  # None: unlimited; else memory+swap is this too (no swap)
     pids_limit: int = 4096
+    shm_mb: int | None = None  # size of /dev/shm; None: the engine's default
+    nofile_limit: int | None = None  # open files (soft = hard); None: the engine's default
     network: NetworkKind = "bridge"
     mounts: Sequence[Mount] = ()
     cap_add: Sequence[str] = ()
@@ -72,6 +74,17 @@ class ExecResult:
     timed_out: bool
     duration_sec: float
     errors: bytes = b""  # stderr
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """What a container has written to the host's disk, as far as one count went."""
+
+    bytes_used: int  # allocated bytes (a sparse file counts what it occupies)
+    entries: int  # files, directories and links counted
+    #: Why the count stopped before the end ("" when it did not): the container has
+    #: then written at least ``bytes_used`` and is over its budget.
+    incomplete: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,12 @@ class ContainerRuntime(Protocol):
     ) -> ExecResult:
         """Run ``command`` (fed ``stdin`` when given); past ``timeout_sec`` every
         process it started is killed."""
+        ...
+
+    def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
+        """What the container has written to disk (its writable layer, ``/logs``
+        included), exact up to ``budget_bytes``; cheap enough to ask every fraction of a
+        second. None when this engine cannot tell (no disk budget is kept then)."""
         ...
 
     def remove(self, container_id: str) -> None:

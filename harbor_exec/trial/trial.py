@@ -49,6 +49,7 @@ from harbor_exec.errors import (
     AddTestsDirError,
     AgentTimeoutError,
     CancelledError,
+    DiskBudgetExceededError,
     EngineUnavailableError,
     EnvironmentStartError,
     GpuUnavailableError,
@@ -78,6 +79,7 @@ from harbor_exec.sandbox.runtime import (
     NetworkKind,
 )
 from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
@@ -105,6 +107,7 @@ LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
 CAP_ADD_LABEL = "harbor-exec.cap-add"
+_MIB = 1024 * 1024
 
 
 def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
@@ -114,17 +117,63 @@ def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
     return max(128, min(4096, share))
 
 
+#: Limits for tasks whose ``[environment]`` sets none (Harbor 0.26 defaults them to
+#: None, i.e. unlimited; one hostile rollout would then share the host's whole budget).
+DEFAULT_CPUS = 2.0
+DEFAULT_MEMORY_MB = 4096  # swap is never added: memory+swap equals this
+DEFAULT_STORAGE_MB = 10240  # the writable layer, /logs included
+DEFAULT_SHM_MB = 256  # /dev/shm (tmpfs: it counts against memory too)
+# Open files per process (soft and hard). Docker's own default is the daemon's, often
+# 1,048,576; this stays under the hard limit of daemons started without
+# CAP_SYS_RESOURCE or with a low LimitNOFILE (runc cannot raise it past theirs).
+DEFAULT_NOFILE_LIMIT = 16384
+
+
 @dataclass(frozen=True)
 class SandboxPolicy:
-    """The operator's settings for every trial container."""
+    """The operator's settings for every trial container.
+
+    The ``default_*`` limits apply to tasks whose ``[environment]`` leaves the field
+    unset; a task's own ``cpus``, ``memory_mb`` and ``storage_mb`` win (see
+    ``ContainerLimits.resolve``).
+    """
 
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
     #: None: each task's own ``[verifier].environment_mode``.
     verifier_mode: VerifierMode | None = None
     pids_limit: int = 4096
-    default_cpus: float | None = None  # for tasks that set no [environment].cpus
-    default_memory_mb: int | None = None  # for tasks that set no [environment].memory_mb
+    default_cpus: float = DEFAULT_CPUS
+    default_memory_mb: int = DEFAULT_MEMORY_MB
+    default_storage_mb: int = DEFAULT_STORAGE_MB
+    shm_mb: int = DEFAULT_SHM_MB
+    nofile_limit: int = DEFAULT_NOFILE_LIMIT
     output: OutputLimits = field(default_factory=OutputLimits)
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    """The limits one container runs under: the task's own, else the operator's."""
+
+    cpus: float
+    memory_mb: int
+    storage_mb: int
+    shm_mb: int
+    nofile_limit: int
+    pids_limit: int
+
+    @classmethod
+    def resolve(cls, policy: SandboxPolicy, env: EnvironmentConfig) -> ContainerLimits:
+        # Harbor leaves these None unless task.toml sets them, so "unset" is exact;
+        # 0 is as good as unset (Harbor's docker environment passes no limit for it).
+        memory_mb = env.memory_mb or policy.default_memory_mb
+        return cls(
+            cpus=float(env.cpus) if env.cpus else policy.default_cpus,
+            memory_mb=memory_mb,
+            storage_mb=env.storage_mb or policy.default_storage_mb,
+            shm_mb=min(policy.shm_mb, memory_mb),  # tmpfs pages are memory
+            nofile_limit=policy.nofile_limit,
+            pids_limit=policy.pids_limit,
+        )
 
 
 def image_tag_for(task: Task) -> str:
@@ -327,6 +376,7 @@ class Trial:
         request, task, policy = self.request, self.request.task, self.request.policy
         label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
+        limits = ContainerLimits.resolve(policy, env_config)
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -340,9 +390,11 @@ class Trial:
             env=resolve_env(
                 env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
             ),
-            cpus=float(env_config.cpus) if env_config.cpus else policy.default_cpus,
-            memory_mb=env_config.memory_mb or policy.default_memory_mb,
-            pids_limit=policy.pids_limit,
+            cpus=limits.cpus,
+            memory_mb=limits.memory_mb,
+            pids_limit=limits.pids_limit,
+            shm_mb=limits.shm_mb,
+            nofile_limit=limits.nofile_limit,
             network=self._network(),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
@@ -418,8 +470,11 @@ class Trial:
             timeout = request.task.config.agent.timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
+        limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
+        watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
         try:
-            run = request.agent.run(session, timeout)
+            with watch:
+                run = request.agent.run(session, timeout)
         finally:
             timing.finished_at = utcnow()
             # Nothing the agent started may run on into the verifier phase.
@@ -430,6 +485,16 @@ class Trial:
             self._pin_agent_sample()
         self._check_cancelled()
         result.agent_result = AgentResult()
+        if watch.exceeded is not None:
+            used = watch.exceeded
+            why = f" ({used.incomplete})" if used.incomplete else ""
+            self._record(
+                DiskBudgetExceededError(
+                    f"the agent wrote more than its {limits.storage_mb} MB disk budget "
+                    f"(at least {used.bytes_used // _MIB} MB{why}); its processes were killed "
+                    "and the trial was verified anyway"
+                )
+            )
         if run.timed_out:
             self._record(
                 AgentTimeoutError(
@@ -437,7 +502,7 @@ class Trial:
                     "and the trial was verified anyway"
                 )
             )
-        if run.exit_code not in (0, None) and not run.timed_out:
+        if run.exit_code not in (0, None) and not run.timed_out and watch.exceeded is None:
             (self.dir / "agent").mkdir(parents=True, exist_ok=True)
             (self.dir / "agent" / "exit-code.txt").write_text(f"{run.exit_code}\n")
 
@@ -710,6 +775,13 @@ def run_trial(
 
 
 __all__ = [
+    "DEFAULT_CPUS",
+    "DEFAULT_MEMORY_MB",
+    "DEFAULT_NOFILE_LIMIT",
+    "DEFAULT_SHM_MB",
+    "DEFAULT_STORAGE_MB",
+    "ContainerLimits",
+    "SandboxPolicy",
     "Trial",
     "TrialRequest",
     "ensure_task_image",

@@ -129,6 +129,9 @@ class HarborBackend(ExecutionBackend):
         verifier_mode: Literal["task", "separate"] = "task",
         default_cpus: float | None = None,
         default_memory_mb: int | None = None,
+        default_storage_mb: int | None = None,
+        default_shm_mb: int | None = None,
+        default_nofile: int | None = None,
         pids_limit: int | None = None,
         output_limits: OutputLimits | None = None,
         relay_extra_routes: Sequence[str] = (),
@@ -182,10 +185,18 @@ class HarborBackend(ExecutionBackend):
         self._policy_args: dict[str, Any] = {
             "verifier_mode": "separate" if verifier_mode == "separate" else None,
             "pids_limit": pids_limit,
-            "default_cpus": default_cpus,
-            "default_memory_mb": default_memory_mb,
             "output": output_limits or OutputLimits(),
         }
+        # None: SandboxPolicy's documented default.
+        for key, value in (
+            ("default_cpus", default_cpus),
+            ("default_memory_mb", default_memory_mb),
+            ("default_storage_mb", default_storage_mb),
+            ("shm_mb", default_shm_mb),
+            ("nofile_limit", default_nofile),
+        ):
+            if value is not None:
+                self._policy_args[key] = value
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
         self.bundle: PreparedBundle | None = None
         self.planner: TrialPlanner | None = None
