@@ -208,3 +208,27 @@ def test_a_verifier_error_wins_over_the_agents_flood(tmp_path: Path) -> None:
     request.policy = SandboxPolicy(verifier_mode="separate", output=OutputLimits(max_files=10))
     result = run_trial(FakeRuntime(solve=flood, test=lambda container: 0), request)
     assert result.exception_type == "RewardFileNotFoundError"
+
+
+def test_a_verifier_that_floods_its_own_dir_still_has_its_reward_read(tmp_path: Path) -> None:
+    def noisy_test(container: FakeContainer) -> int:
+        for i in range(50):
+            container.write(f"/logs/verifier/a{i:03}.log", b"noise")
+        container.write("/logs/verifier/reward.txt", "0")
+        return 0
+
+    task_dir = make_task(tmp_path / "tasks", "noisy-verifier")
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request.policy = SandboxPolicy(verifier_output=OutputLimits(max_files=10))
+    result = run_trial(FakeRuntime(test=noisy_test), request)
+    assert result.exception_info is None, result.exception_info
+    assert result.reward_valid and result.reward == 0.0
+    notes = json.loads((tmp_path / "trials" / result.trial_name / "copy-back.json").read_text())
+    assert notes["verifier"]["exceeded"] == "files"
+
+
+def test_a_garbled_archive_keeps_what_was_written(tmp_path: Path) -> None:
+    data = tar_of(("logs/first", b"kept"), ("logs/second", b"z" * 5000))
+    report = extract_archive(data[:2048], tmp_path / "out")  # cut inside the second file
+    assert (tmp_path / "out" / "first").read_bytes() == b"kept"
+    assert any("unreadable tar" in line for line in report.skipped)

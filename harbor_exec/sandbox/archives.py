@@ -311,7 +311,7 @@ def extract_archive(
         if not report.incomplete:
             dest.mkdir(parents=True, exist_ok=True)
             _extract_members(chunks, dest.resolve(), strip, limits, report)
-    except tarfile.ReadError as exc:
+    except (tarfile.TarError, EOFError) as exc:
         # A stream cut short or garbled (by a budget or by the container): keep what
         # was written, say why the rest is missing.
         report.skip("<archive>", f"unreadable tar: {exc}")
