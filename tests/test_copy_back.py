@@ -232,3 +232,30 @@ def test_a_garbled_archive_keeps_what_was_written(tmp_path: Path) -> None:
     report = extract_archive(data[:2048], tmp_path / "out")  # cut inside the second file
     assert (tmp_path / "out" / "first").read_bytes() == b"kept"
     assert any("unreadable tar" in line for line in report.skipped)
+
+
+def test_routes_split_one_archive_and_stop_before_what_follows(tmp_path: Path) -> None:
+    chunk = 4096
+    data = tar_of(
+        ("logs", None),
+        ("logs/aaa", b"q" * 10_000),  # not routed: passed over, its bytes charged
+        ("logs/agent", None),
+        ("logs/agent/oracle.txt", b"solved"),
+        ("logs/artifacts", None),
+        ("logs/artifacts/a.txt", b"art"),
+        *((f"logs/verifier/f{i}", b"v" * 10_000) for i in range(50)),
+    )
+    consumed: list[int] = []
+
+    def stream() -> Iterator[bytes]:
+        for offset in range(0, len(data), chunk):
+            consumed.append(offset)
+            yield data[offset : offset + chunk]
+
+    routes = {"agent": tmp_path / "agent", "artifacts": tmp_path / "art"}
+    report = extract_archive(stream(), tmp_path, routes=routes)
+    assert (tmp_path / "agent" / "oracle.txt").read_bytes() == b"solved"
+    assert (tmp_path / "art" / "a.txt").read_bytes() == b"art"
+    assert not (tmp_path / "aaa").exists() and not (tmp_path / "verifier").exists()
+    assert report.bytes_read == 10_000 + 6 + 3 and not report.incomplete
+    assert len(consumed) * chunk < 60_000  # the verifier's 500 kB were never streamed

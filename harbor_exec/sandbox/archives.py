@@ -11,7 +11,7 @@ import io
 import os
 import tarfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -292,9 +292,16 @@ def extract_archive(
     strip: int = 1,
     limits: OutputLimits | None = None,
     report: ExtractReport | None = None,
+    routes: Mapping[str, Path] | None = None,
 ) -> ExtractReport:
     """Extract a tar (bytes, or the chunk stream of ``get_archive``) into ``dest``,
     dropping ``strip`` leading path parts.
+
+    With ``routes``, the next path part picks the destination instead (``{"agent":
+    dir_a, "artifacts": dir_b}``; ``dest`` is unused) and other members are passed
+    over, their bytes still charged. The engine sends a tree in name order, so the
+    first member named after every route ends the copy: a sibling the reader does not
+    want (``/logs/verifier``, read on its own) is never streamed.
 
     What a container wrote is untrusted: only regular files and directories are
     written (symlinks, hardlinks and devices are skipped), nothing lands outside
@@ -309,8 +316,14 @@ def extract_archive(
     chunks: Iterable[bytes] = [data] if isinstance(data, bytes) else data
     try:
         if not report.incomplete:
-            dest.mkdir(parents=True, exist_ok=True)
-            _extract_members(chunks, dest.resolve(), strip, limits, report)
+            wanted: dict[str | None, Path] = {None: dest}
+            if routes:
+                wanted = {route: directory for route, directory in routes.items()}
+            roots: dict[str | None, Path] = {}
+            for route, directory in wanted.items():
+                directory.mkdir(parents=True, exist_ok=True)
+                roots[route] = directory.resolve()
+            _extract_members(chunks, roots, strip, limits, report)
     except (tarfile.TarError, EOFError) as exc:
         # A stream cut short or garbled (by a budget or by the container): keep what
         # was written, say why the rest is missing.
@@ -323,8 +336,13 @@ def extract_archive(
 
 
 def _extract_members(
-    chunks: Iterable[bytes], root: Path, strip: int, limits: OutputLimits, report: ExtractReport
+    chunks: Iterable[bytes],
+    roots: Mapping[str | None, Path],
+    strip: int,
+    limits: OutputLimits,
+    report: ExtractReport,
 ) -> None:
+    last_route = max((r for r in roots if r is not None), default=None)
     with tarfile.open(fileobj=_ChunkReader(chunks), mode="r|") as tar:
         for member in tar:
             report.entries += 1
@@ -332,7 +350,19 @@ def _extract_members(
                 report.exceeded = "entries"
                 return
             parts = tuple(PurePosixPath(member.name).parts[strip:])
-            if not parts:
+            root = roots.get(None)
+            if last_route is not None and parts:
+                head, parts = parts[0], parts[1:]
+                if head not in roots:
+                    if head > last_route:
+                        return  # name order: nothing for any route follows
+                    report.bytes_read += member.size if member.isfile() else 0
+                    if report.bytes_read > limits.max_total_bytes:
+                        report.exceeded = "bytes"
+                        return
+                    continue  # read through, not written
+                root = roots[head]
+            if not parts or root is None:
                 continue
             name = "/".join(parts)
             why = _unwritable(parts, name, limits)

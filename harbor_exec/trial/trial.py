@@ -639,16 +639,22 @@ class Trial:
     def _read_agent_logs(self, container_id: str) -> None:
         """``/logs/agent`` into ``agent/`` and ``/logs/artifacts`` into
         ``artifacts/logs/artifacts/``, on the agent's budget, and the agent's
-        exchange files."""
+        exchange files. One archive of ``/logs`` (each archive call costs the engine
+        tens of milliseconds), routed by name; it ends before ``verifier/``."""
         self._agent_logs_read = True
-        limits = self.request.policy.output
-        for name, target in (
-            ("agent", self.dir / "agent"),
-            ("artifacts", self.dir / "artifacts" / "logs" / "artifacts"),
-        ):
-            stream = self.runtime.get_archive(container_id, f"/logs/{name}")
-            if stream is not None:
-                extract_archive(stream, target, limits=limits, report=self._agent_copy)
+        stream = self.runtime.get_archive(container_id, "/logs")
+        if stream is not None:
+            routes = {
+                "agent": self.dir / "agent",
+                "artifacts": self.dir / "artifacts" / "logs" / "artifacts",
+            }
+            extract_archive(
+                stream,
+                self.dir,
+                limits=self.request.policy.output,
+                report=self._agent_copy,
+                routes=routes,
+            )
         secrets = self.request.secrets
         self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
 
