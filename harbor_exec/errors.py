@@ -78,6 +78,12 @@ class DiskBudgetExceededError(TrialError):
     trial was verified anyway, as after an agent timeout."""
 
 
+class AgentOutputLimitError(TrialError):
+    """What the agent left in ``/logs`` or its artifacts went over the copy-back budget
+    (bytes, files, directories or entries); the rest was not read. The agent's fault:
+    the verifier's output was read first, so its reward stands."""
+
+
 class AgentSetupError(TrialError):
     """The agent could not be installed or prepared in the container."""
 
@@ -190,6 +196,8 @@ POLICIES: dict[str, ErrorPolicy] = {
     "VerifierOutputParseError": _policy(False, True, False, "validation_error", _VERIFIER),
     "AgentTimeoutError": _policy(False, True, True, "timeout", _AGENT),
     "NonZeroAgentExitCodeError": _policy(False, True, True, "agent_error", _AGENT),
+    # Ours: the agent flooded its outputs; graded, and the verifier's reward is valid.
+    "AgentOutputLimitError": _policy(False, True, True, "agent_error", _AGENT),
     "CancelledError": _policy(False, False, False, "agent_error", None),
     # Ours. The agent filled its disk budget: its own doing, like a timeout (not
     # retried, it would do it again; graded, so the policy learns what it cost).

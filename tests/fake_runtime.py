@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
 from harbor_exec.sandbox.runtime import (
@@ -246,8 +247,9 @@ class FakeRuntime:
         self._call("start")
         self.containers[container_id].running = True
 
-    def put_archive(self, container_id: str, data: bytes) -> None:
+    def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
         self._call("put_archive")
+        data = data if isinstance(data, bytes) else data.read()
         _extract(self.containers[container_id], data)
 
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:

@@ -627,20 +627,33 @@ class DockerRuntime:
             ) from None
 
     @_engine_boundary
-    def put_archive(self, container_id: str, data: bytes) -> None:
+    def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
         self._api.put_archive(container_id, "/", data)
 
     @_engine_boundary
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
+        # The SDK's get_archive hides its response; ours is kept so that a reader who
+        # stops early (a spent budget) closes the connection and the daemon stops
+        # tarring, instead of streaming gigabytes nobody reads.
+        api = self._api
+        url = api._url("/containers/{0}/archive", container_id)
+        response = api._get(
+            url, params={"path": path}, stream=True, headers={"Accept-Encoding": "identity"}
+        )
         try:
-            stream, _stat = self._api.get_archive(container_id, path, chunk_size=_ARCHIVE_CHUNK)
+            api._raise_for_status(response)
         except docker.errors.NotFound:
+            response.close()
             return None
+        except BaseException:
+            response.close()
+            raise
+        api._disable_socket_timeout(api._get_raw_response_socket(response))
 
         def chunks() -> Iterator[bytes]:
             # The stream is read after this method returned: map its faults here too.
             try:
-                yield from stream
+                yield from response.iter_content(_ARCHIVE_CHUNK, False)
             except Exception as exc:
                 if not _is_engine_fault(exc):
                     raise
@@ -648,6 +661,8 @@ class DockerRuntime:
                 raise EngineUnavailableError(
                     self.engine_url, f"{type(exc).__name__} in get_archive"
                 ) from None
+            finally:
+                response.close()
 
         return chunks()
 

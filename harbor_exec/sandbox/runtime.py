@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NotRequired, Protocol, TypedDict, Unpack
+from typing import IO, Literal, NotRequired, Protocol, TypedDict, Unpack
 
 NetworkKind = Literal["bridge", "none"]
 
@@ -165,14 +165,16 @@ class ContainerRuntime(Protocol):
 
     def start(self, container_id: str) -> None: ...
 
-    def put_archive(self, container_id: str, data: bytes) -> None:
-        """Extract a tar archive at ``/`` in the container (works before start too)."""
+    def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
+        """Extract a tar archive (bytes, or a file read as a stream) at ``/`` in the
+        container (works before start too)."""
         ...
 
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
         """A tar archive of ``path`` in the container as a stream of chunks, or None if
         it does not exist. Read by the engine from the container's filesystem: no
-        program inside the container takes part."""
+        program inside the container takes part. Closing the iterator (``close()``)
+        drops the rest of the stream at once."""
         ...
 
     def stop_processes(self, container_id: str) -> None:

@@ -17,15 +17,21 @@ Order (reference harbor-tasks.md §4), with the calls each step costs:
 3. verifier, in the task's mode (or ``SandboxPolicy.verifier_mode``):
    *shared*: ``/tests`` and an empty ``/logs/verifier`` are placed through the
    engine (replacing whatever the agent left there), ``test.sh`` runs, its leftovers
-   are killed, and ``/logs`` is read back through the engine's archive API;
-   *separate* (Harbor 0.26): ``/logs/agent``, ``/logs/artifacts`` and the task's
-   declared ``artifacts`` are copied out, the agent's container is removed, and
-   ``test.sh`` runs in a fresh container of the verifier image with only those
-   artifacts copied in.
+   are killed, ``/logs/verifier`` is read back through the engine's archive API and
+   the reward parsed, then ``/logs/agent`` and ``/logs/artifacts``;
+   *separate* (Harbor 0.26): before the verifier's clock starts, ``/logs/agent``,
+   ``/logs/artifacts`` and the task's declared ``artifacts`` are copied out, the
+   agent's container is removed, and ``test.sh`` runs in a fresh container of the
+   verifier image with only those artifacts copied in; then ``/logs/verifier``.
 4. teardown: remove the container (milliseconds, thanks to the init process),
    write ``result.json``.
 
-Everything copied back from a container is bounded by ``SandboxPolicy.output``.
+The verdict is read first, on its own budget: ``/logs/verifier`` is its own archive
+under ``SandboxPolicy.verifier_output``, so nothing the agent wrote can crowd it out.
+What the agent wrote (``/logs/agent``, ``/logs/artifacts``, declared artifacts) shares
+``SandboxPolicy.output``; a spent budget drops the rest unread and is recorded as
+``AgentOutputLimitError`` (agent-side, the verifier's reward stands); what was
+skipped or cut is noted in ``<trial>/copy-back.json``.
 """
 
 from __future__ import annotations
@@ -41,12 +47,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import IO, Literal
 
 from harbor_exec.container.exchange import AGENT_SAMPLE, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
+    AgentOutputLimitError,
     AgentTimeoutError,
     CancelledError,
     DiskBudgetExceededError,
@@ -60,11 +67,14 @@ from harbor_exec.errors import (
     policy_for,
 )
 from harbor_exec.sandbox.archives import (
+    VERIFIER_OUTPUT_LIMITS,
     ArchiveEntry,
+    ExtractReport,
     OutputLimits,
     build_archive,
     extract_archive,
     tree_entries,
+    write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
 from harbor_exec.sandbox.runtime import (
@@ -147,7 +157,10 @@ class SandboxPolicy:
     default_storage_mb: int = DEFAULT_STORAGE_MB
     shm_mb: int = DEFAULT_SHM_MB
     nofile_limit: int = DEFAULT_NOFILE_LIMIT
+    #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
+    #: The verifier's own ``/logs/verifier``, read first.
+    verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
 
 
 @dataclass(frozen=True)
@@ -245,9 +258,13 @@ class Trial:
         self._container_lock = threading.Lock()
         self._container_id: str | None = None
         self._exception: ExceptionInfo | None = None
-        self._logs_downloaded = False
         #: The sample the agent handed over as its exec ended (``AgentRun.sample``).
         self._agent_sample: bytes | None = None
+        self._verifier_logs_read = False
+        self._agent_logs_read = False
+        #: One budget for everything the agent wrote (``SandboxPolicy.output``).
+        self._agent_copy = ExtractReport()
+        self._verifier_copy = ExtractReport()
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
         self.image = request.image or ""
@@ -523,12 +540,12 @@ class Trial:
         result: TrialResult,
         *,
         upload_tests: bool = True,
-        keep: Sequence[str] = (),
+        started: datetime | None = None,
     ) -> None:
-        """Run ``test.sh`` in ``session``, then read ``/logs`` through the engine."""
+        """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
+        read ``/logs/verifier`` through the engine and parse the reward."""
         verifier = self.request.verifier or TestsVerifier(self.request.task.tests_dir)
         timeout = self._verifier_timeout()
-        started = result.verifier.started_at if result.verifier else None
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
         run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
@@ -542,41 +559,61 @@ class Trial:
         # Whatever test.sh left running (or started through a binary the agent
         # replaced) stops before the reward is read.
         self.runtime.stop_processes(session.container_id)
-        self._download_logs(session.container_id, keep=keep)
+        self._read_verifier_logs(session.container_id)
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
     def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            self._run_verifier(session, result)
+            self._run_verifier(session, result, started=timing.started_at)
         except TrialError as exc:
             self._record(exc)
         finally:
             timing.finished_at = utcnow()
+        if not self.cancelled:  # the verdict stands; now what the agent wrote
+            self._read_agent_logs(session.container_id)
+        self._record_agent_overflow()
 
     def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
-        """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts."""
+        """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
+
+        The hand-over (the agent's logs and artifacts, copied out and packed on the
+        agent's budget) happens before the verifier's clock starts: nothing the agent
+        wrote is charged to the verifier's timeout or crowds its own outputs."""
         task = self.request.task
-        self._phase(TrialPhase.VERIFIER)
-        timing = result.verifier = TimingInfo(started_at=utcnow())
-        try:
-            self._download_logs(session.container_id, keep=("agent", "artifacts"))
-            carried = self._collect_artifacts(session.container_id)
-            self._remove_container()
-            image, upload_tests = self._verifier_image()
-            env_config = task.config.verifier.environment or task.config.environment
-            container_id = self._create(self._spec(image, env_config, kind="verifier", mounts=()))
-            entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
-            self.runtime.put_archive(container_id, build_archive(entries + carried))
-            self.runtime.start(container_id)
-            self._check_cancelled()
-            fresh = TrialSession(self.runtime, container_id, task)
-            self._run_verifier(fresh, result, upload_tests=upload_tests, keep=("verifier",))
-        except TrialError as exc:
-            self._record(exc)
-        finally:
-            timing.finished_at = utcnow()
+        with tempfile.TemporaryFile(dir=self.dir) as handover:
+            self._pack_handover(session.container_id, handover)
+            self._phase(TrialPhase.VERIFIER)
+            timing = result.verifier = TimingInfo(started_at=utcnow())
+            try:
+                self._remove_container()
+                image, upload_tests = self._verifier_image()
+                env_config = task.config.verifier.environment or task.config.environment
+                spec = self._spec(image, env_config, kind="verifier", mounts=())
+                container_id = self._create(spec)
+                handover.seek(0)
+                self.runtime.put_archive(container_id, handover)
+                self.runtime.start(container_id)
+                self._check_cancelled()
+                fresh = TrialSession(self.runtime, container_id, task)
+                self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
+            except TrialError as exc:
+                self._record(exc)
+            finally:
+                timing.finished_at = utcnow()
+        self._record_agent_overflow()
+
+    def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
+        """Copy the agent's logs and declared artifacts out of its container and pack
+        what the verifier's container gets into ``handover`` (a file: streamed from
+        disk, never a second copy in memory)."""
+        self._read_agent_logs(container_id)
+        sources = self._collect_artifacts(container_id)
+        # The agent files the verifier reads (the sample) are placed from the host's
+        # copies by _run_verifier, in both modes.
+        entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
+        write_archive(handover, entries, sources)
 
     def _agent_files(self, verifier: TestsVerifier) -> list[ArchiveEntry]:
         """The host's copies of the agent outputs ``verifier`` reads (e.g. the sample a
@@ -622,16 +659,16 @@ class Trial:
             return built.tag, False
         return self.image, True
 
-    def _collect_artifacts(self, container_id: str) -> list[ArchiveEntry]:
-        """Copy the task's declared ``artifacts`` out of the agent's container (bounded,
-        sanitized) into ``artifacts/``; returns the entries that put them, and
-        ``/logs/artifacts``, back at their source paths in a verifier container."""
-        limits = self.request.policy.output
+    def _collect_artifacts(self, container_id: str) -> list[tuple[Path, str]]:
+        """Copy the task's declared ``artifacts`` out of the agent's container (on the
+        agent's budget, sanitized) into ``artifacts/``; returns ``(host path, container
+        path)`` of them, and of ``/logs/artifacts``, for a verifier container."""
+        limits, budget = self.request.policy.output, self._agent_copy
         root = self.dir / "artifacts"
-        carried: list[ArchiveEntry] = []
+        carried: list[tuple[Path, str]] = []
         convention = root / "logs" / "artifacts"
-        if convention.is_dir():
-            carried += tree_entries(convention, "/logs/artifacts")[1:]
+        if convention.is_dir():  # its children: /logs/artifacts itself stays mode 777
+            carried += [(path, f"/logs/artifacts/{path.name}") for path in convention.iterdir()]
         manifest: list[dict[str, object]] = []
         for item in self.request.task.config.artifacts:
             spec = {"source": item} if isinstance(item, str) else dict(item)
@@ -645,8 +682,9 @@ class Trial:
             if stream is None:
                 manifest.append({"source": source, "status": "missing"})
                 continue
+            cut_before = len(budget.truncated)
             with tempfile.TemporaryDirectory(dir=self.dir) as scratch:
-                report = extract_archive(stream, Path(scratch), strip=0, limits=limits)
+                extract_archive(stream, Path(scratch), strip=0, limits=limits, report=budget)
                 fetched = Path(scratch) / PurePosixPath(source).name
                 _drop_excluded(fetched, [str(e) for e in spec.get("exclude") or []])
                 if target.exists():
@@ -654,18 +692,17 @@ class Trial:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if fetched.exists():
                     shutil.move(str(fetched), target)
-            if target.is_file():
-                mode = target.stat().st_mode & 0o755
-                carried.append(ArchiveEntry(source, target.read_bytes(), mode))
-            elif target.is_dir():
-                carried += tree_entries(target, source)
+            if target.is_file() or target.is_dir():
+                carried.append((target, source))
             status = "ok" if target.exists() else "missing"
+            if budget.incomplete:
+                status += f"; the copy-back budget ran out ({budget.exceeded})"
             manifest.append(
                 {
                     "source": source,
                     "destination": destination,
                     "status": status,
-                    "truncated": report.truncated,
+                    "truncated": budget.truncated[cut_before:],
                 }
             )
         if manifest:
@@ -675,31 +712,82 @@ class Trial:
 
     # ----------------------------------------------------------------- teardown
 
-    def _download_logs(self, container_id: str, *, keep: Sequence[str] = ()) -> None:
-        """Read ``/logs`` through the engine, bounded, into ``agent/``, ``verifier/`` and
-        ``artifacts/`` (only the parts named in ``keep``, when given), and the exchange
-        files of the parts read into ``output``."""
-        stream = self.runtime.get_archive(container_id, "/logs")
-        if stream is None:
-            return
-        staging = self.dir / ".logs"
-        extract_archive(stream, staging, limits=self.request.policy.output)
-        for name, target in (
-            ("agent", self.dir / "agent"),
-            ("verifier", self.dir / "verifier"),
-            ("artifacts", self.dir / "artifacts" / "logs" / "artifacts"),
-        ):
-            source = staging / name
-            if source.is_dir() and (not keep or name in keep):
-                _merge_tree(source, target)
-        shutil.rmtree(staging, ignore_errors=True)
-        self._logs_downloaded = True
-        self._pin_agent_sample()
+    def _download_logs(self, container_id: str) -> None:
+        """Read back whatever of ``/logs`` is not read yet, the verifier's part first."""
+        if not self._verifier_logs_read:
+            self._read_verifier_logs(container_id)
+        if not self._agent_logs_read:
+            self._read_agent_logs(container_id)
+
+    def _read_verifier_logs(self, container_id: str) -> None:
+        """``/logs/verifier`` into ``verifier/``, as its own archive on its own budget
+        (``SandboxPolicy.verifier_output``), and the grader's exchange files."""
+        self._verifier_logs_read = True
+        limits, report, target = self.request.policy.verifier_output, ExtractReport(), self.dir
+        stream = self.runtime.get_archive(container_id, "/logs/verifier")
+        if stream is not None:
+            extract_archive(stream, target / "verifier", limits=limits, report=report)
+        if report.incomplete:  # test.sh flooded its own dir: fetch the reward files alone
+            for name in ("reward.json", "reward.txt"):
+                if not (target / "verifier" / name).exists():
+                    single = self.runtime.get_archive(container_id, f"/logs/verifier/{name}")
+                    if single is not None:
+                        extract_archive(single, target / "verifier", strip=0, limits=limits)
+        self._verifier_copy = report
         secrets = self.request.secrets
-        if not keep or "agent" in keep:
-            self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
-        if not keep or "verifier" in keep:
-            self.output = replace(self.output, grader=read_grader_output(self.dir, secrets))
+        self.output = replace(self.output, grader=read_grader_output(self.dir, secrets))
+
+    def _read_agent_logs(self, container_id: str) -> None:
+        """``/logs/agent`` into ``agent/`` and ``/logs/artifacts`` into
+        ``artifacts/logs/artifacts/``, on the agent's budget, and the agent's
+        exchange files. One archive of ``/logs`` (each archive call costs the engine
+        tens of milliseconds), routed by name; it ends before ``verifier/``."""
+        self._agent_logs_read = True
+        stream = self.runtime.get_archive(container_id, "/logs")
+        if stream is not None:
+            routes = {
+                "agent": self.dir / "agent",
+                "artifacts": self.dir / "artifacts" / "logs" / "artifacts",
+            }
+            extract_archive(
+                stream,
+                self.dir,
+                limits=self.request.policy.output,
+                report=self._agent_copy,
+                routes=routes,
+            )
+        self._pin_agent_sample()  # the container's sample.json may have been rewritten
+        secrets = self.request.secrets
+        self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
+
+    def _record_agent_overflow(self) -> None:
+        """Record a spent agent budget (after the verifier's own outcome, which wins)."""
+        copy = self._agent_copy
+        if copy.incomplete:
+            limits = self.request.policy.output
+            cap = {
+                "bytes": f"{limits.max_total_bytes} bytes",
+                "files": f"{limits.max_files} files",
+                "dirs": f"{limits.max_dirs} directories",
+                "entries": f"{limits.max_entries} entries",
+            }.get(copy.exceeded or "", copy.exceeded)
+            self._record(
+                AgentOutputLimitError(
+                    f"the agent's /logs/agent, /logs/artifacts and artifacts went over the "
+                    f"copy-back budget of {cap}; the rest was not read (the verifier's "
+                    "output was read first: its reward stands)"
+                )
+            )
+
+    def _write_copy_notes(self) -> None:
+        """``copy-back.json``: what the copy-back skipped, cut or stopped at, if anything."""
+        notes = {
+            part: report.summary()
+            for part, report in (("verifier", self._verifier_copy), ("agent", self._agent_copy))
+            if report.incomplete or report.skipped_count or report.truncated
+        }
+        if notes:
+            (self.dir / "copy-back.json").write_text(json.dumps(notes, indent=2))
 
     def _remove_container(self) -> None:
         with self._container_lock:
@@ -713,8 +801,9 @@ class Trial:
         if container_id is None:
             return
         try:
-            if not self.cancelled and not self._logs_downloaded:
+            if not self.cancelled:
                 self._download_logs(container_id)
+                self._record_agent_overflow()
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
         finally:
@@ -726,6 +815,7 @@ class Trial:
                 self._record(exc)
 
     def _write(self, result: TrialResult) -> None:
+        self._write_copy_notes()
         if self._exception is not None:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
@@ -735,16 +825,6 @@ class Trial:
 
 def _elapsed(since: datetime | None) -> float:
     return 0.0 if since is None else (utcnow() - since).total_seconds()
-
-
-def _merge_tree(source: Path, target: Path) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        destination = target / path.name
-        if path.is_dir():
-            _merge_tree(path, destination)
-        else:
-            path.replace(destination)
 
 
 def _remove_path(path: Path) -> None:
