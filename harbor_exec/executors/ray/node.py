@@ -33,15 +33,18 @@ from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.executors.ray.sealing import Opener
 from harbor_exec.executors.ray.transfer import materialize, tar_dir
 from harbor_exec.executors.spec import TrialContent, TrialSecrets, TrialSpec, deps_key, task_key
-from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, ArchiveEntry, OutputLimits
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
 
-#: The most a trial directory may weigh on its way back (its parts are bounded by
-#: ``SandboxPolicy.output``; this bounds their sum).
-MAX_RESULT_BYTES = 256 * 1024 * 1024
+#: The most a trial directory may weigh on its way back: its parts are bounded by
+#: ``SandboxPolicy.output`` (the agent's) and ``verifier_output``; this bounds their
+#: sum at the defaults, plus room for result.json and the runner's logs.
+MAX_RESULT_BYTES = (
+    OutputLimits().max_total_bytes + VERIFIER_OUTPUT_LIMITS.max_total_bytes + 32 * 2**20
+)
 #: Names a node for its containers' owner labels (default: the host name); a node
 #: that returns under the same name reaps what its previous incarnation left.
 NODE_NAME_ENV = "HARBOR_EXEC_NODE_NAME"
