@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from harbor_exec.container.exchange import AGENT_SAMPLE, ErrorDetail, ErrorFile
+from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
@@ -141,6 +141,10 @@ class SandboxPolicy:
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
     #: None: each task's own ``[verifier].environment_mode``.
     verifier_mode: VerifierMode | None = None
+    #: Where a bundled grader verifies, whatever the task says: "separate" unless asked,
+    #: since in the agent's container the grader runs on an interpreter, venv and
+    #: files the agent could have rewritten.
+    grader_verifier_mode: VerifierMode = "separate"
     pids_limit: int = 4096
     default_cpus: float = DEFAULT_CPUS
     default_memory_mb: int = DEFAULT_MEMORY_MB
@@ -348,6 +352,8 @@ class Trial:
     def _choose_verifier_mode(self) -> VerifierMode:
         if self.request.policy.verifier_mode == "separate":
             return "separate"
+        if self.request.verifier is not None and self.request.verifier.bundled_grader:
+            return self.request.policy.grader_verifier_mode
         config = self.request.task.config.verifier
         if config.environment_mode in ("shared", "separate"):
             return "separate" if config.environment_mode == "separate" else "shared"
@@ -562,7 +568,13 @@ class Trial:
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
             self._download_logs(session.container_id, keep=("agent", "artifacts"))
-            carried = self._collect_artifacts(session.container_id)
+            # harbor-exec's own tree (venv, bundle) comes from the verifier's image, never
+            # from an artifact the agent wrote (a task declaring "/opt" or "/").
+            carried = [
+                entry
+                for entry in self._collect_artifacts(session.container_id)
+                if not PurePosixPath(entry.path).is_relative_to(BUNDLE_ROOT)
+            ]
             self._remove_container()
             image, upload_tests = self._verifier_image()
             env_config = task.config.verifier.environment or task.config.environment
