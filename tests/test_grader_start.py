@@ -102,7 +102,12 @@ def test_code_dir_is_appended_after_the_runners_own_modules(
     it shadows the runner's own modules."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     seen: list[list[str]] = []
-    monkeypatch.setattr(runner, "run_grade", lambda paths: seen.append(list(sys.path)) or 0)
+
+    def run_grade(paths: object) -> int:
+        seen.append(list(sys.path))
+        return 0
+
+    monkeypatch.setattr(runner, "run_grade", run_grade)
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     before = list(sys.path)
     assert runner.main(["grade", "--code-dir", str(tmp_path)]) == 0
