@@ -64,7 +64,9 @@ def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path)
     assert request.verifier is not None
     paths = [entry.path for entry in request.verifier.generated]
     assert "/tests/test.sh" in paths and "/tests/rollout.json" in paths
-    assert BUNDLE[0].path in paths  # the grader's code placed again
+    # The grader's own fresh copy of the bundle, never the agent's.
+    assert "/opt/harbor-exec/grader/manifest.json" in paths
+    assert BUNDLE[0].path not in paths
 
 
 def test_the_tasks_tests_get_the_graders_input(tmp_path: Path) -> None:

@@ -34,6 +34,23 @@ VerifierModeOption = Annotated[
         "runs in a fresh container that sees only the artifacts (recommended for RL).",
     ),
 ]
+
+
+class GraderVerifierModeChoice(StrEnum):
+    """Where a bundled grader verifies: a fresh container, or (asked for) the agent's."""
+
+    SEPARATE = "separate"
+    SHARED = "shared"
+
+
+GraderVerifierModeOption = Annotated[
+    GraderVerifierModeChoice,
+    typer.Option(
+        help="Where a bundled grader verifies: separate (a fresh container, the default) or "
+        "shared (the agent's container: weaker, its interpreter and venv are files the agent "
+        "could have rewritten).",
+    ),
+]
 DefaultCpusOption = Annotated[
     float, typer.Option(min=0.01, help="CPUs for tasks that set no \\[environment].cpus.")
 ]
@@ -80,10 +97,16 @@ class SandboxOptions:
     default_storage_mb: int = DEFAULT_STORAGE_MB
     default_shm_mb: int = DEFAULT_SHM_MB
     default_nofile: int = DEFAULT_NOFILE_LIMIT
+    grader_verifier_mode: GraderVerifierModeChoice = GraderVerifierModeChoice.SEPARATE
 
     @property
     def separate_verifier(self) -> bool:
         return self.verifier_mode is VerifierModeChoice.SEPARATE
+
+    @property
+    def shared_grader(self) -> bool:
+        """The bundled grader verifies in the agent's container (asked for explicitly)."""
+        return self.grader_verifier_mode is GraderVerifierModeChoice.SHARED
 
     @property
     def output_limits(self) -> OutputLimits:
@@ -93,6 +116,7 @@ class SandboxOptions:
         """The ``SandboxPolicy`` these options describe."""
         return SandboxPolicy(
             verifier_mode="separate" if self.separate_verifier else None,
+            grader_verifier_mode="shared" if self.shared_grader else "separate",
             pids_limit=default_pids_limit(max_concurrent_trials, pid_max),
             default_cpus=self.default_cpus,
             default_memory_mb=self.default_memory_mb,
@@ -115,6 +139,8 @@ __all__ = [
     "DefaultNofileOption",
     "DefaultShmOption",
     "DefaultStorageOption",
+    "GraderVerifierModeChoice",
+    "GraderVerifierModeOption",
     "MaxLogBytesOption",
     "SandboxOptions",
     "VerifierModeChoice",

@@ -102,6 +102,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             task_roots=options.task_roots,
             task_env_allow=options.task_env_allow,
             verifier_mode="separate" if options.sandbox.separate_verifier else "task",
+            grader_verifier_mode="shared" if options.sandbox.shared_grader else "separate",
             default_cpus=options.sandbox.default_cpus,
             default_memory_mb=options.sandbox.default_memory_mb,
             default_storage_mb=options.sandbox.default_storage_mb,
@@ -252,6 +253,9 @@ def serve(
         typer.Option(help="A host variable ${VAR} in a request-named task may read (repeatable)."),
     ] = None,
     verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
+    grader_verifier_mode: sandbox.GraderVerifierModeOption = (
+        sandbox.GraderVerifierModeChoice.SEPARATE
+    ),
     default_cpus: sandbox.DefaultCpusOption = sandbox.DEFAULT_CPUS,
     default_memory_mb: sandbox.DefaultMemoryOption = sandbox.DEFAULT_MEMORY_MB,
     default_storage_mb: sandbox.DefaultStorageOption = sandbox.DEFAULT_STORAGE_MB,
@@ -324,6 +328,7 @@ def serve(
             default_storage_mb=default_storage_mb,
             default_shm_mb=default_shm_mb,
             default_nofile=default_nofile,
+            grader_verifier_mode=grader_verifier_mode,
         ),
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,

@@ -34,6 +34,14 @@ BUNDLE_ROOT: Final = "/opt/harbor-exec"
 VENV_PYTHON: Final = f"{BUNDLE_ROOT}/venv/bin/python"
 USER_CODE_DIR: Final = f"{BUNDLE_ROOT}/user"
 MANIFEST_PATH: Final = f"{BUNDLE_ROOT}/manifest.json"
+#: The bundled grader's own copy of the bundle, placed as a fresh tree (whatever the
+#: agent left at this path is replaced) after the agent's processes are killed: the
+#: agent's ``USER_CODE_DIR`` is never on the grader's import path.
+GRADER_DIR: Final = f"{BUNDLE_ROOT}/grader"
+GRADER_CODE_DIR: Final = f"{GRADER_DIR}/code"
+GRADER_MANIFEST_PATH: Final = f"{GRADER_DIR}/manifest.json"
+#: The grader's working directory: empty, nothing of the task's workdir.
+GRADER_WORKDIR: Final = f"{GRADER_DIR}/cwd"
 #: The rollout's model relay directory, mounted read-only.
 RELAY_DIR: Final = "/run/harbor-exec/relay"
 RELAY_SOCKET: Final = f"{RELAY_DIR}/relay.sock"
@@ -229,8 +237,12 @@ class RewardFile(BaseModel):
 __all__ = [
     "AGENT_INPUT",
     "AGENT_SAMPLE",
+    "GRADER_CODE_DIR",
+    "GRADER_DIR",
     "GRADER_ERROR",
     "GRADER_INPUT",
+    "GRADER_MANIFEST_PATH",
+    "GRADER_WORKDIR",
     "LOGS_DIR",
     "MANIFEST_PATH",
     "MAX_EXCHANGE_JSON_BYTES",

@@ -73,6 +73,11 @@ Exit codes: 0 success; 1 the workflow or grader failed; 2 the job could not
 start (bad arguments, unreadable manifest or input file, a ref that does not
 import, nothing to grade).
 
+``--code-dir DIR`` (repeatable) appends a directory of the bundle's code to
+``sys.path``. The host starts the bundled grader as ``python -I`` (no ``PYTHON*``
+variables, no user site, no cwd or script directory on the path) from an empty
+working directory, with its own fresh copy of the bundle as ``--code-dir``.
+
 Paths: ``--logs-dir`` (env ``HARBOR_EXEC_LOGS_DIR``, default ``/logs``),
 ``--tests-dir`` (``HARBOR_EXEC_TESTS_DIR``, default ``/tests``) and
 ``--manifest`` (``HARBOR_EXEC_MANIFEST``). Every file is written atomically
@@ -655,6 +660,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"bundle manifest (env {MANIFEST_ENV}; default {DEFAULT_MANIFEST})",
     )
     parser.add_argument(
+        "--code-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="a directory of the bundle's code to import from, after the standard library "
+        "and the venv (repeatable); how the isolated grader (python -I) finds the user's code",
+    )
+    parser.add_argument(
         "--logs-dir",
         type=Path,
         default=Path(os.environ.get(LOGS_DIR_ENV) or "/logs"),
@@ -673,6 +686,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
+    # Appended, never first: nothing in a code dir shadows the standard library or the
+    # runner's own modules in the venv's site-packages.
+    sys.path.extend(str(path.absolute()) for path in args.code_dir)
     # Turn the host's SIGTERM into an exception so the error file still gets written.
     signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "grade":

@@ -49,7 +49,7 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Literal
 
-from harbor_exec.container.exchange import AGENT_SAMPLE, ErrorDetail, ErrorFile
+from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
@@ -151,6 +151,10 @@ class SandboxPolicy:
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
     #: None: each task's own ``[verifier].environment_mode``.
     verifier_mode: VerifierMode | None = None
+    #: Where a bundled grader verifies, whatever the task says: "separate" unless asked,
+    #: since in the agent's container the grader runs on an interpreter, venv and
+    #: files the agent could have rewritten.
+    grader_verifier_mode: VerifierMode = "separate"
     pids_limit: int = 4096
     default_cpus: float = DEFAULT_CPUS
     default_memory_mb: int = DEFAULT_MEMORY_MB
@@ -365,6 +369,8 @@ class Trial:
     def _choose_verifier_mode(self) -> VerifierMode:
         if self.request.policy.verifier_mode == "separate":
             return "separate"
+        if self.request.verifier is not None and self.request.verifier.bundled_grader:
+            return self.request.policy.grader_verifier_mode
         config = self.request.task.config.verifier
         if config.environment_mode in ("shared", "separate"):
             return "separate" if config.environment_mode == "separate" else "shared"
@@ -609,7 +615,13 @@ class Trial:
         what the verifier's container gets into ``handover`` (a file: streamed from
         disk, never a second copy in memory)."""
         self._read_agent_logs(container_id)
-        sources = self._collect_artifacts(container_id)
+        # harbor-exec's own tree (venv, bundle) comes from the verifier's image, never
+        # from an artifact the agent wrote (a task declaring "/opt" or "/").
+        sources = [
+            (local, path)
+            for local, path in self._collect_artifacts(container_id)
+            if not PurePosixPath(path).is_relative_to(BUNDLE_ROOT)
+        ]
         # The agent files the verifier reads (the sample) are placed from the host's
         # copies by _run_verifier, in both modes.
         entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]

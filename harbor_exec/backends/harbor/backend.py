@@ -127,6 +127,7 @@ class HarborBackend(ExecutionBackend):
         task_roots: Sequence[str | Path] = (),
         task_env_allow: Sequence[str] = (),
         verifier_mode: Literal["task", "separate"] = "task",
+        grader_verifier_mode: Literal["separate", "shared"] = "separate",
         default_cpus: float | None = None,
         default_memory_mb: int | None = None,
         default_storage_mb: int | None = None,
@@ -137,13 +138,23 @@ class HarborBackend(ExecutionBackend):
         relay_extra_routes: Sequence[str] = (),
     ) -> None:
         """``relay_extra_routes``: POST routes under the model URL's path (e.g.
-        ``/completions``) a workflow's relay forwards besides ``/chat/completions``."""
+        ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
+
+        ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
+        "separate" (always a fresh container). ``grader_verifier_mode``: where the
+        bundled grader verifies; "shared" (the agent's container) only when asked,
+        being weaker: there the grader's interpreter and venv are files the agent could
+        have rewritten."""
         if max_queue_depth is not None and max_queue_depth < 1:
             raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
         if max_concurrent_trials < 1:
             raise ValueError("max_concurrent_trials must be at least 1")
         if verifier_mode not in ("task", "separate"):
             raise ValueError(f"verifier_mode must be 'task' or 'separate'; got {verifier_mode!r}")
+        if grader_verifier_mode not in ("separate", "shared"):
+            raise ValueError(
+                f"grader_verifier_mode must be 'separate' or 'shared'; got {grader_verifier_mode!r}"
+            )
         if relay_extra_routes:
             from harbor_exec.executors.relay import check_extra_route  # the server extra
 
@@ -184,6 +195,7 @@ class HarborBackend(ExecutionBackend):
         self._agent = agent
         self._policy_args: dict[str, Any] = {
             "verifier_mode": "separate" if verifier_mode == "separate" else None,
+            "grader_verifier_mode": grader_verifier_mode,
             "pids_limit": pids_limit,
             "output": output_limits or OutputLimits(),
         }
