@@ -61,6 +61,7 @@ from harbor_exec.errors import (
     EnvironmentStartError,
     GpuUnavailableError,
     HarborExecError,
+    TaskConfigError,
     TrialError,
     TrialPhase,
     VerifierTimeoutError,
@@ -88,7 +89,8 @@ from harbor_exec.sandbox.runtime import (
     Mount,
     NetworkKind,
 )
-from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.sandbox.users import UnknownUserError, is_root
+from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
@@ -105,6 +107,7 @@ from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
+UserRole = Literal["agent", "verifier"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 #: What a grader finds when the agent handed over no sample: the runner's error form.
 _NOTHING_HANDED_OVER = (
@@ -465,7 +468,8 @@ class Trial:
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
             archive = build_archive(entries)
-            if runs_as_root(task.config.agent.user):
+            users = self._resolve_users(self.image, container_id)
+            if is_root(users["agent"]):
                 # The agent's first command carries these files on its stdin (one fewer
                 # call); nothing of the agent's has run yet, so the image's tar is trusted.
                 pending: bytes | None = archive
@@ -476,7 +480,36 @@ class Trial:
             self._check_cancelled()
         finally:
             timing.finished_at = utcnow()
-        return TrialSession(self.runtime, container_id, task, pending_files=pending)
+        return TrialSession(
+            self.runtime,
+            container_id,
+            task,
+            pending_files=pending,
+            agent_user=users["agent"],
+            verifier_user=users["verifier"],
+        )
+
+    def _resolve_users(
+        self, image: str, container_id: str, roles: Sequence[UserRole] = ("agent", "verifier")
+    ) -> dict[UserRole, str]:
+        """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
+        ``container_id`` (created from ``image``, not started). A user left unset is
+        the image's USER, as in Harbor."""
+        config = self.request.task.config
+        accounts = self.runtime.image_accounts(image, container_id)
+        default = self.runtime.image_user(image)
+        resolved: dict[UserRole, str] = {}
+        for role in roles:
+            user = config.agent.user if role == "agent" else config.verifier.user
+            wanted = default if user is None or str(user) == "" else user
+            try:
+                resolved[role] = accounts.resolve(wanted)
+            except UnknownUserError as exc:
+                where = f"[{role}].user" if wanted is user else f"the image {image}'s USER"
+                raise TaskConfigError(
+                    self.request.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
+                ) from None
+        return resolved
 
     def _agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
@@ -592,11 +625,12 @@ class Trial:
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
                 container_id = self._create(spec)
+                verifier_user = self._resolve_users(image, container_id, ["verifier"])["verifier"]
                 handover.seek(0)
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
                 self._check_cancelled()
-                fresh = TrialSession(self.runtime, container_id, task)
+                fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
                 self._record(exc)
