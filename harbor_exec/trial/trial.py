@@ -53,6 +53,7 @@ from harbor_exec.container.exchange import AGENT_SAMPLE, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
+    AgentEndedContainerError,
     AgentOutputLimitError,
     AgentTimeoutError,
     CancelledError,
@@ -61,6 +62,7 @@ from harbor_exec.errors import (
     EnvironmentStartError,
     GpuUnavailableError,
     HarborExecError,
+    RewardFileNotFoundError,
     TaskConfigError,
     TrialError,
     TrialPhase,
@@ -90,7 +92,7 @@ from harbor_exec.sandbox.runtime import (
     NetworkKind,
 )
 from harbor_exec.sandbox.users import UnknownUserError, is_root
-from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession
+from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
@@ -525,11 +527,24 @@ class Trial:
         try:
             with watch:
                 run = request.agent.run(session, timeout)
+        except EnvironmentStartError:
+            # An exec that failed because the agent ended its container is the
+            # agent's outcome (the container was started and healthy before it ran).
+            if self.cancelled or self.runtime.container_running(session.container_id):
+                raise
+            run = AgentRun(exit_code=None, timed_out=False)
+            self._revive(session)
         finally:
             timing.finished_at = utcnow()
             # Nothing the agent started may run on into the verifier phase.
-            if not self.cancelled:
-                self.runtime.stop_processes(session.container_id)
+            if not self.cancelled and self._container_id is not None:
+                try:
+                    self.runtime.stop_processes(session.container_id)
+                except EnvironmentStartError:
+                    # The container stopped under the kill: the agent ended it.
+                    if self.runtime.container_running(session.container_id):
+                        raise
+                    self._revive(session)
         if run.sample is not None:
             self._agent_sample = run.sample
             self._pin_agent_sample()
@@ -599,7 +614,16 @@ class Trial:
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            self._run_verifier(session, result, started=timing.started_at)
+            try:
+                self._run_verifier(session, result, started=timing.started_at)
+            except (EnvironmentStartError, RewardFileNotFoundError):
+                # The container the agent ran in died under the verifier (a signal to
+                # its init lands late): the agent's doing; verify once more, restarted.
+                if self.cancelled or self.runtime.container_running(session.container_id):
+                    raise
+                if not self._revive(session):
+                    return
+                self._run_verifier(session, result, started=timing.started_at)
         except TrialError as exc:
             self._record(exc)
         finally:
@@ -607,6 +631,24 @@ class Trial:
         if not self.cancelled:  # the verdict stands; now what the agent wrote
             self._read_agent_logs(session.container_id)
         self._record_agent_overflow()
+
+    def _revive(self, session: TrialSession) -> bool:
+        """The agent ended its container: record it as the agent's outcome and start
+        the container again (its files stay, none of its processes do) for the
+        verifier. False, and the container removed (nothing is verified), when it
+        cannot start."""
+        self._record(
+            AgentEndedContainerError(
+                "the agent's container stopped after it had started (its init was killed "
+                "or made to exit); it was restarted and verified"
+            )
+        )
+        try:
+            self.runtime.start(session.container_id)
+        except EnvironmentStartError:
+            self._remove_container()
+            return False
+        return True
 
     def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
