@@ -84,6 +84,12 @@ class AgentOutputLimitError(TrialError):
     the verifier's output was read first, so its reward stands."""
 
 
+class AgentEndedContainerError(TrialError):
+    """The agent's container stopped (``kill 1``, its init made to exit) after it had
+    started and before the verifier was done. The agent's doing, never the
+    environment's: it is restarted (every process gone, files kept) and verified."""
+
+
 class AgentSetupError(TrialError):
     """The agent could not be installed or prepared in the container."""
 
@@ -199,6 +205,9 @@ POLICIES: dict[str, ErrorPolicy] = {
     # Ours: the agent flooded its outputs; graded, and the verifier's reward is valid.
     "AgentOutputLimitError": _policy(False, True, True, "agent_error", _AGENT),
     "CancelledError": _policy(False, False, False, "agent_error", None),
+    # Ours. The agent ended its own (started, healthy) container: not retried (it would
+    # do it again), graded in the restarted container, so the verifier's reward stands.
+    "AgentEndedContainerError": _policy(False, True, True, "agent_error", _AGENT),
     # Ours. The agent filled its disk budget: its own doing, like a timeout (not
     # retried, it would do it again; graded, so the policy learns what it cost).
     "DiskBudgetExceededError": _policy(False, True, True, "agent_error", _AGENT),

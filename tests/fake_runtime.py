@@ -45,6 +45,7 @@ from harbor_exec.sandbox.runtime import (
     ExecResult,
     ImageInfo,
 )
+from harbor_exec.sandbox.users import ImageAccounts
 
 HANG = -999  # a behaviour's answer: run until the exec's deadline
 HOLD = -998  # a behaviour's answer: wait at the gate (see the module doc)
@@ -83,6 +84,7 @@ class FakeExec:
     rollout_id: str | None  # the container's rollout label
     script: str  # the ``bash -c`` argument
     timeout_sec: float | None
+    user: str | None = None  # as the trial passed it (a resolved ``uid:gid``)
 
 
 class Gate:
@@ -148,6 +150,10 @@ class FakeRuntime:
     fail_builds: set[str] = field(default_factory=set)
     engine_down: bool = False
     gpus: int = 0
+    #: Every image's USER and account files (``image_accounts`` parses these).
+    user: str = ""
+    passwd: bytes = b"root:x:0:0:root:/root:/bin/bash\n"
+    group: bytes = b"root:x:0:\n"
     images: set[str] = field(default_factory=set)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
@@ -227,7 +233,12 @@ class FakeRuntime:
         return tag in self.images
 
     def image_user(self, tag: str) -> str:
-        return ""
+        return self.user
+
+    def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
+        self._call("image_accounts")
+        assert not self.containers[container_id].running, "read before the container starts"
+        return ImageAccounts.parse(self.passwd, self.group)
 
     def image_labels(self, tag: str) -> Mapping[str, str]:
         return {}
@@ -274,6 +285,11 @@ class FakeRuntime:
         payload = buffer.getvalue()
         return iter([payload[i : i + 4096] for i in range(0, len(payload), 4096)])
 
+    def container_running(self, container_id: str) -> bool:
+        self._call("container_running")
+        container = self.containers.get(container_id)
+        return container is not None and container.running and not container.removed
+
     def stop_processes(self, container_id: str) -> None:
         self._call("stop_processes")
         container = self.containers.get(container_id)
@@ -303,7 +319,7 @@ class FakeRuntime:
         container = self.containers[container_id]
         script = command[-1]
         rollout_id = container.spec.labels.get(LABEL_ROLLOUT)
-        self.execs.append(FakeExec(container_id, rollout_id, script, timeout_sec))
+        self.execs.append(FakeExec(container_id, rollout_id, script, timeout_sec, user))
         if timeout_sec is not None and timeout_sec <= 0:
             # A deadline already passed: the engine's wait ends at once, as Docker's does.
             return ExecResult(None, b"", True, 0.0)

@@ -13,6 +13,7 @@ import pytest
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
 from harbor_exec.container.exchange import frame_sample
+from harbor_exec.errors import AgentEndedContainerError, EnvironmentStartError, policy_for
 from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
@@ -300,3 +301,47 @@ def test_no_frame_means_no_sample_whatever_the_file_says(tmp_path: Path) -> None
     assert not (trial_.dir / "agent" / "sample.json").exists()
     # The grader was given the error form, not what the agent left at that path.
     assert isinstance(graded[0], dict) and "error" in graded[0]
+
+
+def test_users_are_resolved_from_the_image_as_numeric_ids(tmp_path: Path) -> None:
+    runtime = FakeRuntime(
+        user="agent",
+        passwd=b"root:x:0:0::/root:/bin/bash\nagent:x:1000:1000::/home/agent:/bin/bash\n",
+        group=b"root:x:0:\nagent:x:1000:\n",
+    )
+    toml = "[agent]\ntimeout_sec = 30.0\n[verifier]\nuser = 'root'\n"
+    result = trial(runtime, tmp_path, toml=toml)
+    assert result.exception_info is None and rewards(result) == {"reward": 1.0}
+    users = {("solve" if "solve.sh" in e.script else "test"): e.user for e in runtime.execs}
+    assert users == {"solve": "1000:1000", "test": "0:0"}
+    assert runtime.calls.index("image_accounts") < runtime.calls.index("start")
+
+
+def test_an_unknown_user_is_a_task_config_error(tmp_path: Path) -> None:
+    result = trial(FakeRuntime(), tmp_path, toml="[agent]\nuser = 'nobody2'\n")
+    assert result.exception_type == "TaskConfigError"
+    assert "nobody2" in (result.exception_info.exception_message if result.exception_info else "")
+
+
+def test_an_agent_that_stops_its_container_is_restarted_and_verified(tmp_path: Path) -> None:
+    def solve(container: FakeContainer) -> int:
+        container.running = False  # as after ``kill -TERM 1``
+        return 0
+
+    def test(container: FakeContainer) -> int:
+        container.write("/logs/verifier/reward.txt", "0")
+        return 0
+
+    runtime = FakeRuntime(solve=solve, test=test)
+    original = runtime.exec
+
+    def exec_(container_id: str, command: list[str], **options: object) -> object:
+        if not runtime.containers[container_id].running:
+            raise EnvironmentStartError("container is not running")
+        return original(container_id, command, **options)  # type: ignore[arg-type]
+
+    runtime.exec = exec_  # type: ignore[method-assign,assignment]
+    result = trial(runtime, tmp_path)
+    assert result.exception_type == AgentEndedContainerError.__name__
+    assert not policy_for(result.exception_type).should_retry
+    assert rewards(result) == {"reward": 0.0}

@@ -28,10 +28,14 @@ class ArchiveEntry:
     # the engine's extraction removes an existing path whose type differs from the
     # archive's entry, so a file entry first and then the directory empties it.
     fresh: bool = False
+    #: ``(uid, gid)`` the engine gives the path (None: root's); the engine applies
+    #: the header's owner itself, so no program in the container takes part.
+    owner: tuple[int, int] | None = None
 
 
 def build_archive(entries: Iterable[ArchiveEntry]) -> bytes:
-    """A tar archive (owned by root) of ``entries``, for ``put_archive`` at ``/``."""
+    """A tar archive of ``entries`` (owned by root unless an entry names its owner),
+    for ``put_archive`` at ``/``."""
     buffer = io.BytesIO()
     now = time.time()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
@@ -39,6 +43,8 @@ def build_archive(entries: Iterable[ArchiveEntry]) -> bytes:
             info = tarfile.TarInfo(PurePosixPath(entry.path).relative_to("/").as_posix())
             info.mtime = int(now)
             info.mode = entry.mode
+            if entry.owner is not None:
+                info.uid, info.gid = entry.owner
             if entry.fresh:
                 placeholder = tarfile.TarInfo(info.name)
                 placeholder.mtime = int(now)

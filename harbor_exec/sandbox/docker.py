@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 import socket
@@ -77,6 +78,7 @@ from harbor_exec.sandbox.runtime import (
     ImageBuild,
     ImageInfo,
 )
+from harbor_exec.sandbox.users import ACCOUNT_FILES, MAX_ACCOUNT_FILE_BYTES, ImageAccounts
 
 _LOG_TAIL_LINES = 25
 # What one exec may return on stdout/stderr (the tail is kept): phases redirect
@@ -301,6 +303,7 @@ class DockerRuntime:
         self.host_kill: bool | None = None
         # Image configs by tag; task and dependency tags are content hashes.
         self._image_configs: dict[str, dict[str, Any]] = {}
+        self._image_accounts: dict[str, ImageAccounts] = {}
         # Containers whose removal failed while the engine was away; reap() retries them.
         self._unremoved: set[str] = set()
         self._cpus: int | None = None  # the engine's CPU count, asked once
@@ -545,8 +548,44 @@ class DockerRuntime:
         return dict(self._image_config(tag).get("Labels") or {})
 
     @_engine_boundary
+    def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
+        accounts = self._image_accounts.get(image)
+        if accounts is None:
+            # Read once per image (two archive calls): the image never changes, and
+            # a container that never started holds exactly the image's files.
+            passwd, group = (self._read_small_file(container_id, path) for path in ACCOUNT_FILES)
+            accounts = self._image_accounts[image] = ImageAccounts.parse(passwd, group)
+        return accounts
+
+    def _read_small_file(self, container_id: str, path: str) -> bytes:
+        """A regular file's bytes (at most ``MAX_ACCOUNT_FILE_BYTES``; b"" if absent)."""
+        stream = self.get_archive(container_id, path)
+        if stream is None:
+            return b""
+        buffer = bytearray()
+        try:
+            for chunk in stream:
+                buffer += chunk
+                if len(buffer) > MAX_ACCOUNT_FILE_BYTES + (1 << 16):
+                    break
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        with (
+            contextlib.suppress(tarfile.TarError),
+            tarfile.open(fileobj=io.BytesIO(bytes(buffer)), mode="r|") as tar,
+        ):
+            for member in tar:
+                if member.isfile():
+                    source = tar.extractfile(member)
+                    return source.read(MAX_ACCOUNT_FILE_BYTES) if source is not None else b""
+        return b""
+
+    @_engine_boundary
     def remove_image(self, tag: str) -> None:
         self._image_configs.pop(tag, None)
+        self._image_accounts.pop(tag, None)
         with contextlib.suppress(docker.errors.ImageNotFound):
             self._api.remove_image(tag, force=True, noprune=False)
 
@@ -665,6 +704,14 @@ class DockerRuntime:
                 response.close()
 
         return chunks()
+
+    @_engine_boundary
+    def container_running(self, container_id: str) -> bool:
+        try:
+            state = self._api.inspect_container(container_id)["State"]
+        except docker.errors.NotFound:
+            return False
+        return bool(state.get("Running")) and not state.get("Restarting")
 
     @_engine_boundary
     def stop_processes(self, container_id: str) -> None:

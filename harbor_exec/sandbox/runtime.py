@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal, NotRequired, Protocol, TypedDict, Unpack
 
+from harbor_exec.sandbox.users import ImageAccounts
+
 NetworkKind = Literal["bridge", "none"]
 
 #: Label keys every object we create carries.
@@ -151,6 +153,12 @@ class ContainerRuntime(Protocol):
         """The image's labels (a task asks for capabilities back through one)."""
         ...
 
+    def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
+        """``image``'s ``/etc/passwd`` and ``/etc/group``, read through the archive API
+        from ``container_id``, a container of ``image`` created but not yet started
+        (so nothing in it has run); an engine may keep them per image."""
+        ...
+
     def ensure_present(self, image: str) -> None:
         """Make sure a prebuilt image exists locally; ``EnvironmentStartError`` if not."""
         ...
@@ -175,6 +183,10 @@ class ContainerRuntime(Protocol):
         it does not exist. Read by the engine from the container's filesystem: no
         program inside the container takes part. Closing the iterator (``close()``)
         drops the rest of the stream at once."""
+        ...
+
+    def container_running(self, container_id: str) -> bool:
+        """Whether the container's init still runs (False for a missing container)."""
         ...
 
     def stop_processes(self, container_id: str) -> None:

@@ -33,6 +33,7 @@ from harbor_exec.container.exchange import (
 from harbor_exec.errors import AgentSetupError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.runtime import ContainerRuntime, ExecResult
+from harbor_exec.sandbox.users import ROOT_ID, is_root, numeric_ids
 from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task, resolve_env
 
@@ -62,11 +63,6 @@ def upload_outcome(result: ExecResult) -> str:
     return "ok"
 
 
-def runs_as_root(user: str | int | None) -> bool:
-    """Whether execs as ``user`` run as root (None: the image's default, root here)."""
-    return user is None or str(user) in ("root", "0")
-
-
 @dataclass
 class TrialSession:
     """A started trial container, as agents and verifiers see it.
@@ -74,12 +70,17 @@ class TrialSession:
     ``pending_files`` is a tar of the files the trial placed before the agent
     (log directories, ``/solution`` or the bundle). When the first command runs
     as root they travel on its stdin instead of a separate upload.
+    ``agent_user`` and ``verifier_user`` are numeric ``uid:gid``, resolved from the
+    image before anything ran (``harbor_exec.sandbox.users``): a name resolved at
+    exec time would go through account files the agent can rewrite.
     """
 
     runtime: ContainerRuntime
     container_id: str
     task: Task
     pending_files: bytes | None = None
+    agent_user: str = ROOT_ID
+    verifier_user: str = ROOT_ID
 
     @property
     def workdir(self) -> str | None:
@@ -89,14 +90,15 @@ class TrialSession:
         self,
         command: str,
         *,
-        user: str | int | None = None,
+        user: str = ROOT_ID,
         env: Mapping[str, str] | None = None,
         timeout_sec: float | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
-        """``bash -c command`` in the task's workdir, as Harbor runs every exec."""
+        """``bash -c command`` in the task's workdir, as Harbor runs every exec, as
+        ``user`` (a resolved ``uid:gid``)."""
         files, self.pending_files = self.pending_files, None
-        if files is not None and stdin is None and runs_as_root(user):
+        if files is not None and stdin is None and is_root(user):
             result = self._exec(with_upload(command), user, env, timeout_sec, files)
             outcome = upload_outcome(result)
             if outcome == "failed":
@@ -110,7 +112,7 @@ class TrialSession:
     def _exec(
         self,
         command: str,
-        user: str | int | None,
+        user: str,
         env: Mapping[str, str] | None,
         timeout_sec: float | None,
         stdin: bytes | None,
@@ -119,7 +121,7 @@ class TrialSession:
             self.container_id,
             ["bash", "-c", command],
             env=env,
-            user=None if user is None else str(user),
+            user=user,
             workdir=self.workdir,
             timeout_sec=timeout_sec,
             stdin=stdin,
@@ -177,7 +179,7 @@ class OracleAgent:
         }
         result = session.bash(
             "(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1",
-            user=config.agent.user,
+            user=session.agent_user,
             env=env,
             timeout_sec=timeout_sec,
         )
@@ -249,7 +251,11 @@ class TestsVerifier:
         }
         entries = [
             ArchiveEntry("/logs", None, 0o755),
-            ArchiveEntry("/logs/verifier", None, 0o777, fresh=True),
+            # The verifier's own: whoever else runs in the container (a non-root
+            # agent's user) cannot write in it while test.sh runs.
+            ArchiveEntry(
+                "/logs/verifier", None, 0o755, fresh=True, owner=numeric_ids(session.verifier_user)
+            ),
             *self.files(upload_tests=upload_tests),
             *placed,
         ]
@@ -262,7 +268,7 @@ class TestsVerifier:
             # its tests may have copied it without the bit.
             "chmod +x /tests/test.sh 2>/dev/null; "
             "(/tests/test.sh) > /logs/verifier/test-stdout.txt 2>&1",
-            user=config.verifier.user,
+            user=session.verifier_user,
             env=env,
             timeout_sec=timeout_sec,
         )
@@ -303,7 +309,7 @@ class WorkflowAgent:
         result = session.bash(
             f"{VENV_PYTHON} -m harbor_exec.container.runner agent --sample-to-stdout "
             f"2> {in_logs(RUNNER_OUTPUT)}",
-            user=session.task.config.agent.user,
+            user=session.agent_user,
             env=RUNNER_ENV,
             timeout_sec=timeout_sec,
         )

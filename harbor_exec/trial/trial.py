@@ -53,6 +53,7 @@ from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetai
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
     AddTestsDirError,
+    AgentEndedContainerError,
     AgentOutputLimitError,
     AgentTimeoutError,
     CancelledError,
@@ -61,6 +62,8 @@ from harbor_exec.errors import (
     EnvironmentStartError,
     GpuUnavailableError,
     HarborExecError,
+    RewardFileNotFoundError,
+    TaskConfigError,
     TrialError,
     TrialPhase,
     VerifierTimeoutError,
@@ -88,7 +91,8 @@ from harbor_exec.sandbox.runtime import (
     Mount,
     NetworkKind,
 )
-from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
+from harbor_exec.sandbox.users import UnknownUserError, is_root
+from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
@@ -105,6 +109,7 @@ from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
+UserRole = Literal["agent", "verifier"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 #: What a grader finds when the agent handed over no sample: the runner's error form.
 _NOTHING_HANDED_OVER = (
@@ -471,7 +476,8 @@ class Trial:
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
             archive = build_archive(entries)
-            if runs_as_root(task.config.agent.user):
+            users = self._resolve_users(self.image, container_id)
+            if is_root(users["agent"]):
                 # The agent's first command carries these files on its stdin (one fewer
                 # call); nothing of the agent's has run yet, so the image's tar is trusted.
                 pending: bytes | None = archive
@@ -482,7 +488,36 @@ class Trial:
             self._check_cancelled()
         finally:
             timing.finished_at = utcnow()
-        return TrialSession(self.runtime, container_id, task, pending_files=pending)
+        return TrialSession(
+            self.runtime,
+            container_id,
+            task,
+            pending_files=pending,
+            agent_user=users["agent"],
+            verifier_user=users["verifier"],
+        )
+
+    def _resolve_users(
+        self, image: str, container_id: str, roles: Sequence[UserRole] = ("agent", "verifier")
+    ) -> dict[UserRole, str]:
+        """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
+        ``container_id`` (created from ``image``, not started). A user left unset is
+        the image's USER, as in Harbor."""
+        config = self.request.task.config
+        accounts = self.runtime.image_accounts(image, container_id)
+        default = self.runtime.image_user(image)
+        resolved: dict[UserRole, str] = {}
+        for role in roles:
+            user = config.agent.user if role == "agent" else config.verifier.user
+            wanted = default if user is None or str(user) == "" else user
+            try:
+                resolved[role] = accounts.resolve(wanted)
+            except UnknownUserError as exc:
+                where = f"[{role}].user" if wanted is user else f"the image {image}'s USER"
+                raise TaskConfigError(
+                    self.request.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
+                ) from None
+        return resolved
 
     def _agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
@@ -498,11 +533,24 @@ class Trial:
         try:
             with watch:
                 run = request.agent.run(session, timeout)
+        except EnvironmentStartError:
+            # An exec that failed because the agent ended its container is the
+            # agent's outcome (the container was started and healthy before it ran).
+            if self.cancelled or self.runtime.container_running(session.container_id):
+                raise
+            run = AgentRun(exit_code=None, timed_out=False)
+            self._revive(session)
         finally:
             timing.finished_at = utcnow()
             # Nothing the agent started may run on into the verifier phase.
-            if not self.cancelled:
-                self.runtime.stop_processes(session.container_id)
+            if not self.cancelled and self._container_id is not None:
+                try:
+                    self.runtime.stop_processes(session.container_id)
+                except EnvironmentStartError:
+                    # The container stopped under the kill: the agent ended it.
+                    if self.runtime.container_running(session.container_id):
+                        raise
+                    self._revive(session)
         if run.sample is not None:
             self._agent_sample = run.sample
             self._pin_agent_sample()
@@ -572,7 +620,16 @@ class Trial:
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            self._run_verifier(session, result, started=timing.started_at)
+            try:
+                self._run_verifier(session, result, started=timing.started_at)
+            except (EnvironmentStartError, RewardFileNotFoundError):
+                # The container the agent ran in died under the verifier (a signal to
+                # its init lands late): the agent's doing; verify once more, restarted.
+                if self.cancelled or self.runtime.container_running(session.container_id):
+                    raise
+                if not self._revive(session):
+                    return
+                self._run_verifier(session, result, started=timing.started_at)
         except TrialError as exc:
             self._record(exc)
         finally:
@@ -580,6 +637,24 @@ class Trial:
         if not self.cancelled:  # the verdict stands; now what the agent wrote
             self._read_agent_logs(session.container_id)
         self._record_agent_overflow()
+
+    def _revive(self, session: TrialSession) -> bool:
+        """The agent ended its container: record it as the agent's outcome and start
+        the container again (its files stay, none of its processes do) for the
+        verifier. False, and the container removed (nothing is verified), when it
+        cannot start."""
+        self._record(
+            AgentEndedContainerError(
+                "the agent's container stopped after it had started (its init was killed "
+                "or made to exit); it was restarted and verified"
+            )
+        )
+        try:
+            self.runtime.start(session.container_id)
+        except EnvironmentStartError:
+            self._remove_container()
+            return False
+        return True
 
     def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
@@ -598,11 +673,12 @@ class Trial:
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
                 container_id = self._create(spec)
+                verifier_user = self._resolve_users(image, container_id, ["verifier"])["verifier"]
                 handover.seek(0)
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
                 self._check_cancelled()
-                fresh = TrialSession(self.runtime, container_id, task)
+                fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
                 self._record(exc)
