@@ -88,6 +88,7 @@ from harbor_exec.sandbox.runtime import (
     Mount,
     NetworkKind,
 )
+from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.trial.agents import Agent, OracleAgent, TestsVerifier, TrialSession, runs_as_root
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -391,7 +392,8 @@ class Trial:
         gpus: int = 0,
     ) -> ContainerSpec:
         request, task, policy = self.request, self.request.task, self.request.policy
-        label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
+        image_labels = self.runtime.image_labels(image)
+        label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
         limits = ContainerLimits.resolve(policy, env_config)
         return ContainerSpec(
@@ -415,6 +417,7 @@ class Trial:
             network=self._network(),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
+            syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
             gpus=gpus,
         )
 
