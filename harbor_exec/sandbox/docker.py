@@ -698,6 +698,10 @@ class DockerRuntime:
             with self._start_gate:
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
+            # A runtime volume removed behind our back (``docker volume prune`` between
+            # trials) comes back empty from the next create: check it again then.
+            with self._runtime_lock:
+                self._runtime_ready.clear()
             hint = ""
             if "setting rlimit" in str(exc.explanation or exc):
                 hint = (
