@@ -472,3 +472,19 @@ def test_deleting_sleep_is_no_environment_error(
 def test_a_missing_seccomp_profile_refuses_to_run(tmp_path: Path) -> None:
     with pytest.raises(SeccompProfileError, match="HARBOR_EXEC_SECCOMP_PROFILE"):
         DockerRuntime(seccomp_profile=tmp_path / "absent.json")
+
+
+def test_the_runtime_volume_is_filled_once_per_engine(
+    docker_runtime: DockerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docker_runtime._ensure_runtime_volume("debian:bookworm-slim")
+    # Another service on the same engine finds it complete and never writes over the
+    # busybox running trials execute.
+    other = DockerRuntime()
+    try:
+        monkeypatch.setattr(other._api, "put_archive", lambda *a, **k: pytest.fail("rewritten"))
+        assert other._ensure_runtime_volume("debian:bookworm-slim") == (
+            docker_runtime._ensure_runtime_volume("debian:bookworm-slim")
+        )
+    finally:
+        other.close()

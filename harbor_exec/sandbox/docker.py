@@ -648,25 +648,24 @@ class DockerRuntime:
         with self._runtime_lock:
             if name in self._runtime_ready:
                 return name
+            helper: str | None = None
             try:
-                self._api.inspect_volume(name)
-            except docker.errors.NotFound:
-                # Not LABEL_MANAGED: like an image, it outlives trials and sessions.
+                # Not LABEL_MANAGED: like an image, it outlives trials and sessions (and
+                # creating an existing volume is a no-op, so two services may race here).
                 self._api.create_volume(
                     name, labels={LABEL_KIND: "runtime", LABEL_RUNTIME_DIGEST: content.digest}
                 )
-            helper = self._api.create_container(
-                image,
-                command=[KEEP_ALIVE_BINARY],
-                labels={LABEL_MANAGED: "true", LABEL_OWNER: self.owner, LABEL_KIND: "runtime"},
-                host_config=self._api.create_host_config(
-                    mounts=[_runtime_mount(name, read_only=False)],
-                    network_mode="none",
-                    log_config={"type": "none", "config": {}},
-                ),
-                network_disabled=True,
-            )["Id"]
-            try:
+                helper = self._api.create_container(
+                    image,
+                    command=[KEEP_ALIVE_BINARY],
+                    labels={LABEL_MANAGED: "true", LABEL_OWNER: self.owner, LABEL_KIND: "runtime"},
+                    host_config=self._api.create_host_config(
+                        mounts=[_runtime_mount(name, read_only=False)],
+                        network_mode="none",
+                        log_config={"type": "none", "config": {}},
+                    ),
+                    network_disabled=True,
+                )["Id"]
                 # Content-named: a volume with the whole binary is complete. Writing
                 # over a busybox that running trials execute would fail (ETXTBSY).
                 if self._archive_size(helper, KEEP_ALIVE_BINARY) != content.size:
@@ -676,8 +675,9 @@ class DockerRuntime:
                     f"cannot fill the runtime volume {name}: {exc.explanation or exc}"
                 ) from None
             finally:
-                with contextlib.suppress(docker.errors.APIError):
-                    self._api.remove_container(helper, force=True)
+                if helper is not None:
+                    with contextlib.suppress(docker.errors.APIError):
+                        self._api.remove_container(helper, force=True)
             self._runtime_ready.add(name)
             return name
 
