@@ -22,6 +22,21 @@ RUN python3 -m venv /opt/harbor-exec/venv \
         ".[server,bundler]"; \
     fi \
  && rm -rf service-wheels
+# The service runs trials: their keep-alive (a static busybox) and the source of their
+# seccomp profile (Docker's default), from build/service-sandbox when
+# scripts/service_wheels.py put them there, else from Debian's packages.
+RUN profile=/usr/share/gocode/src/github.com/docker/docker/profiles/seccomp/default.json \
+ && if [ -d service-sandbox ]; then \
+      install -D -m 0755 service-sandbox/busybox /bin/busybox \
+      && install -D -m 0644 service-sandbox/seccomp-default.json "$profile"; \
+    else \
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends busybox-static \
+      && (cd /tmp && apt-get download -qq golang-github-docker-docker-dev) \
+      && dpkg-deb --fsys-tarfile /tmp/golang-github-docker-docker-dev_*.deb \
+         | tar -x -C / ".$profile" \
+      && rm -rf /tmp/*.deb /var/lib/apt/lists/*; \
+    fi \
+ && rm -rf service-sandbox && /bin/busybox true && test -f "$profile"
 COPY tasks_examples /opt/harbor-exec/tasks_examples
 
 ENV PATH=/opt/harbor-exec/venv/bin:$PATH \

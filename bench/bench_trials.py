@@ -25,6 +25,7 @@ import docker.types
 
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.seccomp import SeccompProfiles
 from harbor_exec.trial.task import Task, discover_tasks
 from harbor_exec.trial.trial import (
     ContainerLimits,
@@ -35,6 +36,7 @@ from harbor_exec.trial.trial import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+SECCOMP = SeccompProfiles()
 LOG_DIRS = [ArchiveEntry(p, None, 0o777) for p in ("/logs", "/logs/agent", "/logs/verifier")]
 
 
@@ -54,6 +56,8 @@ def floor_trial(api: docker.APIClient, image: str, task: Task) -> float:
         ulimits=[
             docker.types.Ulimit(name="nofile", soft=limits.nofile_limit, hard=limits.nofile_limit)
         ],
+        # The profile trials run under (a larger filter than Docker's built-in one).
+        security_opt=[SECCOMP.security_opt()],
     )
     container = api.create_container(image, ["sleep", "infinity"], host_config=host_config)["Id"]
     try:

@@ -3,7 +3,9 @@
     .venv/bin/python scripts/service_wheels.py [DEST]     (default: build/service-wheels)
 
 The Dockerfile installs from DEST with --no-index when it exists, so building the
-image needs no registry (and no trust in the host's TLS set-up) inside the build.
+image needs no registry (and no trust in the host's TLS set-up) inside the build. The
+sandbox's sources from Debian packages (a static busybox, Docker's default seccomp
+profile) go next to it, into build/service-sandbox, for the same reason.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from harbor_exec.bundler.wheels import DEFAULT_PLATFORM, Target, build_wheel, download_wheels
+from harbor_exec.sandbox.runtime_volume import BUSYBOX_SOURCE
+from harbor_exec.sandbox.seccomp import DOCKER_DEFAULT_PROFILE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +38,21 @@ def main() -> int:
     )
     shutil.rmtree(scratch, ignore_errors=True)
     print(f"{len(wheels)} wheels in {dest}")
+    copy_sandbox_sources(dest.parent / "service-sandbox")
     return 0
+
+
+def copy_sandbox_sources(dest: Path) -> None:
+    """The host's static busybox and Docker's default seccomp profile (both from Debian
+    packages, installed by scripts/setup.sh), so the image's build needs no apt either."""
+    shutil.rmtree(dest, ignore_errors=True)
+    sources = {"busybox": BUSYBOX_SOURCE, "seccomp-default.json": DOCKER_DEFAULT_PROFILE}
+    if not all(path.is_file() for path in sources.values()):
+        print(f"note: {' or '.join(map(str, sources.values()))} missing; the image uses apt")
+        return
+    dest.mkdir(parents=True)
+    for name, path in sources.items():
+        shutil.copy2(path, dest / name)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 # Idempotent. On a bare Debian 12/13 machine (as root) it:
 #   1. installs Docker (Debian's docker.io), debootstrap and docker-compose when
 #      `docker info` fails, starts dockerd in the background and waits for it;
+#      busybox-static and Docker's default seccomp profile (from Debian's
+#      golang-github-docker-docker-dev) for the trial containers' sandbox;
 #   2. creates .venv (Python 3.12 when available, else python3 >= 3.11) with
 #      harbor-exec and its development extras, and .venv-harbor with the real
 #      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
@@ -20,7 +22,7 @@ VALIDATE=1
 for arg in "$@"; do
   case "$arg" in
     --no-validate) VALIDATE=0 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -28,13 +30,17 @@ done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
 
-apt_install() {
+apt_update_once() {
   [ "$(id -u)" = 0 ] || die "installing $* needs root (run as root, or install them yourself)"
   command -v apt-get >/dev/null || die "no apt-get here: install $* with your package manager"
   if [ -z "${_APT_UPDATED:-}" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     _APT_UPDATED=1
   fi
+}
+
+apt_install() {
+  apt_update_once "$@"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
@@ -70,6 +76,36 @@ ensure_docker() {
   fi
 }
 
+# Trial containers run under Docker's default seccomp profile without ptrace, derived at
+# run time from Debian's copy of it (harbor_exec/sandbox/seccomp.py), and keep alive on a
+# static busybox (harbor_exec/sandbox/runtime_volume.py).
+PROFILE_IN_PACKAGE=/usr/share/gocode/src/github.com/docker/docker/profiles/seccomp/default.json
+SECCOMP_PROFILE="$PROFILE_IN_PACKAGE"
+ensure_sandbox_sources() {
+  if [ ! -x /bin/busybox ] || ! /bin/busybox true 2>/dev/null; then
+    say "installing busybox-static (the trial containers' keep-alive)"
+    apt_install busybox-static
+  fi
+  [ -f "$SECCOMP_PROFILE" ] && return 0
+  if [ -n "${HARBOR_EXEC_SECCOMP_PROFILE:-}" ]; then
+    [ -f "$HARBOR_EXEC_SECCOMP_PROFILE" ] || die "HARBOR_EXEC_SECCOMP_PROFILE=$HARBOR_EXEC_SECCOMP_PROFILE is no file"
+    return 0
+  fi
+  say "installing Docker's default seccomp profile (golang-github-docker-docker-dev)"
+  # The package drags ~250 Go source packages (~900 MB) in as dependencies; only this
+  # one file of it is needed, so it is taken from the package without installing it.
+  apt_update_once golang-github-docker-docker-dev
+  local tmp
+  tmp="$(mktemp -d)"
+  chmod 755 "$tmp"  # apt downloads as _apt
+  (cd "$tmp" && apt-get download -qq golang-github-docker-docker-dev) \
+    || die "cannot download golang-github-docker-docker-dev (set HARBOR_EXEC_SECCOMP_PROFILE to a profile)"
+  dpkg-deb --fsys-tarfile "$tmp"/golang-github-docker-docker-dev_*.deb \
+    | tar -x -C "$tmp" ".$PROFILE_IN_PACKAGE"
+  install -D -m 0644 "$tmp$PROFILE_IN_PACKAGE" "$SECCOMP_PROFILE"
+  rm -rf "$tmp"
+}
+
 pick_python() {
   if PYENV_VERSION=3.12.1 python3.12 -V >/dev/null 2>&1; then
     echo "env PYENV_VERSION=3.12.1 python3.12"
@@ -102,6 +138,7 @@ ensure_venvs() {
 }
 
 ensure_docker
+ensure_sandbox_sources
 ensure_venvs
 say "making base images"
 .venv/bin/harbor-exec images bootstrap

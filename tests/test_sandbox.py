@@ -18,6 +18,7 @@ from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.cgroups import HostCgroup
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
+from harbor_exec.sandbox.seccomp import SeccompProfileError
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
@@ -349,3 +350,141 @@ environment_mode = "separate"
     kept = tmp_path / "trials" / result.trial_name / "artifacts"
     assert not (kept / "link.txt").exists() and not (kept / "out" / "inner-link").exists()
     assert (kept / "out" / "big.txt").stat().st_size < (1 << 20) + 200
+
+
+# The agent's ptrace(PTRACE_ATTACH) of the keep-alive (the one process the kill between
+# the agent and the verifier spares), and process_vm_readv of its memory: errno or 0.
+_PTRACE_KEEP_ALIVE = r"""
+cat > /tmp/attach.py <<'EOF'
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+pid = next(
+    int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1"
+    and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == "1"
+    and b"sleep" in open(f"/proc/{p}/cmdline", "rb").read()
+)
+attach = libc.ptrace(16, pid, None, None)  # PTRACE_ATTACH
+attach_errno = ctypes.get_errno()
+buf = ctypes.create_string_buffer(8)
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+local = iovec(ctypes.cast(buf, ctypes.c_void_p), 8)
+remote = iovec(0x400000, 8)
+libc.syscall.restype = ctypes.c_long
+vm = libc.syscall(310, pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # x86-64
+vm_errno = ctypes.get_errno()
+print(f"attach={attach} errno={attach_errno} vm={vm} vm_errno={vm_errno}")
+EOF
+python3 /tmp/attach.py > /logs/agent/ptrace.txt 2>&1
+"""
+_PYTHON_IMAGE = "FROM python:3.11-slim-bookworm\nWORKDIR /app\n"
+# test.sh waits (without `sleep`: the agent's own, in shared mode) for anything the agent
+# left to act, then lists what runs and writes 0.
+_LIST_AND_FAIL = r"""
+end=$((SECONDS + 2)); while [ $SECONDS -lt $end ]; do :; done
+for p in /proc/[0-9]*; do tr '\0' ' ' < $p/cmdline 2>/dev/null; echo; done > /logs/verifier/procs.txt
+echo 0 > /logs/verifier/reward.txt
+end=$((SECONDS + 2)); while [ $SECONDS -lt $end ]; do :; done
+"""
+_KEEP_ALIVE = "/opt/harbor-exec-runtime/bin/busybox sleep 2147483647"
+
+
+@pytest.mark.parametrize("agent_user", ["root", "nobody"])
+def test_ptrace_of_the_keep_alive_is_denied(
+    docker_runtime: DockerRuntime, tmp_path: Path, kill_path: str, agent_user: str
+) -> None:
+    toml = f'[agent]\ntimeout_sec = 30.0\nuser = "{agent_user}"\n[verifier]\ntimeout_sec = 30.0\n'
+    task = make_task(
+        tmp_path,
+        f"ptrace-{agent_user}",
+        solve=_PTRACE_KEEP_ALIVE,
+        test=_LIST_AND_FAIL,
+        toml=toml,
+        dockerfile=_PYTHON_IMAGE,
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert rewards(result) == {"reward": 0.0}
+    trial = tmp_path / "trials" / result.trial_name
+    # EPERM (1) from the seccomp profile, for root as for any user.
+    assert (trial / "agent" / "ptrace.txt").read_text().split() == [
+        "attach=-1",
+        "errno=1",
+        "vm=-1",
+        "vm_errno=1",
+    ]
+    procs = (trial / "verifier" / "procs.txt").read_text().splitlines()
+    assert _KEEP_ALIVE + " " in procs  # the keep-alive, unchanged, from the runtime
+    assert docker_runtime.host_kill is (kill_path == "host-cgroup")
+
+
+def test_a_task_can_ask_for_ptrace_back(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    dockerfile = _PYTHON_IMAGE + 'LABEL harbor-exec.seccomp-allow="ptrace, process_vm_readv"\n'
+    task = make_task(
+        tmp_path,
+        "ptrace-back",
+        solve=_PTRACE_KEEP_ALIVE,
+        test=_LIST_AND_FAIL,
+        dockerfile=dockerfile,
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    found = (tmp_path / "trials" / result.trial_name / "agent" / "ptrace.txt").read_text()
+    assert found.split()[:2] == ["attach=0", "errno=0"], found
+    assert "vm_errno=1 " not in found + " "  # not EPERM: read (or EFAULT at that address)
+
+
+def test_a_planted_sleep_never_runs(
+    docker_runtime: DockerRuntime, tmp_path: Path, kill_path: str
+) -> None:
+    planted = (
+        "#!/bin/bash\ntouch /tmp/planted-ran\n"
+        "while true; do echo 1 > /logs/verifier/reward.txt; done\n"
+    )
+    solve = f"""
+        for bin in /usr/local/bin/sleep /usr/bin/sleep /bin/sleep; do
+            cat > $bin.new <<'EOF'
+{planted}EOF
+            chmod +x $bin.new && mv -f $bin.new $bin
+        done
+    """
+    test = "[ -e /tmp/planted-ran ] && echo ran > /logs/verifier/marker.txt\n" + _LIST_AND_FAIL
+    task = make_task(tmp_path, "planted-sleep", solve=solve, test=test)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert rewards(result) == {"reward": 0.0}
+    trial = tmp_path / "trials" / result.trial_name
+    assert not (trial / "verifier" / "marker.txt").exists()
+    assert _KEEP_ALIVE + " " in (trial / "verifier" / "procs.txt").read_text().splitlines()
+
+
+def test_deleting_sleep_is_no_environment_error(
+    docker_runtime: DockerRuntime, tmp_path: Path, kill_path: str
+) -> None:
+    solve = "rm -f /usr/local/bin/sleep /usr/bin/sleep /bin/sleep"
+    test = "! command -v sleep && echo 1 > /logs/verifier/reward.txt"
+    task = make_task(tmp_path, "no-sleep", solve=solve, test=test)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.reward == 1.0
+
+
+def test_a_missing_seccomp_profile_refuses_to_run(tmp_path: Path) -> None:
+    with pytest.raises(SeccompProfileError, match="HARBOR_EXEC_SECCOMP_PROFILE"):
+        DockerRuntime(seccomp_profile=tmp_path / "absent.json")
+
+
+def test_the_runtime_volume_is_filled_once_per_engine(
+    docker_runtime: DockerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docker_runtime._ensure_runtime_volume("debian:bookworm-slim")
+    # Another service on the same engine finds it complete and never writes over the
+    # busybox running trials execute.
+    other = DockerRuntime()
+    try:
+        monkeypatch.setattr(other._api, "put_archive", lambda *a, **k: pytest.fail("rewritten"))
+        assert other._ensure_runtime_volume("debian:bookworm-slim") == (
+            docker_runtime._ensure_runtime_volume("debian:bookworm-slim")
+        )
+    finally:
+        other.close()

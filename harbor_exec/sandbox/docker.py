@@ -5,15 +5,19 @@ operation is an API call (build, create, exec, archive transfer, remove).
 
 Why the details are as they are:
 
-* containers run ``sleep infinity`` under Docker's init (tini) as PID 1, so a
-  forced removal takes milliseconds instead of the 10 s stop timeout;
+* containers run a keep-alive under Docker's init (tini) as PID 1, so a forced
+  removal takes milliseconds instead of the 10 s stop timeout; the keep-alive is a
+  static busybox from the read-only runtime volume
+  (``harbor_exec.sandbox.runtime_volume``), by absolute path, so neither a start nor
+  a restart runs anything the agent could plant or replace;
 * past an exec's deadline, and between the agent and the verifier, every process
   in the container but its init is killed from the host through the container's
   cgroup (``harbor_exec.sandbox.cgroups``), or, without the host's view, by restarting
   the container: nothing has to fork inside a container whose pids limit a fork
   bomb has filled, and nothing the agent detached survives;
-* containers drop ``DROPPED_CAPABILITIES``, keep ``no-new-privileges`` and
-  Docker's seccomp profile, never get host networking, and log to nowhere (what a
+* containers drop ``DROPPED_CAPABILITIES``, keep ``no-new-privileges``, run under
+  Docker's default seccomp profile without ``ptrace`` (``harbor_exec.sandbox.seccomp``),
+  never get host networking, and log to nowhere (what a
   container prints to its init's stdout would otherwise fill the host's disk);
 * image builds are serialised per tag inside the process, and an existing tag is
   never rebuilt: tags are content hashes of the environment directory;
@@ -27,6 +31,7 @@ Why the details are as they are:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import io
@@ -78,6 +83,14 @@ from harbor_exec.sandbox.runtime import (
     ImageBuild,
     ImageInfo,
 )
+from harbor_exec.sandbox.runtime_volume import (
+    KEEP_ALIVE_BINARY,
+    KEEP_ALIVE_COMMAND,
+    LABEL_RUNTIME_DIGEST,
+    RUNTIME_MOUNT,
+    RuntimeContent,
+)
+from harbor_exec.sandbox.seccomp import SeccompProfiles
 from harbor_exec.sandbox.users import ACCOUNT_FILES, MAX_ACCOUNT_FILE_BYTES, ImageAccounts
 
 _LOG_TAIL_LINES = 25
@@ -269,6 +282,8 @@ class DockerRuntime:
         max_concurrent_starts: int = 4,
         cache_dir: Path | None = None,
         builder: str | None = None,
+        seccomp_profile: Path | str | None = None,
+        busybox: Path | str | None = None,
     ) -> None:
         choice = (builder or os.environ.get(BUILDER_ENV) or "auto").strip().lower()
         if choice not in _BUILDER_CHOICES:
@@ -311,6 +326,13 @@ class DockerRuntime:
         self._layers: dict[str, WritableLayer | None] = {}
         self.engine_available = True
         self.last_engine_error: str | None = None
+        self._seccomp = SeccompProfiles(seccomp_profile)
+        self._busybox = busybox
+        self._runtime_content: RuntimeContent | None = None
+        self._runtime_ready: set[str] = set()  # runtime volumes checked by this runtime
+        self._runtime_lock = threading.Lock()
+        # Fail at start-up, not at the first trial, when no profile can be read.
+        self._seccomp.security_opt()
 
     @property
     def engine_url(self) -> str:
@@ -599,6 +621,7 @@ class DockerRuntime:
                 "'bridge' or 'none', never the host's network"
             )
         given_back = set(spec.cap_add)
+        runtime_volume = self._ensure_runtime_volume(spec.image)
         if self._cpus is None:
             self._cpus = self.engine_cpus()
         # The engine refuses a quota above its CPU count: a task (or a default) asking
@@ -618,7 +641,7 @@ class DockerRuntime:
             ]
             if spec.nofile_limit
             else None,
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges", self._seccomp.security_opt(spec.syscalls_allowed)],
             cap_drop=[c for c in DROPPED_CAPABILITIES if c not in given_back],
             cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,
             network_mode=spec.network if spec.network != "bridge" else None,
@@ -627,6 +650,7 @@ class DockerRuntime:
                 for m in spec.mounts
             }
             or None,
+            mounts=[_runtime_mount(runtime_volume)],
             log_config={"type": "none", "config": {}},
             device_requests=[docker.types.DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
             if spec.gpus > 0
@@ -635,7 +659,7 @@ class DockerRuntime:
         try:
             created = self._api.create_container(
                 spec.image,
-                command=["sleep", "infinity"],
+                command=list(KEEP_ALIVE_COMMAND),
                 name=spec.name,
                 labels={**spec.labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner},
                 environment=dict(spec.env),
@@ -648,6 +672,64 @@ class DockerRuntime:
             ) from None
         return str(created["Id"])
 
+    def _ensure_runtime_volume(self, image: str) -> str:
+        """The read-only runtime's volume, created and filled once per engine; its name.
+
+        Filled through a helper container made from ``image`` (present: a trial is
+        about to use it) and never started: the archive API writes into its volume.
+        """
+        content = self._runtime_content
+        if content is None:
+            content = self._runtime_content = RuntimeContent.load(self._busybox)
+        name = content.volume_name
+        if name in self._runtime_ready:
+            return name
+        with self._runtime_lock:
+            if name in self._runtime_ready:
+                return name
+            helper: str | None = None
+            try:
+                # Not LABEL_MANAGED: like an image, it outlives trials and sessions (and
+                # creating an existing volume is a no-op, so two services may race here).
+                self._api.create_volume(
+                    name, labels={LABEL_KIND: "runtime", LABEL_RUNTIME_DIGEST: content.digest}
+                )
+                helper = self._api.create_container(
+                    image,
+                    command=[KEEP_ALIVE_BINARY],
+                    labels={LABEL_MANAGED: "true", LABEL_OWNER: self.owner, LABEL_KIND: "runtime"},
+                    host_config=self._api.create_host_config(
+                        mounts=[_runtime_mount(name, read_only=False)],
+                        network_mode="none",
+                        log_config={"type": "none", "config": {}},
+                    ),
+                    network_disabled=True,
+                )["Id"]
+                # Content-named: a volume with the whole binary is complete. Writing
+                # over a busybox that running trials execute would fail (ETXTBSY).
+                if self._archive_size(helper, KEEP_ALIVE_BINARY) != content.size:
+                    self._api.put_archive(helper, RUNTIME_MOUNT, content.archive)
+            except docker.errors.APIError as exc:
+                raise EnvironmentStartError(
+                    f"cannot fill the runtime volume {name}: {exc.explanation or exc}"
+                ) from None
+            finally:
+                if helper is not None:
+                    with contextlib.suppress(docker.errors.APIError):
+                        self._api.remove_container(helper, force=True)
+            self._runtime_ready.add(name)
+            return name
+
+    def _archive_size(self, container_id: str, path: str) -> int | None:
+        """The size of ``path`` in a container, from the archive API's stat header."""
+        # APIClient is a requests session: HEAD asks for the stat without the body.
+        url = self._api._url("/containers/{0}/archive", container_id)
+        response = self._api.head(url, params={"path": path})
+        header = response.headers.get("x-docker-container-path-stat")
+        if response.status_code != 200 or not header:
+            return None
+        return int(json.loads(base64.b64decode(header)).get("size", -1))
+
     @_engine_boundary
     def start(self, container_id: str) -> None:
         try:
@@ -655,6 +737,10 @@ class DockerRuntime:
             with self._start_gate:
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
+            # A runtime volume removed behind our back (``docker volume prune`` between
+            # trials) comes back empty from the next create: check it again then.
+            with self._runtime_lock:
+                self._runtime_ready.clear()
             hint = ""
             if "setting rlimit" in str(exc.explanation or exc):
                 hint = (
@@ -942,3 +1028,10 @@ class DockerRuntime:
             return int(Path("/proc/sys/kernel/pid_max").read_text())
         except (OSError, ValueError):
             return 32768
+
+
+def _runtime_mount(volume: str, *, read_only: bool = True) -> Any:
+    """The runtime volume at ``RUNTIME_MOUNT``; never filled from the image's own files."""
+    return docker.types.Mount(
+        RUNTIME_MOUNT, volume, type="volume", read_only=read_only, no_copy=True
+    )

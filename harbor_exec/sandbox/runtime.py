@@ -48,8 +48,10 @@ class ContainerSpec:
     """Everything needed to create one trial container.
 
     Containers never get host networking (``network`` is ``bridge`` or ``none``);
-    they always run with ``no-new-privileges``, Docker's seccomp profile and without
-    ``DROPPED_CAPABILITIES`` (``cap_add`` may give back some of those only).
+    they always run with ``no-new-privileges``, Docker's default seccomp profile
+    without ``seccomp.DENIED_SYSCALLS`` (``syscalls_allowed`` may give back some of
+    those only) and without ``DROPPED_CAPABILITIES`` (``cap_add`` may give back some
+    of those only).
     """
 
     image: str
@@ -64,6 +66,8 @@ class ContainerSpec:
     network: NetworkKind = "bridge"
     mounts: Sequence[Mount] = ()
     cap_add: Sequence[str] = ()
+    #: Syscalls of ``seccomp.DENIED_SYSCALLS`` the task asked back (``ptrace``, ...).
+    syscalls_allowed: Sequence[str] = ()
     gpus: int = 0  # requested through the engine's device requests
 
 

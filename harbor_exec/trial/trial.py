@@ -91,6 +91,7 @@ from harbor_exec.sandbox.runtime import (
     Mount,
     NetworkKind,
 )
+from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
@@ -402,7 +403,8 @@ class Trial:
         gpus: int = 0,
     ) -> ContainerSpec:
         request, task, policy = self.request, self.request.task, self.request.policy
-        label = self.runtime.image_labels(image).get(CAP_ADD_LABEL, "")
+        image_labels = self.runtime.image_labels(image)
+        label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
         limits = ContainerLimits.resolve(policy, env_config)
         return ContainerSpec(
@@ -426,6 +428,7 @@ class Trial:
             network=self._network(),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
+            syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
             gpus=gpus,
         )
 
