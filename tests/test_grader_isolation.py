@@ -9,28 +9,21 @@ reward must stay the honest grader's 0.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.bundler import Bundle, build_bundle
-from harbor_exec.client import RolloutClient
+from harbor_exec.bundler import Bundle
 from harbor_exec.container.exchange import USER_CODE_DIR
-from harbor_exec.server.app import create_rollout_server
-from tests.bundle_utils import setuptools_pyproject, write_project
 from tests.fake_chat import FakeChat
-from tests.server_utils import serve
+from tests.hostile import bundle_of, bundled_rollout, one_module_project, only_trial
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "isolation_probe"
 TEMPLATE = ROOT / "tasks_examples" / "template"  # WORKDIR /app
 
 WORKFLOWS = f'''
@@ -105,23 +98,11 @@ WORKFLOWS = f'''
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("grader-isolation")
-    return write_project(
-        root / "probe",
-        {
-            "pyproject.toml": setuptools_pyproject("isolation-probe"),
-            "src/isolation_probe/__init__.py": "",
-            "src/isolation_probe/workflow.py": WORKFLOWS,
-        },
-    )
+    return one_module_project(root / "probe", PACKAGE, WORKFLOWS)
 
 
 def bundle_for(project: Path, workflow: str) -> Bundle:
-    return build_bundle(
-        project,
-        workflow=f"isolation_probe.workflow:{workflow}",
-        grader="isolation_probe.workflow:Honest",
-        cache_dir=project.parent / "cache",
-    )
+    return bundle_of(project, PACKAGE, workflow, "Honest")
 
 
 def workdir_artifact_task(tmp_path: Path) -> Path:
@@ -136,35 +117,7 @@ def workdir_artifact_task(tmp_path: Path) -> Path:
 
 
 def rollout(tmp_path: Path, bundle: Bundle, task: Path, chat: FakeChat, **options: Any) -> Any:
-    backend = HarborBackend(
-        tasks_dir=task,
-        agent=bundle.manifest.workflow,
-        grader=bundle.manifest.grader,
-        bundle=bundle,
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-        cleanup_successful_trials=False,
-        **options,
-    )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
-
-    async def one(url: str) -> Any:
-        async with httpx.AsyncClient(timeout=180) as http:
-            return await RolloutClient(url=url, http_client=http).run_rollout(
-                initial_messages=[{"role": "user", "content": "q"}],
-                chat_completions_url=chat.base_url,
-                rollout_id=uuid.uuid4().hex,
-                llm_api_key="sk-test-" + uuid.uuid4().hex,
-                label="42",
-            )
-
-    with serve(app) as url:
-        return asyncio.run(one(url))
-
-
-def trial_record(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    (trial,) = [p for p in (tmp_path / "trials").iterdir() if p.is_dir()]
-    return trial, json.loads((trial / "result.json").read_text())
+    return bundled_rollout(tmp_path, bundle, task, chat, **options)
 
 
 def test_a_harbor_exec_in_the_workdir_artifact_does_not_grade_itself(
@@ -174,7 +127,7 @@ def test_a_harbor_exec_in_the_workdir_artifact_does_not_grade_itself(
     the agent's ``/app/harbor_exec`` comes back into the verifier, and is not run."""
     task = workdir_artifact_task(tmp_path)
     result = rollout(tmp_path, bundle_for(project, "WorkdirShadow"), task, chat)
-    trial, record = trial_record(tmp_path)
+    trial, record = only_trial(tmp_path)
     assert record["config"]["verifier_environment_mode"] == "separate"
     # The planted files did reach the verifier's /app (the attack had its chance).
     assert (trial / "artifacts" / "app" / "harbor_exec" / "container" / "runner.py").is_file()
@@ -191,7 +144,7 @@ def test_planted_packages_in_the_user_code_dir_do_not_shadow_a_shared_grader(
     task = workdir_artifact_task(tmp_path)
     bundle = bundle_for(project, "UserCodeShadow")
     result = rollout(tmp_path, bundle, task, chat, grader_verifier_mode="shared")
-    _, record = trial_record(tmp_path)
+    _, record = only_trial(tmp_path)
     assert record["config"]["verifier_environment_mode"] == "shared"
     assert result.status == "success", result.err_message
     assert result.sample.reward == 0.0

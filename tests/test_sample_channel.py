@@ -7,27 +7,22 @@ its own reward and ``remove_sample``, a frame (and a reward file) nested 200,000
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.bundler import Bundle, build_bundle
-from harbor_exec.client import RolloutClient
-from harbor_exec.server.app import create_rollout_server
-from tests.bundle_utils import setuptools_pyproject, write_project
+from harbor_exec.bundler import Bundle
 from tests.fake_chat import FakeChat
-from tests.server_utils import serve
+from tests.hostile import bundle_of, bundled_rollout, one_module_project, only_trial
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "hostile_sample"
 TEMPLATE = ROOT / "tasks_examples" / "template"
 KEY = "sk-test-" + uuid.uuid4().hex
 
@@ -115,23 +110,11 @@ HOSTILE = r'''
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hostile-sample")
-    return write_project(
-        root / "hostile",
-        {
-            "pyproject.toml": setuptools_pyproject("hostile-sample"),
-            "src/hostile_sample/__init__.py": "",
-            "src/hostile_sample/workflow.py": HOSTILE,
-        },
-    )
+    return one_module_project(root / "hostile", PACKAGE, HOSTILE)
 
 
 def bundle_for(project: Path, workflow: str) -> Bundle:
-    return build_bundle(
-        project,
-        workflow=f"hostile_sample.workflow:{workflow}",
-        grader="hostile_sample.workflow:Witness",
-        cache_dir=project.parent / "cache",
-    )
+    return bundle_of(project, PACKAGE, workflow, "Witness")
 
 
 def grader_task(tmp_path: Path) -> Path:
@@ -142,34 +125,7 @@ def grader_task(tmp_path: Path) -> Path:
 
 
 def rollout(tmp_path: Path, bundle: Bundle, tasks_dir: Path, chat: FakeChat) -> Any:
-    backend = HarborBackend(
-        tasks_dir=tasks_dir,
-        agent=bundle.manifest.workflow,
-        grader=bundle.manifest.grader,
-        bundle=bundle,
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-        cleanup_successful_trials=False,
-    )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
-
-    async def one(url: str) -> Any:
-        async with httpx.AsyncClient(timeout=120) as http:
-            return await RolloutClient(url=url, http_client=http).run_rollout(
-                initial_messages=[{"role": "user", "content": "q"}],
-                chat_completions_url=chat.base_url,
-                rollout_id=uuid.uuid4().hex,
-                llm_api_key=KEY,
-                label="42",
-            )
-
-    with serve(app) as url:
-        return asyncio.run(one(url))
-
-
-def trial_dir(tmp_path: Path) -> Path:
-    (found,) = [p for p in (tmp_path / "trials").iterdir() if p.is_dir()]
-    return found
+    return bundled_rollout(tmp_path, bundle, tasks_dir, chat, api_key=KEY, timeout_sec=120)
 
 
 def test_a_detached_rewrite_of_sample_json_changes_nothing(
@@ -181,7 +137,7 @@ def test_a_detached_rewrite_of_sample_json_changes_nothing(
     assert sample.messages[-1] == {"role": "assistant", "content": "original"}
     assert sample.reward == 0.25 and sample.remove_sample is False
     assert sample.metrics["seen_forged"] == 0.0 and "forged" not in sample.metrics
-    agent = trial_dir(tmp_path) / "agent"
+    agent = only_trial(tmp_path)[0] / "agent"
     # The attack did run (the container's file was rewritten after the runner wrote
     # it), and the trial's sample.json is still the one the runner handed over.
     assert (agent / "rewritten.txt").is_file()
