@@ -110,7 +110,7 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
     ds = tmp_path / "slow"
     for i in range(3):
         make_task(ds, f"slow-{i}", solve="sleep 120", toml="[agent]\ntimeout_sec = 300.0\n")
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
     process = subprocess.Popen(
         [
             *CLI,
@@ -147,7 +147,13 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
             "the three trials never reached their agent phase"
         )
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=30)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Still running: SIGABRT makes faulthandler print every thread's stack.
+            process.send_signal(signal.SIGABRT)
+            stacks, _ = process.communicate(timeout=30)
+            raise AssertionError(f"validate did not stop after SIGINT:\n{stacks}") from None
     finally:
         if process.poll() is None:
             process.kill()
