@@ -111,6 +111,11 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
     for i in range(3):
         make_task(ds, f"slow-{i}", solve="sleep 120", toml="[agent]\ntimeout_sec = 300.0\n")
     env = {**os.environ, "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
+    # Ctrl-C at a terminal: a suite started in the background (`cmd &` without job
+    # control) inherits SIGINT ignored, and an ignored signal stays ignored across exec,
+    # so Python would install no KeyboardInterrupt handler. A handled one resets.
+    ignored = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     process = subprocess.Popen(
         [
             *CLI,
@@ -129,6 +134,7 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
         text=True,
         env=env,
     )
+    signal.signal(signal.SIGINT, ignored)
     client = docker.from_env()
     label = {"label": [f"{LABEL_MANAGED}=true", "harbor-exec.task"]}
     try:
