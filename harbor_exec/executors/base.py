@@ -150,21 +150,16 @@ class TrialExecutor(Protocol):
 # --------------------------------------------------------------------------- asyncio base
 
 
+@dataclass(eq=False)  # handles are compared and hashed by identity
 class AsyncTrialHandle:
-    """A submitted trial that runs as an asyncio task (what both executors hand out)."""
+    """A submitted trial that runs as an asyncio task (what both executors hand out);
+    executors subclass it with the fields of their own bookkeeping."""
 
-    def __init__(
-        self,
-        spec: TrialSpec,
-        secrets: TrialSecrets,
-        content: TrialContent,
-        on_phase: PhaseCallback | None,
-    ) -> None:
-        self.spec = spec
-        self.secrets = secrets
-        self.content = content
-        self.on_phase = on_phase
-        self.task: asyncio.Task[TrialRun] | None = None
+    spec: TrialSpec
+    secrets: TrialSecrets
+    content: TrialContent
+    on_phase: PhaseCallback | None
+    task: asyncio.Task[TrialRun] | None = field(default=None, init=False)
 
     @property
     def name(self) -> str:

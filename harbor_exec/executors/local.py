@@ -45,17 +45,10 @@ from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)
 class _LocalHandle(AsyncTrialHandle):
-    def __init__(
-        self,
-        spec: TrialSpec,
-        secrets: TrialSecrets,
-        content: TrialContent,
-        on_phase: PhaseCallback | None,
-    ) -> None:
-        super().__init__(spec, secrets, content, on_phase)
-        self.trial: Trial | None = None
-        self.cancelled = threading.Event()
+    trial: Trial | None = dataclasses.field(default=None, init=False)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
 
 
 def _relay_root() -> Path:

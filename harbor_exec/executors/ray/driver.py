@@ -91,18 +91,11 @@ class _Node:
         return self.node_id[:12]
 
 
+@dataclass(eq=False)
 class _RayHandle(AsyncTrialHandle):
-    def __init__(
-        self,
-        spec: TrialSpec,
-        secrets: TrialSecrets,
-        content: TrialContent,
-        on_phase: PhaseCallback | None,
-    ) -> None:
-        super().__init__(spec, secrets, content, on_phase)
-        self.node: _Node | None = None
-        self.phase: TrialPhase | None = None
-        self.cancelled = False
+    node: _Node | None = field(default=None, init=False)
+    phase: TrialPhase | None = field(default=None, init=False)
+    cancelled: bool = field(default=False, init=False)
 
 
 class RayExecutor(AsyncTrialExecutor[_RayHandle]):
