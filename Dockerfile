@@ -22,25 +22,28 @@ RUN python3 -m venv /opt/harbor-exec/venv \
         ".[server,bundler]"; \
     fi \
  && rm -rf service-wheels
-# The service runs trials: their keep-alive (a static busybox) and the source of their
-# seccomp profile (Docker's default), from build/service-sandbox when
-# scripts/service_wheels.py put them there, else from Debian's packages.
+# The service runs trials: the source of their seccomp profile (Docker's default) and the
+# read-only container runtime (harbor_exec/sandbox/runtime_build.py), from
+# build/service-sandbox when scripts/service_wheels.py put them there, else from Debian.
+ENV HARBOR_EXEC_CACHE_DIR=/var/cache/harbor-exec
 RUN profile=/usr/share/gocode/src/github.com/docker/docker/profiles/seccomp/default.json \
+ && runtime="$(/opt/harbor-exec/venv/bin/python -c 'from harbor_exec.sandbox.runtime_build import runtime_build_dir; print(runtime_build_dir())')" \
  && if [ -d service-sandbox ]; then \
-      install -D -m 0755 service-sandbox/busybox /bin/busybox \
-      && install -D -m 0644 service-sandbox/seccomp-default.json "$profile"; \
+      install -D -m 0644 service-sandbox/seccomp-default.json "$profile" \
+      && mkdir -p "$(dirname "$runtime")" && cp -r service-sandbox/runtime "$runtime"; \
     else \
-      apt-get update -qq && apt-get install -y -qq --no-install-recommends busybox-static \
+      apt-get update -qq \
+      && apt-get install -y -qq --no-install-recommends debootstrap patchelf \
       && (cd /tmp && apt-get download -qq golang-github-docker-docker-dev) \
       && dpkg-deb --fsys-tarfile /tmp/golang-github-docker-docker-dev_*.deb \
          | tar -x -C / ".$profile" \
+      && /opt/harbor-exec/venv/bin/python -c 'from harbor_exec.sandbox.images import ensure_container_runtime as e; e()' \
       && rm -rf /tmp/*.deb /var/lib/apt/lists/*; \
     fi \
- && rm -rf service-sandbox && /bin/busybox true && test -f "$profile"
+ && rm -rf service-sandbox && test -f "$profile" && test -f "$runtime/runtime.tar"
 COPY tasks_examples /opt/harbor-exec/tasks_examples
 
-ENV PATH=/opt/harbor-exec/venv/bin:$PATH \
-    HARBOR_EXEC_CACHE_DIR=/var/cache/harbor-exec
+ENV PATH=/opt/harbor-exec/venv/bin:$PATH
 WORKDIR /var/lib/harbor-exec
 ENTRYPOINT ["harbor-exec"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000", "--tasks-dir", "/opt/harbor-exec/tasks_examples/template", "--agent", "oracle"]

@@ -51,6 +51,7 @@ from harbor_exec.bundler.wheels import (
     sha256_file,
     target_requirements,
 )
+from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
 
 __all__ = ["Bundle", "build_bundle"]
 
@@ -131,15 +132,16 @@ def build_bundle(
     grader: str | None = None,
     workflow_config: str | None = None,
     grader_config: str | None = None,
-    python_version: str = "3.11",
+    python_version: str = RUNTIME_PYTHON_VERSION,
     platform: str = DEFAULT_PLATFORM,
     cache_dir: Path | None = None,
 ) -> Bundle:
     """Build (or reuse) the bundle of the project in ``code_dir``.
 
     ``workflow``, ``grader`` and the configs are ``module:attr`` refs into the
-    project's package. ``python_version`` and ``platform`` describe the task
-    container (default: Debian bookworm's CPython 3.11 on x86_64; every manylinux
+    project's package. ``python_version`` and ``platform`` describe the container's
+    Python (default: the read-only runtime's CPython, Debian trixie's, on x86_64; trials
+    run only bundles made for it; every manylinux
     tag down to the oldest glibc is accepted). ``cache_dir`` defaults to
     ``<harbor-exec cache>/bundles`` (``$HARBOR_EXEC_CACHE_DIR/bundles``, else
     ``~/.cache/harbor-exec/bundles``).

@@ -1,7 +1,7 @@
 """Wheels: building them with ``build``, reading them, and collecting dependencies.
 
-The container's Python and platform usually differ from the host's (3.11 on
-Debian bookworm in task images, any Python >= 3.11 here), so every decision
+The container's Python and platform usually differ from the host's (the read-only
+runtime's 3.13 in task containers, any Python >= 3.11 here), so every decision
 that depends on the interpreter, wheel tags and environment markers, is made
 for the *target*, never for the running interpreter.
 """
@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 # Debian bookworm ships glibc 2.36: every manylinux_2_N wheel with N <= 36 runs there.
-DEFAULT_PLATFORM = "manylinux_2_36_x86_64"
+#: The read-only runtime's glibc (Debian trixie: 2.41) on x86_64.
+DEFAULT_PLATFORM = "manylinux_2_41_x86_64"
 
 _BUILD_TIMEOUT_SEC = 900.0
 _DOWNLOAD_TIMEOUT_SEC = 900.0

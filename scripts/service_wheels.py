@@ -4,8 +4,9 @@
 
 The Dockerfile installs from DEST with --no-index when it exists, so building the
 image needs no registry (and no trust in the host's TLS set-up) inside the build. The
-sandbox's sources from Debian packages (a static busybox, Docker's default seccomp
-profile) go next to it, into build/service-sandbox, for the same reason.
+sandbox's sources (Docker's default seccomp profile from Debian's package, and the
+read-only container runtime that `harbor-exec images bootstrap` built on this host) go
+next to it, into build/service-sandbox, for the same reason.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from harbor_exec.bundler.wheels import DEFAULT_PLATFORM, Target, build_wheel, download_wheels
-from harbor_exec.sandbox.runtime_volume import BUSYBOX_SOURCE
+from harbor_exec.sandbox.runtime_build import load_runtime_build
 from harbor_exec.sandbox.seccomp import DOCKER_DEFAULT_PROFILE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,16 +44,18 @@ def main() -> int:
 
 
 def copy_sandbox_sources(dest: Path) -> None:
-    """The host's static busybox and Docker's default seccomp profile (both from Debian
-    packages, installed by scripts/setup.sh), so the image's build needs no apt either."""
+    """Docker's default seccomp profile (Debian's package, installed by scripts/setup.sh)
+    and this host's container runtime, so the image's build needs no apt either."""
     shutil.rmtree(dest, ignore_errors=True)
-    sources = {"busybox": BUSYBOX_SOURCE, "seccomp-default.json": DOCKER_DEFAULT_PROFILE}
-    if not all(path.is_file() for path in sources.values()):
-        print(f"note: {' or '.join(map(str, sources.values()))} missing; the image uses apt")
+    runtime = load_runtime_build()
+    if not DOCKER_DEFAULT_PROFILE.is_file() or runtime is None:
+        print(
+            f"note: {DOCKER_DEFAULT_PROFILE} or the container runtime missing; the image uses apt"
+        )
         return
     dest.mkdir(parents=True)
-    for name, path in sources.items():
-        shutil.copy2(path, dest / name)
+    shutil.copy2(DOCKER_DEFAULT_PROFILE, dest / "seccomp-default.json")
+    shutil.copytree(runtime.directory, dest / "runtime")
 
 
 if __name__ == "__main__":

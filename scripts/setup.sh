@@ -11,7 +11,8 @@
 #   2. creates .venv (Python 3.12 when available, else python3 >= 3.11) with
 #      harbor-exec and its development extras, and .venv-harbor with the real
 #      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
-#   3. makes the base images (`harbor-exec images bootstrap`);
+#   3. makes the base images and the read-only container runtime
+#      (`harbor-exec images bootstrap`);
 #   4. runs `harbor-exec validate tasks_examples/dataset`.
 set -euo pipefail
 
@@ -64,6 +65,8 @@ ensure_docker() {
   fi
   local missing=()
   command -v debootstrap >/dev/null || missing+=(debootstrap)
+  # The read-only container runtime (harbor_exec/sandbox/runtime_build.py) is patched with it.
+  command -v patchelf >/dev/null || missing+=(patchelf)
   # tests/test_service_image.py drives Compose through pytest-docker as docker-compose.
   command -v docker-compose >/dev/null || missing+=(docker-compose)
   if [ "${#missing[@]}" -gt 0 ]; then
@@ -77,14 +80,18 @@ ensure_docker() {
 }
 
 # Trial containers run under Docker's default seccomp profile without ptrace, derived at
-# run time from Debian's copy of it (harbor_exec/sandbox/seccomp.py), and keep alive on a
-# static busybox (harbor_exec/sandbox/runtime_volume.py).
+# run time from Debian's copy of it (harbor_exec/sandbox/seccomp.py). The tests build a
+# musl image from a static busybox and Debian's musl loader (tests/test_runtime_images.py).
 PROFILE_IN_PACKAGE=/usr/share/gocode/src/github.com/docker/docker/profiles/seccomp/default.json
 SECCOMP_PROFILE="$PROFILE_IN_PACKAGE"
 ensure_sandbox_sources() {
   if [ ! -x /bin/busybox ] || ! /bin/busybox true 2>/dev/null; then
-    say "installing busybox-static (the trial containers' keep-alive)"
+    say "installing busybox-static (for the tests' musl image)"
     apt_install busybox-static
+  fi
+  if [ ! -f /usr/lib/x86_64-linux-musl/libc.so ]; then
+    say "installing musl (for the tests' musl image)"
+    apt_install musl
   fi
   [ -f "$SECCOMP_PROFILE" ] && return 0
   if [ -n "${HARBOR_EXEC_SECCOMP_PROFILE:-}" ]; then

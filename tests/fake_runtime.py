@@ -44,6 +44,7 @@ from harbor_exec.sandbox.runtime import (
     DiskUsage,
     ExecResult,
     ImageInfo,
+    VolumeFill,
 )
 from harbor_exec.sandbox.users import ImageAccounts
 
@@ -155,6 +156,7 @@ class FakeRuntime:
     passwd: bytes = b"root:x:0:0:root:/root:/bin/bash\n"
     group: bytes = b"root:x:0:\n"
     images: set[str] = field(default_factory=set)
+    volumes: dict[str, VolumeFill] = field(default_factory=dict)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
@@ -245,6 +247,13 @@ class FakeRuntime:
 
     def ensure_present(self, image: str) -> None:
         self.images.add(image)
+
+    def fill_volume(self, fill: VolumeFill, image: str) -> bool:
+        self._call("fill_volume")
+        if fill.volume in self.volumes:
+            return False
+        self.volumes[fill.volume] = fill
+        return True
 
     # ----------------------------------------------------------------- containers
 

@@ -21,6 +21,7 @@ from harbor_exec.errors import EnvironmentStartTimeoutError, SandboxBuildFailedE
 from harbor_exec.jobs.dataset import is_full_reward
 from harbor_exec.jobs.prewarm import prewarm_tasks, tally
 from harbor_exec.sandbox import docker as docker_runtime_module
+from harbor_exec.sandbox.deps import DEPS_VOLUME_PREFIX
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
@@ -306,9 +307,11 @@ def test_prewarm_cli_progress_summary_and_second_run(
     assert "built: 0, cached: 10, failed: 1" in second.stdout
 
 
-def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
+def test_harbor_backend_prewarm_installs_a_shared_requirement_set_once(
     tmp_path: Path, made_images: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Three tasks, one requirement set: three task images, one dependency environment
+    (a read-only volume, never an image built FROM each task image)."""
     from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.bundler import build_bundle
     from harbor_exec.executors.local import LocalExecutor
@@ -333,25 +336,23 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
     assert isinstance(backend.executor, LocalExecutor)
     runtime = backend.executor.runtime
     assert isinstance(runtime, DockerRuntime)
-    active = 0
-    most_deps = 0
-    guard = threading.Lock()
-    real = runtime.ensure_image
+    runtime.remove_volume(
+        DEPS_VOLUME_PREFIX + bundle.requirements_digest[:24]
+    )  # installed by an earlier test: install it here
+    real_build, real_fill = runtime.ensure_image, runtime.fill_volume
+    fills: list[bool] = []
 
-    def counting(**kwargs: Any) -> Any:
-        nonlocal active, most_deps
-        deps = kwargs["labels"].get(LABEL_KIND) == "deps"
+    def building(**kwargs: Any) -> Any:
         made_images.append(kwargs["tag"])
-        with guard:
-            active += deps
-            most_deps = max(most_deps, active)
-        try:
-            return real(**kwargs)
-        finally:
-            with guard:
-                active -= deps
+        return real_build(**kwargs)
 
-    runtime.ensure_image = counting  # type: ignore[method-assign]
+    def filling(fill: Any, image: str) -> bool:
+        filled = real_fill(fill, image)
+        fills.append(filled)
+        return filled
+
+    runtime.ensure_image = building  # type: ignore[method-assign]
+    runtime.fill_volume = filling  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="harbor_exec.backends.harbor.backend"):
         summary = asyncio.run(backend.prewarm(jobs=3))
     assert (
@@ -359,13 +360,14 @@ def test_harbor_backend_prewarm_builds_dependency_layers_in_parallel(
         == 3
     )
     assert summary.failed == 0 and summary.built == 3, summary
-    assert backend.image_builds == 6  # three task images, three dependency layers
-    assert most_deps > 1  # dependency layers no longer wait for one another
+    assert backend.image_builds == 4  # three task images, one dependency environment
+    assert fills.count(True) == 1 and len(fills) == 3, fills
+    assert len(made_images) == 3  # no image is built FROM a task image for dependencies
     assert set(summary.seconds) == {"py0", "py1", "py2"}
     assert backend.health().image_builder == "buildkit"
     again = asyncio.run(backend.prewarm(jobs=3))
-    assert again.cached == 3 and backend.image_builds == 6
-    for tag in reversed(made_images):  # dependency layers before the task images they use
+    assert again.cached == 3 and backend.image_builds == 4
+    for tag in made_images:
         runtime.remove_image(tag)
     made_images.clear()
 

@@ -19,6 +19,7 @@ from harbor_exec.bundler import build_bundle
 from harbor_exec.bundler.errors import BundleBuildError
 from harbor_exec.client import RolloutClient
 from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.sandbox.deps import DEPS_VOLUME_PREFIX
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
 from harbor_exec.server.app import create_rollout_server
@@ -290,6 +291,8 @@ def test_prewarm_then_no_build(
     dockerfile = grader_task / "environment" / "Dockerfile"
     dockerfile.write_text(dockerfile.read_text() + f"RUN echo {uuid.uuid4().hex} > /fresh\n")
     backend = make_backend(tmp_path, bundle, grader_task)
+    # Installed by an earlier test (one per requirement set): prewarm installs it here.
+    DockerRuntime().remove_volume(DEPS_VOLUME_PREFIX + bundle.requirements_digest[:24])
     try:
         with serve(create_rollout_server(backend=backend, artifact_root=tmp_path / "sa")) as url:
             summary = httpx.post(f"{url}/prewarm", json={"all": True}, timeout=300).json()
@@ -299,7 +302,7 @@ def test_prewarm_then_no_build(
             elapsed = time.monotonic() - started
             health = httpx.get(f"{url}/health").json()
         assert summary["total"] == 1 and summary["built"] == 1 and summary["failed"] == 0
-        assert builds == 2  # the task image and the dependency layer
+        assert builds == 2  # the task image and the dependency environment
         assert first.status == "success" and first.sample.reward == 1.0
         assert backend.image_builds == builds  # the first rollout built nothing
         assert elapsed < 5
@@ -311,7 +314,7 @@ def test_prewarm_then_no_build(
         runtime = backend.executor.runtime
         assert isinstance(runtime, DockerRuntime)
         image, _ = ensure_task_image(runtime, backend.resolver.load(grader_task.resolve()))
-        runtime.remove_image(backend.bundle.deps.tag_for(image))
+        runtime.remove_volume(backend.bundle.deps.volume_name)
         runtime.remove_image(image)
 
 

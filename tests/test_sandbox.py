@@ -354,15 +354,15 @@ environment_mode = "separate"
 
 # The agent's ptrace(PTRACE_ATTACH) of the keep-alive (the one process the kill between
 # the agent and the verifier spares), and process_vm_readv of its memory: errno or 0.
-_PTRACE_KEEP_ALIVE = r"""
+# The agent's own child: ptrace would reach it but for seccomp (the keep-alive and the init
+# are out of reach anyway, not dumpable: tests/test_runtime_images.py).
+_PTRACE_OWN_CHILD = r"""
+sleep 30 &
+echo $! > /tmp/target
 cat > /tmp/attach.py <<'EOF'
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
-pid = next(
-    int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1"
-    and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == "1"
-    and b"sleep" in open(f"/proc/{p}/cmdline", "rb").read()
-)
+pid = int(open("/tmp/target").read())
 attach = libc.ptrace(16, pid, None, None)  # PTRACE_ATTACH
 attach_errno = ctypes.get_errno()
 buf = ctypes.create_string_buffer(8)
@@ -397,7 +397,7 @@ def test_ptrace_of_the_keep_alive_is_denied(
     task = make_task(
         tmp_path,
         f"ptrace-{agent_user}",
-        solve=_PTRACE_KEEP_ALIVE,
+        solve=_PTRACE_OWN_CHILD,
         test=_LIST_AND_FAIL,
         toml=toml,
         dockerfile=_PYTHON_IMAGE,
@@ -423,7 +423,7 @@ def test_a_task_can_ask_for_ptrace_back(docker_runtime: DockerRuntime, tmp_path:
     task = make_task(
         tmp_path,
         "ptrace-back",
-        solve=_PTRACE_KEEP_ALIVE,
+        solve=_PTRACE_OWN_CHILD,
         test=_LIST_AND_FAIL,
         dockerfile=dockerfile,
     )

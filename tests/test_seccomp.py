@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harbor_exec.sandbox.runtime_build import runtime_build_dir
 from harbor_exec.sandbox.runtime_volume import (
-    KEEP_ALIVE_BINARY,
+    INIT_COMMAND,
     KEEP_ALIVE_COMMAND,
+    KEEP_ALIVE_UID,
+    KEEP_ALIVE_USER,
     RUNTIME_MOUNT,
     RuntimeContent,
     RuntimeVolumeError,
@@ -116,17 +117,19 @@ def test_a_missing_or_broken_profile_fails_closed(
         SeccompProfiles(broken).security_opt()
 
 
-def test_the_runtime_holds_the_busybox_and_the_keep_alive_is_absolute(tmp_path: Path) -> None:
-    fake = tmp_path / "busybox"
-    fake.write_bytes(b"\x7fELF" + b"\0" * 60)
-    content = RuntimeContent.load(fake)
-    with tarfile.open(fileobj=io.BytesIO(content.archive)) as tar:
-        member = tar.getmember("bin/busybox")
-        assert member.mode == 0o755 and member.size == content.size == 64
-    assert content.volume_name.startswith("harbor-exec-runtime-")
-    assert KEEP_ALIVE_COMMAND[0] == KEEP_ALIVE_BINARY == f"{RUNTIME_MOUNT}/bin/busybox"
-    with pytest.raises(RuntimeVolumeError, match="busybox-static"):
-        RuntimeContent.load(tmp_path / "absent")
-    (tmp_path / "script").write_text("#!/bin/sh\n")
-    with pytest.raises(RuntimeVolumeError, match="not an ELF"):
-        RuntimeContent.load(tmp_path / "script")
+def test_the_runtime_comes_from_the_build_and_init_and_keep_alive_are_absolute(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RuntimeVolumeError, match="images bootstrap"):
+        RuntimeContent.load(tmp_path)
+    built = runtime_build_dir(tmp_path)
+    built.mkdir(parents=True)
+    (built / "runtime.tar").write_bytes(b"")
+    (built / "runtime.json").write_text('{"digest": "' + "ab" * 32 + '"}')
+    content = RuntimeContent.load(tmp_path)
+    assert content.volume_name == "harbor-exec-runtime-" + "ab" * 8
+    assert content.marker_size == len('{"digest": "' + "ab" * 32 + '"}')
+    # By absolute path into the read-only mount: no PATH lookup, no image entrypoint.
+    assert INIT_COMMAND[0] == f"{RUNTIME_MOUNT}/bin/tini"
+    assert KEEP_ALIVE_COMMAND[0] == f"{RUNTIME_MOUNT}/bin/busybox"
+    assert f"{KEEP_ALIVE_UID}:{KEEP_ALIVE_UID}" == KEEP_ALIVE_USER and KEEP_ALIVE_UID > 65535

@@ -12,6 +12,7 @@ import pytest
 from harbor_exec.errors import UnsafeTaskPathError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
+from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
@@ -215,6 +216,7 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
         if phase == "agent":
             (container,) = client.containers.list(filters={"label": f"{LABEL_TRIAL}={trial.name}"})
             seen["host"] = container.attrs["HostConfig"]
+            seen["entrypoint"] = container.attrs["Config"]["Entrypoint"]
             seen["labels"] = container.labels
 
     trial._on_phase = on_phase
@@ -222,7 +224,9 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
     assert result.exception_info is None
     host = seen["host"]
     assert isinstance(host, dict)
-    assert host["Init"] is True
+    # The runtime's init (tini under setpriv), not the engine's --init.
+    assert not host.get("Init")
+    assert seen["entrypoint"] == list(INIT_COMMAND)
     assert host["NanoCpus"] == 500_000_000
     assert host["Memory"] == 300 * 1024 * 1024
     assert host["PidsLimit"] and host["PidsLimit"] > 0

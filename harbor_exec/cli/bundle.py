@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from harbor_exec.cli.app import app
+from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
 
 _REF_HELP = "a 'module:attr' ref inside the project's package"
 
@@ -35,7 +36,9 @@ def bundle(
     grader_config: Annotated[
         str | None, typer.Option(help=f"a module-level GraderConfig: {_REF_HELP}")
     ] = None,
-    python_version: Annotated[str, typer.Option(help="the task container's Python, X.Y")] = "3.11",
+    python_version: Annotated[
+        str, typer.Option(help="the container's Python, X.Y (trials run the runtime's)")
+    ] = RUNTIME_PYTHON_VERSION,
     platform: Annotated[
         str | None,
         typer.Option(help="the container's wheel platform tag (default: manylinux_2_36_x86_64)"),

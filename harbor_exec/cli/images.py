@@ -17,6 +17,7 @@ from harbor_exec.sandbox.images import (
     build_cache_report,
     prune,
 )
+from harbor_exec.sandbox.runtime_build import RuntimeBuildError
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
 app.add_typer(images_app, name="images")
@@ -34,11 +35,12 @@ def bootstrap_command(
         ),
     ] = None,
 ) -> None:
-    """Make the base images the examples build on (debootstrap when no registry answers)."""
+    """Make the base images the examples build on (debootstrap when no registry answers)
+    and the read-only container runtime every trial container mounts."""
     runtime = open_runtime()
     try:
         outcome = bootstrap(runtime, mirror=mirror, log=console.print)
-    except BootstrapError as exc:
+    except (BootstrapError, RuntimeBuildError) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     for tag, status in outcome.items():

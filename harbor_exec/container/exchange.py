@@ -29,9 +29,22 @@ GRADER_ERROR: Final = "verifier/grader_error.json"
 #: Relative to the tests dir: the grader's input (with the label).
 GRADER_INPUT: Final = "rollout.json"
 
-#: Where a bundle lives in the container (the venv comes from the dependency layer).
+#: The read-only runtime (``harbor_exec.sandbox.runtime_volume``): harbor-exec's own
+#: interpreter, init and keep-alive, the same in every image.
+RUNTIME_MOUNT: Final = "/opt/harbor-exec-runtime"
+RUNTIME_PYTHON_VERSION: Final = "3.13"
+RUNTIME_PYTHON: Final = f"{RUNTIME_MOUNT}/python/bin/python3"
+RUNTIME_LIB: Final = f"{RUNTIME_MOUNT}/lib"
+RUNTIME_LOADER: Final = f"{RUNTIME_LIB}/ld-linux-x86-64.so.2"
+RUNTIME_BUSYBOX: Final = f"{RUNTIME_MOUNT}/bin/busybox"
+RUNTIME_TINI: Final = f"{RUNTIME_MOUNT}/bin/tini"
+RUNTIME_SETPRIV: Final = f"{RUNTIME_MOUNT}/bin/setpriv"
+#: The bundle's dependency environment (one read-only volume per requirement set);
+#: the runtime's site-packages name ``DEPS_SITE`` in a ``.pth`` file.
+DEPS_MOUNT: Final = "/opt/harbor-exec-deps"
+DEPS_SITE: Final = f"{DEPS_MOUNT}/site"
+#: Where a bundle's own code lives in the container (placed per trial).
 BUNDLE_ROOT: Final = "/opt/harbor-exec"
-VENV_PYTHON: Final = f"{BUNDLE_ROOT}/venv/bin/python"
 USER_CODE_DIR: Final = f"{BUNDLE_ROOT}/user"
 MANIFEST_PATH: Final = f"{BUNDLE_ROOT}/manifest.json"
 #: The bundled grader's own copy of the bundle, placed as a fresh tree (whatever the
@@ -237,6 +250,8 @@ class RewardFile(BaseModel):
 __all__ = [
     "AGENT_INPUT",
     "AGENT_SAMPLE",
+    "DEPS_MOUNT",
+    "DEPS_SITE",
     "GRADER_CODE_DIR",
     "GRADER_DIR",
     "GRADER_ERROR",
@@ -251,10 +266,17 @@ __all__ = [
     "RELAY_SOCKET",
     "REWARD_JSON",
     "RUNNER_OUTPUT",
+    "RUNTIME_BUSYBOX",
+    "RUNTIME_LIB",
+    "RUNTIME_LOADER",
+    "RUNTIME_MOUNT",
+    "RUNTIME_PYTHON",
+    "RUNTIME_PYTHON_VERSION",
+    "RUNTIME_SETPRIV",
+    "RUNTIME_TINI",
     "SAMPLE_FRAME_MARKER",
     "TESTS_DIR",
     "USER_CODE_DIR",
-    "VENV_PYTHON",
     "VERIFIER_SAMPLE",
     "ErrorDetail",
     "ErrorFile",

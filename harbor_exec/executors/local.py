@@ -37,7 +37,7 @@ from harbor_exec.executors.spec import (
     TrialSpec,
     trial_request,
 )
-from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
+from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
@@ -195,7 +195,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             image, built = ensure_task_image(self.runtime, task)
             if deps is None:
                 return int(built)
-            _tag, deps_built = ensure_deps_image(self.runtime, image, deps)
+            _volume, deps_built = ensure_deps_env(self.runtime, deps, image)
             return int(built) + int(deps_built)
 
         return await anyio.to_thread.run_sync(build, limiter=self._threads)

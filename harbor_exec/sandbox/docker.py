@@ -5,11 +5,12 @@ operation is an API call (build, create, exec, archive transfer, remove).
 
 Why the details are as they are:
 
-* containers run a keep-alive under Docker's init (tini) as PID 1, so a forced
-  removal takes milliseconds instead of the 10 s stop timeout; the keep-alive is a
-  static busybox from the read-only runtime volume
-  (``harbor_exec.sandbox.runtime_volume``), by absolute path, so neither a start nor
-  a restart runs anything the agent could plant or replace;
+* containers run a keep-alive under an init (tini) as PID 1, so a forced removal
+  takes milliseconds instead of the 10 s stop timeout; both are static binaries from
+  the read-only runtime volume (``harbor_exec.sandbox.runtime_volume``), by absolute
+  path, run as a uid of their own from execute-only files, so neither a start nor a
+  restart runs anything the agent could plant or replace, and no agent can ptrace
+  them or write their memory;
 * past an exec's deadline, and between the agent and the verifier, every process
   in the container but its init is killed from the host through the container's
   cgroup (``harbor_exec.sandbox.cgroups``), or, without the host's view, by restarting
@@ -58,6 +59,7 @@ import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.cache import BUILD_LOGS, cache_root
+from harbor_exec.container.exchange import DEPS_MOUNT
 from harbor_exec.errors import (
     DockerUnavailableError,
     EngineUnavailableError,
@@ -82,11 +84,13 @@ from harbor_exec.sandbox.runtime import (
     ExecResult,
     ImageBuild,
     ImageInfo,
+    VolumeFill,
 )
 from harbor_exec.sandbox.runtime_volume import (
-    KEEP_ALIVE_BINARY,
+    INIT_COMMAND,
     KEEP_ALIVE_COMMAND,
     LABEL_RUNTIME_DIGEST,
+    RUNTIME_MARKER,
     RUNTIME_MOUNT,
     RuntimeContent,
 )
@@ -283,7 +287,6 @@ class DockerRuntime:
         cache_dir: Path | None = None,
         builder: str | None = None,
         seccomp_profile: Path | str | None = None,
-        busybox: Path | str | None = None,
     ) -> None:
         choice = (builder or os.environ.get(BUILDER_ENV) or "auto").strip().lower()
         if choice not in _BUILDER_CHOICES:
@@ -327,10 +330,10 @@ class DockerRuntime:
         self.engine_available = True
         self.last_engine_error: str | None = None
         self._seccomp = SeccompProfiles(seccomp_profile)
-        self._busybox = busybox
         self._runtime_content: RuntimeContent | None = None
-        self._runtime_ready: set[str] = set()  # runtime volumes checked by this runtime
-        self._runtime_lock = threading.Lock()
+        # Volumes (the runtime's, dependency environments) checked complete by this runtime.
+        self._volumes_ready: set[str] = set()
+        self._volume_locks: dict[str, threading.Lock] = {}
         # Fail at start-up, not at the first trial, when no profile can be read.
         self._seccomp.security_opt()
 
@@ -611,6 +614,13 @@ class DockerRuntime:
         with contextlib.suppress(docker.errors.ImageNotFound):
             self._api.remove_image(tag, force=True, noprune=False)
 
+    @_engine_boundary
+    def remove_volume(self, name: str) -> None:
+        """Remove one of our volumes (a dependency environment: made again when needed)."""
+        self._volumes_ready.discard(name)
+        with contextlib.suppress(docker.errors.NotFound):
+            self._api.remove_volume(name, force=True)
+
     # ----------------------------------------------------------------- containers
 
     @_engine_boundary
@@ -627,8 +637,10 @@ class DockerRuntime:
         # The engine refuses a quota above its CPU count: a task (or a default) asking
         # for more gets every CPU there is rather than a container that cannot start.
         cpus = min(spec.cpus, float(self._cpus)) if spec.cpus else None
+        mounts = [_volume_mount(RUNTIME_MOUNT, runtime_volume)]
+        if spec.deps_volume is not None:
+            mounts.append(_volume_mount(DEPS_MOUNT, spec.deps_volume))
         host_config = self._api.create_host_config(
-            init=True,
             nano_cpus=int(cpus * 1e9) if cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
             # Equal to mem_limit: no swap, so a memory hog is OOM-killed instead of
@@ -650,7 +662,7 @@ class DockerRuntime:
                 for m in spec.mounts
             }
             or None,
-            mounts=[_runtime_mount(runtime_volume)],
+            mounts=mounts,
             log_config={"type": "none", "config": {}},
             device_requests=[docker.types.DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
             if spec.gpus > 0
@@ -659,7 +671,10 @@ class DockerRuntime:
         try:
             created = self._api.create_container(
                 spec.image,
+                # The init and keep-alive of the runtime, never the image's entrypoint.
+                entrypoint=list(INIT_COMMAND),
                 command=list(KEEP_ALIVE_COMMAND),
+                user="0:0",  # setpriv (in INIT_COMMAND) drops the init to its own uid
                 name=spec.name,
                 labels={**spec.labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner},
                 environment=dict(spec.env),
@@ -673,52 +688,120 @@ class DockerRuntime:
         return str(created["Id"])
 
     def _ensure_runtime_volume(self, image: str) -> str:
-        """The read-only runtime's volume, created and filled once per engine; its name.
-
-        Filled through a helper container made from ``image`` (present: a trial is
-        about to use it) and never started: the archive API writes into its volume.
-        """
+        """The read-only runtime's volume, created and filled once per engine; its name."""
         content = self._runtime_content
         if content is None:
-            content = self._runtime_content = RuntimeContent.load(self._busybox)
+            content = self._runtime_content = RuntimeContent.load(self.cache_dir)
         name = content.volume_name
-        if name in self._runtime_ready:
+        if name in self._volumes_ready:
             return name
-        with self._runtime_lock:
-            if name in self._runtime_ready:
-                return name
+
+        def place(helper: str) -> None:
+            with content.archive.open("rb") as archive:
+                self._api.put_archive(helper, RUNTIME_MOUNT, archive)
+
+        self._fill(
+            name,
+            image,
+            mount=RUNTIME_MOUNT,
+            marker=(RUNTIME_MARKER, content.marker_size),
+            labels={LABEL_KIND: "runtime", LABEL_RUNTIME_DIGEST: content.digest},
+            place=place,
+        )
+        return name
+
+    @_engine_boundary
+    def fill_volume(self, fill: VolumeFill, image: str) -> bool:
+        if fill.volume in self._volumes_ready:
+            return False
+        runtime_volume = self._ensure_runtime_volume(image)
+
+        def place(helper: str) -> None:
+            with tempfile.TemporaryFile() as archive:
+                with tarfile.open(fileobj=archive, mode="w") as tar:
+                    for source, target in fill.files:
+                        tar.add(source, target.lstrip("/"))
+                archive.seek(0)
+                self._api.put_archive(helper, "/", archive)
+            self._api.start(helper)
+            try:
+                status = self._api.wait(helper, timeout=fill.timeout_sec)
+            except (requests.exceptions.RequestException, docker.errors.APIError):
+                raise EnvironmentStartError(
+                    f"filling {fill.volume} took longer than {fill.timeout_sec:g}s"
+                ) from None
+            if status.get("StatusCode") != 0:
+                tail = self._api.logs(helper, tail=_LOG_TAIL_LINES).decode(errors="replace")
+                raise EnvironmentStartError(
+                    f"filling {fill.volume} failed (exit {status.get('StatusCode')}):\n{tail}"
+                )
+
+        return self._fill(
+            fill.volume,
+            image,
+            mount=fill.mount,
+            marker=(fill.marker, None),
+            labels=dict(fill.labels),
+            place=place,
+            command=list(fill.command),
+            extra_mounts=[_volume_mount(RUNTIME_MOUNT, runtime_volume)],
+        )
+
+    def _fill(
+        self,
+        name: str,
+        image: str,
+        *,
+        mount: str,
+        marker: tuple[str, int | None],
+        labels: dict[str, str],
+        place: Callable[[str], None],
+        command: list[str] | None = None,
+        extra_mounts: list[Any] | None = None,
+    ) -> bool:
+        """Create volume ``name`` and, unless ``marker`` is in it, ``place`` its content
+        through a helper container made from ``image`` (present: a trial is about to use
+        it) with the volume at ``mount``. True when this call filled it."""
+        with self._locks_guard:
+            lock = self._volume_locks.setdefault(name, threading.Lock())
+        with lock:
+            if name in self._volumes_ready:
+                return False
             helper: str | None = None
+            filled = False
             try:
                 # Not LABEL_MANAGED: like an image, it outlives trials and sessions (and
                 # creating an existing volume is a no-op, so two services may race here).
-                self._api.create_volume(
-                    name, labels={LABEL_KIND: "runtime", LABEL_RUNTIME_DIGEST: content.digest}
-                )
+                self._api.create_volume(name, labels=labels)
                 helper = self._api.create_container(
                     image,
-                    command=[KEEP_ALIVE_BINARY],
-                    labels={LABEL_MANAGED: "true", LABEL_OWNER: self.owner, LABEL_KIND: "runtime"},
+                    entrypoint=command[:1] if command else [KEEP_ALIVE_COMMAND[0]],
+                    command=command[1:] if command else [],
+                    user="0:0",
+                    labels={LABEL_MANAGED: "true", LABEL_OWNER: self.owner, **labels},
                     host_config=self._api.create_host_config(
-                        mounts=[_runtime_mount(name, read_only=False)],
+                        mounts=[_volume_mount(mount, name, read_only=False), *(extra_mounts or [])],
                         network_mode="none",
-                        log_config={"type": "none", "config": {}},
                     ),
                     network_disabled=True,
                 )["Id"]
-                # Content-named: a volume with the whole binary is complete. Writing
-                # over a busybox that running trials execute would fail (ETXTBSY).
-                if self._archive_size(helper, KEEP_ALIVE_BINARY) != content.size:
-                    self._api.put_archive(helper, RUNTIME_MOUNT, content.archive)
+                path, size = marker
+                found = self._archive_size(helper, path)
+                # Content-named: a volume with its marker is complete. Writing over
+                # files that running trials execute would fail (ETXTBSY).
+                if found is None or (size is not None and found != size):
+                    place(helper)
+                    filled = True
             except docker.errors.APIError as exc:
                 raise EnvironmentStartError(
-                    f"cannot fill the runtime volume {name}: {exc.explanation or exc}"
+                    f"cannot fill the volume {name}: {exc.explanation or exc}"
                 ) from None
             finally:
                 if helper is not None:
                     with contextlib.suppress(docker.errors.APIError):
                         self._api.remove_container(helper, force=True)
-            self._runtime_ready.add(name)
-            return name
+            self._volumes_ready.add(name)
+            return filled
 
     def _archive_size(self, container_id: str, path: str) -> int | None:
         """The size of ``path`` in a container, from the archive API's stat header."""
@@ -737,10 +820,9 @@ class DockerRuntime:
             with self._start_gate:
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
-            # A runtime volume removed behind our back (``docker volume prune`` between
-            # trials) comes back empty from the next create: check it again then.
-            with self._runtime_lock:
-                self._runtime_ready.clear()
+            # A volume removed behind our back (``docker volume prune`` between
+            # trials) comes back empty from the next create: check them again then.
+            self._volumes_ready.clear()
             hint = ""
             if "setting rlimit" in str(exc.explanation or exc):
                 hint = (
@@ -837,7 +919,8 @@ class DockerRuntime:
                 container_id,
                 command,
                 environment=environment,
-                user=options.get("user") or "",
+                # Never the image's USER by default: callers resolve users from the image.
+                user=options.get("user") or "0:0",
                 workdir=options.get("workdir"),
                 stdin=stdin is not None,
             )["Id"]
@@ -1030,8 +1113,6 @@ class DockerRuntime:
             return 32768
 
 
-def _runtime_mount(volume: str, *, read_only: bool = True) -> Any:
-    """The runtime volume at ``RUNTIME_MOUNT``; never filled from the image's own files."""
-    return docker.types.Mount(
-        RUNTIME_MOUNT, volume, type="volume", read_only=read_only, no_copy=True
-    )
+def _volume_mount(target: str, volume: str, *, read_only: bool = True) -> Any:
+    """A named volume of ours at ``target``; never filled from the image's own files."""
+    return docker.types.Mount(target, volume, type="volume", read_only=read_only, no_copy=True)

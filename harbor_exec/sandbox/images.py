@@ -1,6 +1,7 @@
 """Base images for machines without a registry, and pruning the images we made.
 
-``bootstrap`` makes sure every base image the examples build on exists: found
+``bootstrap`` makes sure every base image the examples build on exists, and the
+read-only container runtime (``harbor_exec.sandbox.runtime_build``): found
 locally, else pulled, else built here (``debian:bookworm-slim`` from Debian's
 own packages with ``debootstrap`` + import; the others from ``images/<name>/Dockerfile``
 on top of it). Idempotent: with the images present it only inspects them.
@@ -24,6 +25,7 @@ from pathlib import Path
 from harbor_exec.errors import EnvironmentStartError, HarborExecError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED
+from harbor_exec.sandbox.runtime_build import build_runtime, load_runtime_build
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
 DEBIAN_SUITE = "bookworm"
@@ -229,7 +231,19 @@ def bootstrap(
             )
             log(f"{image.tag}: built in {result.duration_sec:.1f}s")
         outcome[image.tag] = "built"
+    outcome["container runtime"] = ensure_container_runtime(mirror=mirror, log=log)
     return outcome
+
+
+def ensure_container_runtime(
+    *, mirror: str | None = None, log: Callable[[str], None] = print
+) -> str:
+    """Build the read-only runtime (``runtime_build``) unless this machine has it:
+    ``"present"`` or ``"built"``."""
+    if load_runtime_build() is not None:
+        return "present"
+    build_runtime(debian_mirror(mirror)[0], log=log)
+    return "built"
 
 
 def prune(runtime: DockerRuntime, *, include_base: bool = False) -> list[str]:

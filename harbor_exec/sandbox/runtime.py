@@ -69,6 +69,23 @@ class ContainerSpec:
     #: Syscalls of ``seccomp.DENIED_SYSCALLS`` the task asked back (``ptrace``, ...).
     syscalls_allowed: Sequence[str] = ()
     gpus: int = 0  # requested through the engine's device requests
+    #: The bundle's dependency environment (``harbor_exec.sandbox.deps``), mounted
+    #: read-only at ``DEPS_MOUNT``; the runtime volume is mounted into every container.
+    deps_volume: str | None = None
+
+
+@dataclass(frozen=True)
+class VolumeFill:
+    """How to fill a named volume once: ``files`` placed, then ``command`` run on the
+    read-only runtime with the volume at ``mount``; complete once ``marker`` exists."""
+
+    volume: str
+    mount: str
+    marker: str  # a container path under ``mount``, written last by ``command``
+    files: Sequence[tuple[Path, str]]  # (host file, container path) placed before
+    command: Sequence[str]
+    labels: Mapping[str, str]
+    timeout_sec: float
 
 
 @dataclass(frozen=True)
@@ -173,6 +190,12 @@ class ContainerRuntime(Protocol):
 
     def create(self, spec: ContainerSpec) -> str:
         """Create (not start) a container; returns its id."""
+        ...
+
+    def fill_volume(self, fill: VolumeFill, image: str) -> bool:
+        """Make ``fill.volume`` complete (once per engine: a complete one is kept);
+        True when it was filled by this call. ``image`` (present) hosts the helper
+        container; the command runs on the runtime, not on the image's programs."""
         ...
 
     def start(self, container_id: str) -> None: ...

@@ -79,7 +79,7 @@ from harbor_exec.sandbox.archives import (
     tree_entries,
     write_archive,
 )
-from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_image
+from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -244,7 +244,7 @@ class TrialRequest:
     rollout_id: str | None = None
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
-    deps: DepsLayer | None = None  # a bundle's dependency layer, built on top of the image
+    deps: DepsLayer | None = None  # a bundle's dependency environment (its own volume)
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
@@ -278,6 +278,7 @@ class Trial:
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
         self.image = request.image or ""
+        self.deps_volume: str | None = None  # the dependency environment, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
 
@@ -430,6 +431,7 @@ class Trial:
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
             syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
             gpus=gpus,
+            deps_volume=self.deps_volume,
         )
 
     def _create(self, spec: ContainerSpec) -> str:
@@ -466,7 +468,7 @@ class Trial:
                 self.image, built = ensure_task_image(self.runtime, task)
                 self.images_built += built
             if request.deps is not None:
-                self.image, built = ensure_deps_image(self.runtime, self.image, request.deps)
+                self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)
                 self.images_built += built
             self._check_cancelled()
             container_id = self._create(

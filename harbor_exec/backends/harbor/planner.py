@@ -25,6 +25,7 @@ from harbor_exec.backends.harbor.resolver import ResolvedTask, RolloutRejected
 from harbor_exec.container.exchange import (
     MANIFEST_PATH,
     RELAY_SOCKET,
+    RUNTIME_PYTHON_VERSION,
     USER_CODE_DIR,
     RelayInput,
     RolloutInput,
@@ -78,6 +79,12 @@ def prepare_bundle(
             grader=_ref_for(grader, what="grader"),
             workflow_config=_ref_for(workflow_config, what="workflow_config"),
             grader_config=_ref_for(grader_config, what="grader_config"),
+        )
+    if bundle.manifest.python_version != RUNTIME_PYTHON_VERSION:
+        raise ValueError(
+            f"the bundle at {bundle.root} was built for Python {bundle.manifest.python_version}; "
+            f"trial containers run the runtime's Python {RUNTIME_PYTHON_VERSION}: build it "
+            f"with python_version={RUNTIME_PYTHON_VERSION!r} (the default)"
         )
     files = [ArchiveEntry(MANIFEST_PATH, bundle.manifest_path.read_bytes(), 0o644)]
     with zipfile.ZipFile(bundle.wheel) as wheel:
