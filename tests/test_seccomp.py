@@ -130,6 +130,8 @@ def test_the_runtime_comes_from_the_build_and_init_and_keep_alive_are_absolute(
     assert content.volume_name == "harbor-exec-runtime-" + "ab" * 8
     assert content.marker_size == len('{"digest": "' + "ab" * 32 + '"}')
     # By absolute path into the read-only mount: no PATH lookup, no image entrypoint.
-    assert INIT_COMMAND[0] == f"{RUNTIME_MOUNT}/bin/tini"
+    assert INIT_COMMAND[0] == f"{RUNTIME_MOUNT}/bin/setpriv"
+    assert f"--reuid={KEEP_ALIVE_UID}" in INIT_COMMAND
+    assert INIT_COMMAND[-2:] == (f"{RUNTIME_MOUNT}/bin/tini", "--")
     assert KEEP_ALIVE_COMMAND[0] == f"{RUNTIME_MOUNT}/bin/busybox"
     assert f"{KEEP_ALIVE_UID}:{KEEP_ALIVE_UID}" == KEEP_ALIVE_USER and KEEP_ALIVE_UID > 65535
