@@ -82,8 +82,11 @@ class HostCgroup:
             return self._freeze_file.read_text().strip() == "FROZEN"
         return "frozen 1" in (self.directory / "cgroup.events").read_text()
 
-    def kill_all_but_init(self, init_pid: int) -> bool:
-        """SIGKILL every process but ``init_pid`` and its first child; True once confirmed."""
+    def kill_all_but_init(self, init_pid: int, owner_uid: int | None = None) -> bool:
+        """SIGKILL every process but ``init_pid`` and its first child; True once confirmed.
+
+        With ``owner_uid`` the first child is spared only while it runs as that uid
+        (the runtime's keep-alive does; nothing the agent started can)."""
         deadline = time.monotonic() + _SETTLE_SEC
         self._set_frozen(True)
         try:
@@ -91,7 +94,7 @@ class HostCgroup:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.001)
-            keep = {init_pid} | _first_child(init_pid, self.pids())
+            keep = {init_pid} | _first_child(init_pid, self.pids(), owner_uid)
             for pid in self.pids() - keep:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -104,8 +107,9 @@ class HostCgroup:
         return True
 
 
-def _first_child(init_pid: int, pids: set[int]) -> set[int]:
-    """The child of the init that started first: the container's own command.
+def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) -> set[int]:
+    """The child of the init that started first: the container's own command, if it
+    runs as ``owner_uid`` (when given).
 
     Everything else init is parent of was reparented to it after its parent died
     (a detached agent process), so it started later.
@@ -115,7 +119,23 @@ def _first_child(init_pid: int, pids: set[int]) -> set[int]:
         fields = _stat_fields(pid)
         if fields is not None and int(fields[1]) == init_pid:
             children.append((int(fields[19]), pid))  # (starttime, pid)
-    return {min(children)[1]} if children else set()
+    if not children:
+        return set()
+    first = min(children)[1]
+    if owner_uid is not None and _real_uid(first) != owner_uid:
+        return set()
+    return {first}
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
 
 
 __all__ = ["HostCgroup"]

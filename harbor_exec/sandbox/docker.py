@@ -89,6 +89,7 @@ from harbor_exec.sandbox.runtime import (
 from harbor_exec.sandbox.runtime_volume import (
     INIT_COMMAND,
     KEEP_ALIVE_COMMAND,
+    KEEP_ALIVE_UID,
     LABEL_RUNTIME_DIGEST,
     RUNTIME_MARKER,
     RUNTIME_MOUNT,
@@ -894,7 +895,7 @@ class DockerRuntime:
         self.host_kill = cgroup is not None
         if cgroup is not None:
             with contextlib.suppress(OSError):
-                if cgroup.kill_all_but_init(init_pid):
+                if cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID):
                     return
         # Without the host's view: SIGKILL the init, which ends its PID namespace and
         # every process in it; the container's filesystem (and /logs) stays.
