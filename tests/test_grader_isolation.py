@@ -18,7 +18,7 @@ import pytest
 from harbor_exec.bundler import Bundle
 from harbor_exec.container.exchange import USER_CODE_DIR
 from tests.fake_chat import FakeChat
-from tests.hostile import bundle_of, bundled_rollout, one_module_project, only_trial
+from tests.hostile import bundle_of, bundled_rollout, hostile_project, only_trial
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -27,11 +27,11 @@ PACKAGE = "isolation_probe"
 TEMPLATE = ROOT / "tasks_examples" / "template"  # WORKDIR /app
 
 WORKFLOWS = f'''
-    """Workflows that answer wrong and plant a forged grader; the honest grader."""
+    """Workflows that answer wrong and plant a forged grader."""
 
     from pathlib import Path
 
-    from harbor_exec.authoring import AgentWorkflow, Grader
+    from harbor_exec.authoring import AgentWorkflow
 
     WRONG = [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "7"}}]
     # Run at import: a forged reward, then out before the real runner could start.
@@ -82,9 +82,15 @@ WORKFLOWS = f'''
                 "sitecustomize.py": FORGE,
                 "usercustomize.py": FORGE,
                 # A package directory wins over the module file of the same name.
-                "isolation_probe/workflow/__init__.py": SHADOW_GRADER,
+                "isolation_probe/grader/__init__.py": SHADOW_GRADER,
             }})
             return WRONG
+'''
+
+GRADER = '''
+    """The honest grader, in its own module."""
+
+    from harbor_exec.authoring import Grader
 
 
     class Honest(Grader):
@@ -98,7 +104,7 @@ WORKFLOWS = f'''
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("grader-isolation")
-    return one_module_project(root / "probe", PACKAGE, WORKFLOWS)
+    return hostile_project(root / "probe", PACKAGE, WORKFLOWS, GRADER)
 
 
 def bundle_for(project: Path, workflow: str) -> Bundle:
