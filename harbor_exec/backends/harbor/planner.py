@@ -88,6 +88,9 @@ def prepare_bundle(
             workflow_config=_ref_for(workflow_config, what="workflow_config"),
             grader_config=_ref_for(grader_config, what="grader_config"),
         )
+    files = [ArchiveEntry(MANIFEST_PATH, bundle.manifest_path.read_bytes(), 0o644)]
+    # ``files`` are the grader's part (the full manifest, the whole wheel); the agent's
+    # part names no grader and leaves out the modules of grader and grader_config.
     manifest = bundle.manifest
     if (manifest.grader or manifest.grader_config) and not manifest.grader_only:
         # Only a bundle built before the split lacks them: its agent part would hold the grader.
@@ -97,23 +100,21 @@ def prepare_bundle(
         )
     agent_manifest = manifest.agent_copy().model_dump_json(indent=2).encode() + b"\n"
     agent_files = [ArchiveEntry(MANIFEST_PATH, agent_manifest, 0o644)]
-    grader_files = [ArchiveEntry(MANIFEST_PATH, bundle.manifest_path.read_bytes(), 0o644)]
     with zipfile.ZipFile(bundle.wheel) as wheel:
         for info in wheel.infolist():
             if info.is_dir() or ".dist-info/" in info.filename:
                 continue
-            entry = ArchiveEntry(f"{USER_CODE_DIR}/{info.filename}", wheel.read(info))
-            grader_files.append(entry)
+            files.append(ArchiveEntry(f"{USER_CODE_DIR}/{info.filename}", wheel.read(info)))
             if manifest.in_agent_part(info.filename):
-                agent_files.append(entry)
+                agent_files.append(files[-1])
     return PreparedBundle(
         name=workflow_ref,
         version=bundle.digest[:12],
         key=f"b-agent-{bundle.digest}",
         agent_files=agent_files,
         grader_key=f"b-grader-{bundle.digest}",
-        grader_files=grader_files,
-        deps=DepsLayer(bundle.wheelhouse, manifest.pip_wheel, bundle.requirements_digest),
+        grader_files=files,
+        deps=DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest),
         has_grader=manifest.grader is not None,
     )
 
