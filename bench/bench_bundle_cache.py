@@ -24,9 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "tasks_examples" / "workflow_project"
 EXAMPLE_REFS = {
     "workflow": "arith_agent.workflow:ArithWorkflow",
-    "grader": "arith_agent.workflow:ArithGrader",
+    "grader": "arith_agent.grader:ArithGrader",
     "workflow_config": "arith_agent.workflow:workflow_config",
-    "grader_config": "arith_agent.workflow:grader_config",
+    "grader_config": "arith_agent.grader:grader_config",
 }
 CACHED_TARGET_SEC = 0.050  # a cached call, at the median
 

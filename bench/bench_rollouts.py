@@ -47,9 +47,9 @@ PROJECT = ROOT / "tasks_examples" / "workflow_project"
 TEMPLATE = ROOT / "tasks_examples" / "template"
 REFS = {
     "workflow": "arith_agent.workflow:ArithWorkflow",
-    "grader": "arith_agent.workflow:ArithGrader",
+    "grader": "arith_agent.grader:ArithGrader",
     "workflow_config": "arith_agent.workflow:workflow_config",
-    "grader_config": "arith_agent.workflow:grader_config",
+    "grader_config": "arith_agent.grader:grader_config",
 }
 
 

@@ -13,6 +13,7 @@ from harbor_exec.bundler.errors import (
     BundleError,
     DependencyDownloadError,
     EntryPointError,
+    GraderSplitError,
     ProjectLayoutError,
 )
 from harbor_exec.bundler.manifest import MANIFEST_NAME, Manifest, WheelFile
@@ -26,6 +27,7 @@ __all__ = [
     "BundleError",
     "DependencyDownloadError",
     "EntryPointError",
+    "GraderSplitError",
     "Manifest",
     "ProjectLayoutError",
     "WheelFile",

@@ -2,7 +2,8 @@
 
 Steps, each failing with a named error before the next starts:
 
-1. validate the project statically (layout, each ``module:attr`` ref);
+1. validate the project statically (layout, each ``module:attr`` ref, and that the
+   grader's modules are apart from the workflow's: ``split.py``);
 2. hash every input; a bundle already published under that digest is returned as is;
 3. build the project's wheel from a staged copy with ``build`` (its own backend),
    or reuse the wheel already built from the same tree (a change of refs or of
@@ -18,6 +19,7 @@ import hashlib
 import json
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from harbor_exec.bundler.runtime import (
     ensure_runtime_wheel,
     runtime_source,
 )
+from harbor_exec.bundler.split import split_bundle
 from harbor_exec.bundler.wheels import (
     DEFAULT_PLATFORM,
     Target,
@@ -97,13 +100,20 @@ def _digest(payload: object) -> str:
 
 
 def _inputs_digest(
-    tree: str, refs: dict[str, str | None], target: Target, runtime: RuntimeSource
+    tree: str,
+    refs: dict[str, str | None],
+    grader_only: list[str],
+    target: Target,
+    runtime: RuntimeSource,
 ) -> str:
     return _digest(
         {
             "schema": _BUNDLE_SCHEMA,
             "tree": tree,
             "refs": refs,
+            # What the agent's part leaves out (derived from tree and refs; here, bundles
+            # made before the split have other digests and are never reused).
+            "grader_only": grader_only,
             "python_version": target.python_version,
             "platform_tags": target.tags,
             "runtime": runtime.digest,
@@ -146,6 +156,10 @@ def build_bundle(
     ``<harbor-exec cache>/bundles`` (``$HARBOR_EXEC_CACHE_DIR/bundles``, else
     ``~/.cache/harbor-exec/bundles``).
 
+    The grader and its config must live in modules the workflow's side does not
+    import (:class:`bundler.errors.GraderSplitError` otherwise): the agent's
+    container gets the bundle without them.
+
     Raises a :class:`bundler.errors.BundleError` subclass naming what to fix.
     """
     project = load_project(Path(code_dir))
@@ -158,11 +172,12 @@ def build_bundle(
     for field, ref in refs.items():
         if ref is not None:
             check_ref(project, field, ref)
+    grader_only = split_bundle(project, refs)
     target = _check_target(python_version, platform)
     runtime = runtime_source()
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
 
-    digest = _inputs_digest(tree_digest(project.root), refs, target, runtime)
+    digest = _inputs_digest(tree_digest(project.root), refs, grader_only, target, runtime)
     root = cache / "bundles" / digest[:32]
     cached = _load_cached(root)
     if cached is not None:
@@ -211,7 +226,8 @@ def _build(
         # Key the bundle by what was actually built, even if the project changed
         # between hashing and staging.
         tree = tree_digest(stage)
-        digest = _inputs_digest(tree, refs, target, runtime)
+        grader_only = split_bundle(load_project(stage), refs)
+        digest = _inputs_digest(tree, refs, grader_only, target, runtime)
         built = _project_wheel(stage, tree, cache, work, what=f"the project in {project.root}")
         info = read_wheel(built)
         if project.package not in info.top_level:
@@ -221,6 +237,7 @@ def _build(
                 '(e.g. setuptools: [tool.setuptools.packages.find] where = ["src"]; '
                 "hatchling: [tool.hatch.build.targets.wheel] packages = [...])."
             )
+        _check_grader_only(built, grader_only, project)
         requirements = [
             r
             for r in target_requirements(info.requires, target.env)
@@ -257,6 +274,7 @@ def _build(
             platform_tags=target.tags,
             inputs_digest=digest,
             harbor_exec_version=runtime.version,
+            grader_only=grader_only,
         )
         manifest.write(bundle_dir / MANIFEST_NAME)
         root = cache / "bundles" / digest[:32]
@@ -266,6 +284,19 @@ def _build(
         return _bundle_from(root, Manifest.read(root / MANIFEST_NAME), cached=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_grader_only(wheel: Path, grader_only: list[str], project: Project) -> None:
+    """Each grader-only path is in the wheel where the agent's part expects to drop it."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if not n.endswith("/")]
+    for path in grader_only:
+        if not any(n == path or (path.endswith("/") and n.startswith(path)) for n in names):
+            raise BundleBuildError(
+                f"the wheel built from {project.pyproject} ({wheel.name}) has no {path}, the "
+                "grader's module, at the top level where the agent's copy of the bundle leaves "
+                "it out; configure the build backend to put the package at the wheel's root."
+            )
 
 
 def _project_wheel(stage: Path, tree: str, cache: Path, work: Path, *, what: str) -> Path:

@@ -15,6 +15,7 @@ __all__ = [
     "BundleError",
     "DependencyDownloadError",
     "EntryPointError",
+    "GraderSplitError",
     "ProjectLayoutError",
     "output_tail",
 ]
@@ -40,8 +41,9 @@ class ProjectLayoutError(BundleError):
     """The code directory is not a bundleable project.
 
     Raised before anything is built: the directory or its ``pyproject.toml`` is
-    missing or unreadable, it holds no importable package or more than one, or a
-    directory symlink points out of the project.
+    missing or unreadable, it holds no importable package or more than one, a
+    directory symlink points out of the project, or a module the workflow's side
+    imports does not parse.
     """
 
 
@@ -57,6 +59,29 @@ class EntryPointError(BundleError):
         self.field = field
         self.ref = ref
         super().__init__(f"{field} ref {ref!r}: {problem}")
+
+
+class GraderSplitError(BundleError):
+    """The grader (or its config) is in a module the workflow's side imports.
+
+    The agent's container gets the bundle without the modules of the ``grader`` and
+    ``grader_config`` refs, so neither may be the module of the ``workflow`` or
+    ``workflow_config`` ref, a package ``__init__`` of one, or anything they import
+    inside the package. ``problems`` has one line per offending ref, each naming its
+    module and the chain of imports that reaches it.
+    """
+
+    def __init__(self, problems: list[str], *, package: str) -> None:
+        self.problems = problems
+        listed = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(
+            "the grader cannot be kept out of the agent's container:\n"
+            f"{listed}\n"
+            "The grader and its config never enter the agent's container. Put them in their "
+            f"own module (e.g. '{package}.grader:MyGrader' and '{package}.grader:grader_config')"
+            " that the workflow and its config do not import, directly or through other "
+            "modules; the grader's module may import the workflow's."
+        )
 
 
 class BundleBuildError(BundleError):

@@ -3,6 +3,9 @@
 The container runner reads only the refs (``workflow``, ``grader``,
 ``workflow_config``, ``grader_config``) and ignores the rest, so fields can be
 added here without touching images that are already built.
+
+A trial places two copies of it: the grader's, this file as written, and the
+agent's, ``Manifest.agent_copy()``, which names no grader and no grader config.
 """
 
 from __future__ import annotations
@@ -60,6 +63,21 @@ class Manifest(BaseModel):
     # sha256 of every build input: keys the whole bundle (its cache directory's name).
     inputs_digest: str
     harbor_exec_version: str
+    # Paths in the user wheel only the grader's copy of the bundle holds: the module files
+    # of ``grader`` and ``grader_config`` (a package's directory, ending in "/"). The
+    # agent's container gets the wheel without them (see bundler/split.py).
+    grader_only: list[str] = Field(default_factory=list)
+
+    def agent_copy(self) -> Manifest:
+        """The manifest as the agent's container gets it: no grader refs, no grader paths."""
+        return self.model_copy(update={"grader": None, "grader_config": None, "grader_only": []})
+
+    def in_agent_part(self, wheel_path: str) -> bool:
+        """Whether the wheel's file ``wheel_path`` goes into the agent's container."""
+        return not any(
+            wheel_path == path or (path.endswith("/") and wheel_path.startswith(path))
+            for path in self.grader_only
+        )
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")

@@ -24,6 +24,7 @@ __all__ = [
     "check_ref",
     "iter_project_files",
     "load_project",
+    "module_file",
     "tree_digest",
 ]
 
@@ -201,7 +202,8 @@ def load_project(code_dir: Path) -> Project:
     )
 
 
-def _module_file(project: Project, module: str) -> Path | None:
+def module_file(project: Project, module: str) -> Path | None:
+    """The file of ``module`` (dotted, inside the package): ``.py`` or ``__init__.py``."""
     parts = module.split(".")[1:]
     if not parts:
         return project.package_dir / "__init__.py"
@@ -290,7 +292,7 @@ def check_ref(project: Project, field: str, ref: str) -> str:
             f"module {module!r} is outside the project's package {package!r}; "
             f"refs must name a module inside it, e.g. '{package}.workflow:{attr}'.",
         )
-    path = _module_file(project, module)
+    path = module_file(project, module)
     if path is None:
         expected = project.package_dir.joinpath(*module.split(".")[1:])
         raise EntryPointError(

@@ -27,9 +27,9 @@ EXAMPLE_DIR = REPO_ROOT / "tasks_examples" / "workflow_project"
 EXAMPLE_SRC = EXAMPLE_DIR / "src"
 EXAMPLE_REFS: dict[str, str] = {
     "workflow": "arith_agent.workflow:ArithWorkflow",
-    "grader": "arith_agent.workflow:ArithGrader",
+    "grader": "arith_agent.grader:ArithGrader",
     "workflow_config": "arith_agent.workflow:workflow_config",
-    "grader_config": "arith_agent.workflow:grader_config",
+    "grader_config": "arith_agent.grader:grader_config",
 }
 # The container's Python: pyenv's 3.11 here, Debian's python3.11 on a bare bookworm machine.
 PYTHON311_CANDIDATES = (
@@ -101,11 +101,16 @@ def flit_pyproject(name: str, dependencies: list[str] | None = None) -> str:
 
 
 WORKFLOW_MODULE = """
-    from harbor_exec.authoring import AgentWorkflow, Grader
+    from harbor_exec.authoring import AgentWorkflow
 
     class Flow(AgentWorkflow):
         async def run(self, ctx):
             return [{"role": "assistant", "content": "1"}]
+    """
+# The grader in a module of its own (the workflow's never imports it): the bundle's
+# agent part leaves it out.
+GRADER_MODULE = """
+    from harbor_exec.authoring import Grader
 
     class Judge(Grader):
         async def grade(self, ctx):

@@ -1,7 +1,9 @@
 """Hostile workflow projects and their rollouts through HarborBackend and the real server.
 
-The attack tests write a one-module project (workflows that attack, an honest grader),
-bundle one workflow of it, and run one rollout against a task on the real engine.
+The attack tests write a project whose ``workflow.py`` holds workflows that attack and
+whose ``grader.py`` holds an honest grader (a module of its own: the agent's container
+never gets it), bundle one workflow of it, and run one rollout against a task on the
+real engine.
 """
 
 from __future__ import annotations
@@ -23,24 +25,29 @@ from tests.fake_chat import FakeChat
 from tests.server_utils import serve
 
 
-def one_module_project(root: Path, package: str, source: str) -> Path:
-    """A project at ``root`` whose package ``package`` holds ``workflow.py`` = ``source``."""
-    return write_project(
-        root,
-        {
-            "pyproject.toml": setuptools_pyproject(package.replace("_", "-")),
-            f"src/{package}/__init__.py": "",
-            f"src/{package}/workflow.py": source,
-        },
-    )
+def hostile_project(root: Path, package: str, workflows: str, grader: str, **modules: str) -> Path:
+    """A project at ``root`` whose package ``package`` holds ``workflow.py`` = ``workflows``,
+    ``grader.py`` = ``grader`` and ``<name>.py`` for each of ``modules``."""
+    files = {
+        "pyproject.toml": setuptools_pyproject(package.replace("_", "-")),
+        f"src/{package}/__init__.py": "",
+        f"src/{package}/workflow.py": workflows,
+        f"src/{package}/grader.py": grader,
+    }
+    files.update({f"src/{package}/{name}.py": text for name, text in modules.items()})
+    return write_project(root, files)
 
 
-def bundle_of(project: Path, package: str, workflow: str, grader: str) -> Bundle:
-    """The bundle of ``package.workflow:<workflow>`` with ``package.workflow:<grader>``."""
+def bundle_of(
+    project: Path, package: str, workflow: str, grader: str, grader_config: str | None = None
+) -> Bundle:
+    """The bundle of ``package.workflow:<workflow>`` with ``package.grader:<grader>`` (and
+    ``grader_config``, a full ``module:attr`` ref, when given)."""
     return build_bundle(
         project,
         workflow=f"{package}.workflow:{workflow}",
-        grader=f"{package}.workflow:{grader}",
+        grader=f"{package}.grader:{grader}",
+        grader_config=grader_config,
         cache_dir=project.parent / "cache",
     )
 

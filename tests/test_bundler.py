@@ -33,6 +33,7 @@ from harbor_exec.bundler.wheels import build_wheel, marker_environment, target_r
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     EXAMPLE_DIR,
     EXAMPLE_REFS,
+    GRADER_MODULE,
     WORKFLOW_MODULE,
     bundle_cache,
     example_bundle,
@@ -59,6 +60,7 @@ def _tiny_project(
             "pyproject.toml": flit_pyproject(name.replace("_", "-"), list(deps)),
             f"{name}/__init__.py": "",
             f"{name}/flow.py": WORKFLOW_MODULE,
+            f"{name}/judge.py": GRADER_MODULE,
         },
     )
 
@@ -235,7 +237,7 @@ def test_a_damaged_wheel_entry_is_built_again(tmp_path: Path, bundle_cache: Path
     (entries[0] / "stray-0.1-py3-none-any.whl").write_bytes(b"not a wheel")
     # Other refs: a new bundle of the same tree, whose wheel entry is now unusable.
     again = build_bundle(
-        project, workflow="damaged_flow.flow:Flow", grader="damaged_flow.flow:Judge",
+        project, workflow="damaged_flow.flow:Flow", grader="damaged_flow.judge:Judge",
         cache_dir=bundle_cache,
     )  # fmt: skip
     assert not again.cached

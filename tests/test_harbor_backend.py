@@ -33,9 +33,9 @@ DATASET = ROOT / "tasks_examples" / "workflow_dataset"
 KEY = "sk-test-" + uuid.uuid4().hex
 REFS = {
     "agent": "arith_agent.workflow:ArithWorkflow",
-    "grader": "arith_agent.workflow:ArithGrader",
+    "grader": "arith_agent.grader:ArithGrader",
     "workflow_config": "arith_agent.workflow:workflow_config",
-    "grader_config": "arith_agent.workflow:grader_config",
+    "grader_config": "arith_agent.grader:grader_config",
 }
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

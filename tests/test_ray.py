@@ -253,11 +253,11 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
         "--agent",
         "arith_agent.workflow:ArithWorkflow",
         "--grader",
-        "arith_agent.workflow:ArithGrader",
+        "arith_agent.grader:ArithGrader",
         "--workflow-config",
         "arith_agent.workflow:workflow_config",
         "--grader-config",
-        "arith_agent.workflow:grader_config",
+        "arith_agent.grader:grader_config",
         "--code-dir",
         str(PROJECT),
     )

@@ -17,7 +17,7 @@ import pytest
 
 from harbor_exec.bundler import Bundle
 from tests.fake_chat import FakeChat
-from tests.hostile import bundle_of, bundled_rollout, one_module_project, only_trial
+from tests.hostile import bundle_of, bundled_rollout, hostile_project, only_trial
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -27,8 +27,7 @@ TEMPLATE = ROOT / "tasks_examples" / "template"
 KEY = "sk-test-" + uuid.uuid4().hex
 
 HOSTILE = r'''
-    """Workflows that attack the sample's way to the host, and a grader that reports
-    what it was shown."""
+    """Workflows that attack the sample's way to the host."""
 
     import os
     import subprocess
@@ -36,7 +35,7 @@ HOSTILE = r'''
     import time
 
     from harbor_exec.authoring import (
-        AgentWorkflow, Grader, RolloutSample, SampleSource, get_rollout_context,
+        AgentWorkflow, RolloutSample, SampleSource, get_rollout_context,
     )
 
     ORIGINAL = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "original"}]
@@ -93,6 +92,12 @@ HOSTILE = r'''
                     pass
             time.sleep(0.2)
             os._exit(0)
+'''
+
+GRADER = r'''
+    """A grader that reports what it was shown, in its own module."""
+
+    from harbor_exec.authoring import Grader
 
 
     class Witness(Grader):
@@ -110,7 +115,7 @@ HOSTILE = r'''
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hostile-sample")
-    return one_module_project(root / "hostile", PACKAGE, HOSTILE)
+    return hostile_project(root / "hostile", PACKAGE, HOSTILE, GRADER)
 
 
 def bundle_for(project: Path, workflow: str) -> Bundle:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,11 @@ from harbor_exec.trial.task import load_task
 from tests.task_factory import make_task
 
 BUNDLE = [ArchiveEntry("/opt/harbor-exec/manifest.json", b"{}", 0o644)]
+# The grader's part: the full manifest and the grader's module, which the agent's lacks.
+GRADER_PART = [
+    ArchiveEntry("/opt/harbor-exec/manifest.json", b'{"grader": "pkg.grader:G"}', 0o644),
+    ArchiveEntry("/opt/harbor-exec/user/pkg/grader.py", b"SECRET = 1\n", 0o644),
+]
 SECRET = "sk-spec-secret-0123456789"
 
 
@@ -43,7 +49,11 @@ def test_the_oracle_spec_runs_the_oracle_on_the_tasks_own_tests(tmp_path: Path) 
 
 def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path) -> None:
     spec = spec_for(
-        tmp_path, agent=WorkflowAgentSpec("pkg:Flow", "abc"), verifier="grader", bundle="b-1"
+        tmp_path,
+        agent=WorkflowAgentSpec("pkg:Flow", "abc"),
+        verifier="grader",
+        bundle="b-agent-1",
+        grader_bundle="b-grader-1",
     )
     secrets = TrialSecrets(
         model=ModelEndpoint("http://model/v1", api_key=SECRET, token="tok"),
@@ -55,18 +65,31 @@ def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path)
     assert travelled == spec
     assert SECRET not in repr(secrets)
     elsewhere = tmp_path / "node-copy"
-    content = TrialContent(task_root=elsewhere, bundle_files=BUNDLE, trials_dir=tmp_path / "n")
+    content = TrialContent(
+        task_root=elsewhere,
+        bundle_files=BUNDLE,
+        grader_files=GRADER_PART,
+        trials_dir=tmp_path / "n",
+    )
     request = trial_request(travelled, secrets, content)
     assert isinstance(request.agent, WorkflowAgent)
     assert request.agent.info.name == "pkg:Flow"
+    # The agent's container gets the agent part only; the grader part goes to the verifier.
+    assert list(request.agent.bundle_files) == BUNDLE
     assert request.task.root == elsewhere and request.trials_dir == tmp_path / "n"
     assert list(request.secrets) == [SECRET]
     assert request.verifier is not None
     paths = [entry.path for entry in request.verifier.generated]
     assert "/tests/test.sh" in paths and "/tests/rollout.json" in paths
-    # The grader's own fresh copy of the bundle, never the agent's.
+    # The grader's own fresh copy of the bundle (its part), never the agent's.
     assert "/opt/harbor-exec/grader/manifest.json" in paths
+    assert "/opt/harbor-exec/grader/code/pkg/grader.py" in paths
     assert BUNDLE[0].path not in paths
+    placed = {e.path: e.data for e in request.verifier.generated}
+    assert placed["/opt/harbor-exec/grader/manifest.json"] == GRADER_PART[0].data
+    # Without the grader's part there is no bundled grader to run.
+    with pytest.raises(ValueError, match="grader part"):
+        trial_request(travelled, secrets, replace(content, grader_files=()))
 
 
 def test_the_tasks_tests_get_the_graders_input(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from harbor_exec.cli.app import app
 from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
 
 _REF_HELP = "a 'module:attr' ref inside the project's package"
+_GRADER_HELP = f"{_REF_HELP}, in a module the workflow does not import"
 
 
 def _size(n: int) -> str:
@@ -29,12 +30,12 @@ def _size(n: int) -> str:
 def bundle(
     code_dir: Annotated[Path, typer.Argument(help="the project dir (holds pyproject.toml)")],
     workflow: Annotated[str, typer.Option(help=f"the AgentWorkflow class: {_REF_HELP}")],
-    grader: Annotated[str | None, typer.Option(help=f"the Grader class: {_REF_HELP}")] = None,
+    grader: Annotated[str | None, typer.Option(help=f"the Grader class: {_GRADER_HELP}")] = None,
     workflow_config: Annotated[
         str | None, typer.Option(help=f"a module-level AgentWorkflowConfig: {_REF_HELP}")
     ] = None,
     grader_config: Annotated[
-        str | None, typer.Option(help=f"a module-level GraderConfig: {_REF_HELP}")
+        str | None, typer.Option(help=f"a module-level GraderConfig: {_GRADER_HELP}")
     ] = None,
     python_version: Annotated[
         str, typer.Option(help="the container's Python, X.Y (trials run the runtime's)")

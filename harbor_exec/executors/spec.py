@@ -7,7 +7,8 @@
   endpoint with the trainer's key, the values to scrub, the agent's and the
   verifier's ``rollout.json``). The Ray driver seals it for one node.
 * ``TrialContent``: one machine's copies of what a spec names by key (the task
-  snapshot, the wheelhouse, the bundle's files).
+  snapshot, the wheelhouse, the bundle's two parts: the agent's files and the
+  grader's, which only the verifier side gets).
 
 ``trial_request`` turns the three into the runnable ``TrialRequest``; the local
 executor and the Ray node both build their trials through it.
@@ -48,8 +49,9 @@ class OracleAgentSpec:
 
 @dataclass(frozen=True)
 class WorkflowAgentSpec:
-    """A bundled ``AgentWorkflow``: its files are the spec's ``bundle``, its
-    ``rollout.json`` is ``TrialSecrets.agent_input``."""
+    """A bundled ``AgentWorkflow``: its files are the spec's ``bundle`` (the agent's
+    part: no grader, no grader config), its ``rollout.json`` is
+    ``TrialSecrets.agent_input``."""
 
     name: str
     version: str
@@ -63,7 +65,7 @@ AgentSpec = OracleAgentSpec | WorkflowAgentSpec
 
 #: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as
 #: ``/tests/rollout.json`` when given); "grader": the bundle's grader through a
-#: generated ``test.sh`` (for tasks without tests).
+#: generated ``test.sh`` (for tasks without tests), from the spec's ``grader_bundle``.
 VerifierKind = Literal["tests", "grader"]
 
 
@@ -106,7 +108,10 @@ class TrialSpec:
     verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
     labels: Mapping[str, str] = field(default_factory=dict)
     rollout_id: str | None = None
-    bundle: str | None = None  # content key of the workflow bundle's files
+    bundle: str | None = None  # content key of the bundle's agent part (the agent's files)
+    # Content key of the bundle's grader part (manifest and code with the grader's
+    # modules), set when the bundled grader verifies; never placed in the agent's container.
+    grader_bundle: str | None = None
     deps: DepsLayer | None = None  # the bundle's dependency layer, built on the image
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
@@ -126,8 +131,11 @@ class TrialContent:
 
     task_root: Path | None = None
     wheelhouse: Path | None = None
+    # ``spec.bundle``: the agent's part, placed in the agent's container.
     bundle_files: Sequence[ArchiveEntry] = field(default=(), repr=False)
     trials_dir: Path | None = None
+    # ``spec.grader_bundle``: the grader's part, placed only under GRADER_DIR by the verifier.
+    grader_files: Sequence[ArchiveEntry] = field(default=(), repr=False)
 
 
 def content_digest(*parts: str) -> str:
@@ -176,7 +184,9 @@ def trial_request(
     if spec.verifier == "grader":
         if secrets.verifier_input is None:
             raise ValueError("a bundled grader needs its input (TrialSecrets.verifier_input)")
-        verifier = grader_verifier(secrets.verifier_input, content.bundle_files)
+        if not content.grader_files:
+            raise ValueError("a bundled grader needs the bundle's grader part (grader_files)")
+        verifier = grader_verifier(secrets.verifier_input, content.grader_files)
     elif secrets.verifier_input is not None:
         verifier = tests_verifier(task.tests_dir, secrets.verifier_input)
     return TrialRequest(

@@ -291,7 +291,8 @@ class WorkflowAgent:
     """A bundled ``AgentWorkflow``, run by ``python -m harbor_exec.container.runner agent``
     on the read-only runtime's Python (any image: no Python, musl, a non-root user).
 
-    ``bundle_files`` hold the manifest and the user's code (the unpacked wheel);
+    ``bundle_files`` are the bundle's agent part: its manifest without grader refs and
+    the user's code (the unpacked wheel) without the grader's and its config's modules;
     ``rollout_input`` is ``/logs/agent/rollout.json`` (prompt, metadata, chat URL and
     key; never the label). The runner hands the sample back on its stdout; the trial
     keeps that copy as ``agent/sample.json``, whatever the container's file says later.
@@ -339,9 +340,9 @@ exec {RUNTIME_PYTHON} -I -m harbor_exec.container.runner grade \\
 
 
 def grader_bundle_files(bundle_files: Sequence[ArchiveEntry]) -> list[ArchiveEntry]:
-    """``bundle_files`` (the manifest and the user's code, as the agent got them) moved
-    under ``GRADER_DIR``, which replaces whatever tree, file or link is there, plus the
-    grader's empty working directory."""
+    """``bundle_files`` (the bundle's grader part: the full manifest and all the user's
+    code, laid out as the agent's part is) moved under ``GRADER_DIR``, which replaces
+    whatever tree, file or link is there, plus the grader's empty working directory."""
     entries = [
         ArchiveEntry(GRADER_DIR, None, 0o755, fresh=True),
         ArchiveEntry(GRADER_CODE_DIR, None, 0o755),
@@ -370,8 +371,9 @@ def tests_verifier(tests_dir: Path, grader_input: bytes | None = None) -> TestsV
 def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -> TestsVerifier:
     """The bundled grader as a verifier: a generated ``/tests/test.sh``,
     ``/tests/rollout.json`` (the grader's input, with the label) and the grader's own
-    fresh copy of the bundle (``grader_bundle_files``: the agent may have changed or
-    added to its copy; a separate verifier container has none)."""
+    fresh copy of the bundle (``grader_bundle_files`` of the grader part, which the
+    agent's container never held: the agent may have changed or added to its own part;
+    a separate verifier container has none)."""
     return TestsVerifier(
         generated=[
             *grader_bundle_files(bundle_files),

@@ -3,7 +3,10 @@
 The agent is the ``oracle`` or a bundled ``AgentWorkflow`` (``prepare_bundle``
 turns a workflow reference into the files a trial places and the dependency
 layer its image needs). The verifier is the task's own ``tests/test.sh`` when it
-has one, otherwise the bundled grader through a generated ``test.sh``. The
+has one, otherwise the bundled grader through a generated ``test.sh``. A bundle
+has two parts: the agent's (a manifest without grader refs, the wheel without the
+grader's and its config's modules) and the grader's (all of it), which only the
+verifier side gets. The
 workflow's ``rollout.json`` carries a relay token and the relay's container
 socket, never the trainer's key; the grader's copy carries the label.
 """
@@ -14,7 +17,7 @@ import importlib.util
 import secrets
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +40,7 @@ from harbor_exec.executors.spec import (
     TrialContent,
     TrialSecrets,
     TrialSpec,
+    VerifierKind,
     WorkflowAgentSpec,
 )
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
@@ -47,12 +51,17 @@ from harbor_exec.trial.trial import SandboxPolicy
 
 @dataclass(frozen=True)
 class PreparedBundle:
-    """A built workflow bundle as trials use it."""
+    """A built workflow bundle as trials use it: its agent's part and its grader's."""
 
     name: str  # the workflow reference, reported as the agent's name
     version: str
-    key: str  # content key of ``files`` (from the bundle's digest)
-    files: list[ArchiveEntry]  # the manifest and the unpacked wheel
+    key: str  # content key of ``agent_files`` (from the bundle's digest)
+    # The agent's container: the manifest without grader refs and the unpacked wheel
+    # without the modules of the grader and its config (``Manifest.grader_only``).
+    agent_files: list[ArchiveEntry] = field(repr=False)
+    grader_key: str  # content key of ``grader_files``
+    # The verifier side only (``GRADER_DIR``): the full manifest and the whole wheel.
+    grader_files: list[ArchiveEntry] = field(repr=False)
     deps: DepsLayer
     has_grader: bool
 
@@ -87,18 +96,33 @@ def prepare_bundle(
             f"with python_version={RUNTIME_PYTHON_VERSION!r} (the default)"
         )
     files = [ArchiveEntry(MANIFEST_PATH, bundle.manifest_path.read_bytes(), 0o644)]
+    # ``files`` are the grader's part (the full manifest, the whole wheel); the agent's
+    # part names no grader and leaves out the modules of grader and grader_config.
+    manifest = bundle.manifest
+    if (manifest.grader or manifest.grader_config) and not manifest.grader_only:
+        # Only a bundle built before the split lacks them: its agent part would hold the grader.
+        raise ValueError(
+            f"the bundle in {bundle.root} names no grader-only modules; it predates the "
+            "agent/grader split: build it again with this harbor-exec (build_bundle)"
+        )
+    agent_manifest = manifest.agent_copy().model_dump_json(indent=2).encode() + b"\n"
+    agent_files = [ArchiveEntry(MANIFEST_PATH, agent_manifest, 0o644)]
     with zipfile.ZipFile(bundle.wheel) as wheel:
         for info in wheel.infolist():
             if info.is_dir() or ".dist-info/" in info.filename:
                 continue
             files.append(ArchiveEntry(f"{USER_CODE_DIR}/{info.filename}", wheel.read(info)))
+            if manifest.in_agent_part(info.filename):
+                agent_files.append(files[-1])
     return PreparedBundle(
         name=workflow_ref,
         version=bundle.digest[:12],
-        key=f"b-{bundle.digest}",
-        files=files,
+        key=f"b-agent-{bundle.digest}",
+        agent_files=agent_files,
+        grader_key=f"b-grader-{bundle.digest}",
+        grader_files=files,
         deps=DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest),
-        has_grader=bundle.manifest.grader is not None,
+        has_grader=manifest.grader is not None,
     )
 
 
@@ -109,7 +133,7 @@ class RolloutPlan:
     task_id: str
     trial: TrialSpec
     secrets: TrialSecrets
-    content: TrialContent  # the bundle's files (the spec names them by key)
+    content: TrialContent  # the bundle's two parts (the spec names them by key)
     outcome: OutcomeSpec
 
 
@@ -160,17 +184,22 @@ class TrialPlanner:
             )
             agent = WorkflowAgentSpec(name=bundle.name, version=bundle.version)
             agent_input = workflow_input.model_dump_json().encode()
+        # A task's own tests verify; without them, the bundle's grader.
+        verifier: VerifierKind = "grader" if verify and not task.has_tests else "tests"
         trial = TrialSpec(
             task=task,
             trials_dir=self.trials_dir,
             agent=agent,
-            # A task's own tests verify; without them, the bundle's grader.
-            verifier="grader" if verify and not task.has_tests else "tests",
+            verifier=verifier,
             verify=verify,
             trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
             verifier_timeout_sec=request.grader_timeout_sec,
             rollout_id=request.id,
             bundle=bundle.key if bundle is not None else None,
+            # The grader's part travels only to trials its grader verifies.
+            grader_bundle=(
+                bundle.grader_key if bundle is not None and verifier == "grader" else None
+            ),
             policy=self.policy,
             deps=bundle.deps if bundle is not None else None,
         )
@@ -180,7 +209,11 @@ class TrialPlanner:
             agent_input=agent_input,
             verifier_input=grader_bytes if verify else None,
         )
-        content = TrialContent(bundle_files=bundle.files if bundle is not None else ())
+        content = (
+            TrialContent(bundle_files=bundle.agent_files, grader_files=bundle.grader_files)
+            if bundle is not None
+            else TrialContent()
+        )
         outcome = OutcomeSpec(
             task_id=task_id,
             is_oracle=bundle is None,

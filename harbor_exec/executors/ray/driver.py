@@ -49,6 +49,7 @@ from harbor_exec.executors.spec import (
     task_key,
 )
 from harbor_exec.protocol import NodeStatus
+from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
@@ -314,18 +315,23 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         root = wheelhouse or deps.wheelhouse
         return [await self._blob(deps_key(deps), lambda: tar_dir(root))]
 
-    async def _content_refs(self, handle: _RayHandle) -> tuple[list[Any], list[Any], list[Any]]:
-        """References to the trial's task snapshot, wheelhouse and bundle, each put in
-        the object store once per content key."""
+    async def _files_blob(self, key: str | None, files: Sequence[ArchiveEntry]) -> list[Any]:
+        if key is None:
+            return []
+        entries = list(files)
+        return [await self._blob(key, lambda: pickle.dumps(entries))]
+
+    async def _content_refs(
+        self, handle: _RayHandle
+    ) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """References to the trial's task snapshot, wheelhouse and the bundle's agent
+        and grader parts, each put in the object store once per content key."""
         spec, content = handle.spec, handle.content
-        bundle_blob: list[Any] = []
-        if spec.bundle is not None:
-            files = list(content.bundle_files)
-            bundle_blob = [await self._blob(spec.bundle, lambda: pickle.dumps(files))]
         return (
             await self._task_blob(spec.task, content.task_root or spec.task.root),
             await self._deps_blob(spec.deps, content.wheelhouse),
-            bundle_blob,
+            await self._files_blob(spec.bundle, content.bundle_files),
+            await self._files_blob(spec.grader_bundle, content.grader_files),
         )
 
     # ----------------------------------------------------------------- trials
@@ -370,7 +376,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
             await anyio.to_thread.run_sync(self.connect)
         spec = handle.spec
         setup = time.perf_counter()
-        task_blob, deps_blob, bundle_blob = await self._content_refs(handle)
+        task_blob, deps_blob, bundle_blob, grader_blob = await self._content_refs(handle)
         node = await self._acquire(handle)
         handle.node = node
         node.trials += 1
@@ -381,6 +387,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
                 task_blob=task_blob,
                 deps_blob=deps_blob,
                 bundle_blob=bundle_blob,
+                grader_blob=grader_blob,
                 sealed=seal(node.public_key, pickle.dumps(handle.secrets)),
             )
             done: NodeTrialRun | None = None

@@ -59,8 +59,9 @@ class NodeCall:
     spec: TrialSpec
     task_blob: list[Any]
     deps_blob: list[Any] = field(default_factory=list)
-    bundle_blob: list[Any] = field(default_factory=list)
+    bundle_blob: list[Any] = field(default_factory=list)  # the bundle's agent part
     sealed: bytes = b""  # pickle(TrialSecrets), sealed
+    grader_blob: list[Any] = field(default_factory=list)  # its grader part, when that verifies
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class NodeAgent:
         return root
 
     async def _bundle(self, key: str, blob: Sequence[Any]) -> list[ArchiveEntry]:
+        """A part of a bundle (agent's or grader's: each has its own key), fetched once."""
         if key not in self._bundles:
             self._bundles[key] = pickle.loads(await blob[0])
         return self._bundles[key]
@@ -165,10 +167,14 @@ class NodeAgent:
         bundle: list[ArchiveEntry] = []
         if spec.bundle is not None and call.bundle_blob:
             bundle = await self._bundle(spec.bundle, call.bundle_blob)
+        grader: list[ArchiveEntry] = []
+        if spec.grader_bundle is not None and call.grader_blob:
+            grader = await self._bundle(spec.grader_bundle, call.grader_blob)
         return TrialContent(
             task_root=await self._unpacked("tasks", task_key(spec.task), call.task_blob),
             wheelhouse=wheelhouse,
             bundle_files=bundle,
+            grader_files=grader,
             trials_dir=self.cache / "trials" / secrets_module.token_hex(6),
         )
 

@@ -1,4 +1,4 @@
-"""An agent that asks a chat model an arithmetic question, and its grader.
+"""An agent that asks a chat model an arithmetic question (its grader: ``grader.py``).
 
 The chat endpoint follows the Osmosis convention: the rollout context's
 ``chat_completions_url`` is an OpenAI-compatible *base* URL (what OpenAI
@@ -9,7 +9,6 @@ token. The URL and key come only from the rollout context, never from config.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -20,9 +19,6 @@ from harbor_exec.authoring import (
     AgentWorkflowConfig,
     AgentWorkflowContext,
     AgentWorkflowOutput,
-    Grader,
-    GraderConfig,
-    GraderContext,
     get_rollout_context,
 )
 
@@ -34,12 +30,6 @@ class ArithWorkflowConfig(AgentWorkflowConfig):
     model: str = "osmosis-rollout"
     temperature: float = 0.0
     request_timeout_sec: float = 60.0
-
-
-class ArithGraderConfig(GraderConfig):
-    # A reply with no number at all teaches nothing: drop it from training.
-    drop_unanswered: bool = True
-    tolerance: float = 1e-6
 
 
 class ArithWorkflow(AgentWorkflow[ArithWorkflowConfig]):
@@ -81,27 +71,4 @@ def last_answer(messages: Any) -> float | None:
     return None
 
 
-class ArithGrader(Grader):
-    """Reward 1.0 when the answer equals the label, else 0.0."""
-
-    async def grade(self, ctx: GraderContext) -> None:
-        if ctx.sample is None:
-            raise ValueError("no sample to grade")
-        config = self.config if isinstance(self.config, ArithGraderConfig) else ArithGraderConfig(
-            name="arith-grader"
-        )
-        answer = last_answer(ctx.sample.messages)
-        if answer is None and config.drop_unanswered:
-            ctx.sample.remove_sample = True
-            ctx.sample.metrics["unanswered"] = 1.0
-            ctx.set_reward(0.0)
-            return
-        expected = float(ctx.label) if ctx.label is not None else math.nan
-        correct = answer is not None and math.isclose(
-            answer, expected, rel_tol=0.0, abs_tol=config.tolerance
-        )
-        ctx.set_reward(1.0 if correct else 0.0)
-
-
 workflow_config = ArithWorkflowConfig(name="arith", model="arith-model")
-grader_config = ArithGraderConfig(name="arith-grader")
