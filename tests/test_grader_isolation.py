@@ -109,7 +109,7 @@ SNOOP = '''
 
     # Reversed at run time: a constant expression would be folded into the bytecode.
     NEEDLE = "".join(reversed("@REVERSED@")).encode()
-    LOOKED_IN = ["/opt/harbor-exec", "/logs", "/tmp"]
+    LOOKED_IN = ["/opt/harbor-exec", "/opt/harbor-exec-deps", "/logs", "/tmp"]
 
 
     def scan():
@@ -294,7 +294,8 @@ def test_the_agents_container_holds_neither_the_grader_nor_its_config(
         "grader_only": [],
     }
     assert report["manifest_names_grader_modules"] is False
-    # Nothing it could read mentions the secret (and it did read: the venv, its own code).
+    # Nothing it could read mentions the secret (and it did read: the dependency
+    # environment, its own code).
     assert report["hits"] == [] and result.sample.metrics["secret_hits"] == 0.0
     assert report["read"] > 100
     # The grader got its config and graded honestly (the answer is right).
