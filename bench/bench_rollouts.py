@@ -159,7 +159,7 @@ def main() -> int:
     finally:
         asyncio.run(backend.shutdown())
         if backend.bundle is not None:
-            runtime.remove_image(backend.bundle.deps.tag_for(image))
+            runtime.remove_volume(backend.bundle.deps.volume_name)
         runtime.remove_image(image)
         runtime.close()
         shutil.rmtree(scratch, ignore_errors=True)
