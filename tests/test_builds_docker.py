@@ -379,3 +379,35 @@ def test_images_prune_reports_the_build_cache(docker_runtime: DockerRuntime) -> 
     assert docker_runtime.prune_build_cache(older_than="10000h") == 0
     report = build_cache_report(docker_runtime, prune=False)
     assert report.startswith("build cache left: ") and "--build-cache removes" in report
+
+
+def test_images_prune_removes_stale_runtime_and_dependency_volumes(
+    docker_runtime: DockerRuntime,
+) -> None:
+    """Stale runtime volumes and dependency environments go; the current runtime (and any
+    volume a container uses) stays. (``images prune`` keeps the current runtime's volume;
+    called on its own here, so the session's task images stay.)"""
+    import docker
+
+    from harbor_exec.sandbox.runtime_volume import RuntimeContent
+
+    client = docker.from_env()
+    nonce = uuid.uuid4().hex[:12]
+    stale = client.volumes.create(
+        f"harbor-exec-runtime-stale{nonce}", labels={LABEL_KIND: "runtime"}
+    )
+    deps = client.volumes.create(f"harbor-exec-deps-stale{nonce}", labels={LABEL_KIND: "deps"})
+    in_use = client.volumes.create(f"harbor-exec-deps-used{nonce}", labels={LABEL_KIND: "deps"})
+    holder = client.containers.create(
+        "debian:bookworm-slim", volumes={in_use.name: {"bind": "/x", "mode": "ro"}}
+    )
+    try:
+        current = RuntimeContent.load().volume_name
+        removed = docker_runtime.prune_volumes({current})
+        assert stale.name in removed and deps.name in removed
+        assert in_use.name not in removed and current not in removed
+        names = {v.name for v in client.volumes.list()}
+        assert stale.name not in names and deps.name not in names and in_use.name in names
+    finally:
+        holder.remove(force=True)
+        in_use.remove(force=True)

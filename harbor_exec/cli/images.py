@@ -76,10 +76,11 @@ def prune_command(
         ),
     ] = False,
 ) -> None:
-    """Remove the task images and dependency layers we made (and base images with --all)."""
+    """Remove the task images and dependency environments we made, and volumes of older
+    container runtimes (and base images with --all)."""
     runtime = open_runtime()
     removed = prune(runtime, include_base=include_base)
     for tag in removed:
         console.print(f"removed {tag}")
-    console.print(f"{len(removed)} image(s) removed")
+    console.print(f"{len(removed)} image(s) and volume(s) removed")
     console.print(build_cache_report(runtime, prune=build_cache))

@@ -550,7 +550,9 @@ class DockerRuntime:
         found: list[ImageInfo] = []
         for image in images:
             labels = image.get("Labels") or {}
-            for tag in image.get("RepoTags") or [image["Id"]]:
+            # Engines before API 1.43 name an untagged image "<none>:<none>": by id then.
+            tags = [t for t in image.get("RepoTags") or [] if t != "<none>:<none>"]
+            for tag in tags or [image["Id"]]:
                 found.append(ImageInfo(tag, labels.get(LABEL_KIND, ""), int(image["Size"])))
         return found
 
@@ -614,6 +616,25 @@ class DockerRuntime:
         self._image_accounts.pop(tag, None)
         with contextlib.suppress(docker.errors.ImageNotFound):
             self._api.remove_image(tag, force=True, noprune=False)
+
+    @_engine_boundary
+    def prune_volumes(self, keep: set[str]) -> list[str]:
+        """Remove our runtime and dependency volumes not in ``keep`` and not in use by a
+        container; returns the removed names (each is made again when needed)."""
+        removed = []
+        for kind in ("runtime", "deps"):
+            found = self._api.volumes(filters={"label": f"{LABEL_KIND}={kind}"})
+            for volume in found.get("Volumes") or []:
+                name = volume["Name"]
+                if name in keep:
+                    continue
+                try:
+                    self._api.remove_volume(name)  # refused while a container uses it
+                except docker.errors.APIError:
+                    continue
+                self._volumes_ready.discard(name)
+                removed.append(name)
+        return removed
 
     @_engine_boundary
     def remove_volume(self, name: str) -> None:

@@ -26,6 +26,7 @@ from harbor_exec.errors import EnvironmentStartError, HarborExecError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED
 from harbor_exec.sandbox.runtime_build import build_runtime, load_runtime_build
+from harbor_exec.sandbox.runtime_volume import RuntimeContent
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
 DEBIAN_SUITE = "bookworm"
@@ -247,9 +248,12 @@ def ensure_container_runtime(
 
 
 def prune(runtime: DockerRuntime, *, include_base: bool = False) -> list[str]:
-    """Remove the images we made (task environments, dependency layers; base images too
-    with ``include_base``). Returns the removed tags."""
-    removed: list[str] = []
+    """Remove the images we made (task environments; base images too with
+    ``include_base``), every dependency environment's volume and the runtime volumes of
+    older runtimes (none a container uses). Returns the removed tags and volume names."""
+    current = load_runtime_build()
+    keep = {RuntimeContent.load().volume_name} if current is not None else set()
+    removed: list[str] = runtime.prune_volumes(keep)
     for info in runtime.list_images():
         if info.kind == "base" and not include_base:
             continue
