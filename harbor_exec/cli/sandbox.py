@@ -47,8 +47,8 @@ GraderVerifierModeOption = Annotated[
     GraderVerifierModeChoice,
     typer.Option(
         help="Where a bundled grader verifies: separate (a fresh container, the default) or "
-        "shared (the agent's container: weaker, its interpreter and venv are files the agent "
-        "could have rewritten).",
+        "shared (the agent's container: weaker, the files the grader's interpreter reads "
+        "besides the read-only runtime, such as /etc/ld.so.preload, are the agent's).",
     ),
 ]
 DefaultCpusOption = Annotated[

@@ -665,7 +665,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="a directory of the bundle's code to import from, after the standard library "
-        "and the venv (repeatable); how the isolated grader (python -I) finds the user's code",
+        "and the runtime's site-packages (repeatable); how python -I finds the user's code",
     )
     parser.add_argument(
         "--logs-dir",
@@ -687,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
     # Appended, never first: nothing in a code dir shadows the standard library or the
-    # runner's own modules in the venv's site-packages.
+    # runner's own modules in the read-only runtime and dependency environment.
     sys.path.extend(str(path.absolute()) for path in args.code_dir)
     # Turn the host's SIGTERM into an exception so the error file still gets written.
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -158,8 +158,8 @@ class SandboxPolicy:
     #: None: each task's own ``[verifier].environment_mode``.
     verifier_mode: VerifierMode | None = None
     #: Where a bundled grader verifies, whatever the task says: "separate" unless asked,
-    #: since in the agent's container the grader runs on an interpreter, venv and
-    #: files the agent could have rewritten.
+    #: since in the agent's container the files the grader's interpreter reads besides
+    #: the read-only runtime (``/etc/ld.so.preload``, ``/tmp``) are the agent's.
     grader_verifier_mode: VerifierMode = "separate"
     pids_limit: int = 4096
     default_cpus: float = DEFAULT_CPUS
@@ -696,7 +696,7 @@ class Trial:
         what the verifier's container gets into ``handover`` (a file: streamed from
         disk, never a second copy in memory)."""
         self._read_agent_logs(container_id)
-        # harbor-exec's own tree (venv, bundle) comes from the verifier's image, never
+        # harbor-exec's own tree (the grader's bundle) is placed by the trial, never
         # from an artifact the agent wrote (a task declaring "/opt" or "/").
         sources = [
             (local, path)

@@ -143,8 +143,8 @@ class HarborBackend(ExecutionBackend):
         ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
         "separate" (always a fresh container). ``grader_verifier_mode``: where the
         bundled grader verifies; "shared" (the agent's container) only when asked,
-        being weaker: there the grader's interpreter and venv are files the agent could
-        have rewritten."""
+        being weaker: there what the grader's interpreter reads besides the read-only
+        runtime (``/etc/ld.so.preload``, ``/tmp``, ...) is the agent's."""
         if max_queue_depth is not None and max_queue_depth < 1:
             raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
         if max_concurrent_trials < 1:
