@@ -80,8 +80,8 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert manifest.workflow_config == EXAMPLE_REFS["workflow_config"]
     assert manifest.grader_config == EXAMPLE_REFS["grader_config"]
     assert manifest.requirements == list(EXAMPLE_REQUIREMENTS)
-    assert manifest.python_version == "3.11"
-    assert "manylinux_2_36_x86_64" in manifest.platform_tags
+    assert manifest.python_version == "3.13"  # the read-only runtime's
+    assert "manylinux_2_41_x86_64" in manifest.platform_tags
     assert "manylinux2014_x86_64" in manifest.platform_tags
     assert bundle.digest == manifest.inputs_digest
     assert bundle.root.name == bundle.digest[:32]
@@ -94,7 +94,7 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert "arith_agent/workflow.py" in names
     assert not any(n.startswith("harbor_exec/") for n in names)
 
-    # The wheelhouse: exactly the manifest's files, for CPython 3.11 on manylinux.
+    # The wheelhouse: exactly the manifest's files, for CPython 3.13 on manylinux.
     on_disk = sorted(p.name for p in bundle.wheelhouse.iterdir())
     assert on_disk == [w.filename for w in manifest.wheelhouse]
     for entry in manifest.wheelhouse:
@@ -104,7 +104,7 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert {"pydantic", "pydantic_core", "harbor_exec_runtime"} <= projects
     assert bundle.manifest.wheel.filename not in on_disk
     core = next(n for n in on_disk if n.startswith("pydantic_core-"))
-    assert "-cp311-" in core and "manylinux" in core
+    assert "-cp313-" in core and "manylinux" in core
     assert not any("-cp312-" in n or "macosx" in n or "win_amd64" in n for n in on_disk)
 
     # The runtime wheel holds only the container side of harbor-exec.
@@ -212,21 +212,17 @@ def test_markers_are_evaluated_for_the_container_python(
         _tiny_project(tmp_path / "p", deps=["markerdep"]),
         workflow="tiny_flow.flow:Flow",
         cache_dir=bundle_cache,
+        python_version="3.11",
     )
     names = [p.name for p in bundle.wheelhouse.iterdir()]
     assert any(n.startswith("markerdep-") for n in names)
     assert any(n.startswith("idna-") for n in names), names
-    # And for a 3.12 container, idna is not needed: it is left out.
-    newer = build_bundle(
-        tmp_path / "p",
-        workflow="tiny_flow.flow:Flow",
-        cache_dir=bundle_cache,
-        python_version="3.12",
-    )
+    # And for the runtime's 3.13 (the default), idna is not needed: it is left out.
+    newer = build_bundle(tmp_path / "p", workflow="tiny_flow.flow:Flow", cache_dir=bundle_cache)
     newer_names = [p.name for p in newer.wheelhouse.iterdir()]
     assert any(n.startswith("markerdep-") for n in newer_names)
     assert not any(n.startswith("idna-") for n in newer_names), newer_names
-    assert any("-cp312-" in n for n in newer_names)
+    assert any("-cp313-" in n for n in newer_names)
 
 
 def test_a_damaged_wheel_entry_is_built_again(tmp_path: Path, bundle_cache: Path) -> None:
