@@ -200,7 +200,7 @@ def local_app(
     **server_options: Any,
 ) -> Any:
     """Our rollout server over ``LocalBackend(ScriptedWorkflow, ExactMatchGrader)``,
-    with short shutdown waits so that tests stop quickly."""
+    with short shutdown waits and a 1 s ``Retry-After`` so that tests stop quickly."""
     if backend is None:
         backend = LocalBackend(
             workflow=ScriptedWorkflow,
@@ -208,6 +208,7 @@ def local_app(
             workflow_config=workflow_config,
             artifact_root=artifact_root,
         )
+    server_options.setdefault("retry_after_sec", 1)
     server_options.setdefault("shutdown_drain_sec", 0.5)
     server_options.setdefault("shutdown_cleanup_sec", 5.0)
     return create_rollout_server(backend=backend, artifact_root=artifact_root, **server_options)

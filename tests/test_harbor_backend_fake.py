@@ -127,7 +127,7 @@ def test_the_queue_bound_answers_429(tmp_path: Path) -> None:
     with served(tmp_path, runtime, max_concurrent_trials=1, max_queue_depth=1) as (backend, url):
         got = asyncio.run(scenario(backend, url))
     full: httpx.Response = got["full"]
-    assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+    assert full.status_code == 429 and full.headers["Retry-After"] == "5"  # the default
     assert full.json()["detail"] == "rollout queue is full; retry later"
     assert got["queue"]["queued"] == 1 and got["queue"]["running"] == 1
     assert got["queue"]["capacity"] == 1 and got["queue"]["max_queue_depth"] == 1
@@ -216,3 +216,31 @@ def test_queue_time_comes_off_the_agent_deadline(
     assert second.status == status
     if status == "failure":
         assert second.err_category == "timeout"
+
+
+def test_the_queue_bound_holds_for_submissions_at_once(tmp_path: Path) -> None:
+    """Six rollouts posted at once at depth 1, one trial at a time: one runs, one waits,
+    four get 429 with ``Retry-After: 5``, however the submissions interleave (each one is
+    counted at admission, before its trial has taken a slot)."""
+    runtime = held_runtime()
+
+    async def scenario(url: str) -> list[httpx.Response]:
+        body = {"initial_messages": PROMPT, "chat_completions_url": CHAT_URL}
+        async with httpx.AsyncClient(timeout=30) as http:
+            answers = await asyncio.gather(
+                *(
+                    http.post(f"{url}/rollout", json={**body, "rollout_id": f"r{i}"})
+                    for i in range(6)
+                )
+            )
+            await wait_held(runtime, 1)
+            queue = (await http.get(f"{url}/queue")).json()
+            assert queue["running"] == 1 and queue["queued"] == 1, queue
+            runtime.gate.open()
+            return list(answers)
+
+    with served(tmp_path, runtime, max_concurrent_trials=1, max_queue_depth=1) as (_b, url):
+        answers = asyncio.run(scenario(url))
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [202, 202, 429, 429, 429, 429], codes
+    assert all(a.headers["Retry-After"] == "5" for a in answers if a.status_code == 429)

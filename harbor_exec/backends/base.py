@@ -85,6 +85,19 @@ class ExecutionBackend(ABC):
         """Whether another rollout may be admitted now; False makes the server answer 429."""
         return True
 
+    def reserve(self, rollout_id: str) -> bool:
+        """Take a place for ``rollout_id`` at admission, or refuse it (False: 429).
+
+        Called synchronously on the event loop, so a reservation counts before the
+        next submission is looked at, however many arrive at once (``execute`` only
+        starts later). The default asks ``has_capacity``; a bounded backend counts
+        its reservations. ``release`` is called once the rollout's task ended."""
+        return self.has_capacity()
+
+    def release(self, rollout_id: str) -> None:
+        """The admitted rollout's task ended (or it never started): drop its place."""
+        return None
+
     def cancel(self, rollout_id: str) -> bool:
         """Stop a rollout this backend is running; True when it handles the stop itself
         (``execute`` then returns a ``cancelled`` outcome). False (the default) makes

@@ -43,6 +43,7 @@ class ServeOptions:
     trials_dir: Path | None = None
     max_concurrent_trials: int = 4
     max_queue_depth: int | None = None
+    retry_after_sec: int = 5  # server.service.DEFAULT_RETRY_AFTER_SEC
     prewarm: bool = False
     task_roots: list[Path] = field(default_factory=list)
     task_env_allow: list[str] = field(default_factory=list)
@@ -165,6 +166,7 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
             backend=backend,
             api_key=api_key,
             data_dir=options.data_dir or default_data_dir(resolve_port(options.port)),
+            retry_after_sec=options.retry_after_sec,
             artifact_root=options.artifact_root,
             lifespan=backend.prewarm_lifespan(jobs=options.prewarm_jobs)
             if options.prewarm
@@ -243,6 +245,10 @@ def serve(
     max_queue_depth: Annotated[
         int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
     ] = None,
+    retry_after: Annotated[
+        int,
+        typer.Option(min=1, help="Seconds a 429 (or 503) asks clients to wait (Retry-After)."),
+    ] = 5,
     prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
     task_root: Annotated[
         list[Path] | None,
@@ -317,6 +323,7 @@ def serve(
         trials_dir=trials_dir,
         max_concurrent_trials=max_concurrent_trials,
         max_queue_depth=max_queue_depth,
+        retry_after_sec=retry_after,
         prewarm=prewarm,
         task_roots=list(task_root or []),
         task_env_allow=list(task_env_allow or []),

@@ -74,7 +74,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESULT_WAIT_TIMEOUT_SEC: Final = 30.0
 DEFAULT_POLLING_LEASE_TIMEOUT_SEC: Final = 120.0
 DEFAULT_RESULT_RETENTION_SEC: Final = 900.0
-DEFAULT_RETRY_AFTER_SEC: Final = 1
+#: What a 429 (and a 503 while the engine is away) asks clients to wait: the Osmosis
+#: guide's figure.
+DEFAULT_RETRY_AFTER_SEC: Final = 5
 SHUTDOWN_DRAIN_SEC: Final = 10.0
 SHUTDOWN_CLEANUP_SEC: Final = 120.0
 
@@ -150,19 +152,22 @@ class RolloutService:
         if (reason := self.backend.unavailable_reason()) is not None:
             self.metrics.reject("unavailable")
             return error_response(503, reason, {"Retry-After": self.retry_after})
-        if not self.backend.has_capacity():
-            self.metrics.reject("queue_full")
-            return error_response(
-                429, "rollout queue is full; retry later", {"Retry-After": self.retry_after}
-            )
         try:
             entry, token = self.registry.admit(request.rollout_id)
         except DuplicateRolloutError:
             self.metrics.reject("duplicate")
             return error_response(409, "rollout_id is already registered")
+        # Atomic with the check: nothing awaits between the reservation and the task.
+        if not self.backend.reserve(request.rollout_id):
+            self.registry.discard(entry)
+            self.metrics.reject("queue_full")
+            return error_response(
+                429, "rollout queue is full; retry later", {"Retry-After": self.retry_after}
+            )
         try:
             task = asyncio.create_task(self._execute(entry, request))
         except BaseException:
+            self.backend.release(request.rollout_id)
             self.registry.discard(entry)
             raise
         entry.task = task
@@ -304,6 +309,7 @@ class RolloutService:
 
     def _task_done(self, entry: RolloutEntry, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        self.backend.release(entry.rollout_id)
         if task.cancelled():
             # Cancelled before it ever ran: no message, as in the reference.
             self._finish(entry, cancelled_result(entry.rollout_id, None))

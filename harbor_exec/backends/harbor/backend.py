@@ -214,6 +214,8 @@ class HarborBackend(ExecutionBackend):
         self.planner: TrialPlanner | None = None
         self._start_lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        #: Rollouts the server admitted (``reserve``) until their task ended (``release``).
+        self._reserved: set[str] = set()
         self._slots = asyncio.Semaphore(max_concurrent_trials)
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
@@ -358,13 +360,28 @@ class HarborBackend(ExecutionBackend):
 
     def _counts(self) -> tuple[int, int]:
         running = sum(1 for p in self._pending.values() if p.started)
-        return len(self._pending) - running, running
+        # Admitted rollouts whose execute has not begun yet are queued too.
+        reserved = len(self._reserved - self._pending.keys())
+        return len(self._pending) - running + reserved, running
 
     def has_capacity(self) -> bool:
         if self._shutting_down:
             return False
-        queued, _running = self._counts()
-        return self.max_queue_depth is None or queued < self.max_queue_depth
+        if self.max_queue_depth is None:
+            return True
+        # Every running slot plus the queue: counted over all admitted rollouts, so a
+        # rollout admitted a moment ago counts before its trial has taken a slot.
+        in_flight = len(self._reserved | self._pending.keys())
+        return in_flight < self.max_concurrent_trials + self.max_queue_depth
+
+    def reserve(self, rollout_id: str) -> bool:
+        if not self.has_capacity():
+            return False
+        self._reserved.add(rollout_id)
+        return True
+
+    def release(self, rollout_id: str) -> None:
+        self._reserved.discard(rollout_id)
 
     def queue_info(self) -> QueueInfo:
         queued, running = self._counts()
