@@ -244,3 +244,44 @@ def test_the_queue_bound_holds_for_submissions_at_once(tmp_path: Path) -> None:
     codes = sorted(a.status_code for a in answers)
     assert codes == [202, 202, 429, 429, 429, 429], codes
     assert all(a.headers["Retry-After"] == "5" for a in answers if a.status_code == 429)
+
+
+def test_rollout_status_and_cancel_rollouts_answer_as_osmosis_does(tmp_path: Path) -> None:
+    """``rollout_status``: queued / running while in flight, the terminal state after;
+    ``cancel_rollouts`` by ids, prefix or all: cancelled_queued, cancelled_running,
+    not_found (unknown or finished: idempotent)."""
+    from harbor_exec.protocol import ExecutionRequest
+
+    runtime = held_runtime()
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", "fake-task"),
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        max_concurrent_trials=1,
+    )
+
+    async def scenario() -> dict[str, Any]:
+        got: dict[str, Any] = {}
+        run = asyncio.create_task(backend.execute(ExecutionRequest(id="run-1", prompt=PROMPT)))
+        await wait_held(runtime, 1)
+        queued = asyncio.create_task(backend.execute(ExecutionRequest(id="q-1", prompt=PROMPT)))
+        await asyncio.sleep(0)  # execute registers the rollout before its first await
+        got["status"] = (backend.rollout_status("run-1"), backend.rollout_status("q-1"))
+        got["unknown"] = backend.rollout_status("nope")
+        got["by_ids"] = backend.cancel_rollouts(ids=["q-1", "nope"])
+        got["by_prefix"] = backend.cancel_rollouts(prefix="run-")
+        got["outcomes"] = [(await run).result.status, (await queued).result.status]
+        got["after"] = (backend.rollout_status("run-1"), backend.rollout_status("q-1"))
+        got["again"] = backend.cancel_rollouts(all=True), backend.cancel_rollouts(ids=["q-1"])
+        await backend.shutdown()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got["status"] == ({"status": "running"}, {"status": "queued"})
+    assert got["unknown"] is None
+    assert got["by_ids"] == {"q-1": "cancelled_queued", "nope": "not_found"}
+    assert got["by_prefix"] == {"run-1": "cancelled_running"}
+    assert got["outcomes"] == ["cancelled", "cancelled"]
+    assert [s["status"] for s in got["after"]] == ["cancelled", "cancelled"]
+    assert got["again"] == ({}, {"q-1": "not_found"})

@@ -876,3 +876,17 @@ def test_cli_serve_explains_bad_options(arguments: list[str], message: str) -> N
     # rich draws the message in a box; compare the words only.
     words = " ".join(result.output.replace("│", " ").split())
     assert message in words, words
+
+
+@pytest.mark.parametrize("configure", [True, False])
+def test_configure_logging_installs_a_handler_only_when_asked_and_none_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, configure: bool
+) -> None:
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    local_app(tmp_path, configure_logging=configure)
+    installed = list(root.handlers)
+    root.handlers.clear()  # before monkeypatch restores pytest's own
+    assert bool(installed) is configure

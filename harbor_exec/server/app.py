@@ -80,6 +80,7 @@ def create_rollout_server(
     *,
     backend: ExecutionBackend,
     lifespan: Lifespan | None = None,
+    configure_logging: bool = True,
     result_wait_timeout_sec: float = DEFAULT_RESULT_WAIT_TIMEOUT_SEC,
     polling_lease_timeout_sec: float = DEFAULT_POLLING_LEASE_TIMEOUT_SEC,
     result_retention_sec: float = DEFAULT_RESULT_RETENTION_SEC,
@@ -95,7 +96,9 @@ def create_rollout_server(
     """Build the FastAPI app that serves rollouts from ``backend``.
 
     ``lifespan`` (e.g. a backend's prewarm) is entered before serving and exited
-    last. ``artifact_root`` (default ``$HARBOR_EXEC_ARTIFACT_ROOT`` or
+    last. ``configure_logging`` (osmosis-ai's keyword) installs an INFO handler on the
+    root logger when the process has none, since uvicorn configures only its own;
+    ``False`` keeps yours. ``artifact_root`` (default ``$HARBOR_EXEC_ARTIFACT_ROOT`` or
     ``~/.harbor-exec/rollouts``) receives ``<id>/trajectory.json``. Bodies over
     ``max_body_bytes`` get 413. Raises ``ValueError`` for inconsistent timeouts.
     """
@@ -115,6 +118,8 @@ def create_rollout_server(
         raise ValueError("max_timeout_sec must be finite and greater than zero")
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
+    if configure_logging and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     service = RolloutService(
         backend,

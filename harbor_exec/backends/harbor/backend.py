@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,12 @@ from typing import Any, Literal
 import anyio
 from pydantic import Field
 
-from harbor_exec.authoring import RolloutErrorCategory, RolloutStatus, get_rollout_context
+from harbor_exec.authoring import (
+    RolloutContext,
+    RolloutErrorCategory,
+    RolloutStatus,
+    get_rollout_context,
+)
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
@@ -87,6 +93,10 @@ class HarborHealth(BackendHealth):
     blocked_tasks: dict[str, str] = Field(default_factory=dict)
 
 
+#: How many finished rollouts ``rollout_status`` still knows.
+_FINISHED_RETAINED = 10_000
+
+
 @dataclass
 class _Pending:
     """A rollout this backend was given and has not finished."""
@@ -94,6 +104,7 @@ class _Pending:
     task: asyncio.Task[Any] | None
     handle: TrialHandle | None = None
     started: bool = False
+    grading: bool = False
     cancel_requested: bool = False
 
 
@@ -216,6 +227,8 @@ class HarborBackend(ExecutionBackend):
         self._pending: dict[str, _Pending] = {}
         #: Rollouts the server admitted (``reserve``) until their task ended (``release``).
         self._reserved: set[str] = set()
+        #: Finished rollouts' terminal states for ``rollout_status``, oldest first.
+        self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrent_trials)
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
@@ -266,36 +279,103 @@ class HarborBackend(ExecutionBackend):
         pending = _Pending(task=asyncio.current_task())
         self._pending[request.id] = pending
         admitted = time.monotonic()
+        outcome: ExecutionOutcome | None = None
         try:
-            if self._shutting_down:
-                raise RuntimeError("the Harbor backend is shutting down")
-            if self.planner is None:
-                await anyio.to_thread.run_sync(self.start)
-            assert self.planner is not None
-            try:
-                resolved = self.resolver.resolve(request)
-                if resolved.task_id in self._blocked:
-                    reason = self._blocked[resolved.task_id]
-                    raise RolloutRejected(f"task {resolved.task_id!r} failed prewarm: {reason}")
-                plan = self.planner.plan(request, resolved, context)
-            except RolloutRejected as exc:
-                rejected = failure(str(exc), RolloutErrorCategory.VALIDATION_ERROR)
-                return ExecutionOutcome(workflow=rejected)
-            try:
-                async with self._slots:
-                    pending.started = True
-                    if context is not None:
-                        context.update_status(RolloutStatus.RUNNING)
-                    return await self._run(request, plan, pending, admitted)
-            except asyncio.CancelledError:
-                if not pending.cancel_requested:
-                    raise
-                current = asyncio.current_task()
-                if current is not None:
-                    current.uncancel()
-                return ExecutionOutcome(workflow=cancelled())
+            outcome = await self._execute(request, pending, admitted, context)
+            return outcome
         finally:
             self._pending.pop(request.id, None)
+            self._retain(request.id, outcome)
+
+    async def _execute(
+        self,
+        request: ExecutionRequest,
+        pending: _Pending,
+        admitted: float,
+        context: RolloutContext | None,
+    ) -> ExecutionOutcome:
+        if self._shutting_down:
+            raise RuntimeError("the Harbor backend is shutting down")
+        if self.planner is None:
+            await anyio.to_thread.run_sync(self.start)
+        assert self.planner is not None
+        try:
+            resolved = self.resolver.resolve(request)
+            if resolved.task_id in self._blocked:
+                reason = self._blocked[resolved.task_id]
+                raise RolloutRejected(f"task {resolved.task_id!r} failed prewarm: {reason}")
+            plan = self.planner.plan(request, resolved, context)
+        except RolloutRejected as exc:
+            rejected = failure(str(exc), RolloutErrorCategory.VALIDATION_ERROR)
+            return ExecutionOutcome(workflow=rejected)
+        try:
+            async with self._slots:
+                pending.started = True
+                if context is not None:
+                    context.update_status(RolloutStatus.RUNNING)
+                return await self._run(request, plan, pending, admitted)
+        except asyncio.CancelledError:
+            if not pending.cancel_requested:
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            return ExecutionOutcome(workflow=cancelled())
+
+    # ----------------------------------------------------------------- status, cancel
+
+    def _retain(self, rollout_id: str, outcome: ExecutionOutcome | None) -> None:
+        """Keep a finished rollout's terminal state for ``rollout_status`` (bounded)."""
+        if outcome is None:  # execute raised: the server reports the failure
+            state: dict[str, Any] = {"status": RolloutStatus.FAILURE, "reward": None}
+        else:
+            result = outcome.result
+            reward = result.sample.reward if result.sample is not None else None
+            state = {"status": result.status, "reward": reward, "err_message": result.err_message}
+        self._finished[rollout_id] = state
+        self._finished.move_to_end(rollout_id)
+        while len(self._finished) > _FINISHED_RETAINED:
+            self._finished.popitem(last=False)
+
+    def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
+        """Live or retained state of one rollout, as osmosis-ai's HarborBackend gives
+        it: ``{"status": queued|running|grading}`` while it runs, ``{"status", "reward",
+        "err_message"}`` once finished (the last 10,000), None when unknown."""
+        pending = self._pending.get(rollout_id)
+        if pending is not None:
+            if pending.grading:
+                return {"status": RolloutStatus.GRADING}
+            return {"status": RolloutStatus.RUNNING if pending.started else RolloutStatus.QUEUED}
+        if rollout_id in self._reserved:
+            return {"status": RolloutStatus.QUEUED}
+        state = self._finished.get(rollout_id)
+        return dict(state) if state is not None else None
+
+    def cancel_rollouts(
+        self,
+        ids: Sequence[str] | None = None,
+        prefix: str | None = None,
+        all: bool = False,
+    ) -> dict[str, str]:
+        """Cancel matching in-flight rollouts (``ids``, or every id with ``prefix``, or
+        ``all``): ``cancelled_queued``, ``cancelled_running`` or ``not_found`` (unknown,
+        or already finished: idempotent) per rollout, as osmosis-ai 0.3.8 answers."""
+        if all:
+            selected = list(self._pending)
+        elif prefix is not None:
+            selected = [rid for rid in self._pending if rid.startswith(prefix)]
+        else:
+            selected = list(ids or [])
+        dispositions: dict[str, str] = {}
+        for rollout_id in selected:
+            pending = self._pending.get(rollout_id)
+            if pending is None or pending.task is None or pending.task.done():
+                dispositions[rollout_id] = "not_found"
+                continue
+            started = pending.started
+            self.cancel(rollout_id)
+            dispositions[rollout_id] = "cancelled_running" if started else "cancelled_queued"
+        return dispositions
 
     async def _run(
         self, request: ExecutionRequest, plan: RolloutPlan, pending: _Pending, admitted: float
@@ -304,8 +384,10 @@ class HarborBackend(ExecutionBackend):
         loop = asyncio.get_running_loop()
 
         def on_phase(phase: TrialPhase) -> None:
-            if phase is TrialPhase.VERIFIER and context is not None:
-                loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
+            if phase is TrialPhase.VERIFIER:
+                pending.grading = True
+                if context is not None:
+                    loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
 
         trial = plan.trial
         if request.agent_timeout_sec is not None:
