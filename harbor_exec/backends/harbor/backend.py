@@ -256,6 +256,9 @@ class HarborBackend(ExecutionBackend):
             if value is not None:
                 self._policy_args[key] = value
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
+        if self.native is not None and not isinstance(self.executor, LocalExecutor):
+            # A node would need the rollout's relay and Harbor itself: not there yet.
+            raise ValueError(f"agent {agent!r} runs on the local executor only (not on Ray yet)")
         self.bundle: PreparedBundle | None = None
         self.planner: TrialPlanner | None = None
         self._start_lock = threading.Lock()

@@ -138,22 +138,6 @@ class NativeAgentConfig:
     setup_timeout_sec: float | None = None
 
 
-def native_instruction(request: ExecutionRequest, task_instruction: str) -> str:
-    """What a native agent is asked: the request's user messages (their text, in
-    order), else the task's own ``instruction.md``."""
-    parts = []
-    for message in request.prompt or []:
-        content = message.get("content")
-        if message.get("role") != "user" or content is None:
-            continue
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
-    text = "\n\n".join(p for p in parts if p)
-    return text or task_instruction
-
-
 @dataclass(frozen=True)
 class RolloutPlan:
     """One rollout, ready for an executor."""
@@ -227,7 +211,8 @@ class TrialPlanner:
             agent = NativeAgentSpec(
                 name=self.native.name,
                 model_name=model_name,
-                instruction=native_instruction(request, task.instruction),
+                # The resolver made it: the prompt in template mode, else instruction.md.
+                instruction=task.instruction,
                 kwargs=self.native.kwargs,
                 setup_timeout_sec=self.native.setup_timeout_sec,
             )
@@ -331,6 +316,5 @@ __all__ = [
     "PreparedBundle",
     "RolloutPlan",
     "TrialPlanner",
-    "native_instruction",
     "prepare_bundle",
 ]
