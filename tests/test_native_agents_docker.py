@@ -12,22 +12,22 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm is imported
 os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import uuid  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
 
-import httpx  # noqa: E402
-import pytest  # noqa: E402
+import httpx
+import pytest
 
-from harbor_exec.backends.harbor.backend import HarborBackend  # noqa: E402
-from harbor_exec.client import RolloutClient  # noqa: E402
-from harbor_exec.sandbox.docker import DockerRuntime  # noqa: E402
-from harbor_exec.server.app import create_rollout_server  # noqa: E402
-from tests.scripted_chat import ScriptedChat, terminus_reply  # noqa: E402
-from tests.server_utils import serve  # noqa: E402
-from tests.task_factory import make_task  # noqa: E402
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.client import RolloutClient
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.server.app import create_rollout_server
+from tests.scripted_chat import ScriptedChat, terminus_reply
+from tests.server_utils import serve
+from tests.task_factory import make_task
 
 KEY = "sk-real-" + uuid.uuid4().hex
 INSTRUCTION = "Write the number 42 into /app/answer.txt."
