@@ -159,3 +159,61 @@ def test_token_turns_line_up_with_the_assistant_messages() -> None:
     ]
     assert token_turns(messages, None) is None
     assert token_turns(messages[:2], details) is None  # they do not line up
+
+
+def test_without_the_runtimes_tmux_setup_fails_fast_and_installs_nothing(tmp_path: Path) -> None:
+    """FakeRuntime's container has no runtime tmux (``tmux -V`` prints nothing): setup
+    stops at once with a message naming it; no apt, curl or other command ran."""
+    import asyncio
+
+    import httpx
+
+    from harbor_exec.client import RolloutClient
+    from harbor_exec.server.app import create_rollout_server
+    from tests.server_utils import serve
+
+    runtime = FakeRuntime()
+    task = make_task(tmp_path / "tasks", "no-tmux")
+    harbor = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    app = create_rollout_server(backend=harbor, artifact_root=tmp_path / "server-artifacts")
+
+    async def one(url: str) -> object:
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = RolloutClient(url=url, http_client=http)
+            return await client.run_rollout(
+                initial_messages=[{"role": "user", "content": "Write 42"}],
+                chat_completions_url=CHAT_URL,
+                rollout_id="no-tmux-1",
+                llm_api_key="sk-REAL",
+            )
+
+    with serve(app) as url:
+        result = asyncio.run(one(url))
+    assert result.status.value == "failure"  # type: ignore[attr-defined]
+    assert result.err_category.value == "agent_error"  # type: ignore[attr-defined]
+    message = result.err_message  # type: ignore[attr-defined]
+    assert "tmux from the read-only runtime" in message and "images bootstrap" in message
+    scripts = [e.script for e in runtime.execs]
+    assert scripts == ["-V"]  # only the probe of the runtime's tmux
+
+
+def test_serve_refuses_a_bad_agent_name_listing_the_names(tmp_path: Path) -> None:
+    import typer
+
+    from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
+
+    task = make_task(tmp_path / "tasks", "cli-task")
+    options = ServeOptions(tasks_dir=task, agent="terminus2", model_name="openai/x")
+    with pytest.raises(typer.BadParameter, match="use one of oracle, terminus-2"):
+        build_harbor_backend(options)
+    options = ServeOptions(tasks_dir=task, agent="terminus-2", model_name="gpt-4o")
+    with pytest.raises(typer.BadParameter, match="model_name must be an 'openai/<id>'"):
+        build_harbor_backend(options)
+    with pytest.raises(typer.BadParameter, match="expected key=value"):
+        parse_agent_kwargs(["max_turns"])
