@@ -49,14 +49,21 @@ NETWORKS = {
     "public": "",
     "no-network": '[environment]\nnetwork_mode = "no-network"\n',
 }
+#: (network, client): the osmosis-ai 0.3.8 client once, on the public task.
+CASES = [("public", "ours"), ("no-network", "ours"), ("public", "osmosis")]
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
-def rollout(url: str, chat: ScriptedChat, prompt: str, **kwargs: Any) -> Any:
+def rollout(url: str, chat: ScriptedChat, prompt: str, kind: str = "ours", **kwargs: Any) -> Any:
     async def run() -> Any:
         async with httpx.AsyncClient(timeout=120) as http:
-            client = RolloutClient(url=url, http_client=http)
+            if kind == "osmosis":
+                from osmosis_ai.rollout.client import RolloutClient as OsmosisClient
+
+                client: Any = OsmosisClient(url=url, http_client=http)
+            else:
+                client = RolloutClient(url=url, http_client=http)
             return await client.run_rollout(
                 initial_messages=[{"role": "user", "content": prompt}],
                 chat_completions_url=chat.base_url,
@@ -76,9 +83,9 @@ def files_holding(root: Path, needle: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("network", list(NETWORKS))
+@pytest.mark.parametrize(("network", "kind"), CASES)
 def test_terminus_2_solves_a_task_through_the_relay(
-    network: str, tmp_path: Path, docker_runtime: DockerRuntime
+    network: str, kind: str, tmp_path: Path, docker_runtime: DockerRuntime
 ) -> None:
     toml = NETWORKS[network] + "[agent]\ntimeout_sec = 60.0\n[verifier]\ntimeout_sec = 30.0\n"
     task = make_task(
@@ -95,7 +102,7 @@ def test_terminus_2_solves_a_task_through_the_relay(
     )
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     with ScriptedChat(SCRIPT, token_ids=True) as chat, serve(app) as url:
-        result = rollout(url, chat, INSTRUCTION)
+        result = rollout(url, chat, INSTRUCTION, kind)
     assert result.status.value == "success", result.err_message
     sample = result.sample
     assert sample is not None and sample.reward == 1.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import importlib
 import importlib.util
 import logging
 import shutil
@@ -73,6 +74,7 @@ from harbor_exec.trial.native import (
     check_model_name,
     check_native_kwargs,
     is_native_agent,
+    set_litellm_offline,
 )
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
@@ -282,6 +284,11 @@ class HarborBackend(ExecutionBackend):
         with self._start_lock:
             if self.planner is not None:
                 return
+            if self.native is not None:
+                # Harbor's import (litellm's, mostly) takes seconds: now, not in the first
+                # rollout, and offline (no cost-map fetch, no tokenizer download).
+                set_litellm_offline()
+                importlib.import_module("harbor_exec.trial.native_env")
             if not self.is_oracle and self.native is None:
                 self.bundle = prepare_bundle(self._agent, **self._bundle_args)
                 self.agent_name = self.bundle.name
