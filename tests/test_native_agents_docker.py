@@ -159,6 +159,8 @@ def test_terminus_2_solves_a_task_through_the_relay(
     assert files_holding(trial_dir, KEY) == []
     assert files_holding(tmp_path / "server-artifacts", KEY) == []
     assert files_holding(tmp_path / "artifacts", KEY) == []
+    (kept,) = (tmp_path / "artifacts").glob("*/atif-trajectory.json")  # beside the artifacts
+    assert json.loads(kept.read_text()) == trajectory
 
 
 def test_a_model_that_never_completes_ends_at_the_agent_timeout_and_is_verified(

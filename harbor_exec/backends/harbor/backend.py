@@ -81,6 +81,11 @@ from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 logger = logging.getLogger(__name__)
 
 
+#: A native agent's ATIF trajectory (Harbor's ``trajectory.json``), kept beside the
+#: rollout's artifacts under another name: the server's own ``trajectory.json`` is there.
+ATIF_TRAJECTORY = "atif-trajectory.json"
+
+
 class HarborHealth(BackendHealth):
     """``HarborBackend``'s part of ``GET /health``."""
 
@@ -394,6 +399,11 @@ class HarborBackend(ExecutionBackend):
             if produced.is_dir() and any(produced.iterdir()):
                 target.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(produced, target / "artifacts", dirs_exist_ok=True, symlinks=False)
+                scrub_tree(target, plan.secrets.scrub)
+            atif = run.trial_dir / "agent" / "trajectory.json"  # a native agent's, on the host
+            if self.native is not None and atif.is_file() and not atif.is_symlink():
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(atif, target / ATIF_TRAJECTORY)
                 scrub_tree(target, plan.secrets.scrub)
             if success and self.cleanup_successful_trials:
                 shutil.rmtree(run.trial_dir, ignore_errors=True)
