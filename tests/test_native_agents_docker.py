@@ -186,3 +186,33 @@ def test_a_model_that_never_completes_ends_at_the_agent_timeout_and_is_verified(
     assert result_json["verifier_result"]["rewards"] == {"reward": 0.0}  # verified anyway
     assert len(chat.requests) >= 2
     assert files_holding(trial_dir, KEY) == []
+
+
+def test_terminus_2_as_a_non_root_agent_user(tmp_path: Path, docker_runtime: DockerRuntime) -> None:
+    """The tmux server and the pane's shell run as the task's agent user."""
+    toml = '[agent]\ntimeout_sec = 60.0\nuser = "nobody"\n[verifier]\ntimeout_sec = 30.0\n'
+    dockerfile = "FROM debian:bookworm-slim\nRUN mkdir -p /app && chmod 777 /app\nWORKDIR /app\n"
+    test = TEST_SH + 'echo "$(stat -c %U /app/answer.txt)" > /logs/verifier/owner.txt\n'
+    task = make_task(
+        tmp_path / "tasks",
+        "as-nobody",
+        test=test,
+        instruction=INSTRUCTION,
+        toml=toml,
+        dockerfile=dockerfile,
+    )
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with ScriptedChat(SCRIPT) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION)
+    assert result.status.value == "success", result.err_message
+    assert result.sample.reward == 1.0
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    assert (trial_dir / "verifier" / "owner.txt").read_text().strip() == "nobody"
+    assert files_holding(trial_dir, KEY) == []
