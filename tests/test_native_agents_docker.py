@@ -14,6 +14,7 @@ os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 
 import asyncio
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
 from tests.scripted_chat import ScriptedChat, terminus_reply
-from tests.server_utils import serve
+from tests.server_utils import serve, wait_until
 from tests.task_factory import make_task
 
 KEY = "sk-real-" + uuid.uuid4().hex
@@ -216,3 +217,54 @@ def test_terminus_2_as_a_non_root_agent_user(tmp_path: Path, docker_runtime: Doc
     (trial_dir,) = (tmp_path / "trials").iterdir()
     assert (trial_dir / "verifier" / "owner.txt").read_text().strip() == "nobody"
     assert files_holding(trial_dir, KEY) == []
+
+
+def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
+    tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    task = make_task(tmp_path / "tasks", "cancel-me", test=TEST_SH, instruction=INSTRUCTION)
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    # The model's first command waits 30 s on the host (terminus sleeps its duration).
+    slow = [terminus_reply(keystrokes=["sleep 100\n"], duration=30.0)]
+
+    async def scenario(url: str, chat: ScriptedChat) -> tuple[Any, Any, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = RolloutClient(url=url, http_client=http)
+            running = await client.run_rollout_async(
+                [{"role": "user", "content": INSTRUCTION}],
+                chat.base_url,
+                rollout_id="cancel-1",
+                llm_api_key=KEY,
+            )
+            for _ in range(300):  # until the model was asked once
+                if chat.requests:
+                    break
+                await asyncio.sleep(0.1)
+            assert chat.requests, "terminus-2 never called the model"
+            began = time.monotonic()
+            cancel = await client.cancel_rollout("cancel-1")
+            result = await running
+            return cancel, result, time.monotonic() - began
+
+    def containers() -> list[Any]:
+        return [
+            c
+            for c in docker_runtime.our_containers()
+            if (c.get("Labels") or {}).get("harbor-exec.rollout") == "cancel-1"
+        ]
+
+    with ScriptedChat(slow) as chat, serve(app) as url:
+        cancel, result, seconds = asyncio.run(scenario(url, chat))
+        began = time.monotonic()
+        assert wait_until(lambda: not containers(), timeout=5, interval=0.1)
+        removed_in = time.monotonic() - began
+    assert cancel.dispositions == {"cancel-1": "cancelled_running"}
+    assert result.status == "cancelled"
+    assert seconds < 5  # the agent's loop stopped, though it was sleeping on the host
+    assert removed_in < 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,12 @@ class NativeAgent:
     token: str = field(repr=False)
     relay_socket: str | None = None
     relay_path: str = "/v1"
+    #: Set by ``cancel()`` (the trial's ``cancel``, from any thread): the agent's loop
+    #: runs on this trial's thread, in its own event loop, and stops at once.
+    cancelled: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     @property
     def info(self) -> AgentInfo:

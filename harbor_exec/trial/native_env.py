@@ -19,10 +19,12 @@ archive API (``put_archive``/``get_archive``), bounded and without links on the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,12 @@ from harbor_exec.container.exchange import (
 )
 from harbor_exec.container.redaction import redact
 from harbor_exec.container.runner import ForwarderThread
-from harbor_exec.errors import AgentSetupError, AgentSetupTimeoutError, HarborExecError
+from harbor_exec.errors import (
+    AgentSetupError,
+    AgentSetupTimeoutError,
+    CancelledError,
+    HarborExecError,
+)
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive, tree_entries
 from harbor_exec.sandbox.users import ROOT_ID
 from harbor_exec.trial.agents import TASK_SHELL, AgentRun, TrialSession
@@ -52,6 +59,8 @@ from harbor_exec.trial.native import FORCED_KWARGS, NativeAgent
 _KILLED = 128 + 9
 #: The runtime's tmux for the command, never the image's, never an install.
 _TMUX_FUNCTION = f'tmux() {{ {RUNTIME_TMUX} "$@"; }}; '
+#: How often the driver looks whether the trial cancelled the agent.
+_CANCEL_POLL_SEC = 0.1
 
 
 def _user(user: str | int | None) -> str:
@@ -246,7 +255,9 @@ async def _setup_and_run(
     environment.default_user = session.agent_user
     await environment.start(force_build=False)
     try:
-        await asyncio.wait_for(harbor_agent.setup(environment), agent.setup_timeout_sec)
+        await _unless_cancelled(
+            agent, asyncio.wait_for(harbor_agent.setup(environment), agent.setup_timeout_sec)
+        )
     except TimeoutError:
         raise AgentSetupTimeoutError(
             f"{agent.name}'s setup took longer than {agent.setup_timeout_sec:g}s"
@@ -261,8 +272,11 @@ async def _setup_and_run(
     timed_out, error = False, None
     started = time.monotonic()
     try:
-        await asyncio.wait_for(
-            harbor_agent.run(agent.instruction, environment, context), timeout_sec
+        await _unless_cancelled(
+            agent,
+            asyncio.wait_for(
+                harbor_agent.run(agent.instruction, environment, context), timeout_sec
+            ),
         )
     except TimeoutError:
         timed_out = True
@@ -286,6 +300,20 @@ async def _setup_and_run(
         host_files=host_files,
         agent_result=_agent_result(context),
     )
+
+
+async def _unless_cancelled(agent: NativeAgent, work: Coroutine[Any, Any, Any]) -> Any:
+    """``work``'s result, or ``CancelledError`` as soon as the trial cancels the agent
+    (``work`` is cancelled then: Harbor's agent stops where it awaits)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if agent.cancelled.is_set():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise CancelledError("the trial was cancelled")
+        await asyncio.wait({task}, timeout=_CANCEL_POLL_SEC)
+    return task.result()
 
 
 def _plain(value: Any) -> Any:

@@ -289,6 +289,9 @@ class Trial:
     def cancel(self) -> None:
         """Stop the trial: its container is removed at once; ``run`` records CancelledError."""
         self._cancelled.set()
+        agent_cancel = getattr(self.request.agent, "cancel", None)
+        if callable(agent_cancel):  # an agent whose loop runs here (a native agent)
+            agent_cancel()
         with self._container_lock:
             container_id = self._container_id
         if container_id is not None:
