@@ -94,6 +94,10 @@ class AgentSetupError(TrialError):
     """The agent could not be installed or prepared in the container."""
 
 
+class AgentSetupTimeoutError(TrialError):
+    """A native agent's setup (``agent_setup_timeout_sec``) took too long."""
+
+
 class VerifierTimeoutError(TrialError):
     """``tests/test.sh`` ran past ``[verifier].timeout_sec``; there is no reward."""
 

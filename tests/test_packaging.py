@@ -27,6 +27,7 @@ EXTRA_OF = {
     "harbor_exec/_client_http.py": "server",
     "harbor_exec/executors/ray/": "ray",
     "harbor_exec/executors/relay.py": "server",
+    "harbor_exec/trial/native_env.py": "native",
     "bundler/": "bundler",
 }
 FIRST_PARTY = {"harbor_exec", "bundler"}
@@ -62,7 +63,7 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
 def test_declared_dependencies_cover_every_import() -> None:
     distributions = importlib.metadata.packages_distributions()
     core = _requirements(None)
-    extras = {name: _requirements(name) for name in ("server", "bundler", "ray")}
+    extras = {name: _requirements(name) for name in ("server", "bundler", "ray", "native")}
     missing: list[str] = []
     files = sorted(ROOT.glob("harbor_exec/**/*.py")) + sorted(ROOT.glob("bundler/**/*.py"))
     checked = 0

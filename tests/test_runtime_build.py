@@ -59,6 +59,8 @@ def test_the_built_runtime_holds_its_loader_init_and_interpreter() -> None:
         assert pth is not None and pth.read().decode().strip() == DEPS_SITE
         python = tar.extractfile("python/bin/python3.13")
         assert python is not None and RUNTIME_LOADER.encode() in python.read()
+        tmux = tar.extractfile("bin/tmux")  # terminus-2's, patched like the interpreter
+        assert tmux is not None and RUNTIME_LOADER.encode() in tmux.read()
     assert names[-1] == "runtime.json"  # last: a volume that has it is complete
     for program in ("bin/tini", "bin/busybox"):
         assert members[program].mode & 0o777 == 0o111, program

@@ -4,7 +4,7 @@ Three ways to choose what runs:
 
 * ``--workflow module:Class`` (with optional ``--grader`` and configs): ``LocalBackend``,
   in-process;
-* ``--tasks-dir DIR --agent oracle|module:Class``: ``HarborBackend``, every rollout an
+* ``--tasks-dir DIR --agent oracle|terminus-2|module:Class``: ``HarborBackend``, every rollout an
   isolated Docker trial of a Harbor task (template or dataset mode);
 * ``--app module:attr``: an app built in code.
 Building the backend is its own function (``build_backend``), so that other
@@ -13,6 +13,7 @@ backends can be chosen from more options without touching the rest.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,27 @@ class ServeOptions:
     port: int | None = None  # where it listens (see resolve_port); keys the default data dir
     # POST routes a workflow's relay forwards besides /chat/completions (--relay-allow-route).
     relay_extra_routes: list[str] = field(default_factory=list)
+    # Harbor's own agents (--agent terminus-2): the model route, options and setup timeout.
+    model_name: str | None = None
+    agent_kwargs: list[str] = field(default_factory=list)
+    agent_setup_timeout_sec: float | None = None
+
+
+def parse_agent_kwargs(pairs: list[str]) -> dict[str, Any]:
+    """``k=v`` pairs as options: ``v`` as JSON when it parses (numbers, booleans,
+    objects), else the string itself."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(
+                f"expected key=value, got {pair!r}", param_hint="--agent-kwarg"
+            )
+        try:
+            kwargs[key.strip()] = json.loads(value)
+        except ValueError:
+            kwargs[key.strip()] = value
+    return kwargs
 
 
 def open_ray_executor(address: str) -> Any:
@@ -85,6 +107,13 @@ def build_harbor_backend(options: ServeOptions) -> Any:
         raise typer.BadParameter("with --tasks-dir, name the workflow with --agent module:Class")
     if options.task_mode not in ("template", "dataset"):
         raise typer.BadParameter("--task-mode must be 'template' or 'dataset'")
+    native: dict[str, Any] = {}
+    if options.model_name is not None:
+        native["model_name"] = options.model_name
+    if options.agent_kwargs:
+        native["native_agent_kwargs"] = parse_agent_kwargs(options.agent_kwargs)
+    if options.agent_setup_timeout_sec is not None:
+        native["agent_setup_timeout_sec"] = options.agent_setup_timeout_sec
     executor = open_ray_executor(options.ray) if options.ray else None
     try:
         backend = HarborBackend(
@@ -111,6 +140,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             default_nofile=options.sandbox.default_nofile,
             output_limits=options.sandbox.output_limits,
             relay_extra_routes=options.relay_extra_routes,
+            **native,
         )
         # Build the bundle and open the engine now: their errors end `serve` before it binds.
         backend.start()
@@ -235,7 +265,30 @@ def serve(
     ] = None,
     task_mode: Annotated[str, typer.Option(help="template or dataset.")] = "template",
     agent: Annotated[
-        str | None, typer.Option(help="With --tasks-dir: oracle, or an AgentWorkflow module:Class.")
+        str | None,
+        typer.Option(
+            help="With --tasks-dir: oracle, terminus-2 (Harbor's own agent), or an "
+            "AgentWorkflow module:Class."
+        ),
+    ] = None,
+    model_name: Annotated[
+        str | None,
+        typer.Option(
+            help="With --agent terminus-2: the model route, openai/<id> [default: "
+            "openai/osmosis-rollout]; a rollout's metadata.harbor_model overrides it."
+        ),
+    ] = None,
+    agent_kwarg: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KEY=VALUE",
+            help="With --agent terminus-2: an option of the agent (VALUE as JSON when it "
+            "parses, e.g. max_turns=30, collect_rollout_details=true; repeatable).",
+        ),
+    ] = None,
+    agent_setup_timeout_sec: Annotated[
+        float | None,
+        typer.Option(help="With --agent terminus-2: the agent's setup timeout."),
     ] = None,
     code_dir: Annotated[
         Path | None, typer.Option(help="The workflow's project (default: found from --agent).")
@@ -343,6 +396,9 @@ def serve(
         ray=ray,
         port=port,
         relay_extra_routes=list(relay_allow_route or []),
+        model_name=model_name,
+        agent_kwargs=list(agent_kwarg or []),
+        agent_setup_timeout_sec=agent_setup_timeout_sec,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

@@ -39,6 +39,8 @@ RUNTIME_LOADER: Final = f"{RUNTIME_LIB}/ld-linux-x86-64.so.2"
 RUNTIME_BUSYBOX: Final = f"{RUNTIME_MOUNT}/bin/busybox"
 RUNTIME_TINI: Final = f"{RUNTIME_MOUNT}/bin/tini"
 RUNTIME_SETPRIV: Final = f"{RUNTIME_MOUNT}/bin/setpriv"
+#: Debian's tmux, for Harbor's terminus-2 (which drives the container through tmux).
+RUNTIME_TMUX: Final = f"{RUNTIME_MOUNT}/bin/tmux"
 #: The bundle's dependency environment (one read-only volume per requirement set);
 #: the runtime's site-packages name ``DEPS_SITE`` in a ``.pth`` file.
 DEPS_MOUNT: Final = "/opt/harbor-exec-deps"
@@ -274,6 +276,7 @@ __all__ = [
     "RUNTIME_PYTHON_VERSION",
     "RUNTIME_SETPRIV",
     "RUNTIME_TINI",
+    "RUNTIME_TMUX",
     "SAMPLE_FRAME_MARKER",
     "TESTS_DIR",
     "USER_CODE_DIR",

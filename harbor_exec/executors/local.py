@@ -32,6 +32,7 @@ from harbor_exec.executors.base import (
 )
 from harbor_exec.executors.spec import (
     ModelEndpoint,
+    NativeAgentSpec,
     TrialContent,
     TrialSecrets,
     TrialSpec,
@@ -105,10 +106,18 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             relay = None
             mounts: list[Mount] = []
             model = handle.secrets.model
+            native = isinstance(handle.spec.agent, NativeAgentSpec)
             if model is not None:
                 relay = await stack.enter_async_context(self._relay(model))
-                mounts.append(Mount(str(relay.directory), RELAY_DIR, read_only=True))
-            request = trial_request(handle.spec, handle.secrets, handle.content, mounts=mounts)
+                if not native:  # a native agent dials the relay from this process
+                    mounts.append(Mount(str(relay.directory), RELAY_DIR, read_only=True))
+            request = trial_request(
+                handle.spec,
+                handle.secrets,
+                handle.content,
+                mounts=mounts,
+                relay_socket=str(relay.socket_path) if relay is not None and native else None,
+            )
 
             def work() -> TrialRun:
                 trial = Trial(self.runtime, request, on_phase=handle.on_phase)

@@ -20,7 +20,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
@@ -33,6 +34,7 @@ from harbor_exec.trial.agents import (
     grader_verifier,
     tests_verifier,
 )
+from harbor_exec.trial.native import NativeAgent
 from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
@@ -61,7 +63,36 @@ class WorkflowAgentSpec:
         return AgentInfo(name=self.name, version=self.version)
 
 
-AgentSpec = OracleAgentSpec | WorkflowAgentSpec
+@dataclass(frozen=True)
+class NativeAgentSpec:
+    """One of Harbor's own agents (``harbor_exec.trial.native``), run unchanged: its
+    name, model route and options (plain JSON values), its setup timeout and the
+    instruction. The relay token it uses as its key is ``TrialSecrets.model.token``."""
+
+    name: str
+    model_name: str
+    instruction: str = field(repr=False)
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    setup_timeout_sec: float | None = None
+
+    @property
+    def info(self) -> AgentInfo:
+        return self.agent("", None).info
+
+    def agent(self, token: str, relay_socket: str | None, relay_path: str = "/v1") -> NativeAgent:
+        return NativeAgent(
+            name=self.name,
+            model_name=self.model_name,
+            instruction=self.instruction,
+            kwargs=self.kwargs,
+            setup_timeout_sec=self.setup_timeout_sec,
+            token=token,
+            relay_socket=relay_socket,
+            relay_path=relay_path,
+        )
+
+
+AgentSpec = OracleAgentSpec | WorkflowAgentSpec | NativeAgentSpec
 
 #: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as
 #: ``/tests/rollout.json`` when given); "grader": the bundle's grader through a
@@ -158,10 +189,12 @@ def trial_request(
     content: TrialContent | None = None,
     *,
     mounts: Sequence[Mount] = (),
+    relay_socket: str | None = None,
 ) -> TrialRequest:
     """The runnable trial of ``spec`` on this machine: its agent and verifier built
     from ``secrets`` and ``content``, with ``mounts`` in the agent's container (e.g.
-    the model relay)."""
+    the model relay); ``relay_socket``: the host path of the rollout's relay socket,
+    for a native agent that dials it from this process."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -180,6 +213,12 @@ def trial_request(
             bundle_files=content.bundle_files,
             rollout_input=secrets.agent_input,
         )
+    elif isinstance(spec.agent, NativeAgentSpec):
+        model = secrets.model
+        if model is None:
+            raise ValueError("a native agent's trial needs its model endpoint (TrialSecrets.model)")
+        path = urlsplit(model.url).path.rstrip("/")
+        agent = spec.agent.agent(model.token, relay_socket, path)
     verifier: TestsVerifier | None = None
     if spec.verifier == "grader":
         if secrets.verifier_input is None:
@@ -212,6 +251,7 @@ def trial_request(
 __all__ = [
     "AgentSpec",
     "ModelEndpoint",
+    "NativeAgentSpec",
     "OracleAgentSpec",
     "TrialContent",
     "TrialSecrets",

@@ -19,6 +19,9 @@ anything in the image is the agent's to replace. So the runtime carries its own:
   own (``bin/setpriv``, util-linux's, drops to it): a process that cannot read its
   own program is not dumpable, so not even a root agent (without
   ``CAP_SYS_PTRACE``) can open its ``/proc/<pid>/mem``;
+* ``bin/tmux``: Debian's tmux, patched like the interpreter (its libraries are in
+  ``lib/``), for Harbor's terminus-2, which drives the container through tmux: an
+  image without tmux works, and nothing is installed at trial time;
 * ``runtime.json`` (last in the archive): what was built and its digest, so a volume
   holding it is complete.
 
@@ -53,9 +56,9 @@ from harbor_exec.errors import HarborExecError
 
 RUNTIME_SUITE = "trixie"
 #: Bump when the tree's layout or recipe changes: a new directory, a new volume.
-RUNTIME_RECIPE = 3
+RUNTIME_RECIPE = 4
 _PY = f"python{RUNTIME_PYTHON_VERSION}"
-RUNTIME_PACKAGES = (f"{_PY}-minimal", f"lib{_PY}-stdlib", "tini", "busybox-static")
+RUNTIME_PACKAGES = (f"{_PY}-minimal", f"lib{_PY}-stdlib", "tini", "busybox-static", "tmux")
 RUNTIME_ARCHIVE = "runtime.tar"
 RUNTIME_INFO = "runtime.json"
 #: Not shipped: tests, GUI and the stdlib's own installers.
@@ -214,14 +217,20 @@ def _assemble(rootfs: Path, tree: Path) -> None:
     site = tree / "python/lib/python3/dist-packages"
     site.mkdir(parents=True)
     (site / "harbor-exec-deps.pth").write_text(DEPS_SITE + "\n", encoding="utf-8")
-    objects = [python, rootfs / "usr/bin/setpriv", *stdlib.rglob("*.so")]
+    tmux_src = rootfs / "usr/bin/tmux"
+    if not tmux_src.is_file():
+        raise RuntimeBuildError(f"{RUNTIME_SUITE}'s tmux package did not install {tmux_src}")
+    objects = [python, rootfs / "usr/bin/setpriv", tmux_src, *stdlib.rglob("*.so")]
     for soname, path in _library_closure(rootfs, objects).items():
         shutil.copyfile(path, tree / "lib" / soname)
         (tree / "lib" / soname).chmod(0o755)
     setpriv = tree / "bin/setpriv"
     shutil.copyfile(rootfs / "usr/bin/setpriv", setpriv)
     setpriv.chmod(0o755)
-    for program in (python, setpriv):
+    tmux = tree / "bin/tmux"
+    shutil.copyfile(tmux_src, tmux)
+    tmux.chmod(0o755)
+    for program in (python, setpriv, tmux):
         _patchelf(
             "--set-interpreter",
             RUNTIME_LOADER,
@@ -302,6 +311,11 @@ def _smoke_test(tree: Path) -> None:
             raise RuntimeBuildError(
                 f"the runtime's Python failed {' '.join(step)}:\n{done.stderr[-2000:]}"
             )
+    loader, lib = tree / "lib" / _LOADER_NAME, tree / "lib"
+    tmux = [str(loader), "--library-path", str(lib), str(tree / "bin/tmux"), "-V"]
+    done = subprocess.run(tmux, capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not done.stdout.startswith("tmux "):
+        raise RuntimeBuildError(f"the runtime's tmux failed -V:\n{done.stderr[-2000:]}")
 
 
 def _members(tree: Path) -> Iterator[Path]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from harbor_exec.container.exchange import (
     AGENT_INPUT,
@@ -144,6 +144,11 @@ class AgentRun:
     # A bundled workflow's ``sample.json``, taken from the runner's stdout as its exec
     # ended (b"": none came); None for agents that hand over no sample (the oracle).
     sample: bytes | None = None
+    #: Files the agent wrote on the host (a native agent's ``agent/trajectory.json``),
+    #: by path under the trial dir: kept over whatever the container's ``/logs`` says.
+    host_files: Mapping[str, bytes] = field(default_factory=dict)
+    #: Harbor's ``agent_result`` fields as the agent counted them (native agents).
+    agent_result: Mapping[str, Any] | None = None
 
 
 class Agent(Protocol):

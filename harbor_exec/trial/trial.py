@@ -270,6 +270,8 @@ class Trial:
         self._exception: ExceptionInfo | None = None
         #: The sample the agent handed over as its exec ended (``AgentRun.sample``).
         self._agent_sample: bytes | None = None
+        #: Files the agent wrote on the host (``AgentRun.host_files``), kept the same way.
+        self._host_files: dict[str, bytes] = {}
         self._verifier_logs_read = False
         self._agent_logs_read = False
         #: One budget for everything the agent wrote (``SandboxPolicy.output``).
@@ -287,6 +289,9 @@ class Trial:
     def cancel(self) -> None:
         """Stop the trial: its container is removed at once; ``run`` records CancelledError."""
         self._cancelled.set()
+        agent_cancel = getattr(self.request.agent, "cancel", None)
+        if callable(agent_cancel):  # an agent whose loop runs here (a native agent)
+            agent_cancel()
         with self._container_lock:
             container_id = self._container_id
         if container_id is not None:
@@ -556,11 +561,12 @@ class Trial:
                     if self.runtime.container_running(session.container_id):
                         raise
                     self._revive(session)
+        self._host_files = dict(run.host_files)
         if run.sample is not None:
             self._agent_sample = run.sample
-            self._pin_agent_sample()
+        self._pin_agent_sample()
         self._check_cancelled()
-        result.agent_result = AgentResult()
+        result.agent_result = AgentResult.model_validate(run.agent_result or {})
         if watch.exceeded is not None:
             used = watch.exceeded
             why = f" ({used.incomplete})" if used.incomplete else ""
@@ -723,6 +729,13 @@ class Trial:
         """Make ``agent/sample.json`` the copy the agent handed over (``AgentRun.sample``):
         a download of ``/logs`` brings back the container's file, which something the
         workflow left running may have rewritten."""
+        for relative, data in self._host_files.items():
+            target = self.dir / relative
+            if target.exists() or target.is_symlink():
+                _remove_path(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            text = data.decode("utf-8", errors="replace")
+            target.write_text(redact(text, self.request.secrets), encoding="utf-8")
         if self._agent_sample is None:
             return
         path = self.dir / AGENT_SAMPLE

@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import importlib
+import importlib.util
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +46,7 @@ from harbor_exec.authoring import (
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
+    NativeAgentConfig,
     PreparedBundle,
     RolloutPlan,
     TrialPlanner,
@@ -69,9 +73,23 @@ from harbor_exec.protocol import (
 )
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
+from harbor_exec.trial.native import (
+    DEFAULT_MODEL_NAME,
+    NATIVE_AGENT_NAMES,
+    check_agent_name,
+    check_model_name,
+    check_native_kwargs,
+    is_native_agent,
+    set_litellm_offline,
+)
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 logger = logging.getLogger(__name__)
+
+
+#: A native agent's ATIF trajectory (Harbor's ``trajectory.json``), kept beside the
+#: rollout's artifacts under another name: the server's own ``trajectory.json`` is there.
+ATIF_TRAJECTORY = "atif-trajectory.json"
 
 
 class HarborHealth(BackendHealth):
@@ -147,8 +165,18 @@ class HarborBackend(ExecutionBackend):
         pids_limit: int | None = None,
         output_limits: OutputLimits | None = None,
         relay_extra_routes: Sequence[str] = (),
+        native_agent_kwargs: Mapping[str, Any] | None = None,
+        model_name: str = DEFAULT_MODEL_NAME,
+        agent_setup_timeout_sec: float | None = None,
     ) -> None:
-        """``relay_extra_routes``: POST routes under the model URL's path (e.g.
+        """``agent``: "oracle", one of Harbor's own agents (``NATIVE_AGENT_NAMES``:
+        "terminus-2", run unchanged on this host, reaching the model only through the
+        rollout's relay), or a workflow (a class or ``module:attr``). A native agent
+        takes ``native_agent_kwargs`` (its options), ``model_name`` (an
+        ``openai/<id>`` route; a rollout's ``metadata["harbor_model"]`` overrides it)
+        and ``agent_setup_timeout_sec``.
+
+        ``relay_extra_routes``: POST routes under the model URL's path (e.g.
         ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
 
         ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
@@ -175,9 +203,34 @@ class HarborBackend(ExecutionBackend):
         tasks_path = Path(tasks_dir).resolve()
         if not tasks_path.is_dir():
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
+        check_agent_name(agent)
         self.is_oracle = agent == "oracle"
         if self.is_oracle and grader is not None:
             raise ValueError("a bundled grader needs a workflow agent (the oracle has no bundle)")
+        self.native: NativeAgentConfig | None = None
+        if is_native_agent(agent):
+            if grader is not None:
+                raise ValueError(
+                    f"a bundled grader with the native agent {agent!r} is not supported yet"
+                )
+            if sys.version_info < (3, 12) or importlib.util.find_spec("harbor") is None:
+                raise ValueError(
+                    f"agent {agent!r} needs Harbor (>= 0.26, Python >= 3.12): "
+                    "pip install 'harbor-exec[native]'"
+                )
+            if agent_setup_timeout_sec is not None and agent_setup_timeout_sec <= 0:
+                raise ValueError("agent_setup_timeout_sec must be positive (or None)")
+            self.native = NativeAgentConfig(
+                name=str(agent),
+                model_name=check_model_name(model_name),
+                kwargs=check_native_kwargs(native_agent_kwargs or {}),
+                setup_timeout_sec=agent_setup_timeout_sec,
+            )
+        elif native_agent_kwargs or agent_setup_timeout_sec is not None:
+            raise ValueError(
+                "native_agent_kwargs and agent_setup_timeout_sec are for Harbor's own agents "
+                f"({', '.join(NATIVE_AGENT_NAMES)})"
+            )
         self.max_concurrent_trials = max_concurrent_trials
         self.max_queue_depth = max_queue_depth
         self.cleanup_successful_trials = cleanup_successful_trials
@@ -221,6 +274,9 @@ class HarborBackend(ExecutionBackend):
             if value is not None:
                 self._policy_args[key] = value
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
+        if self.native is not None and not isinstance(self.executor, LocalExecutor):
+            # A node would need the rollout's relay and Harbor itself: not there yet.
+            raise ValueError(f"agent {agent!r} runs on the local executor only (not on Ray yet)")
         self.bundle: PreparedBundle | None = None
         self.planner: TrialPlanner | None = None
         self._start_lock = threading.Lock()
@@ -248,7 +304,12 @@ class HarborBackend(ExecutionBackend):
         with self._start_lock:
             if self.planner is not None:
                 return
-            if not self.is_oracle:
+            if self.native is not None:
+                # Harbor's import (litellm's, mostly) takes seconds: now, not in the first
+                # rollout, and offline (no cost-map fetch, no tokenizer download).
+                set_litellm_offline()
+                importlib.import_module("harbor_exec.trial.native_env")
+            if not self.is_oracle and self.native is None:
                 self.bundle = prepare_bundle(self._agent, **self._bundle_args)
                 self.agent_name = self.bundle.name
                 self.resolver.require_tests = not self.bundle.has_grader
@@ -264,6 +325,7 @@ class HarborBackend(ExecutionBackend):
                 policy=SandboxPolicy(**args),
                 trials_dir=self.trials_dir,
                 relay_extra_routes=self.relay_extra_routes,
+                native=self.native,
             )
 
     @property
@@ -421,6 +483,11 @@ class HarborBackend(ExecutionBackend):
             if produced.is_dir() and any(produced.iterdir()):
                 target.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(produced, target / "artifacts", dirs_exist_ok=True, symlinks=False)
+                scrub_tree(target, plan.secrets.scrub)
+            atif = run.trial_dir / "agent" / "trajectory.json"  # a native agent's, on the host
+            if self.native is not None and atif.is_file() and not atif.is_symlink():
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(atif, target / ATIF_TRAJECTORY)
                 scrub_tree(target, plan.secrets.scrub)
             if success and self.cleanup_successful_trials:
                 shutil.rmtree(run.trial_dir, ignore_errors=True)

@@ -36,6 +36,7 @@ from harbor_exec.container.exchange import (
 from harbor_exec.executors.spec import (
     AgentSpec,
     ModelEndpoint,
+    NativeAgentSpec,
     OracleAgentSpec,
     TrialContent,
     TrialSecrets,
@@ -46,6 +47,7 @@ from harbor_exec.executors.spec import (
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.trial.native import DEFAULT_MODEL_NAME, check_model_name
 from harbor_exec.trial.trial import SandboxPolicy
 
 
@@ -127,6 +129,16 @@ def prepare_bundle(
 
 
 @dataclass(frozen=True)
+class NativeAgentConfig:
+    """One of Harbor's own agents (``harbor_exec.trial.native``) as the backend's agent."""
+
+    name: str
+    model_name: str = DEFAULT_MODEL_NAME
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    setup_timeout_sec: float | None = None
+
+
+@dataclass(frozen=True)
 class RolloutPlan:
     """One rollout, ready for an executor."""
 
@@ -147,8 +159,10 @@ class TrialPlanner:
         policy: SandboxPolicy,
         trials_dir: Path,
         relay_extra_routes: tuple[str, ...] = (),
+        native: NativeAgentConfig | None = None,
     ) -> None:
         self.bundle = bundle
+        self.native = native
         self.policy = policy
         self.trials_dir = trials_dir
         self.relay_extra_routes = relay_extra_routes
@@ -184,6 +198,24 @@ class TrialPlanner:
             )
             agent = WorkflowAgentSpec(name=bundle.name, version=bundle.version)
             agent_input = workflow_input.model_dump_json().encode()
+        if self.native is not None:
+            model = _model_endpoint(context, self.relay_extra_routes)
+            model_name = self.native.model_name
+            if request.metadata and "harbor_model" in request.metadata:
+                try:
+                    model_name = check_model_name(
+                        request.metadata["harbor_model"], field_name="metadata.harbor_model"
+                    )
+                except ValueError as exc:
+                    raise RolloutRejected(str(exc)) from None
+            agent = NativeAgentSpec(
+                name=self.native.name,
+                model_name=model_name,
+                # The resolver made it: the prompt in template mode, else instruction.md.
+                instruction=task.instruction,
+                kwargs=self.native.kwargs,
+                setup_timeout_sec=self.native.setup_timeout_sec,
+            )
         # A task's own tests verify; without them, the bundle's grader.
         verifier: VerifierKind = "grader" if verify and not task.has_tests else "tests"
         trial = TrialSpec(
@@ -205,7 +237,11 @@ class TrialPlanner:
         )
         trial_secrets = TrialSecrets(
             model=model,
-            scrub=[model.api_key] if model is not None and model.api_key else [],
+            scrub=[
+                *([model.api_key] if model is not None and model.api_key else []),
+                # A native agent writes its key (the token) into its own trajectory.
+                *([model.token] if model is not None and self.native is not None else []),
+            ],
             agent_input=agent_input,
             verifier_input=grader_bytes if verify else None,
         )
@@ -216,7 +252,7 @@ class TrialPlanner:
         )
         outcome = OutcomeSpec(
             task_id=task_id,
-            is_oracle=bundle is None,
+            is_oracle=bundle is None and self.native is None,
             verify=verify,
             agent_timeout_sec=request.agent_timeout_sec,
         )
@@ -275,4 +311,10 @@ def _project_dir_of(ref: str) -> Path:
     )
 
 
-__all__ = ["PreparedBundle", "RolloutPlan", "TrialPlanner", "prepare_bundle"]
+__all__ = [
+    "NativeAgentConfig",
+    "PreparedBundle",
+    "RolloutPlan",
+    "TrialPlanner",
+    "prepare_bundle",
+]

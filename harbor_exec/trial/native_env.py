@@ -1,0 +1,395 @@
+"""Harbor's ``BaseEnvironment`` over a harbor-exec ``TrialSession``, and the driver that
+runs one of Harbor's agents (terminus-2) on it, unchanged.
+
+Imported only when a native agent runs (the ``native`` extra: harbor >= 0.26, which
+needs Python >= 3.12); ``harbor_exec.trial.native`` makes litellm offline first.
+
+Exec semantics are Harbor's docker environment's: ``bash -c command`` as the user
+asked (else ``default_user``, the task's agent user), in ``cwd`` or the task's
+workdir, with the merged environment (persistent < per-exec < scoped). A
+``timeout_sec`` is enforced inside the container by the runtime's busybox
+``timeout``, which kills that command only (``ContainerRuntime.exec``'s own deadline
+kills every process of the container, tmux's server included); a timed-out call
+raises ``RuntimeError`` as Harbor's does. ``tmux`` in a command is the read-only
+runtime's (a shell function of that one command, so the agent's own shell in the
+pane is the image's bash, its ``PATH`` untouched). Files move through the engine's
+archive API (``put_archive``/``get_archive``), bounded and without links on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from harbor.agents.factory import AgentFactory
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import EnvironmentCapabilities
+from harbor.models.agent.context import AgentContext
+from harbor.models.agent.name import AgentName
+from harbor.models.task.config import EnvironmentConfig as HarborEnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_exec.container.exchange import (
+    RUNTIME_BUSYBOX,
+    RUNTIME_TMUX,
+    ErrorDetail,
+    ErrorFile,
+)
+from harbor_exec.container.redaction import redact
+from harbor_exec.container.runner import ForwarderThread
+from harbor_exec.errors import (
+    AgentSetupError,
+    AgentSetupTimeoutError,
+    CancelledError,
+    HarborExecError,
+)
+from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive, tree_entries
+from harbor_exec.sandbox.users import ROOT_ID
+from harbor_exec.trial.agents import TASK_SHELL, AgentRun, TrialSession
+from harbor_exec.trial.native import FORCED_KWARGS, NativeAgent
+
+#: How the runtime's busybox reports a command it killed on its deadline (SIGKILL).
+_KILLED = 128 + 9
+#: The runtime's tmux for the command, never the image's, never an install.
+_TMUX_FUNCTION = f'tmux() {{ {RUNTIME_TMUX} "$@"; }}; '
+#: How often the driver looks whether the trial cancelled the agent.
+_CANCEL_POLL_SEC = 0.1
+
+
+def _user(user: str | int | None) -> str:
+    """Harbor's user (a name, a uid, None for root) as the engine's ``user``."""
+    if user is None or user == "root" or user == 0:
+        return ROOT_ID
+    return str(user)
+
+
+class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is untyped
+    """The trial's started container, attached (harbor-exec's ``Trial`` owns it)."""
+
+    def __init__(self, session: TrialSession, **kwargs: Any) -> None:
+        self._session = session
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def type() -> str:
+        return "harbor-exec"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(disable_internet=True, mounted=False)
+
+    def _validate_definition(self) -> None:
+        """harbor-exec's ``Trial`` built and started the container already."""
+
+    async def start(self, force_build: bool) -> None:
+        """Attach: place what the trial left pending (the agent's log directories)."""
+        session = self._session
+        files, session.pending_files = session.pending_files, None
+        if files is not None:
+            await asyncio.to_thread(session.runtime.put_archive, session.container_id, files)
+
+    async def stop(self, delete: bool) -> None:
+        """Detach; the trial removes the container."""
+
+    # ----------------------------------------------------------------- exec
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        session = self._session
+        shell: tuple[str, ...] = TASK_SHELL
+        if timeout_sec is not None:
+            shell = (RUNTIME_BUSYBOX, "timeout", "-s", "KILL", str(max(1, int(timeout_sec))))
+            shell += TASK_SHELL
+        result = await asyncio.to_thread(
+            session.runtime.exec,
+            session.container_id,
+            [*shell, _TMUX_FUNCTION + command],
+            env=self._merge_env(env),
+            user=_user(self._resolve_user(user)),
+            workdir=cwd or session.workdir,
+        )
+        if (
+            timeout_sec is not None
+            and result.exit_code == _KILLED
+            and result.duration_sec >= max(1, int(timeout_sec)) - 0.05
+        ):
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+        return ExecResult(
+            stdout=result.output.decode("utf-8", errors="replace"),
+            stderr=result.errors.decode("utf-8", errors="replace"),
+            return_code=-1 if result.exit_code is None else result.exit_code,
+        )
+
+    # ----------------------------------------------------------------- files
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        await asyncio.to_thread(self._upload_file, Path(source_path), target_path)
+
+    def _upload_file(self, source: Path, target_path: str) -> None:
+        mode = 0o755 if source.stat().st_mode & 0o111 else 0o644
+        archive = build_archive([ArchiveEntry(target_path, source.read_bytes(), mode)])
+        self._session.runtime.put_archive(self._session.container_id, archive)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        await asyncio.to_thread(self._upload_dir, Path(source_dir), target_dir)
+
+    def _upload_dir(self, source: Path, target_dir: str) -> None:
+        archive = build_archive(tree_entries(source, target_dir.rstrip("/") or "/"))
+        self._session.runtime.put_archive(self._session.container_id, archive)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        await asyncio.to_thread(self._download_file, source_path, Path(target_path))
+
+    def _download_file(self, source_path: str, target: Path) -> None:
+        session = self._session
+        stream = session.runtime.get_archive(session.container_id, source_path)
+        if stream is None:
+            raise FileNotFoundError(f"{source_path} does not exist in the container")
+        with tempfile.TemporaryDirectory(prefix="hx-download-") as scratch:
+            extract_archive(stream, Path(scratch), strip=0)
+            found = Path(scratch) / Path(source_path).name
+            if not found.is_file():
+                raise FileNotFoundError(f"{source_path} is not a regular file in the container")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(found, target)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        await asyncio.to_thread(self._download_dir, source_dir, Path(target_dir))
+
+    def _download_dir(self, source_dir: str, target: Path) -> None:
+        session = self._session
+        stream = session.runtime.get_archive(session.container_id, source_dir)
+        if stream is None:
+            raise FileNotFoundError(f"{source_dir} does not exist in the container")
+        extract_archive(stream, target, strip=1)
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def run_native_agent(
+    agent: NativeAgent, session: TrialSession, timeout_sec: float | None
+) -> AgentRun:
+    """Set up and run Harbor's ``agent.name`` against ``session``'s container (blocks)."""
+    return asyncio.run(_drive(agent, session, timeout_sec))
+
+
+def _check_tmux(session: TrialSession) -> None:
+    """Fail fast, naming what is missing, instead of letting Harbor try apt or curl."""
+    try:
+        result = session.runtime.exec(session.container_id, [RUNTIME_TMUX, "-V"], user=ROOT_ID)
+        ok = result.exit_code == 0 and result.output.startswith(b"tmux ")
+        detail = result.errors.decode("utf-8", errors="replace").strip()[-300:]
+    except HarborExecError as exc:
+        ok, detail = False, str(exc)
+    if not ok:
+        raise AgentSetupError(
+            f"terminus-2 needs tmux from the read-only runtime ({RUNTIME_TMUX}), which is "
+            f"missing or does not run in this container ({detail or 'no output'}); "
+            "rebuild the runtime with `harbor-exec images bootstrap`. Nothing is installed "
+            "at trial time."
+        )
+
+
+def _agent_kwargs(agent: NativeAgent, port: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"enable_summarize": False, **agent.kwargs, **FORCED_KWARGS}
+    kwargs["api_base"] = f"http://127.0.0.1:{port}{agent.relay_path}"
+    kwargs["llm_kwargs"] = {**(agent.kwargs.get("llm_kwargs") or {}), "api_key": agent.token}
+    return kwargs
+
+
+async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+    if agent.relay_socket is None:
+        raise AgentSetupError(
+            f"{agent.name} needs the rollout's model relay on this machine (no relay socket)"
+        )
+    await asyncio.to_thread(_check_tmux, session)
+    with tempfile.TemporaryDirectory(prefix="hx-native-") as scratch:
+        paths = TrialPaths(Path(scratch))
+        paths.mkdir()
+        forwarder = ForwarderThread(agent.relay_socket)
+        port = await asyncio.to_thread(forwarder.start)
+        try:
+            return await _setup_and_run(agent, session, timeout_sec, paths, port)
+        finally:
+            await asyncio.to_thread(forwarder.close)
+
+
+async def _setup_and_run(
+    agent: NativeAgent,
+    session: TrialSession,
+    timeout_sec: float | None,
+    paths: TrialPaths,
+    port: int,
+) -> AgentRun:
+    try:
+        harbor_agent = AgentFactory.create_agent_from_name(
+            AgentName(agent.name),
+            logs_dir=paths.agent_dir,
+            model_name=agent.model_name,
+            **_agent_kwargs(agent, port),
+        )
+    except Exception as exc:
+        raise AgentSetupError(f"{agent.name}: {type(exc).__name__}: {exc}") from None
+    environment = HarborExecEnvironment(
+        session,
+        environment_dir=session.task.environment_dir,
+        environment_name=session.task.name,
+        session_id=f"{session.container_id[:12]}__env",
+        trial_paths=paths,
+        task_env_config=HarborEnvironmentConfig(workdir=session.workdir),
+    )
+    environment.default_user = session.agent_user
+    await environment.start(force_build=False)
+    try:
+        await _unless_cancelled(
+            agent, asyncio.wait_for(harbor_agent.setup(environment), agent.setup_timeout_sec)
+        )
+    except TimeoutError:
+        raise AgentSetupTimeoutError(
+            f"{agent.name}'s setup took longer than {agent.setup_timeout_sec:g}s"
+        ) from None
+    except HarborExecError:
+        raise
+    except Exception as exc:
+        raise AgentSetupError(
+            redact(f"{agent.name} setup failed: {type(exc).__name__}: {exc}", [agent.token])
+        ) from None
+    context = AgentContext()
+    timed_out, error = False, None
+    started = time.monotonic()
+    try:
+        await _unless_cancelled(
+            agent,
+            asyncio.wait_for(
+                harbor_agent.run(agent.instruction, environment, context), timeout_sec
+            ),
+        )
+    except TimeoutError:
+        timed_out = True
+    except HarborExecError:
+        raise
+    except Exception as exc:
+        error = exc
+    finally:
+        if timed_out or error is not None:
+            # An exec the cancelled agent left in flight ends with its processes.
+            await asyncio.to_thread(session.runtime.stop_processes, session.container_id)
+    host_files: dict[str, bytes] = {}
+    trajectory = paths.agent_dir / "trajectory.json"
+    if trajectory.is_file():
+        text = redact(trajectory.read_text(encoding="utf-8", errors="replace"), [agent.token])
+        host_files["agent/trajectory.json"] = text.encode()
+    return AgentRun(
+        exit_code=None if timed_out else (1 if error is not None else 0),
+        timed_out=timed_out,
+        sample=_sample(agent, context, error, time.monotonic() - started),
+        host_files=host_files,
+        agent_result=_agent_result(context),
+    )
+
+
+async def _unless_cancelled(agent: NativeAgent, work: Coroutine[Any, Any, Any]) -> Any:
+    """``work``'s result, or ``CancelledError`` as soon as the trial cancels the agent
+    (``work`` is cancelled then: Harbor's agent stops where it awaits)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if agent.cancelled.is_set():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise CancelledError("the trial was cancelled")
+        await asyncio.wait({task}, timeout=_CANCEL_POLL_SEC)
+    return task.result()
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _agent_result(context: AgentContext) -> dict[str, Any]:
+    """Harbor's ``agent_result`` fields (the agent's own counts)."""
+    return {
+        "n_input_tokens": context.n_input_tokens,
+        "n_cache_tokens": context.n_cache_tokens,
+        "n_output_tokens": context.n_output_tokens,
+        "cost_usd": context.cost_usd,
+        "rollout_details": _plain(context.rollout_details) if context.rollout_details else None,
+    }
+
+
+def token_turns(
+    messages: list[dict[str, Any]], rollout_details: list[dict[str, Any]] | None
+) -> list[dict[str, Any]] | None:
+    """Per assistant turn, its token ids and logprobs with the index of its message in
+    ``messages``; None when there are none or they do not line up (a non-linear history)."""
+    if not rollout_details or len(rollout_details) != 1:
+        return None
+    detail = rollout_details[0]
+    completions = detail.get("completion_token_ids") or []
+    assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not completions or len(completions) != len(assistant):
+        return None
+    prompts = detail.get("prompt_token_ids") or []
+    logprobs = detail.get("logprobs") or []
+    turns = []
+    for turn, index in enumerate(assistant):
+        turns.append(
+            {
+                "message_index": index,
+                "prompt_token_ids": prompts[turn] if turn < len(prompts) else None,
+                "completion_token_ids": completions[turn],
+                "logprobs": logprobs[turn] if turn < len(logprobs) else None,
+            }
+        )
+    return turns
+
+
+def _sample(
+    agent: NativeAgent, context: AgentContext, error: BaseException | None, seconds: float
+) -> bytes:
+    """The sample handed to the trial (``agent/sample.json``): the exact chat, or the
+    runner's error form when the agent failed."""
+    if error is not None:
+        message = redact(f"{agent.name} failed: {type(error).__name__}: {error}", [agent.token])
+        detail = ErrorDetail(type=type(error).__name__, message=message, phase="workflow")
+        return ErrorFile(error=detail).model_dump_json().encode()
+    metadata = context.metadata or {}
+    messages = _plain(metadata.get("all_messages") or [])
+    rollout_details = _plain(context.rollout_details) if context.rollout_details else None
+    extra: dict[str, Any] = {
+        "harbor_agent": agent.name,
+        "harbor_model": agent.model_name,
+        "n_episodes": metadata.get("n_episodes"),
+        "agent_seconds": round(seconds, 3),
+        # The agent's own counts; the sample's metrics are the relay's.
+        "agent_usage": {
+            "input_tokens": context.n_input_tokens,
+            "cached_tokens": context.n_cache_tokens,
+            "output_tokens": context.n_output_tokens,
+            "cost_usd": context.cost_usd,
+        },
+    }
+    if rollout_details is not None:
+        extra["rollout_details"] = rollout_details
+        turns = token_turns(messages, rollout_details)
+        if turns is not None:
+            extra["token_turns"] = turns
+    payload = {"messages": messages, "metrics": {}, "extra_fields": extra}
+    return redact(json.dumps(payload), [agent.token]).encode()
+
+
+__all__ = ["HarborExecEnvironment", "run_native_agent", "token_turns"]

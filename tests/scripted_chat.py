@@ -1,0 +1,129 @@
+"""A scripted OpenAI-compatible chat endpoint on 127.0.0.1, for Harbor's agents.
+
+``ScriptedChat(replies)`` answers each ``POST <prefix>/chat/completions`` with the
+next scripted assistant content (the last one repeats once they run out), and records
+every request (path, Authorization, body). With ``token_ids=True`` every answer also
+carries vLLM's fields (``prompt_token_ids``, ``choices[0].token_ids`` and
+``choices[0].logprobs.content``), which terminus-2's ``collect_rollout_details``
+reads; ``ids_of(i)`` are the ones answer ``i`` carried.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["ScriptedChat", "ScriptedRequest", "terminus_reply"]
+
+
+def terminus_reply(
+    *, keystrokes: list[str] | None = None, task_complete: bool = False, duration: float = 0.3
+) -> str:
+    """An answer in terminus-2's JSON format."""
+    return json.dumps(
+        {
+            "analysis": "Looking at the terminal.",
+            "plan": "Do what the task asks." if keystrokes else "Finish.",
+            "commands": [{"keystrokes": k, "duration": duration} for k in keystrokes or []],
+            "task_complete": task_complete,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class ScriptedRequest:
+    path: str
+    authorization: str | None
+    body: dict[str, Any]
+
+
+class ScriptedChat:
+    """See module doc; a context manager (starts and stops its server thread)."""
+
+    PROMPT_TOKENS = 11
+    COMPLETION_TOKENS = 5
+
+    def __init__(self, replies: list[str], *, token_ids: bool = False) -> None:
+        self.replies = list(replies)
+        self.token_ids = token_ids
+        self.requests: list[ScriptedRequest] = []
+        self.answers: list[str] = []
+        self._lock = threading.Lock()
+        chat = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                answer = chat._answer(self.path, self.headers.get("authorization"), body)
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def ids_of(self, turn: int) -> tuple[list[int], list[int], list[float]]:
+        """The prompt token ids, completion token ids and logprobs of answer ``turn``."""
+        base = 1000 * (turn + 1)
+        prompt = [base + i for i in range(self.PROMPT_TOKENS)]
+        completion = [base + 500 + i for i in range(self.COMPLETION_TOKENS)]
+        logprobs = [-0.1 * (i + 1) for i in range(self.COMPLETION_TOKENS)]
+        return prompt, completion, logprobs
+
+    def _answer(self, path: str, authorization: str | None, body: dict[str, Any]) -> Any:
+        with self._lock:
+            turn = len(self.requests)
+            self.requests.append(ScriptedRequest(path, authorization, body))
+            content = self.replies[min(turn, len(self.replies) - 1)]
+            self.answers.append(content)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "stop",
+        }
+        answer: dict[str, Any] = {
+            "id": f"chatcmpl-{turn}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", "scripted"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": self.PROMPT_TOKENS,
+                "completion_tokens": self.COMPLETION_TOKENS,
+                "total_tokens": self.PROMPT_TOKENS + self.COMPLETION_TOKENS,
+            },
+        }
+        if self.token_ids:
+            prompt, completion, logprobs = self.ids_of(turn)
+            answer["prompt_token_ids"] = prompt
+            choice["token_ids"] = completion
+            choice["logprobs"] = {
+                "content": [
+                    {"token": f"t{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(completion, logprobs, strict=True)
+                ]
+            }
+        return answer
+
+    def __enter__(self) -> ScriptedChat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)

@@ -1,0 +1,270 @@
+"""terminus-2 (Harbor's own class, unchanged) as a HarborBackend agent: real Docker
+trials behind the real HTTP server, a scripted model on 127.0.0.1, our client.
+
+The task image (debian:bookworm-slim) has no tmux: terminus-2 drives the container
+with the read-only runtime's. The model sees only the rollout's relay token; the
+upstream gets the real key, which no file under the trial directory holds."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm is imported
+os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.client import RolloutClient
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.server.app import create_rollout_server
+from tests.scripted_chat import ScriptedChat, terminus_reply
+from tests.server_utils import serve, wait_until
+from tests.task_factory import make_task
+
+KEY = "sk-real-" + uuid.uuid4().hex
+INSTRUCTION = "Write the number 42 into /app/answer.txt."
+# The verifier also says whether the image has a tmux of its own (it must not).
+TEST_SH = """
+if command -v tmux >/dev/null 2>&1; then echo present > /logs/verifier/tmux.txt; else echo none > /logs/verifier/tmux.txt; fi
+if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+#: A reply terminus-2 cannot parse (kept in the chat as the model wrote it), then the
+#: keystrokes that solve the task, then ``task_complete`` twice (asked to confirm).
+SCRIPT = [
+    "not json at all",
+    terminus_reply(keystrokes=["env > /logs/agent/pane-env.txt; echo 42 > /app/answer.txt\n"]),
+    terminus_reply(task_complete=True),
+    terminus_reply(task_complete=True),
+]
+TURNS = len(SCRIPT)
+NETWORKS = {
+    "public": "",
+    "no-network": '[environment]\nnetwork_mode = "no-network"\n',
+}
+#: (network, client): the osmosis-ai 0.3.8 client once, on the public task.
+CASES = [("public", "ours"), ("no-network", "ours"), ("public", "osmosis")]
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+
+def rollout(url: str, chat: ScriptedChat, prompt: str, kind: str = "ours", **kwargs: Any) -> Any:
+    async def run() -> Any:
+        async with httpx.AsyncClient(timeout=120) as http:
+            if kind == "osmosis":
+                from osmosis_ai.rollout.client import RolloutClient as OsmosisClient
+
+                client: Any = OsmosisClient(url=url, http_client=http)
+            else:
+                client = RolloutClient(url=url, http_client=http)
+            return await client.run_rollout(
+                initial_messages=[{"role": "user", "content": prompt}],
+                chat_completions_url=chat.base_url,
+                rollout_id=uuid.uuid4().hex,
+                llm_api_key=KEY,
+                **kwargs,
+            )
+
+    return asyncio.run(run())
+
+
+def files_holding(root: Path, needle: str) -> list[str]:
+    return [
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and needle.encode() in p.read_bytes()
+    ]
+
+
+@pytest.mark.parametrize(("network", "kind"), CASES)
+def test_terminus_2_solves_a_task_through_the_relay(
+    network: str, kind: str, tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    toml = NETWORKS[network] + "[agent]\ntimeout_sec = 60.0\n[verifier]\ntimeout_sec = 30.0\n"
+    task = make_task(
+        tmp_path / "tasks", "answer-42", test=TEST_SH, instruction=INSTRUCTION, toml=toml
+    )
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        native_agent_kwargs={"collect_rollout_details": True, "max_turns": 10},
+        agent_setup_timeout_sec=60,
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with ScriptedChat(SCRIPT, token_ids=True) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION, kind)
+    assert result.status.value == "success", result.err_message
+    sample = result.sample
+    assert sample is not None and sample.reward == 1.0
+
+    # The exact chat: the last request's history, then the last answer; every request
+    # was the chat so far; the unparsable reply is there as the model wrote it.
+    assert len(chat.requests) == TURNS
+    last = chat.requests[-1].body["messages"]
+    assert sample.messages == [*last, {"role": "assistant", "content": chat.answers[-1]}]
+    assert sample.messages[0]["role"] == "user" and INSTRUCTION in sample.messages[0]["content"]
+    assert [m["content"] for m in sample.messages if m["role"] == "assistant"] == chat.answers
+    assert sample.messages[1] == {"role": "assistant", "content": "not json at all"}
+    assert "parsing errors" in sample.messages[2]["content"]
+    for turn, request in enumerate(chat.requests):
+        assert request.body["messages"] == sample.messages[: 2 * turn + 1]
+        assert request.body["model"] == "osmosis-rollout"
+        assert request.path == "/v1/chat/completions"
+        assert request.authorization == f"Bearer {KEY}"  # the relay's, to the upstream only
+
+    # Token ids and logprobs, per turn, aligned with the assistant messages.
+    turns = sample.extra_fields["token_turns"] if sample.extra_fields else None
+    assert turns is not None and len(turns) == TURNS
+    for turn, entry in enumerate(turns):
+        prompt_ids, completion_ids, logprobs = chat.ids_of(turn)
+        assert sample.messages[entry["message_index"]]["role"] == "assistant"
+        assert entry["message_index"] == 2 * turn + 1
+        assert entry["prompt_token_ids"] == prompt_ids
+        assert entry["completion_token_ids"] == completion_ids
+        assert entry["logprobs"] == pytest.approx(logprobs)
+
+    # Usage from the relay's own accounting.
+    assert sample.metrics["llm_requests"] == TURNS
+    assert sample.metrics["llm_prompt_tokens"] == TURNS * ScriptedChat.PROMPT_TOKENS
+    assert sample.metrics["llm_completion_tokens"] == TURNS * ScriptedChat.COMPLETION_TOKENS
+    agent_usage = sample.extra_fields["agent_usage"] if sample.extra_fields else {}
+    assert agent_usage["input_tokens"] == sample.metrics["llm_prompt_tokens"]  # cross-checked
+
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    # The image had no tmux: the runtime's drove it.
+    assert (trial_dir / "verifier" / "tmux.txt").read_text().strip() == "none"
+    trajectory = json.loads((trial_dir / "agent" / "trajectory.json").read_text())
+    assert trajectory["agent"]["name"] == "terminus-2"
+    assert trajectory["agent"]["extra"]["llm_kwargs"]["api_key"] == "[REDACTED]"
+    result_json = json.loads((trial_dir / "result.json").read_text())
+    assert result_json["agent_info"]["name"] == "terminus-2"
+    assert result_json["agent_result"]["n_input_tokens"] == TURNS * ScriptedChat.PROMPT_TOKENS
+    # The agent's shell (the image's bash in tmux) saw neither key nor relay.
+    pane_env = (trial_dir / "agent" / "pane-env.txt").read_text()
+    assert (
+        KEY not in pane_env and "OPENAI" not in pane_env and "harbor-exec-runtime" not in pane_env
+    )
+    assert result_json["verifier_result"]["rewards"] == {"reward": 1.0}
+    # The real key is on no file the trial left (nor is the relay token).
+    assert files_holding(trial_dir, KEY) == []
+    assert files_holding(tmp_path / "server-artifacts", KEY) == []
+    assert files_holding(tmp_path / "artifacts", KEY) == []
+    (kept,) = (tmp_path / "artifacts").glob("*/atif-trajectory.json")  # beside the artifacts
+    assert json.loads(kept.read_text()) == trajectory
+
+
+def test_a_model_that_never_completes_ends_at_the_agent_timeout_and_is_verified(
+    tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    task = make_task(tmp_path / "tasks", "never-done", test=TEST_SH, instruction=INSTRUCTION)
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    forever = [terminus_reply(keystrokes=["echo 41 > /app/answer.txt\n"], duration=1.0)]
+    with ScriptedChat(forever) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION, agent_timeout_sec=6)
+    assert result.status.value == "failure"
+    assert result.err_category.value == "timeout", result.err_message
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    result_json = json.loads((trial_dir / "result.json").read_text())
+    assert result_json["exception_info"]["exception_type"] == "AgentTimeoutError"
+    assert result_json["verifier_result"]["rewards"] == {"reward": 0.0}  # verified anyway
+    assert len(chat.requests) >= 2
+    assert files_holding(trial_dir, KEY) == []
+
+
+def test_terminus_2_as_a_non_root_agent_user(tmp_path: Path, docker_runtime: DockerRuntime) -> None:
+    """The tmux server and the pane's shell run as the task's agent user."""
+    toml = '[agent]\ntimeout_sec = 60.0\nuser = "nobody"\n[verifier]\ntimeout_sec = 30.0\n'
+    dockerfile = "FROM debian:bookworm-slim\nRUN mkdir -p /app && chmod 777 /app\nWORKDIR /app\n"
+    test = TEST_SH + 'echo "$(stat -c %U /app/answer.txt)" > /logs/verifier/owner.txt\n'
+    task = make_task(
+        tmp_path / "tasks",
+        "as-nobody",
+        test=test,
+        instruction=INSTRUCTION,
+        toml=toml,
+        dockerfile=dockerfile,
+    )
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with ScriptedChat(SCRIPT) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION)
+    assert result.status.value == "success", result.err_message
+    assert result.sample.reward == 1.0
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    assert (trial_dir / "verifier" / "owner.txt").read_text().strip() == "nobody"
+    assert files_holding(trial_dir, KEY) == []
+
+
+def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
+    tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    task = make_task(tmp_path / "tasks", "cancel-me", test=TEST_SH, instruction=INSTRUCTION)
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    # The model's first command waits 30 s on the host (terminus sleeps its duration).
+    slow = [terminus_reply(keystrokes=["sleep 100\n"], duration=30.0)]
+
+    async def scenario(url: str, chat: ScriptedChat) -> tuple[Any, Any, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = RolloutClient(url=url, http_client=http)
+            running = await client.run_rollout_async(
+                [{"role": "user", "content": INSTRUCTION}],
+                chat.base_url,
+                rollout_id="cancel-1",
+                llm_api_key=KEY,
+            )
+            for _ in range(300):  # until the model was asked once
+                if chat.requests:
+                    break
+                await asyncio.sleep(0.1)
+            assert chat.requests, "terminus-2 never called the model"
+            began = time.monotonic()
+            cancel = await client.cancel_rollout("cancel-1")
+            result = await running
+            return cancel, result, time.monotonic() - began
+
+    def containers() -> list[Any]:
+        return [
+            c
+            for c in docker_runtime.our_containers()
+            if (c.get("Labels") or {}).get("harbor-exec.rollout") == "cancel-1"
+        ]
+
+    with ScriptedChat(slow) as chat, serve(app) as url:
+        cancel, result, seconds = asyncio.run(scenario(url, chat))
+        began = time.monotonic()
+        assert wait_until(lambda: not containers(), timeout=5, interval=0.1)
+        removed_in = time.monotonic() - began
+    assert cancel.dispositions == {"cancel-1": "cancelled_running"}
+    assert result.status == "cancelled"
+    assert seconds < 5  # the agent's loop stopped, though it was sleeping on the host
+    assert removed_in < 2
