@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -321,6 +322,9 @@ class RolloutContext:
     sample_source: SampleSource | None = None
     status: RolloutStatus = RolloutStatus.QUEUED
     on_status: StatusCallback | None = field(default=None, repr=False)
+    #: When the rollout's agent started (``agent_started_at`` in the result): the
+    #: server's clock at ``execute`` unless the backend ``reports_agent_start``.
+    agent_started_at: datetime | None = None
     _tokens: list[Token[RolloutContext | None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
@@ -363,6 +367,16 @@ class RolloutContext:
         Async for SDK compatibility; observers are called synchronously.
         """
         return self.update_status(status)
+
+    async def mark_agent_started(self, when: datetime | None = None) -> None:
+        """Record when the agent started (a UTC datetime; default: now). Only the first
+        call counts. For backends that set ``reports_agent_start``."""
+        self.record_agent_start(when)
+
+    def record_agent_start(self, when: datetime | None = None) -> None:
+        """Synchronous form of ``mark_agent_started``."""
+        if self.agent_started_at is None:
+            self.agent_started_at = when or datetime.now(UTC)
 
     def update_status(self, status: RolloutStatus) -> bool:
         """Synchronous form of ``set_status`` for code outside a coroutine."""

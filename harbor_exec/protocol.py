@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from datetime import datetime
 from typing import Any, ClassVar, Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -233,6 +234,9 @@ class RolloutResultResponse(BaseModel):
     sample: RolloutSample | None = None
     err_message: str | None = None
     err_category: RolloutErrorCategory | None = None
+    #: When the rollout's agent started (UTC); additive to 0.3.8's format (its clients
+    #: ignore it), sent only in a finished result whose agent ran.
+    agent_started_at: datetime | None = None
 
 
 class CancelRolloutsRequest(BaseModel):

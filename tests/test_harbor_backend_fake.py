@@ -285,3 +285,33 @@ def test_rollout_status_and_cancel_rollouts_answer_as_osmosis_does(tmp_path: Pat
     assert got["outcomes"] == ["cancelled", "cancelled"]
     assert [s["status"] for s in got["after"]] == ["cancelled", "cancelled"]
     assert got["again"] == ({}, {"q-1": "not_found"})
+
+
+def test_agent_started_at_is_when_the_agent_phase_began(tmp_path: Path) -> None:
+    """HarborBackend reports its own agent start: after the container started, not when
+    ``execute`` was called (an image build or a queue wait comes first)."""
+    import time as clock
+    from datetime import UTC, datetime
+
+    runtime = FakeRuntime()
+    starts: list[datetime] = []
+    real_start = runtime.start
+
+    def start(container_id: str) -> None:
+        clock.sleep(0.05)  # a container start takes time: the agent starts after it
+        real_start(container_id)
+        starts.append(datetime.now(UTC))
+
+    runtime.start = start  # type: ignore[method-assign]
+
+    async def one(url: str) -> Any:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            return await client.run_rollout(PROMPT, CHAT_URL, rollout_id="started-1")
+
+    with served(tmp_path, runtime) as (_backend, url):
+        submitted = datetime.now(UTC)
+        result = asyncio.run(one(url))
+    assert result.status == "success"
+    assert result.agent_started_at is not None and len(starts) == 1
+    assert submitted < starts[0] <= result.agent_started_at

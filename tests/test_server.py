@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,17 @@ async def test_submit_and_fetch_the_result(
     assert all(getattr(entry, slot, None) != token for slot in type(entry).__slots__)
 
     result = await final_result(http, url, body["rollout_id"], token)
-    assert set(result) == {"rollout_id", "status", "sample", "err_message", "err_category"}
+    # 0.3.8's fields, plus when the agent started (additive: older clients ignore it).
+    assert set(result) == {
+        "rollout_id",
+        "status",
+        "sample",
+        "err_message",
+        "err_category",
+        "agent_started_at",
+    }
+    started = datetime.fromisoformat(result["agent_started_at"])
+    assert started.tzinfo is not None and abs(datetime.now(UTC) - started).total_seconds() < 60
     assert result["status"] == "success" and result["err_message"] is None
     assert set(result["sample"]) == {
         "messages",

@@ -62,6 +62,11 @@ class ExecutionBackend(ABC):
     reports_running: ClassVar[bool] = False
     """True when the backend itself moves rollouts from ``queued`` to ``running``."""
 
+    reports_agent_start: ClassVar[bool] = False
+    """True when the backend records the agent's start itself (``await
+    get_rollout_context().mark_agent_started(when)`` once its set-up is done); else the
+    server records the time ``execute`` begins."""
+
     @abstractmethod
     async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
         """Run one rollout to its end and return its outcome.

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
+from typing import Any
 
 from harbor_exec.protocol import (
     ExecutionResult,
@@ -40,10 +42,15 @@ def _sanitize_text(text: str | None) -> str | None:
 
 
 def _encode_result(response: RolloutResultResponse) -> bytes:
-    return response.model_dump_json(exclude={"sample": {"trajectory_messages"}}).encode()
+    exclude: dict[str, Any] = {"sample": {"trajectory_messages"}}
+    if response.agent_started_at is None:
+        exclude["agent_started_at"] = True  # 0.3.8's exact bytes when no agent ran
+    return response.model_dump_json(exclude=exclude).encode()
 
 
-def final_result(rollout_id: str, result: ExecutionResult) -> FinalResult:
+def final_result(
+    rollout_id: str, result: ExecutionResult, agent_started_at: datetime | None = None
+) -> FinalResult:
     """The wire result: reward nulled unless success and kept; no trajectory_messages."""
     sample = result.sample
     reward = None
@@ -59,6 +66,7 @@ def final_result(rollout_id: str, result: ExecutionResult) -> FinalResult:
         sample=sample,
         err_message=_sanitize_text(result.err_message),
         err_category=result.err_category,
+        agent_started_at=agent_started_at,
     )
     try:
         body = _encode_result(response)

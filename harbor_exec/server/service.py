@@ -245,6 +245,8 @@ class RolloutService:
             prompt=request.initial_messages,
             **{name: getattr(request, name) for name in _PASSED_TO_BACKEND},
         )
+        if not self.backend.reports_agent_start:
+            context.record_agent_start()
         try:
             with context:
                 outcome = await self.backend.execute(execution)
@@ -282,7 +284,7 @@ class RolloutService:
             # Nobody renewed the lease in time: report that, not a late result.
             self._finish(entry, lease_expired_result(request.rollout_id))
         else:
-            self._finish(entry, final_result(request.rollout_id, result))
+            self._finish(entry, final_result(request.rollout_id, result, context.agent_started_at))
 
     def _set_status(self, entry: RolloutEntry, status: RolloutStatus) -> None:
         before = entry.status

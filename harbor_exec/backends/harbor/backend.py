@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -134,6 +135,7 @@ class HarborBackend(ExecutionBackend):
     """
 
     reports_running = True
+    reports_agent_start = True  # when the trial's agent phase begins (see _run)
 
     def __init__(
         self,
@@ -446,6 +448,10 @@ class HarborBackend(ExecutionBackend):
         loop = asyncio.get_running_loop()
 
         def on_phase(phase: TrialPhase) -> None:
+            # From the trial's thread: the agent phase begins after image, container
+            # and set-up, which is when its agent started.
+            if phase is TrialPhase.AGENT and context is not None:
+                loop.call_soon_threadsafe(context.record_agent_start, datetime.now(UTC))
             if phase is TrialPhase.VERIFIER:
                 pending.grading = True
                 if context is not None:
