@@ -51,6 +51,8 @@ class ScriptedChat:
         self.token_ids = token_ids
         self.requests: list[ScriptedRequest] = []
         self.answers: list[str] = []
+        #: Set once the first request arrived (tests wait on it, not on a poll).
+        self.asked = threading.Event()
         self._lock = threading.Lock()
         chat = self
 
@@ -90,6 +92,7 @@ class ScriptedChat:
             self.requests.append(ScriptedRequest(path, authorization, body))
             content = self.replies[min(turn, len(self.replies) - 1)]
             self.answers.append(content)
+        self.asked.set()
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": content},

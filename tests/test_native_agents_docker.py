@@ -76,6 +76,20 @@ def rollout(url: str, chat: ScriptedChat, prompt: str, kind: str = "ours", **kwa
     return asyncio.run(run())
 
 
+def terminus_app(tmp_path: Path, task: Path, **options: Any) -> Any:
+    """The rollout server over ``HarborBackend(agent="terminus-2")`` for ``task``; its
+    trials in ``tmp_path / "trials"``, kept unless ``options`` say otherwise."""
+    options.setdefault("cleanup_successful_trials", False)
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        **options,
+    )
+    return create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+
+
 def files_holding(root: Path, needle: str) -> list[str]:
     return [
         str(p.relative_to(root))
@@ -92,16 +106,12 @@ def test_terminus_2_solves_a_task_through_the_relay(
     task = make_task(
         tmp_path / "tasks", "answer-42", test=TEST_SH, instruction=INSTRUCTION, toml=toml
     )
-    backend = HarborBackend(
-        tasks_dir=task,
-        agent="terminus-2",
+    app = terminus_app(
+        tmp_path,
+        task,
         native_agent_kwargs={"collect_rollout_details": True, "max_turns": 10},
         agent_setup_timeout_sec=60,
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-        cleanup_successful_trials=False,
     )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     with ScriptedChat(SCRIPT, token_ids=True) as chat, serve(app) as url:
         result = rollout(url, chat, INSTRUCTION, kind)
     assert result.status.value == "success", result.err_message
@@ -168,14 +178,7 @@ def test_a_model_that_never_completes_ends_at_the_agent_timeout_and_is_verified(
     tmp_path: Path, docker_runtime: DockerRuntime
 ) -> None:
     task = make_task(tmp_path / "tasks", "never-done", test=TEST_SH, instruction=INSTRUCTION)
-    backend = HarborBackend(
-        tasks_dir=task,
-        agent="terminus-2",
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-        cleanup_successful_trials=False,
-    )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    app = terminus_app(tmp_path, task)
     forever = [terminus_reply(keystrokes=["echo 41 > /app/answer.txt\n"], duration=1.0)]
     with ScriptedChat(forever) as chat, serve(app) as url:
         result = rollout(url, chat, INSTRUCTION, agent_timeout_sec=6)
@@ -202,14 +205,7 @@ def test_terminus_2_as_a_non_root_agent_user(tmp_path: Path, docker_runtime: Doc
         toml=toml,
         dockerfile=dockerfile,
     )
-    backend = HarborBackend(
-        tasks_dir=task,
-        agent="terminus-2",
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-        cleanup_successful_trials=False,
-    )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    app = terminus_app(tmp_path, task)
     with ScriptedChat(SCRIPT) as chat, serve(app) as url:
         result = rollout(url, chat, INSTRUCTION)
     assert result.status.value == "success", result.err_message
@@ -223,13 +219,7 @@ def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
     tmp_path: Path, docker_runtime: DockerRuntime
 ) -> None:
     task = make_task(tmp_path / "tasks", "cancel-me", test=TEST_SH, instruction=INSTRUCTION)
-    backend = HarborBackend(
-        tasks_dir=task,
-        agent="terminus-2",
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-    )
-    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    app = terminus_app(tmp_path, task, cleanup_successful_trials=True)
     # The model's first command waits 30 s on the host (terminus sleeps its duration).
     slow = [terminus_reply(keystrokes=["sleep 100\n"], duration=30.0)]
 
@@ -242,11 +232,8 @@ def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
                 rollout_id="cancel-1",
                 llm_api_key=KEY,
             )
-            for _ in range(300):  # until the model was asked once
-                if chat.requests:
-                    break
-                await asyncio.sleep(0.1)
-            assert chat.requests, "terminus-2 never called the model"
+            asked = await asyncio.to_thread(chat.asked.wait, 30)  # the model was asked once
+            assert asked, "terminus-2 never called the model"
             began = time.monotonic()
             cancel = await client.cancel_rollout("cancel-1")
             result = await running
