@@ -72,21 +72,13 @@ class BenchAgent:
         return AgentRun(exit_code=0, timed_out=False)
 
     async def bench(self, session: TrialSession) -> None:
-        from harbor.models.task.config import EnvironmentConfig
         from harbor.models.trial.paths import TrialPaths
 
         from harbor_exec.trial.native_env import HarborExecEnvironment
 
         paths = TrialPaths(self.scratch / "trial")
         paths.mkdir()
-        env = HarborExecEnvironment(
-            session,
-            environment_dir=session.task.environment_dir,
-            environment_name=session.task.name,
-            session_id="bench__env",
-            trial_paths=paths,
-            task_env_config=EnvironmentConfig(workdir=session.workdir),
-        )
+        env = HarborExecEnvironment.of_session(session, paths)
         await env.start(force_build=False)
         started = await env.exec(START)
         assert started.return_code == 0, started.stderr

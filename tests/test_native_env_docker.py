@@ -53,23 +53,15 @@ class ProbeAgent:
         return AgentRun(exit_code=0, timed_out=False)
 
     async def probe(self, session: TrialSession) -> None:
-        from harbor.models.task.config import EnvironmentConfig
         from harbor.models.trial.paths import TrialPaths
 
         from harbor_exec.trial.native_env import HarborExecEnvironment
 
         paths = TrialPaths(self.scratch / "trial")
         paths.mkdir()
-        env = HarborExecEnvironment(
-            session,
-            environment_dir=session.task.environment_dir,
-            environment_name=session.task.name,
-            session_id="probe__env",
-            trial_paths=paths,
-            task_env_config=EnvironmentConfig(workdir=session.workdir),
-            persistent_env={"PERSISTENT": "p", "OVERRIDDEN": "persistent"},
+        env = HarborExecEnvironment.of_session(
+            session, paths, persistent_env={"PERSISTENT": "p", "OVERRIDDEN": "persistent"}
         )
-        env.default_user = session.agent_user
         await env.start(force_build=False)
         seen = self.seen
         seen["pwd"] = (await env.exec("pwd")).stdout

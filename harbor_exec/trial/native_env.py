@@ -77,6 +77,24 @@ class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is
         self._session = session
         super().__init__(**kwargs)
 
+    @classmethod
+    def of_session(
+        cls, session: TrialSession, trial_paths: TrialPaths, **kwargs: Any
+    ) -> HarborExecEnvironment:
+        """The environment of ``session``'s container, commands as its agent user;
+        ``kwargs`` are more of ``BaseEnvironment``'s (``persistent_env``, ...)."""
+        environment = cls(
+            session,
+            environment_dir=session.task.environment_dir,
+            environment_name=session.task.name,
+            session_id=f"{session.container_id[:12]}__env",
+            trial_paths=trial_paths,
+            task_env_config=HarborEnvironmentConfig(workdir=session.workdir),
+            **kwargs,
+        )
+        environment.default_user = session.agent_user
+        return environment
+
     @staticmethod
     def type() -> str:
         return "harbor-exec"
@@ -244,15 +262,7 @@ async def _setup_and_run(
         )
     except Exception as exc:
         raise AgentSetupError(f"{agent.name}: {type(exc).__name__}: {exc}") from None
-    environment = HarborExecEnvironment(
-        session,
-        environment_dir=session.task.environment_dir,
-        environment_name=session.task.name,
-        session_id=f"{session.container_id[:12]}__env",
-        trial_paths=paths,
-        task_env_config=HarborEnvironmentConfig(workdir=session.workdir),
-    )
-    environment.default_user = session.agent_user
+    environment = HarborExecEnvironment.of_session(session, paths)
     await environment.start(force_build=False)
     try:
         await _unless_cancelled(
