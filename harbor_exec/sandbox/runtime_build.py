@@ -323,35 +323,34 @@ def _members(tree: Path) -> Iterator[Path]:
 
 
 def _write_archive(tree: Path, archive: Path) -> dict[str, object]:
-    """The tree as one tar (``runtime.json`` last) and the info that names it."""
+    """The tree as one tar (``runtime.json`` last) and the info that names it: one walk
+    reads each file once, for the archive and the digest."""
     digest = hashlib.sha256(f"recipe {RUNTIME_RECIPE}\0".encode())
-    for path in _members(tree):
-        relative = path.relative_to(tree).as_posix()
-        digest.update(f"{relative}\0{path.lstat().st_mode:o}\0".encode())
-        if path.is_symlink():
-            digest.update(os.readlink(path).encode())
-        elif path.is_file():
-            digest.update(path.read_bytes())
-    version = (tree / "python/bin" / _PY).name.removeprefix("python")
-    info: dict[str, object] = {
-        "recipe": RUNTIME_RECIPE,
-        "suite": RUNTIME_SUITE,
-        "python": version,
-        "mount": RUNTIME_MOUNT,
-        "digest": digest.hexdigest(),
-    }
     with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
         for path in _members(tree):
-            member = tar.gettarinfo(str(path), path.relative_to(tree).as_posix())
+            relative = path.relative_to(tree).as_posix()
+            member = tar.gettarinfo(str(path), relative)
             member.uid = member.gid = 0
             member.uname = member.gname = "root"
             member.mtime = int(path.lstat().st_mtime)
-            if member.isfile():
-                with path.open("rb") as source:
-                    tar.addfile(member, source)
+            digest.update(f"{relative}\0{path.lstat().st_mode:o}\0".encode())
+            if member.issym():
+                digest.update(member.linkname.encode())
+                tar.addfile(member)
+            elif member.isfile():
+                data = path.read_bytes()
+                digest.update(data)
+                tar.addfile(member, io.BytesIO(data))
             else:
                 tar.addfile(member)
-        info["size"] = archive.stat().st_size
+        info: dict[str, object] = {
+            "recipe": RUNTIME_RECIPE,
+            "suite": RUNTIME_SUITE,
+            "python": RUNTIME_PYTHON_VERSION,
+            "mount": RUNTIME_MOUNT,
+            "digest": digest.hexdigest(),
+            "size": archive.stat().st_size,
+        }
         data = json.dumps(info, indent=2).encode()
         member = tarfile.TarInfo(RUNTIME_INFO)
         member.size, member.mode = len(data), 0o644
