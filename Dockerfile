@@ -4,7 +4,9 @@
 #     serve --tasks-dir /opt/harbor-exec/tasks_examples/template --agent oracle --port 8000
 # Host networking keeps the service on the host's loopback, where trial containers
 # that talk to a loopback chat endpoint (host networking too) can be reached.
-FROM python:3.11-slim-bookworm
+# Python 3.13 (Debian trixie's; `harbor-exec images bootstrap` makes a local stand-in):
+# the native extra (Harbor's own agents, such as terminus-2) needs Python >= 3.12.
+FROM python:3.13-slim-trixie
 
 # scripts/service_wheels.py collects every wheel on the host into build/service-wheels;
 # with it the build needs no registry. Without it, pip installs from PyPI.
@@ -16,10 +18,10 @@ COPY images ./images
 RUN python3 -m venv /opt/harbor-exec/venv \
  && if [ -d service-wheels ]; then \
       /opt/harbor-exec/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
-        --no-index --find-links service-wheels "harbor-exec[server,bundler]"; \
+        --no-index --find-links service-wheels "harbor-exec[server,bundler,native]"; \
     else \
       /opt/harbor-exec/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
-        ".[server,bundler]"; \
+        ".[server,bundler,native]"; \
     fi \
  && rm -rf service-wheels
 # The service runs trials: the source of their seccomp profile (Docker's default) and the

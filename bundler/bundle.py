@@ -138,7 +138,7 @@ def _check_target(python_version: str, platform: str) -> Target:
 def build_bundle(
     code_dir: str | Path,
     *,
-    workflow: str,
+    workflow: str | None,
     grader: str | None = None,
     workflow_config: str | None = None,
     grader_config: str | None = None,
@@ -160,8 +160,13 @@ def build_bundle(
     import (:class:`bundler.errors.GraderSplitError` otherwise): the agent's
     container gets the bundle without them.
 
+    ``workflow`` None makes a grader-only bundle (for an agent that is not a workflow,
+    such as one of Harbor's own): it then needs a ``grader``.
+
     Raises a :class:`bundler.errors.BundleError` subclass naming what to fix.
     """
+    if workflow is None and grader is None:
+        raise ValueError("a bundle needs a workflow, a grader or both")
     project = load_project(Path(code_dir))
     refs = {
         "workflow": workflow,
@@ -259,7 +264,7 @@ def _build(
             package=project.package,
             distribution=str(info.name),
             version=str(info.version),
-            workflow=refs["workflow"] or "",
+            workflow=refs["workflow"],
             grader=refs["grader"],
             workflow_config=refs["workflow_config"],
             grader_config=refs["grader_config"],

@@ -42,7 +42,7 @@ class Manifest(BaseModel):
     distribution: str
     version: str
     # Entry points, each "module:attr" inside ``package``.
-    workflow: str
+    workflow: str | None = None  # None: a grader-only bundle (the agent is not a workflow)
     grader: str | None = None
     workflow_config: str | None = None
     grader_config: str | None = None

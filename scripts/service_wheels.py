@@ -1,4 +1,4 @@
-"""Collect the wheels the service image installs, on the host, for its CPython 3.11.
+"""Collect the wheels the service image installs, on the host, for its CPython 3.13.
 
     .venv/bin/python scripts/service_wheels.py [DEST]     (default: build/service-wheels)
 
@@ -23,19 +23,28 @@ from harbor_exec.sandbox.runtime_build import load_runtime_build
 from harbor_exec.sandbox.seccomp import DOCKER_DEFAULT_PROFILE
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The image's Python (python:3.13-slim-trixie) and the extras it installs (Dockerfile).
+SERVICE_PYTHON = "3.13"
+SERVICE_EXTRAS = ("server", "bundler", "native")
 
 
 def main() -> int:
     dest = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "service-wheels"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    requirements = [*project["dependencies"], *extras["server"], *extras["bundler"]]
+    requirements = [
+        *project["dependencies"],
+        *(r for extra in SERVICE_EXTRAS for r in extras[extra]),
+    ]
     shutil.rmtree(dest, ignore_errors=True)
     scratch = dest.parent / "service-wheel-build"
     shutil.rmtree(scratch, ignore_errors=True)
     own = build_wheel(ROOT, scratch, what="harbor-exec")
     wheels = download_wheels(
-        [Requirement(r) for r in requirements], [own], dest, Target("3.11", DEFAULT_PLATFORM)
+        [Requirement(r) for r in requirements],
+        [own],
+        dest,
+        Target(SERVICE_PYTHON, DEFAULT_PLATFORM),
     )
     shutil.rmtree(scratch, ignore_errors=True)
     print(f"{len(wheels)} wheels in {dest}")

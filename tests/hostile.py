@@ -64,6 +64,7 @@ def bundled_rollout(
 ) -> Any:
     """One rollout (label "42") of ``bundle`` on ``tasks_dir``; its trial stays in
     ``tmp_path / "trials"``."""
+    assert bundle.manifest.workflow is not None
     backend = HarborBackend(
         tasks_dir=tasks_dir,
         agent=bundle.manifest.workflow,

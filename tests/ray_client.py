@@ -1,9 +1,11 @@
 """Rollouts through a ``serve --ray`` server with the osmosis-ai 0.3.8 client (tests only).
 
 Runs inside the test cluster's network namespace, beside the server. Argument: a
-JSON object ``{"url", "key", "rollouts": [{"metadata", "label", "prompt", "cancel_after"}]}``;
-prints one JSON line: the results, in order, and what ``/health`` said.
-A fake chat endpoint (``tests.fake_chat``) answers the workflows' model calls.
+JSON object ``{"url", "key", "rollouts": [{"metadata", "label", "prompt", "cancel_after"}],
+"script"}``; prints one JSON line: the results, in order, what ``/health`` said, and the
+Authorization headers the model endpoint saw. A fake chat endpoint (``tests.fake_chat``)
+answers the workflows' model calls; with ``script`` (a list of replies) a
+``tests.scripted_chat.ScriptedChat`` does (for Harbor's agents).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import httpx
 from osmosis_ai.rollout.client import RolloutClient
 
 from tests.fake_chat import FakeChat
+from tests.scripted_chat import ScriptedChat
 
 
 async def one(
-    url: str, chat: FakeChat, key: str, spec: dict[str, Any], http: httpx.AsyncClient
+    url: str, chat: FakeChat | ScriptedChat, key: str, spec: dict[str, Any], http: httpx.AsyncClient
 ) -> dict[str, Any]:
     client = RolloutClient(url=url, http_client=http)
     rollout_id = spec.get("rollout_id") or uuid.uuid4().hex
@@ -58,13 +61,16 @@ async def one(
 
 async def main(spec: dict[str, Any]) -> None:
     url = spec["url"]
-    with FakeChat() as chat:
+    script = spec.get("script")
+    chat: FakeChat | ScriptedChat = ScriptedChat(script) if script else FakeChat()
+    with chat:
         async with httpx.AsyncClient(timeout=300) as http:
             results = await asyncio.gather(
                 *(one(url, chat, spec["key"], r, http) for r in spec["rollouts"])
             )
             health = (await http.get(f"{url}/health")).json()
-    print(json.dumps({"results": results, "health": health}), flush=True)
+    seen = [r.authorization for r in chat.requests]
+    print(json.dumps({"results": results, "health": health, "authorization": seen}), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.executors.spec import NativeAgentSpec, trial_request
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.trial.native import AGENT_NAMES, NativeAgent, check_model_name
+from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
+    GRADER_MODULE,
+    bundle_cache,
+    flit_pyproject,
+    write_project,
+)
 from tests.fake_runtime import FakeRuntime
 from tests.task_factory import make_task
 
@@ -217,3 +223,53 @@ def test_serve_refuses_a_bad_agent_name_listing_the_names(tmp_path: Path) -> Non
         build_harbor_backend(options)
     with pytest.raises(typer.BadParameter, match="expected key=value"):
         parse_agent_kwargs(["max_turns"])
+
+
+def test_a_workflow_config_is_refused_with_a_native_agent(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="workflow_config is a workflow's"):
+        backend(tmp_path, agent="terminus-2", workflow_config="pkg.mod:config")
+
+
+@pytest.mark.slow
+def test_a_native_agent_with_a_grader_gets_a_grader_only_bundle(
+    tmp_path: Path,
+    bundle_cache: Path,  # noqa: F811  (the fixture)
+) -> None:
+    """Nothing of the bundle enters the agent's container; the grader's part goes to the
+    verifier of a task without tests, with its dependency environment."""
+    from harbor_exec.bundler import build_bundle
+
+    project = write_project(
+        tmp_path / "judge-project",
+        {
+            "pyproject.toml": flit_pyproject("judge"),
+            "judge/__init__.py": "",
+            "judge/g.py": GRADER_MODULE,
+        },
+    )
+    bundle = build_bundle(project, workflow=None, grader="judge.g:Judge", cache_dir=bundle_cache)
+    assert bundle.manifest.workflow is None and bundle.manifest.grader == "judge.g:Judge"
+    task = make_task(tmp_path / "tasks", "no-tests")
+    for path in (task / "tests").iterdir():
+        path.unlink()
+    (task / "tests").rmdir()
+    harbor = HarborBackend(
+        tasks_dir=task,
+        agent="terminus-2",
+        grader="judge.g:Judge",
+        bundle=bundle,
+        executor=LocalExecutor(FakeRuntime()),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    harbor.start()
+    assert harbor.planner is not None and harbor.agent_name == "terminus-2"
+    request = ExecutionRequest(id="r-1", prompt=[{"role": "user", "content": "x"}])
+    context = RolloutContext(chat_completions_url=CHAT_URL, api_key="sk-REAL", rollout_id="r-1")
+    planned = harbor.planner.plan(request, harbor.resolver.resolve(request), context)
+    assert isinstance(planned.trial.agent, NativeAgentSpec)
+    assert planned.trial.bundle is None and planned.content.bundle_files == []
+    assert planned.trial.verifier == "grader"
+    assert planned.trial.grader_bundle is not None and planned.content.grader_files
+    assert planned.trial.deps is not None
+    assert planned.secrets.agent_input is None  # the agent reads no rollout.json

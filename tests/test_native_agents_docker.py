@@ -26,6 +26,11 @@ from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
+from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
+    bundle_cache,
+    flit_pyproject,
+    write_project,
+)
 from tests.scripted_chat import ScriptedChat, terminus_reply
 from tests.server_utils import serve, wait_until
 from tests.task_factory import make_task
@@ -255,3 +260,71 @@ def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
     assert result.status == "cancelled"
     assert seconds < 5  # the agent's loop stopped, though it was sleeping on the host
     assert removed_in < 2
+
+
+#: The key in two halves: the model's command joins them, so the key itself is never in
+#: the chat, the pane or a file, and a match can only be a leak.
+_KEY_A, _KEY_B = KEY[:16], KEY[16:]
+KEY_SCAN = (
+    f"A={_KEY_A}; B={_KEY_B}; "
+    'grep -rlsF "$A$B" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev'
+    " > /logs/agent/key-files.txt; "
+    'cat /proc/[0-9]*/environ | grep -caF "$A$B" > /logs/agent/key-environ.txt; '
+    "cat /proc/[0-9]*/environ | grep -caF PATH= > /logs/agent/environ-control.txt; "
+    "echo 42 > /app/answer.txt\n"
+)
+JUDGE = """
+    from harbor_exec.authoring import Grader
+
+    class Judge(Grader):
+        \"\"\"1.0 when an assistant turn wrote the label into the answer file.\"\"\"
+
+        async def grade(self, ctx):
+            said = [m.get("content") or "" for m in ctx.sample.messages if m["role"] == "assistant"]
+            ctx.sample.metrics["graded_turns"] = float(len(said))
+            wrote = any(f"echo {ctx.label} > /app/answer.txt" in s for s in said)
+            ctx.set_reward(1.0 if wrote else 0.0)
+    """
+
+
+def test_terminus_2_with_a_bundled_grader_and_no_key_anywhere_in_the_container(
+    tmp_path: Path,
+    docker_runtime: DockerRuntime,
+    bundle_cache: Path,  # noqa: F811  (the fixture)
+) -> None:
+    """A native agent with a grader-only bundle: the grader grades the exact chat (the
+    task has no tests). Meanwhile the model, as root, looks for the real key in every
+    file of its container and in every process's environment (tmux's included)."""
+    from harbor_exec.bundler import build_bundle
+
+    project = write_project(
+        tmp_path / "judge-project",
+        {
+            "pyproject.toml": flit_pyproject("judge"),
+            "judge/__init__.py": "",
+            "judge/judge.py": JUDGE,
+        },
+    )
+    bundle = build_bundle(
+        project, workflow=None, grader="judge.judge:Judge", cache_dir=bundle_cache
+    )
+    assert bundle.manifest.workflow is None
+    task = make_task(tmp_path / "tasks", "graded", instruction=INSTRUCTION)
+    for path in (task / "tests").iterdir():
+        path.unlink()
+    (task / "tests").rmdir()
+    app = terminus_app(tmp_path, task, grader="judge.judge:Judge", bundle=bundle)
+    script = [terminus_reply(keystrokes=[KEY_SCAN], duration=3.0)] + [
+        terminus_reply(task_complete=True)
+    ] * 2
+    with ScriptedChat(script) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION, label="42")
+    assert result.status.value == "success", result.err_message
+    assert result.sample is not None and result.sample.reward == 1.0
+    assert result.sample.metrics["graded_turns"] == 3.0  # the grader saw the whole chat
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    agent_dir = trial_dir / "agent"
+    assert (agent_dir / "key-files.txt").read_text() == ""
+    assert (agent_dir / "key-environ.txt").read_text().strip() == "0"
+    assert int((agent_dir / "environ-control.txt").read_text()) > 0  # environs were readable
+    assert files_holding(trial_dir, KEY) == []

@@ -107,8 +107,14 @@ class RayCluster:
                 return f"http://127.0.0.1:{port}"
         raise AssertionError("serve --ray never started:\n" + "".join(seen))
 
-    def client(self, url: str, rollouts: list[dict[str, Any]], timeout: float = 240) -> Any:
-        spec = json.dumps({"url": url, "key": KEY, "rollouts": rollouts})
+    def client(
+        self,
+        url: str,
+        rollouts: list[dict[str, Any]],
+        timeout: float = 240,
+        script: list[str] | None = None,
+    ) -> Any:
+        spec = json.dumps({"url": url, "key": KEY, "rollouts": rollouts, "script": script})
         done = subprocess.run(
             self.run(sys.executable, "-m", "tests.ray_client", spec),
             capture_output=True,
@@ -273,6 +279,44 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
     # The LLM key never reached Ray's logs, object store spill files or dashboard.
     leaked = subprocess.run(
         ["grep", "-rl", "--binary-files=text", KEY, ray_cluster.session],
+        capture_output=True,
+        text=True,
+    )
+    assert leaked.stdout == "", f"the key is in {leaked.stdout}"
+
+
+def test_terminus_2_rollouts_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """Harbor's terminus-2 runs on the node that runs the trial, dialling that node's
+    relay for the rollout: the model sees the token, the endpoint the real key."""
+    from tests.scripted_chat import terminus_reply
+
+    url = ray_cluster.serve(
+        tmp_path / "terminus",
+        "--tasks-dir",
+        str(DATASET),
+        "--task-mode",
+        "dataset",
+        "--agent",
+        "terminus-2",
+        "--agent-kwarg",
+        "max_turns=5",
+    )
+    script = [
+        terminus_reply(keystrokes=["echo 'Hello, world!' > /app/hello.txt\n"]),
+        terminus_reply(task_complete=True),
+        terminus_reply(task_complete=True),
+    ]
+    # One at a time: the scripted model's replies are one sequence.
+    out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "hello-shell"}}], script=script)
+    assert [(r["status"], r["reward"]) for r in out["results"]] == [("success", 1.0)], out
+    assert out["authorization"] == [f"Bearer {KEY}"] * 3
+    ray_cluster.stop_servers()
+    nodes = _find(out["health"], "nodes")
+    assert sum(n["trials"] for n in nodes) >= 1, nodes  # it ran on a trial node
+    (kept,) = (tmp_path / "terminus" / "sa").glob("*/atif-trajectory.json")
+    assert json.loads(kept.read_text())["agent"]["name"] == "terminus-2"
+    leaked = subprocess.run(
+        ["grep", "-rl", "--binary-files=text", KEY, ray_cluster.session, str(tmp_path)],
         capture_output=True,
         text=True,
     )

@@ -1,5 +1,6 @@
 """The service image (``Dockerfile``): built and started with pytest-docker, it runs one
-oracle rollout end to end through the host's Docker socket."""
+oracle rollout end to end through the host's Docker socket, on a Python that has
+Harbor's agents (the native extra)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,45 @@ def test_service_image_runs_a_rollout(docker_services: Any, docker_runtime: Any)
         if (c.get("Labels") or {}).get(LABEL_ROLLOUT) == rollout_id
     ]
     assert leftover == []
+
+
+def test_service_image_has_harbors_agents(docker_services: Any) -> None:
+    import subprocess
+
+    docker_services.wait_until_responsive(check=_healthy, timeout=300.0, pause=0.5)
+    (container,) = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "-q",
+            "--filter",
+            "label=com.docker.compose.project=harbor-exec-service-test",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    probe = (
+        "import sys; from harbor_exec.trial.native import NATIVE_AGENT_NAMES; "
+        "import harbor_exec.trial.native_env; print(sys.version_info[:2] >= (3, 12), "
+        "'terminus-2' in NATIVE_AGENT_NAMES)"
+    )
+    done = subprocess.run(
+        [
+            "docker",
+            "exec",
+            "-e",
+            "LITELLM_LOCAL_MODEL_COST_MAP=True",
+            "-e",
+            "LITELLM_OFFLINE_MODE=true",
+            container,
+            "python",
+            "-c",
+            probe,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]

@@ -2,9 +2,10 @@
 
 ``bootstrap`` makes sure every base image the examples build on exists, and the
 read-only container runtime (``harbor_exec.sandbox.runtime_build``): found
-locally, else pulled, else built here (``debian:bookworm-slim`` from Debian's
-own packages with ``debootstrap`` + import; the others from ``images/<name>/Dockerfile``
-on top of it). Idempotent: with the images present it only inspects them.
+locally, else pulled, else built here (``debian:bookworm-slim`` and
+``debian:trixie-slim`` from Debian's own packages with ``debootstrap`` + import; the
+others from ``images/<name>/Dockerfile`` on top of them). Idempotent: with the images
+present it only inspects them.
 
 debootstrap fetches from the Debian mirror the host's apt already uses (read from
 ``/etc/apt/sources.list``, ``sources.list.d/*.list`` and deb822 ``*.sources``), or
@@ -29,7 +30,6 @@ from harbor_exec.sandbox.runtime_build import build_runtime, load_runtime_build
 from harbor_exec.sandbox.runtime_volume import RuntimeContent
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
-DEBIAN_SUITE = "bookworm"
 #: The environment variable behind ``images bootstrap --mirror``.
 MIRROR_ENV = "HARBOR_EXEC_DEBIAN_MIRROR"
 APT_DIR = Path("/etc/apt")
@@ -49,12 +49,16 @@ class BootstrapError(HarborExecError):
 @dataclass(frozen=True)
 class BaseImage:
     tag: str
-    dockerfile_dir: str | None  # None: the debootstrap root filesystem
+    dockerfile_dir: str | None  # None: the debootstrap root filesystem of ``suite``
+    suite: str | None = None
 
 
+#: What the examples build on, and (trixie, Python 3.13) the service image (``Dockerfile``).
 BASE_IMAGES = (
-    BaseImage(DEBIAN_IMAGE, None),
+    BaseImage(DEBIAN_IMAGE, None, "bookworm"),
     BaseImage("python:3.11-slim-bookworm", "python-3.11-slim-bookworm"),
+    BaseImage("debian:trixie-slim", None, "trixie"),
+    BaseImage("python:3.13-slim-trixie", "python-3.13-slim-trixie"),
 )
 
 
@@ -161,8 +165,10 @@ def debian_mirror(mirror: str | None = None, *, apt_dir: Path = APT_DIR) -> tupl
 
 
 def _debootstrap_rootfs(
-    runtime: DockerRuntime, tag: str, mirror: str | None, log: Callable[[str], None]
+    runtime: DockerRuntime, image: BaseImage, mirror: str | None, log: Callable[[str], None]
 ) -> None:
+    tag, suite = image.tag, image.suite
+    assert suite is not None
     if os.geteuid() != 0:
         raise BootstrapError(f"building {tag} with debootstrap needs root; run as root")
     if shutil.which("debootstrap") is None:
@@ -173,9 +179,9 @@ def _debootstrap_rootfs(
     url, origin = debian_mirror(mirror)
     with tempfile.TemporaryDirectory(prefix="hx-rootfs-") as scratch:
         root = Path(scratch) / "rootfs"
-        log(f"debootstrap --variant=minbase {DEBIAN_SUITE} from {url} ({origin}; about 30 s)")
+        log(f"debootstrap --variant=minbase {suite} from {url} ({origin}; about 30 s)")
         done = subprocess.run(
-            ["debootstrap", "--variant=minbase", DEBIAN_SUITE, str(root), url],
+            ["debootstrap", "--variant=minbase", suite, str(root), url],
             capture_output=True,
             text=True,
         )
@@ -221,7 +227,7 @@ def bootstrap(
         except EnvironmentStartError:
             log(f"{image.tag}: not present and no registry answers; building it locally")
         if image.dockerfile_dir is None:
-            _debootstrap_rootfs(runtime, image.tag, mirror, log)
+            _debootstrap_rootfs(runtime, image, mirror, log)
         else:
             context = images_dir() / image.dockerfile_dir
             result = runtime.ensure_image(

@@ -211,9 +211,10 @@ class HarborBackend(ExecutionBackend):
             raise ValueError("a bundled grader needs a workflow agent (the oracle has no bundle)")
         self.native: NativeAgentConfig | None = None
         if is_native_agent(agent):
-            if grader is not None:
+            if workflow_config is not None:
                 raise ValueError(
-                    f"a bundled grader with the native agent {agent!r} is not supported yet"
+                    f"workflow_config is a workflow's; the native agent {agent!r} takes "
+                    "native_agent_kwargs"
                 )
             if sys.version_info < (3, 12) or importlib.util.find_spec("harbor") is None:
                 raise ValueError(
@@ -276,9 +277,6 @@ class HarborBackend(ExecutionBackend):
             if value is not None:
                 self._policy_args[key] = value
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
-        if self.native is not None and not isinstance(self.executor, LocalExecutor):
-            # A node would need the rollout's relay and Harbor itself: not there yet.
-            raise ValueError(f"agent {agent!r} runs on the local executor only (not on Ray yet)")
         self.bundle: PreparedBundle | None = None
         self.planner: TrialPlanner | None = None
         self._start_lock = threading.Lock()
@@ -311,7 +309,11 @@ class HarborBackend(ExecutionBackend):
                 # rollout, and offline (no cost-map fetch, no tokenizer download).
                 set_litellm_offline()
                 importlib.import_module("harbor_exec.trial.native_env")
-            if not self.is_oracle and self.native is None:
+            if self.native is not None and self._bundle_args["grader"] is not None:
+                # A grader-only bundle: Harbor's agent is no workflow.
+                self.bundle = prepare_bundle(None, **self._bundle_args)
+                self.resolver.require_tests = False
+            elif not self.is_oracle and self.native is None:
                 self.bundle = prepare_bundle(self._agent, **self._bundle_args)
                 self.agent_name = self.bundle.name
                 self.resolver.require_tests = not self.bundle.has_grader

@@ -66,10 +66,11 @@ class PreparedBundle:
     grader_files: list[ArchiveEntry] = field(repr=False)
     deps: DepsLayer
     has_grader: bool
+    has_workflow: bool = True  # False: grader-only, beside one of Harbor's own agents
 
 
 def prepare_bundle(
-    agent: str | type,
+    agent: str | type | None,
     *,
     workflow_config: Any = None,
     grader: Any = None,
@@ -77,20 +78,26 @@ def prepare_bundle(
     code_dir: str | Path | None = None,
     bundle: Any = None,
 ) -> PreparedBundle:
-    """Build (or reuse) the bundle of ``agent`` and read what trials need from it."""
+    """Build (or reuse) the bundle of ``agent`` and read what trials need from it;
+    ``agent`` None: a grader-only bundle (the agent is one of Harbor's own)."""
     from harbor_exec.bundler import build_bundle  # the bundler extra: workflows only
 
     workflow_ref = _ref_for(agent, what="agent")
-    assert workflow_ref is not None
+    grader_ref = _ref_for(grader, what="grader")
     if bundle is None:
-        project = Path(code_dir) if code_dir else _project_dir_of(workflow_ref)
+        main_ref = workflow_ref or grader_ref
+        if main_ref is None:
+            raise ValueError("a grader-only bundle needs a grader")
+        project = Path(code_dir) if code_dir else _project_dir_of(main_ref)
         bundle = build_bundle(
             project,
             workflow=workflow_ref,
-            grader=_ref_for(grader, what="grader"),
+            grader=grader_ref,
             workflow_config=_ref_for(workflow_config, what="workflow_config"),
             grader_config=_ref_for(grader_config, what="grader_config"),
         )
+    if workflow_ref is None and bundle.manifest.grader is None:
+        raise ValueError(f"the bundle in {bundle.root} names no grader for this agent to use")
     if bundle.manifest.python_version != RUNTIME_PYTHON_VERSION:
         raise ValueError(
             f"the bundle at {bundle.root} was built for Python {bundle.manifest.python_version}; "
@@ -116,8 +123,10 @@ def prepare_bundle(
             files.append(ArchiveEntry(f"{USER_CODE_DIR}/{info.filename}", wheel.read(info)))
             if manifest.in_agent_part(info.filename):
                 agent_files.append(files[-1])
+    if workflow_ref is None:  # no workflow: nothing of the bundle enters the agent's container
+        agent_files = []
     return PreparedBundle(
-        name=workflow_ref,
+        name=workflow_ref or bundle.manifest.grader or "",
         version=bundle.digest[:12],
         key=f"b-agent-{bundle.digest}",
         agent_files=agent_files,
@@ -125,6 +134,7 @@ def prepare_bundle(
         grader_files=files,
         deps=DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest),
         has_grader=manifest.grader is not None,
+        has_workflow=workflow_ref is not None,
     )
 
 
@@ -188,7 +198,7 @@ class TrialPlanner:
         agent: AgentSpec = OracleAgentSpec()
         model: ModelEndpoint | None = None
         agent_input: bytes | None = None
-        if bundle is not None:
+        if bundle is not None and bundle.has_workflow:
             model = _model_endpoint(context, self.relay_extra_routes)
             # The workflow sees the relay's token as its key and a loopback URL that the
             # runner opens onto the mounted relay socket.
@@ -227,7 +237,7 @@ class TrialPlanner:
             trial_name=f"{rollout_dir_name(request.id)}__{secrets.token_hex(4)[:7]}",
             verifier_timeout_sec=request.grader_timeout_sec,
             rollout_id=request.id,
-            bundle=bundle.key if bundle is not None else None,
+            bundle=bundle.key if bundle is not None and bundle.has_workflow else None,
             # The grader's part travels only to trials its grader verifies.
             grader_bundle=(
                 bundle.grader_key if bundle is not None and verifier == "grader" else None
