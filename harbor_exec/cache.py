@@ -6,6 +6,7 @@ caches on the host is below it, one subdirectory a kind::
     bundles/      workflow bundles, their dependency wheelhouses and harbor-exec's
                   container-side wheel (harbor_exec.bundler; layout in docs/bundles.md)
     snapshots/    checked copies of task directories, named by content hash
+    git-tasks/    git tasks checked out at their commit (harbor_exec.sources.git)
     build-logs/   the whole log of each image build, ``<tag>.log``
 
 Every entry is rebuilt on demand, so the directory can be removed whenever no

@@ -27,6 +27,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"cli"}),
     frozenset({"server"}),
     frozenset({"backends", "jobs"}),
+    frozenset({"sources"}),
     frozenset({"executors", "bundler"}),
     frozenset({"trial"}),
     frozenset({"sandbox"}),

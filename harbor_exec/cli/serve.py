@@ -48,6 +48,8 @@ class ServeOptions:
     prewarm: bool = False
     task_roots: list[Path] = field(default_factory=list)
     task_env_allow: list[str] = field(default_factory=list)
+    task_git_allow: list[str] = field(default_factory=list)
+    task_git_allow_unpinned: bool = False
     sandbox: SandboxOptions = field(default_factory=SandboxOptions)
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
@@ -131,6 +133,8 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             max_queue_depth=options.max_queue_depth,
             task_roots=options.task_roots,
             task_env_allow=options.task_env_allow,
+            task_git_allow=options.task_git_allow,
+            task_git_allow_unpinned=options.task_git_allow_unpinned,
             verifier_mode="separate" if options.sandbox.separate_verifier else "task",
             grader_verifier_mode="shared" if options.sandbox.shared_grader else "separate",
             default_cpus=options.sandbox.default_cpus,
@@ -311,6 +315,16 @@ def serve(
         list[str] | None,
         typer.Option(help="A host variable ${VAR} in a request-named task may read (repeatable)."),
     ] = None,
+    task_git_allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A URL prefix metadata.git_url may fetch tasks from (repeatable; none by default)."
+        ),
+    ] = None,
+    task_git_allow_unpinned: Annotated[
+        bool,
+        typer.Option(help="Run git tasks without git_commit_id (the remote's HEAD at the time)."),
+    ] = False,
     verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
     grader_verifier_mode: sandbox.GraderVerifierModeOption = (
         sandbox.GraderVerifierModeChoice.SEPARATE
@@ -380,6 +394,8 @@ def serve(
         prewarm=prewarm,
         task_roots=list(task_root or []),
         task_env_allow=list(task_env_allow or []),
+        task_git_allow=list(task_git_allow or []),
+        task_git_allow_unpinned=task_git_allow_unpinned,
         sandbox=SandboxOptions(
             verifier_mode,
             default_cpus,

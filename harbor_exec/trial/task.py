@@ -428,6 +428,9 @@ class Task:
     files: Path | None = None
     # Host variables its ${VAR} templates may read (None: any; request-named tasks: a few).
     env_allow: frozenset[str] | None = None
+    # Harbor's ``task_id`` when it is not ``{"path": ...}``: a git task's
+    # ``{git_url, git_commit_id, path}``.
+    origin: dict[str, str] | None = None
 
     @property
     def root(self) -> Path:

@@ -329,7 +329,7 @@ class Trial:
             task_name=task.name,
             trial_name=self.name,
             trial_uri=self.dir.resolve().as_uri(),
-            task_id={"path": str(task.path)},
+            task_id=task.origin or {"path": str(task.path)},
             source=request.source,
             task_checksum=task.checksum(),
             config=self._config_summary(),

@@ -74,6 +74,7 @@ from harbor_exec.protocol import (
 )
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
+from harbor_exec.sources.git import GitTaskSource
 from harbor_exec.trial.native import (
     DEFAULT_MODEL_NAME,
     NATIVE_AGENT_NAMES,
@@ -157,6 +158,8 @@ class HarborBackend(ExecutionBackend):
         executor: TrialExecutor | None = None,
         task_roots: Sequence[str | Path] = (),
         task_env_allow: Sequence[str] = (),
+        task_git_allow: Sequence[str] = (),
+        task_git_allow_unpinned: bool = False,
         verifier_mode: Literal["task", "separate"] = "task",
         grader_verifier_mode: Literal["separate", "shared"] = "separate",
         default_cpus: float | None = None,
@@ -177,6 +180,10 @@ class HarborBackend(ExecutionBackend):
         takes ``native_agent_kwargs`` (its options), ``model_name`` (an
         ``openai/<id>`` route; a rollout's ``metadata["harbor_model"]`` overrides it)
         and ``agent_setup_timeout_sec``.
+
+        ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
+        task from (none by default), pinned by ``git_commit_id`` unless
+        ``task_git_allow_unpinned``.
 
         ``relay_extra_routes``: POST routes under the model URL's path (e.g.
         ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
@@ -241,12 +248,14 @@ class HarborBackend(ExecutionBackend):
         self.trials_dir = Path(trials_dir) if trials_dir else base / "trials"
         # The same root the server writes trajectories and diagnostics to, by default.
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else default_artifact_root()
+        git = GitTaskSource(allow=tuple(task_git_allow), allow_unpinned=task_git_allow_unpinned)
         self.resolver = TaskResolver(
             tasks_path,
             task_mode=task_mode,
             task_roots=[Path(r) for r in task_roots],
             # Never a task root: a rollout could plant a task there for the next one.
-            written_roots=[self.trials_dir, self.artifacts_dir],
+            written_roots=[self.trials_dir, self.artifacts_dir, git.cache_dir],
+            git=git,
             env_allow=task_env_allow,
             # A bundled grader verifies tasks without tests/; known once the bundle is built.
             require_tests=grader is None,

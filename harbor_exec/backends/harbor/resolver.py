@@ -4,8 +4,11 @@
   instruction;
 * dataset mode: ``metadata.harbor_task_id`` names ``tasks_dir/<id>``, or
   ``metadata.harbor_task`` a task path under a served root (``tasks_dir`` or an
-  operator's ``task_roots``, never a directory we write into). Every refusal of
-  a ``harbor_task`` is the same message, whether or not the path exists.
+  operator's ``task_roots``, never a directory we write into), or with
+  ``metadata.git_url`` (and ``git_commit_id``) the path ``harbor_task`` inside that
+  repository at that commit, from URL prefixes the operator allows
+  (``harbor_exec.sources.git``). Every refusal of a ``harbor_task`` is the same
+  message, whether or not the path exists and whatever the URL.
 
 Tasks are loaded (checked and snapshotted) once and again whenever their
 directory changes; ``${VAR}`` templates in a request-named task read only the
@@ -23,6 +26,7 @@ from typing import Any, Literal
 
 from harbor_exec.errors import DatasetError, TaskError
 from harbor_exec.protocol import ExecutionRequest
+from harbor_exec.sources.git import GitTaskError, GitTaskRefused, GitTaskSource
 from harbor_exec.trial.task import (
     Task,
     discover_tasks,
@@ -56,6 +60,7 @@ class TaskResolver:
         written_roots: Sequence[Path] = (),
         env_allow: Sequence[str] = (),
         require_tests: bool = True,
+        git: GitTaskSource | None = None,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset'; got {task_mode!r}")
@@ -65,6 +70,7 @@ class TaskResolver:
         self.written_roots = [Path(r).resolve() for r in written_roots]
         self.env_allow = frozenset(env_allow)
         self.require_tests = require_tests
+        self.git = git or GitTaskSource()
         self._loaded: dict[tuple[Path, bool], tuple[str, Task]] = {}
         self._lock = threading.Lock()
 
@@ -82,6 +88,8 @@ class TaskResolver:
             instruction = _instruction_from_prompt(request.prompt)
             return ResolvedTask(self.tasks_dir.name, replace(task, instruction=instruction))
         ref = metadata.get("harbor_task")
+        if ref is not None and metadata.get("git_url") is not None:
+            return self._git_task(ref, metadata)
         if ref is not None:
             if not isinstance(ref, str) or not ref.startswith((".", "/", "~")):
                 raise RolloutRejected(
@@ -107,6 +115,22 @@ class TaskResolver:
             )
         return ResolvedTask(task_id, self.load(path))
 
+    def _git_task(self, ref: object, metadata: dict[str, Any]) -> ResolvedTask:
+        url, commit = metadata.get("git_url"), metadata.get("git_commit_id")
+        if not isinstance(ref, str):
+            raise RolloutRejected(f"metadata.harbor_task must be a string; got {ref!r}")
+        if not isinstance(url, str) or not (commit is None or isinstance(commit, str)):
+            raise RolloutRejected("metadata.git_url and metadata.git_commit_id must be strings")
+        try:
+            path, pinned = self.git.checkout(url, commit, ref)
+        except GitTaskRefused:
+            raise _not_served(ref) from None
+        except GitTaskError as exc:
+            raise RolloutRejected(f"metadata.harbor_task {ref!r}: {exc}") from None
+        task = self.load(path, from_request=True)
+        origin = {"git_url": url, "git_commit_id": pinned, "path": ref}
+        return ResolvedTask(f"{url}@{pinned[:12]}:{ref}", replace(task, origin=origin))
+
     def load(self, path: Path, *, from_request: bool = False) -> Task:
         """The task at ``path``, loaded again (checked and snapshotted) whenever its
         directory changed since the last load."""
@@ -126,7 +150,7 @@ class TaskResolver:
         return task
 
     def _served_path(self, ref: str) -> Path:
-        refusal = RolloutRejected(f"harbor_task {ref!r} is not under a served task root")
+        refusal = _not_served(ref)
         if "\0" in ref:
             raise refusal
         path = Path(ref).expanduser()
@@ -147,6 +171,11 @@ class TaskResolver:
             candidates += [(e.task, self.tasks_dir / e.task) for e in found.broken]
             return candidates
         return [(task_id, task_dir_for_id(self.tasks_dir, task_id)) for task_id in task_ids]
+
+
+def _not_served(ref: object) -> RolloutRejected:
+    """The one refusal of a ``harbor_task`` (a path or a git task) this server does not serve."""
+    return RolloutRejected(f"harbor_task {ref!r} is not under a served task root")
 
 
 def _instruction_from_prompt(prompt: Sequence[dict[str, Any]]) -> str:

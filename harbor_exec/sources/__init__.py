@@ -1,0 +1,1 @@
+"""Where tasks come from besides the served directories: git repositories (``git``)."""
