@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible chat endpoint on 127.0.0.1, for Harbor's agents.
 
 ``ScriptedChat(replies)`` answers each ``POST <prefix>/chat/completions`` with the
-next scripted assistant content (the last one repeats once they run out), and records
+next scripted assistant content (the last one repeats once they run out; a reply that
+is a dict is the whole assistant message, e.g. ``tool_call_reply``'s), and records
 every request (path, Authorization, body). With ``token_ids=True`` every answer also
 carries vLLM's fields (``prompt_token_ids``, ``choices[0].token_ids`` and
 ``choices[0].logprobs.content``), which terminus-2's ``collect_rollout_details``
@@ -16,7 +17,22 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["ScriptedChat", "ScriptedRequest", "terminus_reply"]
+__all__ = ["ScriptedChat", "ScriptedRequest", "terminus_reply", "tool_call_reply"]
+
+
+def tool_call_reply(command: str, *, call_id: str, text: str = "Running a command.") -> Any:
+    """An assistant message calling the ``bash`` tool (mini-swe-agent 2.x's format)."""
+    return {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "bash", "arguments": json.dumps({"command": command})},
+            }
+        ],
+    }
 
 
 def terminus_reply(
@@ -46,11 +62,11 @@ class ScriptedChat:
     PROMPT_TOKENS = 11
     COMPLETION_TOKENS = 5
 
-    def __init__(self, replies: list[str], *, token_ids: bool = False) -> None:
+    def __init__(self, replies: list[Any], *, token_ids: bool = False) -> None:
         self.replies = list(replies)
         self.token_ids = token_ids
         self.requests: list[ScriptedRequest] = []
-        self.answers: list[str] = []
+        self.answers: list[Any] = []
         #: Set once the first request arrived (tests wait on it, not on a poll).
         self.asked = threading.Event()
         self._lock = threading.Lock()
@@ -93,10 +109,13 @@ class ScriptedChat:
             content = self.replies[min(turn, len(self.replies) - 1)]
             self.answers.append(content)
         self.asked.set()
+        message = (
+            content if isinstance(content, dict) else {"role": "assistant", "content": content}
+        )
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": "stop",
+            "message": message,
+            "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
         }
         answer: dict[str, Any] = {
             "id": f"chatcmpl-{turn}",

@@ -16,9 +16,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.errors import DatasetError, DockerUnavailableError
+from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
 from harbor_exec.executors.spec import TrialSpec
 from harbor_exec.jobs.dataset import (
     JobEvent,
@@ -29,7 +30,8 @@ from harbor_exec.jobs.dataset import (
     run_job,
     summary_rows,
 )
-from harbor_exec.jobs.prewarm import PrewarmEvent, prewarm_tasks, tally
+from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewarm_tasks, tally
+from harbor_exec.sandbox.agent_layer import AgentLayerError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.trial.task import Discovery, Task, discover_tasks
 
@@ -242,11 +244,27 @@ def prewarm(
             "--node", help="With --ray: only this node (id prefix or address; repeatable)."
         ),
     ] = None,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            help="Also prepare this in-container native agent's layer (mini-swe-agent): "
+            "its wheels are fetched now, its volume installed with the first task.",
+        ),
+    ] = None,
 ) -> None:
-    """Build every task image ahead of time, in parallel; report built / cached / failed."""
+    """Build every task image ahead of time, in parallel; report built / cached / failed.
+    With ``--agent mini-swe-agent``, also that agent's layer (its wheels, then its volume)."""
     discovery = load_dataset(path)
     if ray:
         _prewarm_ray(ray, discovery.tasks, node or None, broken=len(discovery.broken))
+    agent_layer = None
+    if agent is not None:
+        try:
+            agent_layer = prepare_prewarm_agent(agent)
+        except (ValueError, HarborExecError, BundleError, AgentLayerError) as exc:
+            console.print(f"[red]error:[/] {escape(str(exc))}")
+            raise typer.Exit(2) from None
     runtime = open_runtime()
     n_jobs = jobs or runtime.engine_cpus()
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
@@ -279,7 +297,9 @@ def prewarm(
 
     started = time.monotonic()
     with progress:
-        outcomes = prewarm_tasks(runtime, discovery.tasks, jobs=n_jobs, on_event=on_event)
+        outcomes = prewarm_tasks(
+            runtime, discovery.tasks, jobs=n_jobs, on_event=on_event, agent_layer=agent_layer
+        )
     wall = time.monotonic() - started
     table = Table(title=f"prewarm: {path}")
     for column in ("task", "status", "time", "image / reason"):

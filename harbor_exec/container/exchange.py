@@ -45,6 +45,11 @@ RUNTIME_TMUX: Final = f"{RUNTIME_MOUNT}/bin/tmux"
 #: the runtime's site-packages name ``DEPS_SITE`` in a ``.pth`` file.
 DEPS_MOUNT: Final = "/opt/harbor-exec-deps"
 DEPS_SITE: Final = f"{DEPS_MOUNT}/site"
+#: An in-container native agent's prebuilt layer (``harbor_exec.sandbox.agent_layer``):
+#: its programs in ``bin/``, its Python packages in ``site/``, mounted read-only.
+AGENT_MOUNT: Final = "/opt/harbor-exec-agent"
+AGENT_SITE: Final = f"{AGENT_MOUNT}/site"
+AGENT_BIN: Final = f"{AGENT_MOUNT}/bin"
 #: Where a bundle's own code lives in the container (placed per trial).
 BUNDLE_ROOT: Final = "/opt/harbor-exec"
 USER_CODE_DIR: Final = f"{BUNDLE_ROOT}/user"
@@ -250,8 +255,11 @@ class RewardFile(BaseModel):
 
 
 __all__ = [
+    "AGENT_BIN",
     "AGENT_INPUT",
+    "AGENT_MOUNT",
     "AGENT_SAMPLE",
+    "AGENT_SITE",
     "DEPS_MOUNT",
     "DEPS_SITE",
     "GRADER_CODE_DIR",

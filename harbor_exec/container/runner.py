@@ -1,4 +1,4 @@
-"""Container runner: ``python -m harbor_exec.container.runner agent|grade``.
+"""Container runner: ``python -m harbor_exec.container.runner agent|grade|forward``.
 
 Runs inside task containers (Python >= 3.11) and imports only the standard
 library, pydantic and ``harbor_exec.authoring``. The bundle's manifest
@@ -69,6 +69,14 @@ the grader and their configs as ``module:attr``; only those four fields are read
     verifier reports ``RewardFileNotFoundError``; the message goes to stderr and,
     in the error form above, to ``<logs>/verifier/grader_error.json``.
 
+``forward``
+    for an agent that runs in the container on its own (Harbor's mini-swe-agent):
+    listens on a free port of 127.0.0.1, prints the port on stdout, detaches (a new
+    session, stdio on ``/dev/null``) and pipes every connection to the relay socket
+    (``--socket``, default ``/run/harbor-exec/relay/relay.sock``) until it is killed
+    (the host's kill of the agent's processes after its phase). Standard library
+    only. Exit 2 when the socket is missing.
+
 Exit codes: 0 success; 1 the workflow or grader failed; 2 the job could not
 start (bad arguments, unreadable manifest or input file, a ref that does not
 import, nothing to grade).
@@ -94,6 +102,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -126,6 +135,7 @@ from harbor_exec.container.exchange import (
     INPUT_VERSION,
     MANIFEST_PATH,
     MAX_EXCHANGE_JSON_BYTES,
+    RELAY_SOCKET,
     REWARD_JSON,
     SAMPLE_FIELDS,
     VERIFIER_SAMPLE,
@@ -151,6 +161,7 @@ __all__ = [
     "RolloutInput",
     "RunnerPaths",
     "main",
+    "run_forward",
 ]
 
 logger = logging.getLogger("harbor_exec.container.runner")
@@ -359,9 +370,13 @@ class RelayForwarder:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
-    async def start(self) -> int:
-        """Listen on 127.0.0.1 (a free port) and return the port."""
-        self._server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
+    async def start(self, sock: socket.socket | None = None) -> int:
+        """Listen on 127.0.0.1 (a free port; or on ``sock``, bound and listening
+        already) and return the port."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._on_connection, sock=sock)
+        else:
+            self._server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -638,6 +653,39 @@ def run_grade(paths: RunnerPaths) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- forward
+
+
+async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
+    forwarder = RelayForwarder(socket_path)
+    await forwarder.start(sock)
+    await asyncio.Event().wait()  # until killed
+
+
+def run_forward(socket_path: str) -> int:
+    """``forward``: bind 127.0.0.1 first (so the port printed accepts at once), then
+    leave the exec behind: the child serves in a session of its own, stdio closed."""
+    if not os.path.exists(socket_path):
+        print(f"the model relay socket {socket_path} is missing", file=sys.stderr)
+        return EXIT_SETUP
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = int(sock.getsockname()[1])
+    if os.fork() != 0:
+        sock.close()
+        print(port, flush=True)
+        return EXIT_OK
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        asyncio.run(_forward_forever(sock, socket_path))
+    finally:
+        os._exit(0)
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -646,7 +694,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m harbor_exec.container.runner",
         description="Run a bundled workflow (agent) or grader (grade) inside a task container.",
     )
-    parser.add_argument("command", choices=("agent", "grade"))
+    parser.add_argument("command", choices=("agent", "grade", "forward"))
+    parser.add_argument(
+        "--socket",
+        default=RELAY_SOCKET,
+        help=f"forward: the relay's unix socket (default {RELAY_SOCKET})",
+    )
     parser.add_argument(
         "--sample-to-stdout",
         action="store_true",
@@ -684,6 +737,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "forward":
+        return run_forward(args.socket)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
     # Appended, never first: nothing in a code dir shadows the standard library or the

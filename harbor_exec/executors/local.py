@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import secrets
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from harbor_exec.executors.spec import (
     TrialSpec,
     trial_request,
 )
+from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.trial.task import Task
@@ -106,10 +108,14 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             relay = None
             mounts: list[Mount] = []
             model = handle.secrets.model
-            native = isinstance(handle.spec.agent, NativeAgentSpec)
+            agent = handle.spec.agent
+            native = isinstance(agent, NativeAgentSpec)
+            # mini-swe-agent reaches the relay from its container; its sample is the
+            # chat the relay saw (what the container writes is the agent's to rewrite).
+            in_container = isinstance(agent, NativeAgentSpec) and agent.in_container
             if model is not None:
-                relay = await stack.enter_async_context(self._relay(model))
-                if not native:  # a native agent dials the relay from this process
+                relay = await stack.enter_async_context(self._relay(model, in_container))
+                if not native or in_container:  # terminus-2 dials it from this process
                     mounts.append(Mount(str(relay.directory), RELAY_DIR, read_only=True))
             request = trial_request(
                 handle.spec,
@@ -117,6 +123,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                 handle.content,
                 mounts=mounts,
                 relay_socket=str(relay.socket_path) if relay is not None and native else None,
+                relay_chat=_last_chat(relay) if relay is not None and in_container else None,
             )
 
             def work() -> TrialRun:
@@ -139,7 +146,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             # A copy: the relay's own counts are done with once it closes.
             return dataclasses.replace(run, usage=dataclasses.replace(relay.usage))
 
-    def _relay(self, model: ModelEndpoint) -> Any:
+    def _relay(self, model: ModelEndpoint, record_chat: bool = False) -> Any:
         import httpx  # the server extra; workflows need it
 
         from harbor_exec.executors.relay import ModelRelay, RelayLimits
@@ -154,6 +161,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             directory=_relay_root() / f"r-{secrets.token_hex(6)}",
             transport=self._relay_transport,
             limits=RelayLimits(extra_routes=model.extra_routes),
+            record_chat=record_chat,
         )
 
     def cancel(self, handle: TrialHandle) -> None:
@@ -209,6 +217,17 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
 
         return await anyio.to_thread.run_sync(build, limiter=self._threads)
 
+    async def prewarm_agent_layer(self, task: Task, layer: AgentLayer) -> int:
+        """Install an in-container agent's layer on this engine (on ``task``'s image,
+        which only hosts the install); 1 when installed now."""
+
+        def build() -> int:
+            image, built = ensure_task_image(self.runtime, task)
+            _volume, layer_built = ensure_agent_layer(self.runtime, layer, image)
+            return int(built) + int(layer_built)
+
+        return await anyio.to_thread.run_sync(build, limiter=self._threads)
+
     async def _background(self) -> None:
         """Reap periodically (owed removals, dead owners' containers), and poll the
         engine quickly while it is down so admissions resume as soon as it is back."""
@@ -228,6 +247,11 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             left = await anyio.to_thread.run_sync(self._runtime.remove_owned)
             if left:
                 logger.warning("removed %d container(s) still running at shutdown", left)
+
+
+def _last_chat(relay: Any) -> Callable[[], Mapping[str, Any] | None]:
+    """The relay's record of its last chat call, read when the agent is done."""
+    return lambda: relay.last_chat
 
 
 __all__ = ["LocalExecutor"]

@@ -336,8 +336,12 @@ class ModelRelay:
         transport: httpx.AsyncBaseTransport | None = None,
         totals: RelayTotals | None = RELAY_TOTALS,
         token: str | None = None,
+        record_chat: bool = False,
     ) -> None:
         """Only reads the configuration; ``start()`` creates ``directory`` and binds.
+
+        ``record_chat``: keep the last answered chat call (``last_chat``), for an agent
+        whose own record of it is untrusted (one that runs in the container).
 
         ``transport`` (e.g. one shared by every relay, for pooled upstream
         connections) is used but never closed by the relay; without one the
@@ -367,6 +371,11 @@ class ModelRelay:
         self.token: str = token or secrets.token_urlsafe(32)
         # What this relay saw; read it after the rollout (or live, from the same loop).
         self.usage = ModelUsage()
+        #: With ``record_chat``: the last successful JSON chat call as the relay saw it,
+        #: ``{"messages": [...request...], "response": {...choices[0].message...},
+        #: "tools": [...] | None}`` (bounded by the request and answer limits; one kept).
+        self.last_chat: dict[str, Any] | None = None
+        self._record_chat = record_chat
         self._api_key = api_key
         self._token_bytes = self.token.encode()
         self._transport = transport
@@ -715,7 +724,9 @@ class ModelRelay:
             async with asyncio.timeout(self.limits.upstream_timeout_sec):
                 response = await transport.handle_async_request(upstream)
                 try:
-                    await self._relay_response(conn, writer, response)
+                    await self._relay_response(
+                        conn, writer, response, body if self._record_chat else None
+                    )
                 finally:
                     await response.aclose()
         except (_Cut, ConnectionError):
@@ -766,7 +777,11 @@ class ModelRelay:
         await writer.drain()
 
     async def _relay_response(
-        self, conn: h11.Connection, writer: asyncio.StreamWriter, response: httpx.Response
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        response: httpx.Response,
+        request_body: bytes | None = None,
     ) -> None:
         limit = self.limits.max_response_bytes
         declared = response.headers.get("content-length")
@@ -820,6 +835,23 @@ class ModelRelay:
             found = sse_usage.found
         elif json_body:
             with contextlib.suppress(ValueError):
-                found = _usage_numbers(json.loads(json_body))
+                answer = json.loads(json_body)
+                found = _usage_numbers(answer)
+                if request_body is not None:
+                    self._keep_chat(request_body, answer)
         if found is not None:
             self._record_usage(found)
+
+    def _keep_chat(self, request_body: bytes, answer: Any) -> None:
+        """Keep the call's messages and the answer's message as ``last_chat``."""
+        with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
+            request = json.loads(request_body)
+            messages = request["messages"]
+            message = answer["choices"][0]["message"]
+            if isinstance(messages, list) and isinstance(message, dict):
+                tools = request.get("tools")
+                self.last_chat = {
+                    "messages": messages,
+                    "response": message,
+                    "tools": tools if isinstance(tools, list) else None,
+                }

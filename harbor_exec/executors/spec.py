@@ -17,12 +17,13 @@ executor and the Ray node both build their trials through it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from harbor_exec.sandbox.agent_layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.runtime import Mount
@@ -34,7 +35,7 @@ from harbor_exec.trial.agents import (
     grader_verifier,
     tests_verifier,
 )
-from harbor_exec.trial.native import NativeAgent
+from harbor_exec.trial.native import NativeAgent, is_in_container_agent
 from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
@@ -74,12 +75,25 @@ class NativeAgentSpec:
     instruction: str = field(repr=False)
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     setup_timeout_sec: float | None = None
+    #: An in-container agent's prebuilt layer (``harbor_exec.sandbox.agent_layer``).
+    layer: AgentLayer | None = None
 
     @property
     def info(self) -> AgentInfo:
         return self.agent("", None).info
 
-    def agent(self, token: str, relay_socket: str | None, relay_path: str = "/v1") -> NativeAgent:
+    @property
+    def in_container(self) -> bool:
+        """mini-swe-agent: runs in the container, from its agent layer, via the relay mount."""
+        return is_in_container_agent(self.name)
+
+    def agent(
+        self,
+        token: str,
+        relay_socket: str | None,
+        relay_path: str = "/v1",
+        relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
+    ) -> NativeAgent:
         return NativeAgent(
             name=self.name,
             model_name=self.model_name,
@@ -89,6 +103,7 @@ class NativeAgentSpec:
             token=token,
             relay_socket=relay_socket,
             relay_path=relay_path,
+            relay_chat=relay_chat,
         )
 
 
@@ -190,11 +205,13 @@ def trial_request(
     *,
     mounts: Sequence[Mount] = (),
     relay_socket: str | None = None,
+    relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> TrialRequest:
     """The runnable trial of ``spec`` on this machine: its agent and verifier built
     from ``secrets`` and ``content``, with ``mounts`` in the agent's container (e.g.
     the model relay); ``relay_socket``: the host path of the rollout's relay socket,
-    for a native agent that dials it from this process."""
+    for a native agent that dials it from this process; ``relay_chat``: the relay's
+    record of the last chat call, for an in-container native agent's sample."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -204,6 +221,7 @@ def trial_request(
     if deps is not None and content.wheelhouse is not None:
         deps = replace(deps, wheelhouse=content.wheelhouse)
     agent: Agent = OracleAgent()
+    agent_layer: AgentLayer | None = None
     if isinstance(spec.agent, WorkflowAgentSpec):
         if secrets.agent_input is None:
             raise ValueError("a workflow trial needs its rollout input (TrialSecrets.agent_input)")
@@ -218,7 +236,11 @@ def trial_request(
         if model is None:
             raise ValueError("a native agent's trial needs its model endpoint (TrialSecrets.model)")
         path = urlsplit(model.url).path.rstrip("/")
-        agent = spec.agent.agent(model.token, relay_socket, path)
+        agent = spec.agent.agent(model.token, relay_socket, path, relay_chat)
+        if spec.agent.in_container:
+            # Prepared at prewarm or the backend's start; None makes the agent's setup
+            # fail, naming what is missing (nothing is fetched at trial time).
+            agent_layer = spec.agent.layer
     verifier: TestsVerifier | None = None
     if spec.verifier == "grader":
         if secrets.verifier_input is None:
@@ -244,6 +266,7 @@ def trial_request(
         secrets=list(secrets.scrub),
         mounts=mounts,
         deps=deps,
+        agent_layer=agent_layer,
         policy=spec.policy,
     )
 

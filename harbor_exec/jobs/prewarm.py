@@ -1,5 +1,9 @@
 """Prewarm a dataset: build every task image ahead of time, ``jobs`` at once.
 
+With an in-container native agent's layer (``prepare_prewarm_agent``: its wheels
+fetched once, the only network use), each task's prewarm also installs the layer's
+volume (once per engine: it is content-named, the first task installs it).
+
 A task that fails is reported with its reason and never stops the others. Each
 task keeps only a small ``PrewarmOutcome`` (its build log went to a file while it
 built), so memory stays flat over thousands of tasks. Identical environments share
@@ -15,7 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
+from harbor_exec.bundler.agent_wheels import prepare_agent_layer
+from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.trial.native import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import ensure_task_image
 
@@ -47,11 +54,28 @@ class PrewarmEvent:
     outcome: PrewarmOutcome | None = None
 
 
-def prewarm_one(runtime: ContainerRuntime, task: Task) -> PrewarmOutcome:
-    """Build (or find) one task's image; any error becomes a ``failed`` outcome."""
+def prepare_prewarm_agent(agent: str) -> AgentLayer:
+    """The agent layer of ``agent`` (``mini-swe-agent``), its wheels downloaded when this
+    machine has none; ``ValueError`` for an agent without a layer."""
+    if not is_in_container_agent(agent):
+        raise ValueError(
+            f"agent {agent!r} has no agent layer to prewarm: only "
+            f"{', '.join(IN_CONTAINER_AGENT_NAMES)} (in-container agents) have one"
+        )
+    return prepare_agent_layer(agent)
+
+
+def prewarm_one(
+    runtime: ContainerRuntime, task: Task, agent_layer: AgentLayer | None = None
+) -> PrewarmOutcome:
+    """Build (or find) one task's image, and install ``agent_layer`` when given; any
+    error becomes a ``failed`` outcome."""
     started = time.monotonic()
     try:
         image, built = ensure_task_image(runtime, task)
+        if agent_layer is not None:
+            _volume, layer_built = ensure_agent_layer(runtime, agent_layer, image)
+            built = built or layer_built
     except Exception as exc:  # one broken task must never stop a dataset's prewarm
         return PrewarmOutcome(
             task.name, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
@@ -67,15 +91,17 @@ def prewarm_tasks(
     *,
     jobs: int,
     on_event: Callable[[PrewarmEvent], None] | None = None,
+    agent_layer: AgentLayer | None = None,
 ) -> list[PrewarmOutcome]:
-    """Prewarm ``tasks`` with up to ``jobs`` builds at once; outcomes in ``tasks`` order."""
+    """Prewarm ``tasks`` with up to ``jobs`` builds at once (and ``agent_layer``'s
+    volume with them); outcomes in ``tasks`` order."""
     emit = on_event or (lambda event: None)
     emit_lock = threading.Lock()  # display callbacks need not be thread-safe
 
     def one(task: Task) -> PrewarmOutcome:
         with emit_lock:
             emit(PrewarmEvent("started", task.name))
-        outcome = prewarm_one(runtime, task)
+        outcome = prewarm_one(runtime, task, agent_layer)
         with emit_lock:
             emit(PrewarmEvent("finished", task.name, outcome))
         return outcome

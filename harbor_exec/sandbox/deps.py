@@ -14,7 +14,9 @@ volume on whichever engine runs the trial (this machine's, or a Ray node's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harbor_exec.container.exchange import DEPS_MOUNT, DEPS_SITE, RUNTIME_PYTHON
@@ -28,11 +30,13 @@ _WHEELHOUSE = "/harbor-exec-wheelhouse"
 
 # Run by the runtime's Python in a helper container: pip (from its wheel) installs
 # into a fresh directory that is renamed into place, so a second installer racing
-# this one (another service on the same engine) never mixes its files in.
-_INSTALL = f"""
-import os, subprocess, sys, tempfile
-pip, wheels = sys.argv[1], sys.argv[2:]
-stage = tempfile.mkdtemp(dir={DEPS_MOUNT!r}, prefix=".install-")
+# this one (another service on the same engine) never mixes its files in. Then the
+# launchers (``{path: text}``, JSON) are written, each by rename, and the marker last.
+_INSTALL = """
+import json, os, subprocess, sys, tempfile
+mount, site, marker, launchers, pip = sys.argv[1:6]
+wheels = sys.argv[6:]
+stage = tempfile.mkdtemp(dir=mount, prefix=".install-")
 os.chmod(stage, 0o755)
 done = subprocess.run([sys.executable, "-I", pip, "install", "--quiet", "--no-index",
     "--no-deps", "--no-cache-dir", "--disable-pip-version-check", "--no-warn-script-location",
@@ -40,12 +44,18 @@ done = subprocess.run([sys.executable, "-I", pip, "install", "--quiet", "--no-in
 if done.returncode:
     sys.exit(done.returncode)
 try:
-    os.rename(stage, {DEPS_SITE!r})
+    os.rename(stage, site)
 except OSError:
-    if not os.path.isdir({DEPS_SITE!r}):
+    if not os.path.isdir(site):
         raise
-with open({DEPS_MARKER!r}, "w") as marker:
-    marker.write(" ".join(os.path.basename(w) for w in wheels) + "\\n")
+for path, text in json.loads(launchers).items():
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        handle.write(text)
+    os.chmod(path + ".tmp", 0o755)
+    os.rename(path + ".tmp", path)
+with open(marker, "w") as handle:
+    handle.write(" ".join(os.path.basename(w) for w in wheels) + "\\n")
 """
 
 
@@ -65,35 +75,77 @@ class DepsLayer:
         return sorted(self.wheelhouse.glob("*.whl"))
 
 
-def ensure_deps_env(runtime: ContainerRuntime, layer: DepsLayer, image: str) -> tuple[str, bool]:
-    """The dependency environment's volume; returns ``(volume, installed_now)``.
+@dataclass(frozen=True)
+class WheelInstall:
+    """Wheels installed once into a named volume, by the runtime's Python and pip.
+
+    ``site`` and ``marker`` are container paths under ``mount``; ``launchers`` are
+    executable text files (container path: content) written after the install;
+    ``pip_wheel`` is the file name of pip's wheel among ``wheels``.
+    """
+
+    volume: str
+    mount: str
+    site: str
+    marker: str
+    wheels: tuple[Path, ...]
+    pip_wheel: str
+    kind: str  # the volume's LABEL_KIND
+    launchers: Mapping[str, str] = field(default_factory=dict)
+
+
+def install_wheels(runtime: ContainerRuntime, install: WheelInstall, image: str) -> bool:
+    """Fill ``install.volume`` unless complete; True when this call installed it.
 
     ``image`` (present on the engine) only hosts the install: the runtime's Python
     runs it, whatever the image holds. The runtime fills each volume once, so
-    concurrent callers (prewarm, trials) install each requirement set once.
+    concurrent callers (prewarm, trials) install each volume once.
     """
-    wheels = layer.wheels()
     command = [
         RUNTIME_PYTHON,
         "-I",
         "-c",
         _INSTALL,
-        f"{_WHEELHOUSE}/{layer.pip_wheel}/pip",
-        *(f"{_WHEELHOUSE}/{w.name}" for w in wheels),
+        install.mount,
+        install.site,
+        install.marker,
+        json.dumps(dict(install.launchers)),
+        # pip runs from its wheel (a zip on sys.path), not an install of it.
+        f"{_WHEELHOUSE}/{install.pip_wheel}/pip",
+        *(f"{_WHEELHOUSE}/{w.name}" for w in install.wheels),
     ]
-    filled = runtime.fill_volume(
+    return runtime.fill_volume(
         VolumeFill(
-            volume=layer.volume_name,
-            mount=DEPS_MOUNT,
-            marker=DEPS_MARKER,
-            files=tuple((w, f"{_WHEELHOUSE}/{w.name}") for w in wheels),
+            volume=install.volume,
+            mount=install.mount,
+            marker=install.marker,
+            files=tuple((w, f"{_WHEELHOUSE}/{w.name}") for w in install.wheels),
             command=tuple(command),
-            labels={LABEL_KIND: "deps"},
+            labels={LABEL_KIND: install.kind},
             timeout_sec=DEPS_BUILD_TIMEOUT_SEC,
         ),
         image,
     )
-    return layer.volume_name, filled
 
 
-__all__ = ["DEPS_VOLUME_PREFIX", "DepsLayer", "ensure_deps_env"]
+def ensure_deps_env(runtime: ContainerRuntime, layer: DepsLayer, image: str) -> tuple[str, bool]:
+    """The dependency environment's volume; returns ``(volume, installed_now)``."""
+    install = WheelInstall(
+        volume=layer.volume_name,
+        mount=DEPS_MOUNT,
+        site=DEPS_SITE,
+        marker=DEPS_MARKER,
+        wheels=tuple(layer.wheels()),
+        pip_wheel=layer.pip_wheel,
+        kind="deps",
+    )
+    return layer.volume_name, install_wheels(runtime, install, image)
+
+
+__all__ = [
+    "DEPS_VOLUME_PREFIX",
+    "DepsLayer",
+    "WheelInstall",
+    "ensure_deps_env",
+    "install_wheels",
+]

@@ -59,7 +59,7 @@ import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.cache import BUILD_LOGS, cache_root
-from harbor_exec.container.exchange import DEPS_MOUNT
+from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT
 from harbor_exec.errors import (
     DockerUnavailableError,
     EngineUnavailableError,
@@ -622,7 +622,7 @@ class DockerRuntime:
         """Remove our runtime and dependency volumes not in ``keep`` and not in use by a
         container; returns the removed names (each is made again when needed)."""
         removed = []
-        for kind in ("runtime", "deps"):
+        for kind in ("runtime", "deps", "agent"):
             found = self._api.volumes(filters={"label": f"{LABEL_KIND}={kind}"})
             for volume in found.get("Volumes") or []:
                 name = volume["Name"]
@@ -662,6 +662,8 @@ class DockerRuntime:
         mounts = [_volume_mount(RUNTIME_MOUNT, runtime_volume)]
         if spec.deps_volume is not None:
             mounts.append(_volume_mount(DEPS_MOUNT, spec.deps_volume))
+        if spec.agent_volume is not None:
+            mounts.append(_volume_mount(AGENT_MOUNT, spec.agent_volume))
         host_config = self._api.create_host_config(
             nano_cpus=int(cpus * 1e9) if cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,

@@ -72,6 +72,9 @@ class ContainerSpec:
     #: The bundle's dependency environment (``harbor_exec.sandbox.deps``), mounted
     #: read-only at ``DEPS_MOUNT``; the runtime volume is mounted into every container.
     deps_volume: str | None = None
+    #: An in-container native agent's layer (``harbor_exec.sandbox.agent_layer``),
+    #: mounted read-only at ``AGENT_MOUNT``.
+    agent_volume: str | None = None
 
 
 @dataclass(frozen=True)

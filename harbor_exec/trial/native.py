@@ -1,4 +1,4 @@
-"""Harbor's own agents (terminus-2) as trial agents, run unchanged.
+"""Harbor's own agents (terminus-2, mini-swe-agent) as trial agents, run unchanged.
 
 ``NativeAgent`` is the trial-side ``Agent``: plain values only (the agent's name,
 model route, options, the rollout's relay token and socket). Its ``run`` imports
@@ -13,8 +13,17 @@ it, the container needs no network, and nothing the agent writes holds the key.
 Inside the container terminus-2 needs only tmux, which comes from the read-only
 runtime (``RUNTIME_TMUX``), never from the image or an install.
 
+mini-swe-agent runs inside the container, from its prebuilt read-only layer
+(``harbor_exec.sandbox.agent_layer``; Harbor's install step never runs), and reaches
+the model through the runtime's in-container forwarder (``runner forward``, a
+loopback port piped onto the relay's socket mounted into the container), with the
+per-rollout token as its key: every command the model runs can read that token,
+never the trainer's key.
+
 The sample is the exact chat terminus-2 held (``store_all_messages``), with the
-token ids and logprobs of ``rollout_details`` when the upstream returned them.
+token ids and logprobs of ``rollout_details`` when the upstream returned them. For
+an in-container agent, whose own files the model's commands can rewrite, it is the
+last chat call as the relay saw it (its messages, then the answer).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +41,9 @@ from harbor_exec.trial.results import AgentInfo, ModelInfo
 from harbor_exec.trial.task import Task
 
 #: Harbor's agents harbor-exec runs (besides the oracle), by Harbor's names.
-NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2",)
+NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2", "mini-swe-agent")
+#: Those that run inside the trial's container (from their agent layer), not here.
+IN_CONTAINER_AGENT_NAMES: tuple[str, ...] = ("mini-swe-agent",)
 #: Every name ``agent=`` accepts besides a workflow reference (``module:attr``).
 AGENT_NAMES: tuple[str, ...] = ("oracle", *NATIVE_AGENT_NAMES)
 DEFAULT_MODEL_NAME = "openai/osmosis-rollout"
@@ -42,9 +53,9 @@ _MODEL_ROUTE = re.compile(r"openai/[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,255}")
 #: Options harbor-exec sets itself: the model's route and key, and what makes the
 #: sample (a user's value for them is refused at construction).
 MANAGED_KWARGS = frozenset(
-    {"api_base", "api_key", "model_name", "logs_dir", "extra_env", "session_id"}
+    {"api_base", "api_key", "model_name", "logs_dir", "extra_env", "session_id", "skip_install"}
 )
-#: Set for every native agent, whatever the user's options say.
+#: Set for terminus-2, whatever the user's options say.
 FORCED_KWARGS: Mapping[str, Any] = {"record_terminal_session": False, "store_all_messages": True}
 #: Before litellm is imported (any import of Harbor's agents imports it): no cost-map
 #: fetch from GitHub, no tokenizer download.
@@ -56,6 +67,10 @@ LITELLM_OFFLINE_ENV: Mapping[str, str] = {
 
 def is_native_agent(agent: object) -> bool:
     return isinstance(agent, str) and agent in NATIVE_AGENT_NAMES
+
+
+def is_in_container_agent(agent: object) -> bool:
+    return isinstance(agent, str) and agent in IN_CONTAINER_AGENT_NAMES
 
 
 def check_agent_name(agent: object) -> None:
@@ -120,12 +135,21 @@ class NativeAgent:
     token: str = field(repr=False)
     relay_socket: str | None = None
     relay_path: str = "/v1"
+    #: In-container agents: the relay's record of the rollout's last chat call
+    #: (``ModelRelay.last_chat``), read once the agent is done.
+    relay_chat: Callable[[], Mapping[str, Any] | None] | None = field(
+        default=None, compare=False, repr=False
+    )
     #: Set by ``cancel()`` (the trial's ``cancel``, from any thread): the agent's loop
     #: runs on this trial's thread, in its own event loop, and stops at once.
     cancelled: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    @property
+    def in_container(self) -> bool:
+        return is_in_container_agent(self.name)
 
     @property
     def info(self) -> AgentInfo:
@@ -159,12 +183,14 @@ __all__ = [
     "AGENT_NAMES",
     "DEFAULT_MODEL_NAME",
     "FORCED_KWARGS",
+    "IN_CONTAINER_AGENT_NAMES",
     "LITELLM_OFFLINE_ENV",
     "NATIVE_AGENT_NAMES",
     "NativeAgent",
     "check_agent_name",
     "check_model_name",
     "check_native_kwargs",
+    "is_in_container_agent",
     "is_native_agent",
     "set_litellm_offline",
 ]

@@ -24,7 +24,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,11 @@ from harbor.models.task.config import EnvironmentConfig as HarborEnvironmentConf
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_exec.container.exchange import (
+    AGENT_BIN,
+    AGENT_MOUNT,
+    AGENT_SITE,
     RUNTIME_BUSYBOX,
+    RUNTIME_PYTHON,
     RUNTIME_TMUX,
     ErrorDetail,
     ErrorFile,
@@ -50,10 +54,12 @@ from harbor_exec.errors import (
     CancelledError,
     HarborExecError,
 )
+from harbor_exec.sandbox.agent_layer import AGENT_MARKER, AGENT_PACKAGES
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive, tree_entries
+from harbor_exec.sandbox.runtime_volume import RUNTIME_SHELL
 from harbor_exec.sandbox.users import ROOT_ID
 from harbor_exec.trial.agents import TASK_SHELL, AgentRun, TrialSession
-from harbor_exec.trial.native import FORCED_KWARGS, NativeAgent
+from harbor_exec.trial.native import FORCED_KWARGS, LITELLM_OFFLINE_ENV, NativeAgent
 
 #: How the runtime's busybox reports a command it killed on its deadline (SIGKILL).
 _KILLED = 128 + 9
@@ -73,18 +79,31 @@ def _user(user: str | int | None) -> str:
 class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is untyped
     """The trial's started container, attached (harbor-exec's ``Trial`` owns it)."""
 
-    def __init__(self, session: TrialSession, **kwargs: Any) -> None:
+    def __init__(
+        self, session: TrialSession, programs: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
         self._session = session
+        # Each of ``programs`` (name: container path, e.g. an agent layer's launcher)
+        # is a shell function of every command, like tmux: the image's PATH untouched.
+        self._functions = _TMUX_FUNCTION + "".join(
+            f'{name}() {{ {path} "$@"; }}; ' for name, path in (programs or {}).items()
+        )
         super().__init__(**kwargs)
 
     @classmethod
     def of_session(
-        cls, session: TrialSession, trial_paths: TrialPaths, **kwargs: Any
+        cls,
+        session: TrialSession,
+        trial_paths: TrialPaths,
+        programs: Mapping[str, str] | None = None,
+        **kwargs: Any,
     ) -> HarborExecEnvironment:
         """The environment of ``session``'s container, commands as its agent user;
-        ``kwargs`` are more of ``BaseEnvironment``'s (``persistent_env``, ...)."""
+        ``programs`` as in the constructor; ``kwargs`` are more of
+        ``BaseEnvironment``'s (``persistent_env``, ...)."""
         environment = cls(
             session,
+            programs,
             environment_dir=session.task.environment_dir,
             environment_name=session.task.name,
             session_id=f"{session.container_id[:12]}__env",
@@ -134,7 +153,7 @@ class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is
         result = await asyncio.to_thread(
             session.runtime.exec,
             session.container_id,
-            [*shell, _TMUX_FUNCTION + command],
+            [*shell, self._functions + command],
             env=self._merge_env(env),
             user=_user(self._resolve_user(user)),
             workdir=cwd or session.workdir,
@@ -222,6 +241,59 @@ def _check_tmux(session: TrialSession) -> None:
         )
 
 
+def _check_agent_layer(agent: NativeAgent, session: TrialSession) -> dict[str, str]:
+    """The layer's programs (name: container path), or ``AgentSetupError`` naming what
+    is missing: Harbor's install (curl, uv, PyPI) never runs in its place."""
+    programs = {name: f"{AGENT_BIN}/{name}" for name in AGENT_PACKAGES[agent.name].programs}
+    checks = " && ".join(
+        [f"test -f {AGENT_MARKER}", *(f"test -x {path}" for path in programs.values())]
+    )
+    try:
+        result = session.runtime.exec(session.container_id, [*RUNTIME_SHELL, checks], user=ROOT_ID)
+        ok = result.exit_code == 0
+    except HarborExecError:
+        ok = False
+    if not ok:
+        raise AgentSetupError(
+            f"{agent.name} needs its agent layer mounted at {AGENT_MOUNT} "
+            f"({', '.join(programs.values())}), which is missing from this container: "
+            f"prepare it with `harbor-exec prewarm --agent {agent.name}` (or start the "
+            "backend once with access to the package index). Nothing is installed at "
+            "trial time."
+        )
+    return programs
+
+
+#: ``runner forward`` on the runtime's interpreter, from the agent layer's copy of
+#: harbor-exec's container side; it prints its port and detaches.
+_FORWARD = (
+    f"import sys; sys.path.append({AGENT_SITE!r}); "
+    "from harbor_exec.container.runner import main; sys.exit(main(['forward']))"
+)
+
+
+def _start_forwarder(agent: NativeAgent, session: TrialSession) -> int:
+    """Start the in-container forwarder (as the agent's user; the agent can only end
+    it, and the trial's kill after the phase does); its port."""
+    try:
+        result = session.runtime.exec(
+            session.container_id,
+            [RUNTIME_PYTHON, "-I", "-c", _FORWARD],
+            user=session.agent_user,
+            timeout_sec=60,
+        )
+    except HarborExecError as exc:
+        raise AgentSetupError(f"{agent.name}: the relay forwarder did not start: {exc}") from None
+    port = result.output.strip()
+    if result.exit_code != 0 or not port.isdigit():
+        detail = result.errors.decode("utf-8", errors="replace").strip()[-300:]
+        raise AgentSetupError(
+            f"{agent.name}: the relay forwarder did not start (exit {result.exit_code}): "
+            f"{detail or 'no output'}"
+        )
+    return int(port)
+
+
 def _agent_kwargs(agent: NativeAgent, port: int) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"enable_summarize": False, **agent.kwargs, **FORCED_KWARGS}
     kwargs["api_base"] = f"http://127.0.0.1:{port}{agent.relay_path}"
@@ -229,19 +301,41 @@ def _agent_kwargs(agent: NativeAgent, port: int) -> dict[str, Any]:
     return kwargs
 
 
+def in_container_env(agent: NativeAgent, port: int) -> dict[str, str]:
+    """An in-container agent's environment (every command the model runs inherits it):
+    the loopback forwarder as its endpoint, the relay token as its key, litellm offline."""
+    url = f"http://127.0.0.1:{port}{agent.relay_path}"
+    return {
+        "OPENAI_API_KEY": agent.token,
+        "OPENAI_API_BASE": url,
+        "OPENAI_BASE_URL": url,
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        **LITELLM_OFFLINE_ENV,
+    }
+
+
 async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float | None) -> AgentRun:
     if agent.relay_socket is None:
         raise AgentSetupError(
             f"{agent.name} needs the rollout's model relay on this machine (no relay socket)"
         )
-    await asyncio.to_thread(_check_tmux, session)
     with tempfile.TemporaryDirectory(prefix="hx-native-") as scratch:
         paths = TrialPaths(Path(scratch))
         paths.mkdir()
+        if agent.in_container:
+            programs = await asyncio.to_thread(_check_agent_layer, agent, session)
+            port = await asyncio.to_thread(_start_forwarder, agent, session)
+            extra_env = in_container_env(agent, port)
+            kwargs = {**agent.kwargs, "skip_install": True}
+            return await _setup_and_run(
+                agent, session, timeout_sec, paths, kwargs, extra_env, programs
+            )
+        await asyncio.to_thread(_check_tmux, session)
         forwarder = ForwarderThread(agent.relay_socket)
         port = await asyncio.to_thread(forwarder.start)
         try:
-            return await _setup_and_run(agent, session, timeout_sec, paths, port)
+            kwargs = _agent_kwargs(agent, port)
+            return await _setup_and_run(agent, session, timeout_sec, paths, kwargs, {}, {})
         finally:
             await asyncio.to_thread(forwarder.close)
 
@@ -251,65 +345,115 @@ async def _setup_and_run(
     session: TrialSession,
     timeout_sec: float | None,
     paths: TrialPaths,
-    port: int,
+    kwargs: dict[str, Any],
+    extra_env: dict[str, str],
+    programs: Mapping[str, str],
 ) -> AgentRun:
     try:
         harbor_agent = AgentFactory.create_agent_from_name(
             AgentName(agent.name),
             logs_dir=paths.agent_dir,
             model_name=agent.model_name,
-            **_agent_kwargs(agent, port),
+            # Always given for an in-container agent: Harbor resolves the model's key
+            # from it before this process's environment (which may hold a real key).
+            extra_env=extra_env,
+            **kwargs,
         )
-    except Exception as exc:
-        raise AgentSetupError(f"{agent.name}: {type(exc).__name__}: {exc}") from None
-    environment = HarborExecEnvironment.of_session(session, paths)
-    await environment.start(force_build=False)
-    try:
-        await _unless_cancelled(
-            agent, asyncio.wait_for(harbor_agent.setup(environment), agent.setup_timeout_sec)
-        )
-    except TimeoutError:
-        raise AgentSetupTimeoutError(
-            f"{agent.name}'s setup took longer than {agent.setup_timeout_sec:g}s"
-        ) from None
-    except HarborExecError:
-        raise
     except Exception as exc:
         raise AgentSetupError(
-            redact(f"{agent.name} setup failed: {type(exc).__name__}: {exc}", [agent.token])
+            redact(f"{agent.name}: {type(exc).__name__}: {exc}", [agent.token])
         ) from None
-    context = AgentContext()
-    timed_out, error = False, None
-    started = time.monotonic()
-    try:
-        await _unless_cancelled(
-            agent,
-            asyncio.wait_for(
-                harbor_agent.run(agent.instruction, environment, context), timeout_sec
-            ),
-        )
-    except TimeoutError:
-        timed_out = True
-    except HarborExecError:
-        raise
-    except Exception as exc:
-        error = exc
-    finally:
-        if timed_out or error is not None:
-            # An exec the cancelled agent left in flight ends with its processes.
-            await asyncio.to_thread(session.runtime.stop_processes, session.container_id)
+    environment = HarborExecEnvironment.of_session(session, paths, programs)
+    await environment.start(force_build=False)
+    with environment.scoped_exec_env(extra_env):
+        try:
+            await _unless_cancelled(
+                agent, asyncio.wait_for(harbor_agent.setup(environment), agent.setup_timeout_sec)
+            )
+        except TimeoutError:
+            raise AgentSetupTimeoutError(
+                f"{agent.name}'s setup took longer than {agent.setup_timeout_sec:g}s"
+            ) from None
+        except HarborExecError:
+            raise
+        except Exception as exc:
+            raise AgentSetupError(
+                redact(f"{agent.name} setup failed: {type(exc).__name__}: {exc}", [agent.token])
+            ) from None
+        context = AgentContext()
+        timed_out, error = False, None
+        started = time.monotonic()
+        try:
+            await _unless_cancelled(
+                agent,
+                asyncio.wait_for(
+                    harbor_agent.run(agent.instruction, environment, context), timeout_sec
+                ),
+            )
+        except TimeoutError:
+            timed_out = True
+        except HarborExecError:
+            raise
+        except Exception as exc:
+            error = exc
+        finally:
+            if timed_out or error is not None or agent.in_container:
+                # An exec the cancelled agent left in flight ends with its processes
+                # (and an in-container agent's forwarder and leftovers with them).
+                await asyncio.to_thread(session.runtime.stop_processes, session.container_id)
+    seconds = time.monotonic() - started
+    if agent.in_container:
+        await _read_agent_logs(environment, harbor_agent, context)
     host_files: dict[str, bytes] = {}
     trajectory = paths.agent_dir / "trajectory.json"
     if trajectory.is_file():
-        text = redact(trajectory.read_text(encoding="utf-8", errors="replace"), [agent.token])
-        host_files["agent/trajectory.json"] = text.encode()
+        text = trajectory.read_text(encoding="utf-8", errors="replace")
+        if agent.in_container:
+            text = _marked_untrusted(text)
+        host_files["agent/trajectory.json"] = redact(text, [agent.token]).encode()
+    if agent.in_container:
+        sample = _relay_sample(agent, context, error, seconds)
+    else:
+        sample = _sample(agent, context, error, seconds)
     return AgentRun(
         exit_code=None if timed_out else (1 if error is not None else 0),
         timed_out=timed_out,
-        sample=_sample(agent, context, error, time.monotonic() - started),
+        sample=sample,
         host_files=host_files,
         agent_result=_agent_result(context),
     )
+
+
+async def _read_agent_logs(
+    environment: HarborExecEnvironment, harbor_agent: Any, context: AgentContext
+) -> None:
+    """Harbor's post-run step: ``/logs/agent`` copied here (bounded, no links), the
+    agent's own trajectory converted to ATIF and its counts read (all untrusted)."""
+    with contextlib.suppress(Exception):
+        await environment.download_dir("/logs/agent", harbor_agent.logs_dir)
+    if context.is_empty():
+        with contextlib.suppress(Exception):
+            harbor_agent.populate_context_post_run(context)
+
+
+#: How an in-container agent's ATIF trajectory says where it came from.
+UNTRUSTED_NOTE = (
+    "converted from the agent's own file inside the container, which the model's "
+    "commands could rewrite: the sample's chat and usage are the relay's"
+)
+
+
+def _marked_untrusted(text: str) -> str:
+    """The ATIF document as Harbor wrote it, with ``agent.extra.harbor_exec`` saying
+    it is untrusted (text that is not such a document is kept as it is)."""
+    try:
+        document = json.loads(text)
+        extra = document["agent"].setdefault("extra", None) or {}
+        extra["harbor_exec"] = {"trusted": False, "note": UNTRUSTED_NOTE}
+        document["agent"]["extra"] = extra
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text
+    return json.dumps(document, indent=2)
 
 
 async def _unless_cancelled(agent: NativeAgent, work: Coroutine[Any, Any, Any]) -> Any:
@@ -402,4 +546,34 @@ def _sample(
     return redact(json.dumps(payload), [agent.token]).encode()
 
 
-__all__ = ["HarborExecEnvironment", "run_native_agent", "token_turns"]
+def _relay_sample(
+    agent: NativeAgent, context: AgentContext, error: BaseException | None, seconds: float
+) -> bytes:
+    """An in-container agent's sample: the last chat call as the relay saw it (its
+    messages, then the model's answer), never the agent's own files."""
+    if error is not None:
+        return _sample(agent, context, error, seconds)
+    record = agent.relay_chat() if agent.relay_chat is not None else None
+    messages: list[Any] = []
+    extra: dict[str, Any] = {
+        "harbor_agent": agent.name,
+        "harbor_model": agent.model_name,
+        "agent_seconds": round(seconds, 3),
+        "chat_source": "relay",
+        # What the agent's own (untrusted) trajectory counted; the metrics are the relay's.
+        "agent_usage_untrusted": {
+            "input_tokens": context.n_input_tokens,
+            "cached_tokens": context.n_cache_tokens,
+            "output_tokens": context.n_output_tokens,
+            "cost_usd": context.cost_usd,
+        },
+    }
+    if record is not None:
+        messages = [*record["messages"], record["response"]]
+        if record.get("tools"):
+            extra["tools"] = record["tools"]
+    payload = {"messages": _plain(messages), "metrics": {}, "extra_fields": _plain(extra)}
+    return redact(json.dumps(payload), [agent.token]).encode()
+
+
+__all__ = ["HarborExecEnvironment", "in_container_env", "run_native_agent", "token_turns"]

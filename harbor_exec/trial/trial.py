@@ -69,6 +69,7 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
+from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.archives import (
     VERIFIER_OUTPUT_LIMITS,
     ArchiveEntry,
@@ -245,6 +246,8 @@ class TrialRequest:
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
     deps: DepsLayer | None = None  # a bundle's dependency environment (its own volume)
+    #: An in-container native agent's prebuilt layer (its own volume, agent's container only).
+    agent_layer: AgentLayer | None = None
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
@@ -281,6 +284,7 @@ class Trial:
         self.output = TrialOutput()
         self.image = request.image or ""
         self.deps_volume: str | None = None  # the dependency environment, once ensured
+        self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
 
@@ -437,6 +441,7 @@ class Trial:
             syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
             gpus=gpus,
             deps_volume=self.deps_volume,
+            agent_volume=self.agent_volume if kind == "trial" else None,
         )
 
     def _create(self, spec: ContainerSpec) -> str:
@@ -474,6 +479,11 @@ class Trial:
                 self.images_built += built
             if request.deps is not None:
                 self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)
+                self.images_built += built
+            if request.agent_layer is not None:
+                self.agent_volume, built = ensure_agent_layer(
+                    self.runtime, request.agent_layer, self.image
+                )
                 self.images_built += built
             self._check_cancelled()
             container_id = self._create(

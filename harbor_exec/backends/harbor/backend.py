@@ -72,6 +72,7 @@ from harbor_exec.protocol import (
     QueueInfo,
     rollout_dir_name,
 )
+from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
@@ -81,6 +82,7 @@ from harbor_exec.trial.native import (
     check_agent_name,
     check_model_name,
     check_native_kwargs,
+    is_in_container_agent,
     is_native_agent,
     set_litellm_offline,
 )
@@ -298,6 +300,8 @@ class HarborBackend(ExecutionBackend):
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
         self.image_builds = 0  # task images and dependency layers built for this backend
+        #: An in-container native agent's layer (mini-swe-agent), prepared at start.
+        self.agent_layer: AgentLayer | None = None
 
     @property
     def tasks_dir(self) -> Path:
@@ -318,6 +322,8 @@ class HarborBackend(ExecutionBackend):
                 # rollout, and offline (no cost-map fetch, no tokenizer download).
                 set_litellm_offline()
                 importlib.import_module("harbor_exec.trial.native_env")
+                if is_in_container_agent(self.native.name):
+                    self._prepare_agent_layer(self.native)
             if self.native is not None and self._bundle_args["grader"] is not None:
                 # A grader-only bundle: Harbor's agent is no workflow.
                 self.bundle = prepare_bundle(None, **self._bundle_args)
@@ -340,6 +346,20 @@ class HarborBackend(ExecutionBackend):
                 relay_extra_routes=self.relay_extra_routes,
                 native=self.native,
             )
+
+    def _prepare_agent_layer(self, native: NativeAgentConfig) -> None:
+        """mini-swe-agent's layer: its wheels fetched now (the only time the network is
+        used), installed into its volume by prewarm or the first trial. When they cannot
+        be had, every trial's setup fails at once, naming the layer."""
+        from harbor_exec.bundler.agent_wheels import prepare_agent_layer
+        from harbor_exec.bundler.errors import BundleError
+
+        try:
+            self.agent_layer = prepare_agent_layer(native.name)
+        except (AgentLayerError, BundleError, OSError) as exc:
+            logger.warning("the %s agent layer is not available: %s", native.name, exc)
+            return
+        self.native = replace(native, layer=self.agent_layer)
 
     @property
     def policy(self) -> SandboxPolicy:
@@ -627,6 +647,8 @@ class HarborBackend(ExecutionBackend):
                 async with limiter:
                     task = await anyio.to_thread.run_sync(self.resolver.load, path)
                     built = await self.executor.prewarm(task, deps)
+                    if self.agent_layer is not None and isinstance(self.executor, LocalExecutor):
+                        built += await self.executor.prewarm_agent_layer(task, self.agent_layer)
             except (HarborExecError, OSError, ValueError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 summary.failed += 1

@@ -45,6 +45,7 @@ from harbor_exec.executors.spec import (
     WorkflowAgentSpec,
 )
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
+from harbor_exec.sandbox.agent_layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.native import DEFAULT_MODEL_NAME, check_model_name
@@ -146,6 +147,7 @@ class NativeAgentConfig:
     model_name: str = DEFAULT_MODEL_NAME
     kwargs: dict[str, Any] = field(default_factory=dict)
     setup_timeout_sec: float | None = None
+    layer: AgentLayer | None = None  # an in-container agent's (mini-swe-agent's)
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,7 @@ class TrialPlanner:
                 instruction=task.instruction,
                 kwargs=self.native.kwargs,
                 setup_timeout_sec=self.native.setup_timeout_sec,
+                layer=self.native.layer,
             )
         # A task's own tests verify; without them, the bundle's grader.
         verifier: VerifierKind = "grader" if verify and not task.has_tests else "tests"
