@@ -31,7 +31,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"trial"}),
     frozenset({"sandbox"}),
     frozenset({"container", "client"}),
-    frozenset({"_client_http", "protocol"}),
+    frozenset({"_client_http", "protocol", "compat"}),
     frozenset({"authoring"}),
     frozenset({"errors", "cache"}),
 )
