@@ -30,10 +30,13 @@ __all__ = [
 ]
 
 RUNTIME_DISTRIBUTION = "harbor-exec-runtime"
-# Paths below harbor_exec/: the public authoring face, the error names, and container/.
+# Paths below harbor_exec/: the public authoring face, the osmosis-ai SDK adapter, the
+# error names, and container/.
 RUNTIME_FILES = (
     "__init__.py",
     "authoring.py",
+    "compat/__init__.py",
+    "compat/osmosis.py",
     "errors.py",
     "protocol.py",
     "container/__init__.py",
@@ -165,7 +168,9 @@ def _build_runtime_wheel(cache_dir: Path, source: RuntimeSource, entry: Path) ->
         version = f"{source.version}+src.{source.digest[:12]}"
         (stage / "pyproject.toml").write_text(_pyproject(version), encoding="utf-8")
         for name, data in source.files:
-            (stage / "harbor_exec" / name).write_bytes(data)
+            target = stage / "harbor_exec" / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
         out = work / "out"
         # Reuse an installed hatchling when there is one: saves a pip round trip.
         isolated = importlib.util.find_spec("hatchling") is None

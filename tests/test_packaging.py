@@ -63,7 +63,9 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
 def test_declared_dependencies_cover_every_import() -> None:
     distributions = importlib.metadata.packages_distributions()
     core = _requirements(None)
-    extras = {name: _requirements(name) for name in ("server", "bundler", "ray", "native")}
+    extras = {
+        name: _requirements(name) for name in ("server", "bundler", "ray", "native", "osmosis")
+    }
     missing: list[str] = []
     files = sorted(ROOT.glob("harbor_exec/**/*.py")) + sorted(ROOT.glob("bundler/**/*.py"))
     checked = 0

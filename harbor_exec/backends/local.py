@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from pydantic import BaseModel
+
 from harbor_exec.authoring import (
     AgentWorkflow,
     AgentWorkflowConfig,
@@ -32,6 +34,12 @@ from harbor_exec.authoring import (
 )
 from harbor_exec.backends.artifacts import LazyArtifactsDir, LazyGraderContext, LazyWorkflowContext
 from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
+from harbor_exec.compat.osmosis import (
+    as_grader_class,
+    as_workflow_class,
+    is_grader_config,
+    is_workflow_config,
+)
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
@@ -100,7 +108,9 @@ class LocalBackend(ExecutionBackend):
     """Runs each rollout in-process: a fresh workflow (and grader) instance per rollout.
 
     ``workflow``/``grader`` are classes or ``"module:attr"`` strings; configs are
-    instances or ``"module:attr"``. Concurrency comes from
+    instances or ``"module:attr"``. Classes and configs written against osmosis-ai
+    0.3.8 (subclasses of ``osmosis_ai.rollout.AgentWorkflow``/``Grader``, its configs)
+    run unchanged, through ``harbor_exec.compat.osmosis``. Concurrency comes from
     ``workflow_config.concurrency.max_concurrent`` (4 without a config, no cap
     when the config says None). Each rollout gets ``<artifact_root>/<id>/artifacts/``,
     created when the workflow or grader first reads ``ctx.artifacts_dir``.
@@ -111,32 +121,38 @@ class LocalBackend(ExecutionBackend):
     def __init__(
         self,
         *,
-        workflow: type[AgentWorkflow[Any]] | str,
-        workflow_config: AgentWorkflowConfig | str | None = None,
-        grader: type[Grader] | str | None = None,
-        grader_config: GraderConfig | str | None = None,
+        workflow: type[Any] | str,
+        workflow_config: BaseModel | str | None = None,
+        grader: type[Any] | str | None = None,
+        grader_config: BaseModel | str | None = None,
         artifact_root: Path | str | None = None,
     ) -> None:
-        self.workflow_cls: type[AgentWorkflow[Any]] = _resolve(workflow, type, "workflow")
+        workflow_cls = as_workflow_class(_resolve(workflow, type, "workflow"))
+        if workflow_cls is None:
+            raise TypeError(
+                "workflow must be an AgentWorkflow subclass (harbor_exec.authoring's or "
+                f"osmosis_ai.rollout's), got {workflow!r}"
+            )
+        self.workflow_cls: type[AgentWorkflow[Any]] = workflow_cls
+        # osmosis-ai's configs have the same fields; typed as ours for the code below.
         self.workflow_config: AgentWorkflowConfig | None = (
-            _resolve(workflow_config, AgentWorkflowConfig, "workflow_config")
+            _resolve_config(workflow_config, is_workflow_config, "workflow_config")
             if workflow_config is not None
             else None
         )
-        self.grader_cls: type[Grader] | None = (
-            _resolve(grader, type, "grader") if grader is not None else None
-        )
+        self.grader_cls: type[Grader] | None = None
+        if grader is not None:
+            self.grader_cls = as_grader_class(_resolve(grader, type, "grader"))
+            if self.grader_cls is None:
+                raise TypeError(
+                    "grader must be a Grader subclass (harbor_exec.authoring's or "
+                    f"osmosis_ai.rollout's), got {grader!r}"
+                )
         self.grader_config: GraderConfig | None = (
-            _resolve(grader_config, GraderConfig, "grader_config")
+            _resolve_config(grader_config, is_grader_config, "grader_config")
             if grader_config is not None
             else None
         )
-        if not issubclass(self.workflow_cls, AgentWorkflow):
-            raise TypeError(
-                f"workflow must be an AgentWorkflow subclass, got {self.workflow_cls!r}"
-            )
-        if self.grader_cls is not None and not issubclass(self.grader_cls, Grader):
-            raise TypeError(f"grader must be a Grader subclass, got {self.grader_cls!r}")
         max_concurrent = (
             self.workflow_config.concurrency.max_concurrent
             if self.workflow_config is not None
@@ -334,6 +350,17 @@ def _require_reward(sample: RolloutSample | None) -> None:
         )
     if sample.reward is None and not sample.remove_sample:
         raise ValueError("the grader set no reward (call ctx.set_reward(...))")
+
+
+def _resolve_config(ref: Any, accepts: Callable[[Any], bool], what: str) -> Any:
+    value = resolve_import_path(ref) if isinstance(ref, str) else ref
+    if not accepts(value):
+        kind = "AgentWorkflowConfig" if what == "workflow_config" else "GraderConfig"
+        raise TypeError(
+            f"{what} {ref!r} resolved to {value!r}, expected a {kind} "
+            "(harbor_exec.authoring's or osmosis_ai.rollout's)"
+        )
+    return value
 
 
 def _resolve(ref: Any, kind: type, what: str) -> Any:

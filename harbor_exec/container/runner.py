@@ -4,6 +4,8 @@ Runs inside task containers (Python >= 3.11) and imports only the standard
 library, pydantic and ``harbor_exec.authoring``. The bundle's manifest
 (``--manifest``, default ``/opt/harbor-exec/manifest.json``) names the workflow,
 the grader and their configs as ``module:attr``; only those four fields are read.
+They may name classes and configs written against osmosis-ai 0.3.8's SDK: those run
+through ``harbor_exec.compat.osmosis`` (osmosis-ai from the bundle's dependencies).
 
 ``agent``
     reads ``<logs>/agent/rollout.json``::
@@ -126,6 +128,12 @@ from harbor_exec.authoring import (
     RolloutSample,
     resolve_import_path,
     run_workflow_once,
+)
+from harbor_exec.compat.osmosis import (
+    as_grader_class,
+    as_workflow_class,
+    is_grader_config,
+    is_workflow_config,
 )
 from harbor_exec.container.exchange import (
     AGENT_INPUT,
@@ -285,11 +293,14 @@ def _resolve(ref: str, field: str, kind: type, manifest: Path) -> Any:
             f"{field} {ref!r} from {manifest} does not import: {type(exc).__name__}: {exc}"
         ) from exc
     if kind in (AgentWorkflow, Grader):
-        if not (isinstance(obj, type) and issubclass(obj, kind)):
+        # Classes written against osmosis-ai's SDK come back wrapped (compat.osmosis).
+        adapted = as_workflow_class(obj) if kind is AgentWorkflow else as_grader_class(obj)
+        if adapted is None:
             raise SetupError(
                 f"{field} {ref!r} from {manifest} is {obj!r}, not a subclass of {kind.__name__}"
             )
-    elif not isinstance(obj, kind):
+        return adapted
+    elif not (is_workflow_config(obj) if kind is AgentWorkflowConfig else is_grader_config(obj)):
         raise SetupError(
             f"{field} {ref!r} from {manifest} is a {type(obj).__name__}, not a "
             f"{kind.__name__} instance (define one at module level)"

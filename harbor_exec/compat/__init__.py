@@ -1,0 +1,1 @@
+"""Adapters that run code written for other SDKs on harbor-exec (see ``osmosis``)."""
