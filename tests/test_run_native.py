@@ -34,7 +34,13 @@ def dataset(tmp_path: Path) -> Path:
 
 def test_a_route_other_than_openai_is_refused_naming_the_flag(dataset: Path) -> None:
     code, text = run_cli(
-        str(dataset), "--agent", "terminus-2", "--model-name", "anthropic/claude", "--api-base", BASE
+        str(dataset),
+        "--agent",
+        "terminus-2",
+        "--model-name",
+        "anthropic/claude",
+        "--api-base",
+        BASE,
     )
     assert code == 2
     assert "Invalid value for --model-name" in text
