@@ -12,7 +12,8 @@ A request with ``"stream": true`` gets server-sent events as OpenAI sends them
 (a role/content chunk, a finish chunk, a usage chunk when
 ``stream_options.include_usage`` is set, then ``[DONE]``); while ``stream_gate``
 is set and not released, the stream pauses after its first chunk. ``padding``
-adds that many bytes to the answer's content (in 1 KiB chunks when streaming).
+adds that many bytes to the answer's content (in 1 KiB chunks when streaming);
+``usage_extra`` is merged into every answer's ``usage`` (e.g. cached tokens, a cost).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class FakeChat:
         self._release = threading.Event()
         self.stream_gate: threading.Event | None = None
         self.padding = 0
+        self.usage_extra: dict[str, Any] = {}
         self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -137,6 +139,7 @@ class FakeChat:
                 self.stream_gate.set()
             self.stream_gate = None
             self.padding = 0
+            self.usage_extra = {}
 
     def __enter__(self) -> FakeChat:
         self._thread.start()
@@ -180,7 +183,11 @@ class FakeChat:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": len(question.split()), "completion_tokens": 1},
+            "usage": {
+                "prompt_tokens": len(question.split()),
+                "completion_tokens": 1,
+                **self.usage_extra,
+            },
         }
 
     def _events(self, body: dict[str, Any], answer: dict[str, Any]) -> Iterator[bytes]:

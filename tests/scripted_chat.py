@@ -6,7 +6,11 @@ is a dict is the whole assistant message, e.g. ``tool_call_reply``'s), and recor
 every request (path, Authorization, body). With ``token_ids=True`` every answer also
 carries vLLM's fields (``prompt_token_ids``, ``choices[0].token_ids`` and
 ``choices[0].logprobs.content``), which terminus-2's ``collect_rollout_details``
-reads; ``ids_of(i)`` are the ones answer ``i`` carried.
+reads; ``ids_of(i)`` are the ones answer ``i`` carried. With ``cached_tokens`` every
+``usage`` also says that many prompt tokens were cached
+(``prompt_tokens_details.cached_tokens``). With ``per_conversation=True`` the script
+restarts for each conversation (the reply is the one for the number of assistant
+messages the request holds), so several agents can share one endpoint at once.
 """
 
 from __future__ import annotations
@@ -62,9 +66,18 @@ class ScriptedChat:
     PROMPT_TOKENS = 11
     COMPLETION_TOKENS = 5
 
-    def __init__(self, replies: list[Any], *, token_ids: bool = False) -> None:
+    def __init__(
+        self,
+        replies: list[Any],
+        *,
+        token_ids: bool = False,
+        cached_tokens: int | None = None,
+        per_conversation: bool = False,
+    ) -> None:
         self.replies = list(replies)
         self.token_ids = token_ids
+        self.cached_tokens = cached_tokens
+        self.per_conversation = per_conversation
         self.requests: list[ScriptedRequest] = []
         self.answers: list[Any] = []
         #: Set once the first request arrived (tests wait on it, not on a poll).
@@ -106,7 +119,11 @@ class ScriptedChat:
         with self._lock:
             turn = len(self.requests)
             self.requests.append(ScriptedRequest(path, authorization, body))
-            content = self.replies[min(turn, len(self.replies) - 1)]
+            step = turn
+            if self.per_conversation:
+                messages = body.get("messages") or []
+                step = sum(1 for m in messages if m.get("role") == "assistant")
+            content = self.replies[min(step, len(self.replies) - 1)]
             self.answers.append(content)
         self.asked.set()
         message = (
@@ -129,6 +146,8 @@ class ScriptedChat:
                 "total_tokens": self.PROMPT_TOKENS + self.COMPLETION_TOKENS,
             },
         }
+        if self.cached_tokens is not None:
+            answer["usage"]["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         if self.token_ids:
             prompt, completion, logprobs = self.ids_of(turn)
             answer["prompt_token_ids"] = prompt

@@ -51,6 +51,7 @@ SCRIPT = [
     terminus_reply(task_complete=True),
 ]
 TURNS = len(SCRIPT)
+CACHED = 7  # prompt tokens the scripted model says it had cached, per answer
 NETWORKS = {
     "public": "",
     "no-network": '[environment]\nnetwork_mode = "no-network"\n',
@@ -117,7 +118,7 @@ def test_terminus_2_solves_a_task_through_the_relay(
         native_agent_kwargs={"collect_rollout_details": True, "max_turns": 10},
         agent_setup_timeout_sec=60,
     )
-    with ScriptedChat(SCRIPT, token_ids=True) as chat, serve(app) as url:
+    with ScriptedChat(SCRIPT, token_ids=True, cached_tokens=CACHED) as chat, serve(app) as url:
         result = rollout(url, chat, INSTRUCTION, kind)
     assert result.status.value == "success", result.err_message
     sample = result.sample
@@ -153,8 +154,16 @@ def test_terminus_2_solves_a_task_through_the_relay(
     assert sample.metrics["llm_requests"] == TURNS
     assert sample.metrics["llm_prompt_tokens"] == TURNS * ScriptedChat.PROMPT_TOKENS
     assert sample.metrics["llm_completion_tokens"] == TURNS * ScriptedChat.COMPLETION_TOKENS
+    # ... under osmosis-ai's names (no cost: the upstream reported none, nothing is priced).
+    assert {k: v for k, v in sample.metrics.items() if not k.startswith("llm_")} == {
+        "input_tokens": TURNS * ScriptedChat.PROMPT_TOKENS,
+        "cached_tokens": TURNS * CACHED,
+        "output_tokens": TURNS * ScriptedChat.COMPLETION_TOKENS,
+    }
     agent_usage = sample.extra_fields["agent_usage"] if sample.extra_fields else {}
     assert agent_usage["input_tokens"] == sample.metrics["llm_prompt_tokens"]  # cross-checked
+    assert agent_usage["cached_tokens"] == sample.metrics["cached_tokens"]
+    assert "usage_mismatch" not in sample.extra_fields
 
     (trial_dir,) = (tmp_path / "trials").iterdir()
     # The image had no tmux: the runtime's drove it.
@@ -165,6 +174,7 @@ def test_terminus_2_solves_a_task_through_the_relay(
     result_json = json.loads((trial_dir / "result.json").read_text())
     assert result_json["agent_info"]["name"] == "terminus-2"
     assert result_json["agent_result"]["n_input_tokens"] == TURNS * ScriptedChat.PROMPT_TOKENS
+    assert result_json["agent_result"]["n_cache_tokens"] == TURNS * CACHED
     # The agent's shell (the image's bash in tmux) saw neither key nor relay.
     pane_env = (trial_dir / "agent" / "pane-env.txt").read_text()
     assert (

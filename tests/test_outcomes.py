@@ -80,6 +80,29 @@ def test_success_carries_the_sample_the_reward_and_the_usage() -> None:
     assert not NOWHERE.exists()
 
 
+def test_usage_metrics_are_the_relays_and_the_agents_counts_are_cross_checked() -> None:
+    usage = ModelUsage(
+        requests=2, prompt_tokens=10, completion_tokens=5, total_tokens=15, cached_tokens=4
+    )
+    agent_usage = {"input_tokens": 10, "cached_tokens": 4, "output_tokens": 5, "cost_usd": None}
+    sample_file = SampleFile(messages=MESSAGES, extra_fields={"agent_usage": agent_usage})
+    run = run_of(rewards={"reward": 1.0}, usage=usage, agent=AgentOutput(sample=sample_file))
+    sample = rollout_outcome(REQUEST, run, WORKFLOW).workflow.sample
+    assert sample is not None
+    metrics = {k: sample.metrics[k] for k in ("input_tokens", "cached_tokens", "output_tokens")}
+    assert metrics == {"input_tokens": 10, "cached_tokens": 4, "output_tokens": 5}
+    assert "cost_usd" not in sample.metrics  # the upstream reported none: dropped
+    assert "usage_mismatch" not in sample.extra_fields
+    # An agent that counts otherwise (it may rewrite its own files) is flagged, not believed.
+    lying = SampleFile(
+        messages=MESSAGES, extra_fields={"agent_usage": {**agent_usage, "output_tokens": 1}}
+    )
+    run = run_of(rewards={"reward": 1.0}, usage=usage, agent=AgentOutput(sample=lying))
+    sample = rollout_outcome(REQUEST, run, WORKFLOW).workflow.sample
+    assert sample is not None and sample.metrics["output_tokens"] == 5
+    assert sample.extra_fields["usage_mismatch"] == {"output_tokens": {"relay": 5, "agent": 1}}
+
+
 def test_several_reward_keys_become_metrics() -> None:
     outcome = rollout_outcome(REQUEST, run_of(rewards={"reward": 0.5, "style": 1}), WORKFLOW)
     assert outcome.grader is not None and outcome.grader.sample is not None

@@ -789,6 +789,80 @@ async def test_sse_arrives_incrementally_and_the_final_usage_is_recorded(
         assert chat.authorizations == [f"Bearer {REAL_KEY}"]
 
 
+async def test_cached_tokens_and_the_upstreams_cost_are_recorded_from_json(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        assert (await rig.chat_call()).status_code == 200
+        # An upstream that reports neither: both stay None (nothing is priced here).
+        assert rig.relay.usage.cached_tokens is None and rig.relay.usage.cost_usd is None
+        assert "cached_tokens" not in rig.relay.usage.usage_metrics()
+        chat.usage_extra = {"prompt_tokens_details": {"cached_tokens": 3}, "cost": 0.0125}
+        assert (await rig.chat_call()).status_code == 200
+        assert (await rig.chat_call()).status_code == 200
+        usage = rig.relay.usage
+        assert usage.cached_tokens == 6
+        assert usage.cost_usd == pytest.approx(0.025)
+        assert usage.usage_metrics() == {
+            "input_tokens": 3 * PROMPT_TOKENS,
+            "cached_tokens": 6,
+            "output_tokens": 3,
+            "cost_usd": pytest.approx(0.025),
+        }
+        assert rig.totals.cached_tokens == 6
+        # Odd values count as absent, never as a number.
+        chat.usage_extra = {"prompt_tokens_details": {"cached_tokens": -4}, "cost": "free"}
+        assert (await rig.chat_call()).status_code == 200
+        assert (usage.cached_tokens, usage.prompt_tokens) == (6, 4 * PROMPT_TOKENS)
+        assert usage.cost_usd == pytest.approx(0.025)
+    text = render_relay_metrics(rig.totals)
+    assert metric(text, "harbor_exec_relay_tokens_total", kind="cached") == 6
+
+
+async def test_cached_tokens_are_recorded_from_a_streamed_answer(
+    tmp_path: Path, chat: FakeChat
+) -> None:
+    chat.usage_extra = {"prompt_tokens_details": {"cached_tokens": 2}}
+    body = {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with open_rig(tmp_path, f"{chat.base_url}/v1") as rig:
+        async with rig.client.stream(
+            "POST", f"{rig.base_url}/chat/completions", json=body, headers=rig.auth
+        ) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            lines = [line async for line in response.aiter_lines() if line]
+        final = json.loads(lines[-2].removeprefix("data: "))
+        assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+        usage = rig.relay.usage
+        assert (usage.prompt_tokens, usage.cached_tokens, usage.cost_usd) == (
+            PROMPT_TOKENS,
+            2,
+            None,
+        )
+        assert usage.usage_metrics() == {
+            "input_tokens": PROMPT_TOKENS,
+            "cached_tokens": 2,
+            "output_tokens": 1,
+        }
+
+
+def test_the_agents_own_counts_are_cross_checked_with_the_relays() -> None:
+    from harbor_exec.executors.base import ModelUsage
+
+    usage = ModelUsage(requests=2, prompt_tokens=20, completion_tokens=4, cached_tokens=8)
+    agreeing = {"input_tokens": 20, "cached_tokens": 8, "output_tokens": 4, "cost_usd": 0.3}
+    assert usage.disagreement(agreeing) is None  # a cost only the agent knows: no verdict
+    assert usage.disagreement(None) is None
+    assert usage.disagreement({"input_tokens": None}) is None
+    assert usage.disagreement({**agreeing, "output_tokens": 9}) == {
+        "output_tokens": {"relay": 4, "agent": 9}
+    }
+    # The agent's 0 cached tokens and a relay that saw none reported agree.
+    assert ModelUsage(prompt_tokens=5).disagreement({"input_tokens": 5, "cached_tokens": 0}) is None
+    priced = ModelUsage(prompt_tokens=5, cost_usd=0.5)
+    assert priced.disagreement({"cost_usd": 0.7}) == {"cost_usd": {"relay": 0.5, "agent": 0.7}}
+
+
 async def test_upstream_failure_is_a_502_without_the_key(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,14 +1,15 @@
-"""``harbor-exec validate`` and ``harbor-exec prewarm``: whole datasets with the oracle."""
+"""``harbor-exec validate`` and ``harbor-exec prewarm``: whole datasets with the oracle;
+``run_dataset_job``, the job display ``validate`` and ``run`` share."""
 
 from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,8 +21,9 @@ from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
 from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
-from harbor_exec.executors.spec import TrialSpec
+from harbor_exec.executors.spec import TrialSecrets, TrialSpec
 from harbor_exec.jobs.dataset import (
+    ORACLE_CONFIG,
     JobEvent,
     JobInterrupted,
     JobOutcome,
@@ -34,6 +36,9 @@ from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewar
 from harbor_exec.sandbox.agent_layer import AgentLayerError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.trial.task import Discovery, Task, discover_tasks
+
+if TYPE_CHECKING:
+    from harbor_exec.executors.base import TrialExecutor
 
 console = Console()
 
@@ -88,8 +93,8 @@ def _signals_like_ctrl_c() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _print_summary(outcome: JobOutcome) -> None:
-    table = Table(title=f"validate: {outcome.job_dir}")
+def _print_summary(command: str, outcome: JobOutcome) -> None:
+    table = Table(title=f"{command}: {outcome.job_dir}")
     table.add_column("task")
     table.add_column("reward", justify="right")
     table.add_column("time", justify="right")
@@ -156,9 +161,41 @@ def validate(
         max_concurrent_trials=n_concurrent,
         pid_max=(executor or runtime).pid_max(),  # type: ignore[union-attr]
     )
+    outcome = run_dataset_job(
+        "validate",
+        discovery,
+        runtime,
+        jobs_dir=jobs_dir,
+        job_name=job_name,
+        n_concurrent=n_concurrent,
+        n_attempts=n_attempts,
+        dataset_path=path.resolve(),
+        make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
+        executor=executor,
+    )
+    raise typer.Exit(0 if outcome.all_passed else 1)
+
+
+def run_dataset_job(
+    command: str,
+    discovery: Discovery,
+    runtime: DockerRuntime | None,
+    *,
+    jobs_dir: Path,
+    job_name: str | None,
+    n_concurrent: int,
+    n_attempts: int,
+    dataset_path: Path,
+    make_spec: Callable[[Task, Path], TrialSpec],
+    executor: TrialExecutor | None = None,
+    agent: Mapping[str, Any] = ORACLE_CONFIG,
+    make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
+) -> JobOutcome:
+    """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
+    (exit 128+signal), resume errors as exit 2, and the summary table at the end."""
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
     progress = Progress(
-        TextColumn("[bold]validate[/bold]"),
+        TextColumn(f"[bold]{command}[/bold]"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[counts]}"),
@@ -196,12 +233,14 @@ def validate(
                 job_name=job_name,
                 n_concurrent=n_concurrent,
                 n_attempts=n_attempts,
-                dataset_name=path.resolve().name,
-                dataset_path=path.resolve(),
+                dataset_name=dataset_path.name,
+                dataset_path=dataset_path,
                 invalid_tasks=discovery.broken,
-                make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
+                make_spec=make_spec,
                 on_event=on_event,
                 executor=executor,
+                agent=agent,
+                make_secrets=make_secrets,
             )
     except JobResumeError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
@@ -219,8 +258,8 @@ def validate(
         raise typer.Exit(128 + signum) from None
     if outcome.reused:
         console.print(f"resumed: kept {outcome.reused} finished trial(s) of job {outcome.job_dir}")
-    _print_summary(outcome)
-    raise typer.Exit(0 if outcome.all_passed else 1)
+    _print_summary(command, outcome)
+    return outcome
 
 
 @app.command()

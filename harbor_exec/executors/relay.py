@@ -5,7 +5,8 @@ socket in a fresh directory that the trial mounts into the container. The
 workflow gets a per-rollout token instead of the trainer's API key; the relay
 checks the token, swaps in the real key and forwards the call to the upstream
 chat endpoint with ``httpx``, streaming the answer back as it arrives. It
-enforces size and count limits and records token usage per rollout (and in the
+enforces size and count limits and records token usage per rollout (prompt, completion
+and cached tokens, and the cost when the upstream reports one; and in the
 process-wide ``RELAY_TOTALS``, which prometheus-client's default registry
 exposes on ``/metrics``).
 
@@ -49,6 +50,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -58,7 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
 import h11
@@ -214,6 +216,7 @@ class RelayTotalsCollector(Collector):
         )
         tokens.add_metric(["prompt"], totals.prompt_tokens)
         tokens.add_metric(["completion"], totals.completion_tokens)
+        tokens.add_metric(["cached"], totals.cached_tokens or 0)
         yield tokens
 
 
@@ -255,20 +258,41 @@ def _error_body(code: str, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "relay_error", "code": code}}).encode()
 
 
-def _usage_numbers(payload: Any) -> tuple[int, int, int] | None:
-    """(prompt, completion, total) from a response object's ``usage``, if it has one."""
+class _Usage(NamedTuple):
+    """One response's ``usage``: the token counts, and what only some upstreams add."""
+
+    prompt: int
+    completion: int
+    total: int
+    cached: int | None  # ``prompt_tokens_details.cached_tokens``
+    cost: float | None  # ``cost`` (e.g. OpenRouter's, in USD)
+
+
+def _usage_numbers(payload: Any) -> _Usage | None:
+    """A response object's ``usage``, if it has one (odd values count as absent)."""
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
 
-    def number(key: str) -> int:
-        value = usage.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    def count(mapping: Any, key: str) -> int | None:
+        value = mapping.get(key) if isinstance(mapping, dict) else None
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return value if ok else None
 
-    prompt, completion = number("prompt_tokens"), number("completion_tokens")
-    return prompt, completion, number("total_tokens") or prompt + completion
+    prompt, completion = count(usage, "prompt_tokens") or 0, count(usage, "completion_tokens") or 0
+    cached = count(usage.get("prompt_tokens_details"), "cached_tokens")
+    cost = usage.get("cost")
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 <= cost < math.inf:
+        cost = None
+    return _Usage(
+        prompt,
+        completion,
+        count(usage, "total_tokens") or prompt + completion,
+        cached,
+        None if cost is None else float(cost),
+    )
 
 
 class _SseUsage:
@@ -278,7 +302,7 @@ class _SseUsage:
         self._line = bytearray()
         self._data = bytearray()
         self._oversized = False
-        self.found: tuple[int, int, int] | None = None
+        self.found: _Usage | None = None
 
     def feed(self, chunk: bytes) -> None:
         self._line += chunk
@@ -476,11 +500,17 @@ class ModelRelay:
         if self._totals is not None:
             setattr(self._totals, what, getattr(self._totals, what) + amount)
 
-    def _record_usage(self, numbers: tuple[int, int, int]) -> None:
-        prompt, completion, total = numbers
-        self._count("prompt_tokens", prompt)
-        self._count("completion_tokens", completion)
-        self._count("total_tokens", total)
+    def _record_usage(self, numbers: _Usage) -> None:
+        self._count("prompt_tokens", numbers.prompt)
+        self._count("completion_tokens", numbers.completion)
+        self._count("total_tokens", numbers.total)
+        # None until an upstream reports them, then summed like the counts.
+        for what, amount in (("cached_tokens", numbers.cached), ("cost_usd", numbers.cost)):
+            if amount is None:
+                continue
+            for usage in (self.usage, self._totals):
+                if usage is not None:
+                    setattr(usage, what, (getattr(usage, what) or 0) + amount)
 
     # ------------------------------------------------------------------ connections
 
@@ -827,7 +857,7 @@ class ModelRelay:
             await writer.drain()
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
-        found: tuple[int, int, int] | None = None
+        found: _Usage | None = None
         if response.status_code >= 400:
             return
         if sse_usage is not None:

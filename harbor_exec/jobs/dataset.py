@@ -16,7 +16,7 @@ import shutil
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from harbor_exec.errors import CancelledError, HarborExecError, TaskError, TrialPhase, is_exception
-from harbor_exec.executors.spec import TrialSpec, trial_request
+from harbor_exec.executors.spec import TrialSecrets, TrialSpec, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.results import ExceptionInfo, TrialResult
+from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:
-    from harbor_exec.executors.base import TrialExecutor, TrialHandle
+    from harbor_exec.executors.base import ModelUsage, TrialExecutor, TrialHandle
 
 
 def _finite(value: Any) -> float | None:
@@ -150,7 +150,23 @@ def pass_at_k(results: Sequence[TrialResult]) -> dict[int, float]:
     }
 
 
-def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> JobStats:
+def evals_key(agent: str, model: str | None, dataset: str) -> str:
+    """Harbor's key of a job's ``stats.evals``: ``agent__model__dataset`` (or
+    ``agent__dataset`` without a model)."""
+    return f"{agent}__{model}__{dataset}" if model else f"{agent}__{dataset}"
+
+
+def _add(total: float | None, value: float | None) -> float | None:
+    return total if value is None else (total or 0) + value
+
+
+def _add_int(total: int | None, value: int | None) -> int | None:
+    return total if value is None else (total or 0) + value
+
+
+def job_stats(
+    results: Sequence[TrialResult], *, dataset: str, agent: str, model: str | None = None
+) -> JobStats:
     stats = JobStats()
     evals = AgentDatasetStats()
     valid_rewards: list[dict[str, float | int]] = []
@@ -165,6 +181,12 @@ def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> Jo
                 evals.reward_stats.setdefault(key, {}).setdefault(shown, []).append(
                     result.trial_name
                 )
+        usage = result.agent_result
+        if usage is not None:  # summed as Harbor sums them (None: nobody counted)
+            stats.n_input_tokens = _add_int(stats.n_input_tokens, usage.n_input_tokens)
+            stats.n_cache_tokens = _add_int(stats.n_cache_tokens, usage.n_cache_tokens)
+            stats.n_output_tokens = _add_int(stats.n_output_tokens, usage.n_output_tokens)
+            stats.cost_usd = _add(stats.cost_usd, usage.cost_usd)
         if result.exception_type is not None:
             evals.n_errors += 1
             stats.n_errored_trials += 1
@@ -173,7 +195,7 @@ def job_stats(results: Sequence[TrialResult], *, dataset: str, agent: str) -> Jo
                 stats.n_cancelled_trials += 1
     evals.metrics = [mean_metric(valid_rewards)] if valid_rewards else []
     evals.pass_at_k = pass_at_k(results)
-    stats.evals[f"{agent}__{dataset}"] = evals
+    stats.evals[evals_key(agent, model, dataset)] = evals
     return stats
 
 
@@ -217,12 +239,20 @@ class JobResumeError(HarborExecError):
 
 
 JOB_META = "harbor-exec-job.json"  # ours: what a resume must match
+#: Harbor's ``AgentConfig`` of the oracle (a job's agent unless it names another).
+ORACLE_CONFIG: Mapping[str, Any] = {"name": "oracle"}
 
 
 def harbor_job_config(
-    job_dir: Path, *, dataset_path: Path | None, n_attempts: int, n_concurrent: int
+    job_dir: Path,
+    *,
+    dataset_path: Path | None,
+    n_attempts: int,
+    n_concurrent: int,
+    agent: Mapping[str, Any] = ORACLE_CONFIG,
 ) -> dict[str, Any]:
-    """Harbor 0.26's job ``config.json`` (JobConfig; unset fields take its defaults)."""
+    """Harbor 0.26's job ``config.json`` (JobConfig; unset fields take its defaults);
+    ``agent``: Harbor's ``AgentConfig`` fields of the job's agent (never a key)."""
     return {
         "schema_version": 1,
         "job_name": job_dir.name,
@@ -230,28 +260,33 @@ def harbor_job_config(
         "n_attempts": n_attempts,
         "n_concurrent_trials": n_concurrent,
         "environment": {"type": "docker", "delete": True},
-        "agents": [{"name": "oracle"}],
+        "agents": [dict(agent)],
         "datasets": [{"path": str(dataset_path)}] if dataset_path is not None else [],
     }
 
 
-def harbor_trial_config(task: Task, trial_dir: Path, job_id: uuid.UUID) -> dict[str, Any]:
+def harbor_trial_config(
+    task: Task, trial_dir: Path, job_id: uuid.UUID, agent: Mapping[str, Any] = ORACLE_CONFIG
+) -> dict[str, Any]:
     """Harbor 0.26's per-trial ``config.json`` (TrialConfig)."""
     return {
         "schema_version": 1,
         "task": {"path": str(task.path), "source": None},
         "trial_name": trial_dir.name,
         "trials_dir": str(trial_dir.parent),
-        "agent": {"name": "oracle"},
+        "agent": dict(agent),
         "environment": {"type": "docker", "delete": True},
         "job_id": str(job_id),
     }
 
 
-def _job_meta(tasks: Sequence[Task], n_attempts: int, dataset_path: Path | None) -> dict[str, Any]:
+def _job_meta(
+    tasks: Sequence[Task], n_attempts: int, dataset_path: Path | None, agent: Mapping[str, Any]
+) -> dict[str, Any]:
     return {
         "dataset": str(dataset_path) if dataset_path is not None else None,
         "n_attempts": n_attempts,
+        "agent": dict(agent),
         "tasks": {task.name: task.checksum() for task in tasks},
     }
 
@@ -278,6 +313,11 @@ def _check_resume(job_dir: Path, meta: dict[str, Any]) -> uuid.UUID | None:
         changes.append(f"the dataset path changed ({old.get('dataset')} -> {meta['dataset']})")
     if old.get("n_attempts") != meta["n_attempts"]:
         changes.append(f"--n-attempts changed ({old.get('n_attempts')} -> {meta['n_attempts']})")
+    old_agent = old.get("agent", dict(ORACLE_CONFIG))  # jobs written before agents had one
+    if old_agent != meta["agent"]:
+        changes.append(
+            f"the agent changed ({_shown_agent(old_agent)} -> {_shown_agent(meta['agent'])})"
+        )
     old_tasks: dict[str, str] = old.get("tasks") or {}
     added = sorted(set(meta["tasks"]) - set(old_tasks))
     removed = sorted(set(old_tasks) - set(meta["tasks"]))
@@ -300,6 +340,15 @@ def _check_resume(job_dir: Path, meta: dict[str, Any]) -> uuid.UUID | None:
         return uuid.UUID(str(old.get("job_id")))
     except ValueError:
         return None
+
+
+def _shown_agent(agent: Any) -> str:
+    if not isinstance(agent, Mapping):
+        return repr(agent)
+    shown = str(agent.get("name"))
+    if agent.get("model_name"):
+        shown += f" on {agent['model_name']}"
+    return shown + (f" with {dict(agent['kwargs'])}" if agent.get("kwargs") else "")
 
 
 def _finished_trials(job_dir: Path) -> list[TrialResult]:
@@ -335,27 +384,42 @@ def run_job(
     make_spec: Callable[[Task, Path], TrialSpec] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
     executor: TrialExecutor | None = None,
+    agent: Mapping[str, Any] = ORACLE_CONFIG,
+    make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
 ) -> JobOutcome:
     """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir.
 
+    ``make_spec`` makes each trial (default: the oracle); ``agent`` is its agent as
+    Harbor's ``AgentConfig`` names it (``config.json``, and what a resume must match).
+
     An existing ``jobs_dir/job_name`` is resumed, as Harbor does: finished trials are
-    kept and only the rest run; a changed dataset or ``n_attempts`` raises
+    kept and only the rest run; a changed dataset, agent or ``n_attempts`` raises
     ``JobResumeError`` naming what changed.
 
-    With ``executor`` (e.g. a ``RayExecutor``), trials go through it instead of
-    running against ``runtime`` on this machine; the job closes it at the end.
+    With ``executor`` (e.g. a ``RayExecutor``, or a ``LocalExecutor``), trials go
+    through it instead of running against ``runtime`` on this machine; the job closes
+    it at the end. ``make_secrets`` (with an executor only) gives each trial its
+    secrets, e.g. a native agent's model endpoint: the executor opens that trial's
+    relay in front of it, and what the relay counted becomes the trial's
+    ``agent_result`` (the agent's own counts kept beside them).
     """
+    if make_secrets is not None and executor is None:
+        raise ValueError("make_secrets needs an executor (it opens each trial's relay)")
     started = datetime.now()
     job_dir = jobs_dir / (job_name or started.strftime("%Y-%m-%d__%H-%M-%S"))
     job_dir.mkdir(parents=True, exist_ok=True)
-    meta = _job_meta(tasks, n_attempts, dataset_path)
+    meta = _job_meta(tasks, n_attempts, dataset_path, agent)
     job_id = _check_resume(job_dir, meta) or uuid.uuid4()
     kept = _finished_trials(job_dir)
     (job_dir / JOB_META).write_text(json.dumps({**meta, "job_id": str(job_id)}, indent=2))
     (job_dir / "config.json").write_text(
         json.dumps(
             harbor_job_config(
-                job_dir, dataset_path=dataset_path, n_attempts=n_attempts, n_concurrent=n_concurrent
+                job_dir,
+                dataset_path=dataset_path,
+                n_attempts=n_attempts,
+                n_concurrent=n_concurrent,
+                agent=agent,
             ),
             indent=2,
         )
@@ -392,12 +456,14 @@ def run_job(
         trial_dir = job_dir / trial_name
         trial_dir.mkdir(parents=True, exist_ok=True)
         (trial_dir / "config.json").write_text(
-            json.dumps(harbor_trial_config(task, trial_dir, job_id), indent=2)
+            json.dumps(harbor_trial_config(task, trial_dir, job_id, agent), indent=2)
         )
+        secrets = make_secrets(spec) if make_secrets is not None else None
 
         async def go() -> TrialResult:
             handle = executor.submit(
                 spec,
+                secrets=secrets,
                 on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
             )
             with lock:
@@ -423,7 +489,11 @@ def run_job(
                     remote.discard(handle)
             nonlocal built
             built += run.images_built
-            return run.result
+            if run.usage is None:
+                return run.result
+            result = with_relay_usage(run.result, run.usage)
+            result.write(run.trial_dir, redacting=secrets.scrub if secrets is not None else ())
+            return result
 
         if stopping.is_set():
             return None
@@ -449,7 +519,7 @@ def run_job(
         )
         trial.dir.mkdir(parents=True, exist_ok=True)
         (trial.dir / "config.json").write_text(
-            json.dumps(harbor_trial_config(task, trial.dir, job_id), indent=2)
+            json.dumps(harbor_trial_config(task, trial.dir, job_id, agent), indent=2)
         )
         with lock:
             active.add(trial)
@@ -501,7 +571,7 @@ def run_job(
         updated_at=datetime.now(),
         finished_at=datetime.now(),
         n_total_trials=n_attempts * len(tasks),
-        stats=job_stats(results, dataset=dataset_name, agent=_agent_name(results)),
+        stats=job_stats(results, dataset=dataset_name, **_evals_agent(results, agent)),
         invalid_tasks={str(e.task): str(e) for e in invalid_tasks},
     )
     job_result.stats.n_pending_trials = n_attempts * len(tasks) - len(results)
@@ -521,8 +591,46 @@ def run_job(
     return outcome
 
 
-def _agent_name(results: Sequence[TrialResult]) -> str:
-    return results[0].agent_info.name if results else "oracle"
+def _evals_agent(results: Sequence[TrialResult], agent: Mapping[str, Any]) -> dict[str, Any]:
+    """The agent and model the job's stats are keyed by, as Harbor keys them (the
+    trials' ``agent_info``; before any trial ended, the job's agent config)."""
+    if results:
+        info = results[0].agent_info
+        return {"agent": info.name, "model": info.model_info.name if info.model_info else None}
+    model = agent.get("model_name")
+    return {
+        "agent": str(agent.get("name") or "oracle"),
+        "model": str(model).partition("/")[2] or str(model) if model else None,
+    }
+
+
+def with_relay_usage(result: TrialResult, usage: ModelUsage) -> TrialResult:
+    """``result`` with the relay's counts as its ``agent_result`` (what Harbor's
+    viewer and the job's totals read): the agent's own counts move to
+    ``agent_result.metadata["agent_usage"]``, and ``["usage_mismatch"]`` says where
+    they differ from the relay's (flagged, never failed: an agent in a container can
+    rewrite its own)."""
+    own = result.agent_result or AgentResult()
+    agent_usage = {
+        "input_tokens": own.n_input_tokens,
+        "cached_tokens": own.n_cache_tokens,
+        "output_tokens": own.n_output_tokens,
+        "cost_usd": own.cost_usd,
+    }
+    metadata = {**(own.metadata or {}), "usage_source": "relay", "agent_usage": agent_usage}
+    mismatch = usage.disagreement(agent_usage)
+    if mismatch is not None:
+        metadata["usage_mismatch"] = mismatch
+    relayed = own.model_copy(
+        update={
+            "n_input_tokens": usage.prompt_tokens,
+            "n_cache_tokens": usage.cached_tokens,
+            "n_output_tokens": usage.completion_tokens,
+            "cost_usd": usage.cost_usd,
+            "metadata": metadata,
+        }
+    )
+    return result.model_copy(update={"agent_result": relayed})
 
 
 class JobInterrupted(KeyboardInterrupt):

@@ -24,7 +24,6 @@ import importlib
 import importlib.util
 import logging
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +46,6 @@ from harbor_exec.authoring import (
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
-    NativeAgentConfig,
     PreparedBundle,
     RolloutPlan,
     TrialPlanner,
@@ -63,6 +61,7 @@ from harbor_exec.executors.base import (
     TrialRun,
 )
 from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.executors.native import NativeAgentConfig, native_agent_config
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
@@ -80,8 +79,6 @@ from harbor_exec.trial.native import (
     DEFAULT_MODEL_NAME,
     NATIVE_AGENT_NAMES,
     check_agent_name,
-    check_model_name,
-    check_native_kwargs,
     is_in_container_agent,
     is_native_agent,
     set_litellm_offline,
@@ -225,17 +222,10 @@ class HarborBackend(ExecutionBackend):
                     f"workflow_config is a workflow's; the native agent {agent!r} takes "
                     "native_agent_kwargs"
                 )
-            if sys.version_info < (3, 12) or importlib.util.find_spec("harbor") is None:
-                raise ValueError(
-                    f"agent {agent!r} needs Harbor (>= 0.26, Python >= 3.12): "
-                    "pip install 'harbor-exec[native]'"
-                )
-            if agent_setup_timeout_sec is not None and agent_setup_timeout_sec <= 0:
-                raise ValueError("agent_setup_timeout_sec must be positive (or None)")
-            self.native = NativeAgentConfig(
-                name=str(agent),
-                model_name=check_model_name(model_name),
-                kwargs=check_native_kwargs(native_agent_kwargs or {}),
+            self.native = native_agent_config(
+                str(agent),
+                model_name=model_name,
+                kwargs=native_agent_kwargs,
                 setup_timeout_sec=agent_setup_timeout_sec,
             )
         elif native_agent_kwargs or agent_setup_timeout_sec is not None:

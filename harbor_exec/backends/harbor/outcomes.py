@@ -135,7 +135,12 @@ def _workflow_result(
         }
     )
     if run.usage is not None:
+        # The relay's counts are the sample's; the agent's own (a native agent's
+        # ``agent_usage``) are only checked against them, and a difference flagged.
         sample.metrics = {**sample.metrics, **run.usage.sample_metrics()}
+        mismatch = run.usage.disagreement(sample.extra_fields.get("agent_usage"))
+        if mismatch is not None:
+            sample.extra_fields = {**sample.extra_fields, "usage_mismatch": mismatch}
     return _success(sample, diagnostics), sample
 
 

@@ -33,10 +33,10 @@ from harbor_exec.container.exchange import (
     RelayInput,
     RolloutInput,
 )
+from harbor_exec.executors.native import NativeAgentConfig, model_endpoint, native_agent_spec
 from harbor_exec.executors.spec import (
     AgentSpec,
     ModelEndpoint,
-    NativeAgentSpec,
     OracleAgentSpec,
     TrialContent,
     TrialSecrets,
@@ -45,10 +45,9 @@ from harbor_exec.executors.spec import (
     WorkflowAgentSpec,
 )
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
-from harbor_exec.sandbox.agent_layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.trial.native import DEFAULT_MODEL_NAME, check_model_name
+from harbor_exec.trial.native import check_model_name
 from harbor_exec.trial.trial import SandboxPolicy
 
 
@@ -140,17 +139,6 @@ def prepare_bundle(
 
 
 @dataclass(frozen=True)
-class NativeAgentConfig:
-    """One of Harbor's own agents (``harbor_exec.trial.native``) as the backend's agent."""
-
-    name: str
-    model_name: str = DEFAULT_MODEL_NAME
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    setup_timeout_sec: float | None = None
-    layer: AgentLayer | None = None  # an in-container agent's (mini-swe-agent's)
-
-
-@dataclass(frozen=True)
 class RolloutPlan:
     """One rollout, ready for an executor."""
 
@@ -220,15 +208,8 @@ class TrialPlanner:
                     )
                 except ValueError as exc:
                     raise RolloutRejected(str(exc)) from None
-            agent = NativeAgentSpec(
-                name=self.native.name,
-                model_name=model_name,
-                # The resolver made it: the prompt in template mode, else instruction.md.
-                instruction=task.instruction,
-                kwargs=self.native.kwargs,
-                setup_timeout_sec=self.native.setup_timeout_sec,
-                layer=self.native.layer,
-            )
+            # The resolver made the instruction: the prompt in template mode, else instruction.md.
+            agent = native_agent_spec(self.native, task.instruction, model_name)
         # A task's own tests verify; without them, the bundle's grader.
         verifier: VerifierKind = "grader" if verify and not task.has_tests else "tests"
         trial = TrialSpec(
@@ -278,15 +259,10 @@ def _model_endpoint(
     url = context.chat_completions_url if context else ""
     if not url:
         raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise RolloutRejected("chat_completions_url must be an absolute http(s) URL")
-    return ModelEndpoint(
-        url=url,
-        api_key=context.api_key if context else None,
-        token=secrets.token_urlsafe(32),
-        extra_routes=extra_routes,
-    )
+    try:
+        return model_endpoint(url, context.api_key if context else None, extra_routes)
+    except ValueError as exc:
+        raise RolloutRejected(str(exc)) from None
 
 
 def _ref_for(obj: Any, *, what: str) -> str | None:
