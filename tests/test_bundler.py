@@ -113,6 +113,8 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
     assert modules == [
         "harbor_exec/__init__.py",
         "harbor_exec/authoring.py",
+        "harbor_exec/compat/__init__.py",
+        "harbor_exec/compat/osmosis.py",
         "harbor_exec/container/__init__.py",
         "harbor_exec/container/exchange.py",
         "harbor_exec/container/redaction.py",
