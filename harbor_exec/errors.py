@@ -90,6 +90,10 @@ class AgentEndedContainerError(TrialError):
     environment's: it is restarted (every process gone, files kept) and verified."""
 
 
+class HealthcheckError(TrialError):
+    """``[environment.healthcheck]`` kept failing after its start period (Harbor's)."""
+
+
 class AgentSetupError(TrialError):
     """The agent could not be installed or prepared in the container."""
 

@@ -148,6 +148,8 @@ class FakeRuntime:
     solve: Behaviour = lambda container: 0
     test: Behaviour = _default_test
     runner: Callable[[FakeContainer], tuple[int, bytes]] = lambda container: (0, b"")
+    #: Any other command (e.g. a healthcheck): its exit code; None: 0.
+    other: Callable[[FakeContainer, str], int] | None = None
     fail_builds: set[str] = field(default_factory=set)
     engine_down: bool = False
     gpus: int = 0
@@ -346,7 +348,7 @@ class FakeRuntime:
             code, stdout = self.runner(container)
             return ExecResult(code, stdout, False, 0.0)
         else:
-            code = 0
+            code = 0 if self.other is None else self.other(container, script)
         if code == HOLD:
             code = self.gate.hold(container)
         if code == HANG:

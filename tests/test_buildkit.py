@@ -34,7 +34,13 @@ def test_steps_output_cached_and_done() -> None:
         aux(
             StatusResponse(
                 vertexes=[
-                    Vertex(digest="sha256:a", name="[1/3] FROM debian", cached=True),
+                    Vertex(
+                        digest="sha256:a",
+                        name="[1/3] FROM debian",
+                        cached=True,
+                        started=at(99),
+                        completed=at(99),
+                    ),
                     Vertex(digest="sha256:b", name="[2/3] RUN make", started=at(100)),
                 ]
             )
@@ -102,7 +108,7 @@ def test_failed_step_is_recorded_with_its_output() -> None:
 
 def test_unknown_fields_are_skipped() -> None:
     # A newer engine adds fields (e.g. Vertex.progressGroup = 8); the decoder skips them.
-    known = StatusResponse(vertexes=[Vertex(digest="d", name="step", cached=True)])
+    known = StatusResponse(vertexes=[Vertex(digest="d", name="step", cached=True, completed=at(1))])
     extra = b"\x42\x03\x0a\x01x"  # field 8, length-delimited, a nested message
     vertex_bytes = known.vertexes[0].SerializeToString() + extra
     wire = b"\x0a" + bytes([len(vertex_bytes)]) + vertex_bytes
@@ -121,3 +127,42 @@ def test_close_flushes_a_last_line_without_newline() -> None:
 def test_corrupt_entry_is_a_clear_error(payload: str) -> None:
     with pytest.raises(ValueError, match="not a BuildKit status message"):
         BuildkitProgress().feed(payload)
+
+
+def test_a_step_is_cached_only_once_it_completed() -> None:
+    """BuildKit may flag a step cached before it completes; a build that fails
+    first never finished it, and the log must not call it CACHED."""
+    progress = BuildkitProgress()
+    early = Vertex(digest="c", name="[3/3] COPY . /app", cached=True, started=at(1))
+    assert progress.feed(aux(StatusResponse(vertexes=[early]))) == ["#1 [3/3] COPY . /app"]
+    stopped = Vertex(
+        digest="c", name="[3/3] COPY . /app", cached=True, error="context canceled", completed=at(2)
+    )
+    assert progress.feed(aux(StatusResponse(vertexes=[stopped]))) == ["#1 CANCELED"]
+    assert progress.errors == []
+
+
+def test_the_failed_build_names_the_step_whose_error_it_quotes() -> None:
+    """Two stages at once: ``a`` fails, which cancels ``b``; the engine's final error
+    quotes ``a``'s, and the message must name ``a``, not the step that stopped last."""
+    progress = BuildkitProgress()
+    real = "executor failed running [/bin/sh -c false]: exit code: 1"
+    progress.feed(
+        aux(
+            StatusResponse(
+                vertexes=[
+                    Vertex(digest="a", name="[a 2/2] RUN false", error=real, completed=at(2)),
+                    Vertex(
+                        digest="b",
+                        name="[b 2/2] RUN sleep 4",
+                        error="executor failed running [/bin/sh -c sleep 4]: exit code: 137: "
+                        "context canceled: context canceled",
+                        completed=at(2),
+                    ),
+                ]
+            )
+        )
+    )
+    assert progress.failed_step(real) == "[a 2/2] RUN false"
+    assert progress.failed_step("something else") == "[a 2/2] RUN false"
+    assert BuildkitProgress().failed_step(real) is None

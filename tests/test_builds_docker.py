@@ -202,6 +202,33 @@ def test_failing_run_keeps_its_output(
     assert len(message.splitlines()) < 40
 
 
+def test_a_failed_stage_is_named_with_its_own_error(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    """Stage ``a`` fails while ``b`` still runs, so BuildKit cancels ``b``: the message
+    names ``a``, whose error it quotes, and the log calls ``b`` CANCELED."""
+    nonce = uuid.uuid4().hex[:8]
+    ctx = context(
+        tmp_path,
+        "FROM debian:bookworm-slim AS a\n"
+        f"RUN sleep 1 && echo {nonce} && exit 3\n"
+        "FROM debian:bookworm-slim AS b\n"
+        f"RUN sleep 20 && echo {nonce} > /b\n"
+        "FROM debian:bookworm-slim\n"
+        "COPY --from=a /etc/hostname /a\n"
+        "COPY --from=b /b /b\n",
+    )
+    with pytest.raises(SandboxBuildFailedError) as info:
+        build(docker_runtime, ctx, made_images)
+    first = str(info.value).splitlines()[0]
+    assert f"at step '[a 2/2] RUN sleep 1 && echo {nonce} && exit 3'" in first, first
+    assert "exit code: 3" in first
+    log_path = docker_runtime.cache_dir / "build-logs" / f"{made_images[-1].replace('/', '_')}.log"
+    log = log_path.read_text()
+    assert " CANCELED" in log and "ERROR: " in log
+    assert "context canceled" not in first
+
+
 def test_buildkit_image_keeps_labels_and_is_built_once(
     docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
 ) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harbor.models.trial.artifact_manifest import ArtifactManifest
 
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.cgroups import HostCgroup
@@ -279,11 +280,17 @@ def test_separate_verifier_sees_only_the_artifacts(
     assert result.verifier_environment_mode == "separate"
     assert rewards(result) == {"reward": 1.0}
     out = tmp_path / "trials" / result.trial_name
-    assert (out / "artifacts" / "result.txt").read_text() == "42\n"
+    # Harbor's layout: at the container path, or at the declared destination.
+    assert (out / "artifacts" / "app" / "result.txt").read_text() == "42\n"
     assert (out / "artifacts" / "out-dir" / "a.txt").read_text() == "kept\n"
     assert not (out / "artifacts" / "out-dir" / "b.tmp").exists()
     manifest = json.loads((out / "artifacts" / "manifest.json").read_text())
-    assert [m["status"] for m in manifest] == ["ok", "ok"]
+    assert [(m["source"], m["destination"], m["type"], m["status"]) for m in manifest] == [
+        ("/logs/artifacts", "artifacts/logs/artifacts", "directory", "ok"),
+        ("/app/result.txt", "artifacts/app/result.txt", "file", "ok"),
+        ("/app/out", "artifacts/out-dir", "directory", "ok"),
+    ]
+    ArtifactManifest(entries=manifest)  # Harbor's own reader takes it
     written = json.loads((out / "result.json").read_text())
     assert written["verifier_environment_mode"] == "separate"
 
@@ -347,7 +354,8 @@ environment_mode = "separate"
     result = run(docker_runtime, task, tmp_path / "trials", policy)
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 1.0}
-    kept = tmp_path / "trials" / result.trial_name / "artifacts"
+    kept = tmp_path / "trials" / result.trial_name / "artifacts" / "app"
+    assert (kept / "out").is_dir()
     assert not (kept / "link.txt").exists() and not (kept / "out" / "inner-link").exists()
     assert (kept / "out" / "big.txt").stat().st_size < (1 << 20) + 200
 

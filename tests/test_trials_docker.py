@@ -325,3 +325,41 @@ def test_non_root_users_and_an_image_without_tar(
     result = run(docker_runtime, no_tar, tmp_path / "trials")
     assert result.exception_info is None and result.reward == 1.0
     assert (tmp_path / "trials" / result.trial_name / "verifier" / "test-stdout.txt").is_file()
+
+
+HEALTHCHECK_TOML = """
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+
+[environment.healthcheck]
+command = "n=$(cat /tmp/probes 2>/dev/null || echo 0); echo $((n + 1)) > /tmp/probes; [ $n -ge {ready_after} ]"
+interval_sec = 0.1
+retries = 3
+"""
+
+
+@pytest.mark.parametrize(("ready_after", "passes"), [(2, True), (5, False)])
+def test_healthcheck_runs_in_the_container_before_the_agent(
+    docker_runtime: DockerRuntime, tmp_path: Path, ready_after: int, passes: bool
+) -> None:
+    """Healthy on the third probe: the agent runs after it (it sees 3 probes). Never
+    healthy within 3 retries: HealthcheckError, neither agent nor verifier ran."""
+    task = make_task(
+        tmp_path,
+        f"healthcheck-{ready_after}",
+        toml=HEALTHCHECK_TOML.format(ready_after=ready_after),
+        solve="cp /tmp/probes /app/probes-seen",
+        test='[ "$(cat /app/probes-seen)" = 3 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt',
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    if passes:
+        assert result.exception_info is None, result.exception_info
+        assert result.verifier_result is not None
+        assert result.verifier_result.rewards == {"reward": 1.0}
+    else:
+        assert result.exception_info is not None
+        assert result.exception_info.exception_type == "HealthcheckError"
+        assert result.agent_execution is None and result.verifier is None

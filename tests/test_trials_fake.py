@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,16 @@ from harbor_exec.errors import AgentEndedContainerError, EnvironmentStartError, 
 from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
-from harbor_exec.trial.agents import WorkflowAgent, grader_verifier
-from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
+from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.trial.agents import (
+    AgentRun,
+    OracleAgent,
+    TrialSession,
+    WorkflowAgent,
+    grader_verifier,
+)
+from harbor_exec.trial.results import AgentInfo, TrialResult
+from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import (
     SandboxPolicy,
     Trial,
@@ -345,3 +354,178 @@ def test_an_agent_that_stops_its_container_is_restarted_and_verified(tmp_path: P
     assert result.exception_type == AgentEndedContainerError.__name__
     assert not policy_for(result.exception_type).should_retry
     assert rewards(result) == {"reward": 0.0}
+
+
+def test_a_task_without_solve_sh_is_still_verified(tmp_path: Path) -> None:
+    """Harbor records the oracle's FileNotFoundError and still runs the verifier."""
+    task_dir = make_task(tmp_path / "tasks", "no-solution")
+    (task_dir / "solution" / "solve.sh").unlink()
+    verified: list[str] = []
+
+    def test(container: FakeContainer) -> int:
+        verified.append(container.spec.name)
+        container.write("/logs/verifier/reward.txt", "0\n")
+        return 0
+
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    result = run_trial(FakeRuntime(test=test), request)
+    assert result.exception_info is not None
+    assert result.exception_info.exception_type == "FileNotFoundError"
+    assert "Solution script not found" in result.exception_info.exception_message
+    assert len(verified) == 1
+    assert rewards(result) == {"reward": 0.0}
+
+
+ARTIFACTS_TOML = """
+artifacts = [
+  "/app/result.txt",
+  {source = "/srv/other/result.txt", destination = "app/result.txt"},
+  "/app/missing.txt",
+  "relative.txt",
+]
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+"""
+
+
+def test_declared_artifacts_are_kept_as_harbor_keeps_them(tmp_path: Path) -> None:
+    """Shared mode too: collected after the agent and before the verifier (which here
+    deletes the file), at the container path, with Harbor's manifest rows."""
+
+    def solve(container: FakeContainer) -> int:
+        container.write("/app/result.txt", "42\n")
+        container.write("/srv/other/result.txt", "other\n")
+        container.write("/logs/artifacts/note.txt", "art\n")
+        return 0
+
+    def test(container: FakeContainer) -> int:
+        container.files.pop("/app/result.txt")
+        container.write("/logs/verifier/reward.txt", "1\n")
+        return 0
+
+    task_dir = make_task(tmp_path / "tasks", "declares", toml=ARTIFACTS_TOML)
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    result = run_trial(FakeRuntime(solve=solve, test=test), request)
+    assert result.exception_info is None, result.exception_info
+    out = tmp_path / "trials" / result.trial_name / "artifacts"
+    assert (out / "app" / "result.txt").read_text() == "42\n"
+    assert (out / "logs" / "artifacts" / "note.txt").read_text() == "art\n"
+    rows = json.loads((out / "manifest.json").read_text())
+    assert [(r["source"], r["destination"], r["type"], r["status"]) for r in rows] == [
+        ("/logs/artifacts", "artifacts/logs/artifacts", "directory", "ok"),
+        ("/app/result.txt", "artifacts/app/result.txt", "file", "ok"),
+        # The same host path as the first: Harbor keeps the first claimant.
+        ("/srv/other/result.txt", "artifacts/app/result.txt", "file", "skipped"),
+        ("/app/missing.txt", "artifacts/app/missing.txt", "file", "failed"),
+        ("relative.txt", "artifacts/relative.txt", "file", "skipped"),
+    ]
+
+
+def healthcheck_toml(**fields: object) -> str:
+    values = ", ".join(f"{key} = {value!r}" for key, value in fields.items())
+    return (
+        "[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n"
+        f"[environment]\nhealthcheck = {{ command = 'probe-ready', {values} }}\n"
+    )
+
+
+def probe_failing(times: int, calls: list[str]) -> Callable[[FakeContainer, str], int]:
+    def other(container: FakeContainer, script: str) -> int:
+        if "probe-ready" not in script:
+            return 0
+        calls.append("probe")
+        return 1 if len(calls) <= times else 0
+
+    return other
+
+
+def test_healthcheck_passes_before_the_agent(tmp_path: Path) -> None:
+    calls: list[str] = []
+    solved: list[int] = []
+
+    def solve(container: FakeContainer) -> int:
+        solved.append(len(calls))
+        return 0
+
+    runtime = FakeRuntime(solve=solve, other=probe_failing(2, calls))
+    toml = healthcheck_toml(retries=3, interval_sec=0.0)
+    result = trial(runtime, tmp_path, toml=toml)
+    assert result.exception_info is None, result.exception_info
+    assert calls == ["probe"] * 3 and solved == [3]  # the agent ran after the third probe
+
+
+def test_healthcheck_failures_end_the_trial_before_the_agent(tmp_path: Path) -> None:
+    calls: list[str] = []
+    solved: list[int] = []
+
+    def solve(container: FakeContainer) -> int:
+        solved.append(1)
+        return 0
+
+    runtime = FakeRuntime(solve=solve, other=probe_failing(99, calls))
+    result = trial(runtime, tmp_path, toml=healthcheck_toml(retries=2, interval_sec=0.0))
+    assert result.exception_info is not None
+    assert result.exception_info.exception_type == "HealthcheckError"
+    assert "after 2 consecutive retries: probe-ready" in result.exception_info.exception_message
+    assert calls == ["probe"] * 2 and solved == []
+    assert result.verifier is None  # Harbor's policy: not graded
+
+
+def test_healthcheck_failures_in_the_start_period_do_not_count(tmp_path: Path) -> None:
+    calls: list[str] = []
+    runtime = FakeRuntime(other=probe_failing(5, calls))
+    toml = healthcheck_toml(retries=1, start_period_sec=600.0, start_interval_sec=0.0)
+    result = trial(runtime, tmp_path, toml=toml)
+    assert result.exception_info is None, result.exception_info
+    assert len(calls) == 6
+
+
+ENV_FIELD_TOML = (
+    "[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n[environment]\n{field}\n"
+)
+
+
+@dataclass
+class NamedAgent:
+    """An agent that is not the oracle (it does nothing)."""
+
+    info: AgentInfo = field(default_factory=lambda: AgentInfo(name="some-workflow", version="1"))
+
+    def files(self, task: Task) -> list[ArchiveEntry]:
+        return []
+
+    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+        return AgentRun(exit_code=0, timed_out=False)
+
+
+@pytest.mark.parametrize(
+    ("field_line", "oracle_runs"),
+    [
+        ("tpu = { type = 'v6e', topology = '2x2' }", False),
+        ("mcp_servers = [{ name = 'db', transport = 'stdio', command = 'db-mcp' }]", True),
+        ("skills_dir = '/skills'", True),
+    ],
+)
+def test_environment_fields_harbor_refuses_are_refused_by_name(
+    tmp_path: Path, field_line: str, oracle_runs: bool
+) -> None:
+    name = field_line.split(" ", 1)[0]
+    task_dir = make_task(tmp_path / "tasks", name, toml=ENV_FIELD_TOML.format(field=field_line))
+    for agent in (OracleAgent(), NamedAgent()):
+        runtime = FakeRuntime()
+        request = TrialRequest(
+            task=load_task(task_dir), trials_dir=tmp_path / "trials", agent=agent
+        )
+        result = run_trial(runtime, request)
+        refused = not (oracle_runs and isinstance(agent, OracleAgent))
+        if refused:
+            assert result.exception_info is not None
+            assert result.exception_info.exception_type == "TaskConfigError"
+            assert f"[environment].{name}" in result.exception_info.exception_message
+            assert runtime.builds == [] and runtime.containers == {}  # nothing built or run
+        else:
+            assert result.exception_info is None, result.exception_info

@@ -168,3 +168,7 @@ def test_gpu_task_and_missing_solution_are_named(tmp_path: Path) -> None:
     missing = results["no-solution"]["exception_info"]
     assert missing["exception_type"] == "FileNotFoundError"
     assert str(ds / "no-solution" / "solution" / "solve.sh") in missing["exception_message"]
+    # As in Harbor, the verifier still runs: the task's tests give the reward
+    # (validate still counts the task as failed).
+    assert results["no-solution"]["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert results["no-solution"]["verifier"] is not None

@@ -47,7 +47,11 @@ def _finite(value: Any) -> float | None:
 
 def is_full_reward(result: TrialResult) -> bool:
     """Passed: the ``reward`` key is >= 1.0 (trainers read only that key); without a
-    ``reward`` key, every key is >= 1.0. The reward must be valid."""
+    ``reward`` key, every key is >= 1.0. The reward must be valid, and the trial free
+    of exceptions (the oracle without ``solve.sh`` is still verified, as in Harbor,
+    and may earn its tests' reward; it did not pass)."""
+    if result.exception_info is not None:
+        return False
     if not result.reward_valid or result.verifier_result is None:
         return False
     rewards = result.verifier_result.rewards or {}

@@ -27,6 +27,8 @@ from google.protobuf.message import DecodeError
 from harbor_exec.sandbox._buildkit.control_pb2 import StatusResponse, Vertex
 
 TRACE_ID = "moby.buildkit.trace"
+#: The end of the error BuildKit gives a step stopped by another step's failure.
+CANCELED = "context canceled"
 
 
 @dataclass
@@ -42,8 +44,9 @@ class _Step:
 class BuildkitProgress:
     """Decodes ``moby.buildkit.trace`` payloads into log lines; keeps only per-step state.
 
-    ``errors`` holds ``(step name, error)`` for every step that failed, so a
-    failed build can say which step broke even when the log is long.
+    ``errors`` holds ``(step name, error)`` for every step that failed (not those
+    cancelled because another failed), so a failed build can say which step broke
+    even when the log is long.
     """
 
     errors: list[tuple[str, str]] = field(default_factory=list)
@@ -108,27 +111,37 @@ class BuildkitProgress:
         lines: list[str] = []
         if step.finished:
             return lines
-        if vertex.cached:
-            lines.extend(self._announce(step))
-            lines.append(f"#{step.number} CACHED")
-            step.finished = True
+        # As ``docker build --progress=plain`` (BuildKit's progressui): a step's last
+        # line comes when it completed (or failed), an error before a cache flag.
+        if not (vertex.HasField("completed") or vertex.error):
+            if vertex.HasField("started"):
+                lines.extend(self._announce(step))
+            return lines
+        lines.extend(self._announce(step))
+        lines.extend(self._flush(step))
+        step.finished = True
+        if vertex.error.endswith(CANCELED):
+            # Stopped because another step failed: not this step's error.
+            lines.append(f"#{step.number} CANCELED")
         elif vertex.error:
-            lines.extend(self._announce(step))
-            lines.extend(self._flush(step))
             lines.append(f"#{step.number} ERROR: {vertex.error}")
             self.errors.append((step.name, vertex.error))
-            step.finished = True
-        elif vertex.HasField("completed"):
-            lines.extend(self._announce(step))
-            lines.extend(self._flush(step))
+        elif vertex.cached:
+            lines.append(f"#{step.number} CACHED")
+        else:
             seconds = 0.0
             if vertex.HasField("started"):
                 seconds = (vertex.completed.ToNanoseconds() - vertex.started.ToNanoseconds()) / 1e9
             lines.append(f"#{step.number} DONE {max(seconds, 0.0):.1f}s")
-            step.finished = True
-        elif vertex.HasField("started"):
-            lines.extend(self._announce(step))
         return lines
+
+    def failed_step(self, error: str) -> str | None:
+        """The step whose error the build's final ``error`` quotes (else the first
+        that failed): the one a message about the failed build names."""
+        for name, message in self.errors:
+            if message in error or error in message:
+                return name
+        return self.errors[0][0] if self.errors else None
 
     def close(self) -> list[str]:
         """Lines still buffered (a step's last output without a newline)."""

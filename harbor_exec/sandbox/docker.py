@@ -515,9 +515,8 @@ class DockerRuntime:
                 f"(log: {log_path})\n{tail_text}"
             )
         if error is not None:
-            where = ""
-            if progress is not None and progress.errors:
-                where = f" at step {progress.errors[-1][0]!r}"
+            step = progress.failed_step(error) if progress is not None else None
+            where = f" at step {step!r}" if step else ""
             raise SandboxBuildFailedError(
                 f"docker build of {context_dir} failed{where}: {error}\n"
                 f"--- last lines of the build log ({log_path}) ---\n{tail_text}"

@@ -85,6 +85,8 @@ class TrialSession:
     pending_files: bytes | None = None
     agent_user: str = ROOT_ID
     verifier_user: str = ROOT_ID
+    #: The image's USER (an exec that names no user), resolved like the others.
+    image_user: str = ROOT_ID
 
     @property
     def workdir(self) -> str | None:

@@ -43,11 +43,12 @@ import secrets as secrets_module
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
@@ -62,6 +63,7 @@ from harbor_exec.errors import (
     EnvironmentStartError,
     GpuUnavailableError,
     HarborExecError,
+    HealthcheckError,
     RewardFileNotFoundError,
     TaskConfigError,
     TrialError,
@@ -111,7 +113,8 @@ from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
-UserRole = Literal["agent", "verifier"]
+#: "image": the image's USER, as an exec without a user runs (Harbor's healthcheck).
+UserRole = Literal["agent", "verifier", "image"]
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 #: What a grader finds when the agent handed over no sample: the runner's error form.
 _NOTHING_HANDED_OVER = (
@@ -120,7 +123,9 @@ _NOTHING_HANDED_OVER = (
     .encode()
 )
 
-LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", "/logs/artifacts")
+#: The agent's conventional publish dir (Harbor's implicit first artifact).
+CONVENTION_DIR = "/logs/artifacts"
+LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", CONVENTION_DIR)
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
 CAP_ADD_LABEL = "harbor-exec.cap-add"
@@ -279,6 +284,9 @@ class Trial:
         self._agent_logs_read = False
         #: One budget for everything the agent wrote (``SandboxPolicy.output``).
         self._agent_copy = ExtractReport()
+        #: Declared artifacts' manifest rows, once collected (``_collect_artifacts``).
+        self._artifact_entries: list[dict[str, object]] | None = None
+        self._artifacts_carried: list[tuple[Path, str]] = []
         self._verifier_copy = ExtractReport()
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
@@ -344,6 +352,7 @@ class Trial:
         session: TrialSession | None = None
         try:
             session = self._environment(result)
+            self._healthcheck(session)
             if self._exception is None:
                 self._agent(session, result)
             if self._should_verify():
@@ -450,6 +459,31 @@ class Trial:
             container_id = self._container_id = self.runtime.create(spec)
             return container_id
 
+    def _check_environment_fields(self) -> None:
+        """Refuse, before anything is built, the ``[environment]`` fields Harbor 0.26
+        refuses on its Docker environment (a TPU slice) or for agents without the
+        capability (MCP servers, skills: the oracle ignores both, as in Harbor)."""
+        task = self.request.task
+        env = task.config.environment
+        if env.tpu is not None:
+            raise TaskConfigError(
+                task.name,
+                "[environment].tpu: a TPU slice needs a TPU-capable environment (GKE); "
+                "a Docker engine has none",
+                file="task.toml",
+            )
+        if isinstance(self.request.agent, OracleAgent):
+            return
+        for field_name, value in (("mcp_servers", env.mcp_servers), ("skills_dir", env.skills_dir)):
+            if value:
+                raise TaskConfigError(
+                    task.name,
+                    f"[environment].{field_name}: the agent {self.request.agent.info.name!r} "
+                    "cannot use it here (only the oracle runs such tasks, ignoring it, "
+                    "as in Harbor)",
+                    file="task.toml",
+                )
+
     def _check_gpus(self) -> int:
         """GPUs to request; ``GpuUnavailableError`` before anything starts when the task
         needs some and the engine has none (Harbor refuses such tasks too)."""
@@ -473,6 +507,7 @@ class Trial:
         self._phase(TrialPhase.ENVIRONMENT)
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
+            self._check_environment_fields()
             gpus = self._check_gpus()
             if request.image is None:
                 self.image, built = ensure_task_image(self.runtime, task)
@@ -496,7 +531,7 @@ class Trial:
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
             archive = build_archive(entries)
-            users = self._resolve_users(self.image, container_id)
+            users = self._resolve_users(self.image, container_id, ("agent", "verifier", "image"))
             if is_root(users["agent"]):
                 # The agent's first command carries these files on its stdin (one fewer
                 # call); nothing of the agent's has run yet, so the image's tar is trusted.
@@ -515,6 +550,7 @@ class Trial:
             pending_files=pending,
             agent_user=users["agent"],
             verifier_user=users["verifier"],
+            image_user=users["image"],
         )
 
     def _resolve_users(
@@ -528,7 +564,7 @@ class Trial:
         default = self.runtime.image_user(image)
         resolved: dict[UserRole, str] = {}
         for role in roles:
-            user = config.agent.user if role == "agent" else config.verifier.user
+            user = {"agent": config.agent.user, "verifier": config.verifier.user}.get(role)
             wanted = default if user is None or str(user) == "" else user
             try:
                 resolved[role] = accounts.resolve(wanted)
@@ -538,6 +574,35 @@ class Trial:
                     self.request.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
                 ) from None
         return resolved
+
+    def _healthcheck(self, session: TrialSession) -> None:
+        """``[environment.healthcheck]`` before the agent, as Harbor 0.26 runs it (Docker
+        HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
+        ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
+        ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
+        check = self.request.task.config.environment.healthcheck
+        if check is None:
+            return
+        start_period_end = time.monotonic() + check.start_period_sec
+        failures = 0
+        while True:
+            in_start_period = time.monotonic() < start_period_end
+            ran = session.bash(
+                check.command, user=session.image_user, timeout_sec=check.timeout_sec
+            )
+            self._check_cancelled()
+            if ran.exit_code == 0 and not ran.timed_out:
+                return
+            if not in_start_period:
+                failures += 1
+                if failures >= check.retries:
+                    raise HealthcheckError(
+                        f"Healthcheck failed after {check.retries} consecutive retries: "
+                        f"{check.command}"
+                    )
+            pause = check.start_interval_sec if in_start_period else check.interval_sec
+            if self._cancelled.wait(pause):
+                self._check_cancelled()
 
     def _agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
@@ -560,6 +625,11 @@ class Trial:
                 raise
             run = AgentRun(exit_code=None, timed_out=False)
             self._revive(session)
+        except FileNotFoundError as exc:
+            # The oracle without solution/solve.sh: Harbor records it and, the
+            # policy saying "grade", still runs the verifier (reward 0, not none).
+            self._record(exc)
+            run = AgentRun(exit_code=None, timed_out=False)
         finally:
             timing.finished_at = utcnow()
             # Nothing the agent started may run on into the verifier phase.
@@ -638,6 +708,7 @@ class Trial:
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
     def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
+        self._collect_artifacts(session.container_id)
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
@@ -716,7 +787,10 @@ class Trial:
         # from an artifact the agent wrote (a task declaring "/opt" or "/").
         sources = [
             (local, path)
-            for local, path in self._collect_artifacts(container_id)
+            for local, path in [
+                *self._convention_artifacts(),
+                *self._collect_artifacts(container_id),
+            ]
             if not PurePosixPath(path).is_relative_to(BUNDLE_ROOT)
         ]
         # The agent files the verifier reads (the sample) are placed from the host's
@@ -775,34 +849,57 @@ class Trial:
             return built.tag, False
         return self.image, True
 
+    def _artifact_specs(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The task's declared artifacts besides ``/logs/artifacts``, and the
+        excludes of ``/logs/artifacts`` (Harbor's implicit first entry, which an
+        explicit entry for it replaces)."""
+        specs = [
+            {"source": i} if isinstance(i, str) else dict(i)
+            for i in self.request.task.config.artifacts
+        ]
+        declared = [s for s in specs if str(s.get("source") or "").rstrip("/") != CONVENTION_DIR]
+        explicit = [s for s in specs if s not in declared]
+        exclude = [str(e) for e in (explicit[0].get("exclude") or [])] if explicit else []
+        return declared, exclude
+
     def _collect_artifacts(self, container_id: str) -> list[tuple[Path, str]]:
         """Copy the task's declared ``artifacts`` out of the agent's container (on the
-        agent's budget, sanitized) into ``artifacts/``; returns ``(host path, container
-        path)`` of them, and of ``/logs/artifacts``, for a verifier container."""
+        agent's budget, sanitized) into ``artifacts/``, where Harbor keeps them;
+        returns ``(host path, container path)`` of them for a verifier container.
+        Once per trial: after the agent, before any verifier (as Harbor does)."""
+        if self._artifact_entries is not None:
+            return self._artifacts_carried
         limits, budget = self.request.policy.output, self._agent_copy
         root = self.dir / "artifacts"
+        declared, _ = self._artifact_specs()
+        entries: list[dict[str, object]] = []
         carried: list[tuple[Path, str]] = []
-        convention = root / "logs" / "artifacts"
-        if convention.is_dir():  # its children: /logs/artifacts itself stays mode 777
-            carried += [(path, f"/logs/artifacts/{path.name}") for path in convention.iterdir()]
-        manifest: list[dict[str, object]] = []
-        for item in self.request.task.config.artifacts:
-            spec = {"source": item} if isinstance(item, str) else dict(item)
+        claimed = [root / CONVENTION_DIR.lstrip("/")]
+        for spec in declared:
             source = str(spec.get("source") or "")
-            destination = str(spec.get("destination") or PurePosixPath(source).name)
-            target = (root / destination.lstrip("/")).resolve()
-            if not source.startswith("/") or not target.is_relative_to(root.resolve()):
-                manifest.append({"source": source, "status": "skipped: not a safe path"})
+            exclude = [str(e) for e in spec.get("exclude") or []]
+            target = artifact_host_path(root, source, spec.get("destination"))
+            overlaps = any(
+                c == target or c in target.parents or target in c.parents for c in claimed
+            )
+            if (
+                not source.startswith("/")
+                or overlaps
+                or not target.resolve().is_relative_to(root.resolve())
+            ):
+                # Harbor keeps the first claimant of a host path; so do we.
+                entries.append(_manifest_entry(source, root, target, "skipped", exclude=exclude))
                 continue
+            claimed.append(target)
             stream = self.runtime.get_archive(container_id, source)
             if stream is None:
-                manifest.append({"source": source, "status": "missing"})
+                entries.append(_manifest_entry(source, root, target, "failed", exclude=exclude))
                 continue
             cut_before = len(budget.truncated)
             with tempfile.TemporaryDirectory(dir=self.dir) as scratch:
                 extract_archive(stream, Path(scratch), strip=0, limits=limits, report=budget)
                 fetched = Path(scratch) / PurePosixPath(source).name
-                _drop_excluded(fetched, [str(e) for e in spec.get("exclude") or []])
+                _drop_excluded(fetched, exclude)
                 if target.exists():
                     _remove_path(target)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -810,21 +907,40 @@ class Trial:
                     shutil.move(str(fetched), target)
             if target.is_file() or target.is_dir():
                 carried.append((target, source))
-            status = "ok" if target.exists() else "missing"
-            if budget.incomplete:
-                status += f"; the copy-back budget ran out ({budget.exceeded})"
-            manifest.append(
-                {
-                    "source": source,
-                    "destination": destination,
-                    "status": status,
-                    "truncated": budget.truncated[cut_before:],
-                }
-            )
-        if manifest:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            status = "ok" if target.exists() else "failed"
+            entry = _manifest_entry(source, root, target, status, exclude=exclude)
+            if budget.truncated[cut_before:] or budget.incomplete:
+                # Ours, beside Harbor's fields (its reader ignores extra keys).
+                entry["truncated"] = budget.truncated[cut_before:]
+                entry["budget_exceeded"] = budget.exceeded
+            entries.append(entry)
+        self._artifact_entries, self._artifacts_carried = entries, carried
         return carried
+
+    def _convention_artifacts(self) -> list[tuple[Path, str]]:
+        """``/logs/artifacts``'s children as read back (less its excludes), for a
+        verifier container; the directory itself stays the verifier's, mode 777."""
+        convention = self.dir / "artifacts" / CONVENTION_DIR.lstrip("/")
+        _drop_excluded(convention, self._artifact_specs()[1])
+        if not convention.is_dir():
+            return []
+        return [(path, f"{CONVENTION_DIR}/{path.name}") for path in convention.iterdir()]
+
+    def _write_artifact_manifest(self) -> None:
+        """Harbor's ``artifacts/manifest.json``: ``/logs/artifacts`` first, then each
+        declared artifact, once they were collected."""
+        if self._artifact_entries is None:
+            return
+        root = self.dir / "artifacts"
+        convention = root / CONVENTION_DIR.lstrip("/")
+        _drop_excluded(convention, self._artifact_specs()[1])
+        status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
+        first = _manifest_entry(
+            CONVENTION_DIR, root, convention, status, is_dir=True, exclude=self._artifact_specs()[1]
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = [first, *self._artifact_entries]
+        (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     # ----------------------------------------------------------------- teardown
 
@@ -919,6 +1035,8 @@ class Trial:
         try:
             if not self.cancelled:
                 self._download_logs(container_id)
+                # As Harbor's recovery does when the trial stopped before its verifier.
+                self._collect_artifacts(container_id)
                 self._record_agent_overflow()
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
@@ -932,6 +1050,7 @@ class Trial:
 
     def _write(self, result: TrialResult) -> None:
         self._write_copy_notes()
+        self._write_artifact_manifest()
         if self._exception is not None:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
@@ -948,6 +1067,38 @@ def _remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def artifact_host_path(root: Path, source: str, destination: object = None) -> Path:
+    """Where Harbor 0.26 keeps an artifact under ``artifacts/``: at its relative
+    ``destination``, else at its container path (``/app/x`` -> ``artifacts/app/x``);
+    ``..`` parts dropped, as Harbor drops them."""
+    path = PurePosixPath(str(destination) if destination else source)
+    parts = [part for part in path.parts if part not in ("", "/", "..")]
+    return root.joinpath(*parts)
+
+
+def _manifest_entry(
+    source: str,
+    root: Path,
+    target: Path,
+    status: str,
+    *,
+    is_dir: bool | None = None,
+    exclude: Sequence[str] = (),
+) -> dict[str, object]:
+    """One row of Harbor's ``artifacts/manifest.json`` (``ArtifactManifestEntry``)."""
+    if is_dir is None:
+        is_dir = target.is_dir() if target.exists() else not PurePosixPath(source).suffix
+    relative = target.relative_to(root).as_posix() if target.is_relative_to(root) else ""
+    return {
+        "source": source,
+        "destination": f"artifacts/{relative}" if relative not in ("", ".") else "artifacts",
+        "type": "directory" if is_dir else "file",
+        "status": status,
+        "service": None,
+        "exclude": list(exclude) if is_dir else [],
+    }
 
 
 def _drop_excluded(root: Path, patterns: Sequence[str]) -> None:
