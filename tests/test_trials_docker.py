@@ -363,3 +363,36 @@ def test_healthcheck_runs_in_the_container_before_the_agent(
         assert result.exception_info is not None
         assert result.exception_info.exception_type == "HealthcheckError"
         assert result.agent_execution is None and result.verifier is None
+
+
+def test_a_collect_hook_snapshots_state_for_the_separate_verifier(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """``[[verifier.collect]]`` runs in the agent's container after the agent; what it
+    wrote is a declared artifact, which reaches the separate verifier."""
+    toml = """
+artifacts = ["/srv/snapshot.txt"]
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+environment_mode = "separate"
+
+[[verifier.collect]]
+command = "mkdir -p /srv && wc -l < /app/state.txt > /srv/snapshot.txt"
+"""
+    task = make_task(
+        tmp_path,
+        "collect-hook",
+        toml=toml,
+        solve="printf 'a\\nb\\nc\\n' > /app/state.txt",
+        test='[ "$(cat /srv/snapshot.txt)" = 3 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt',
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None
+    assert result.verifier_result.rewards == {"reward": 1.0}
+    kept = trial_dir(tmp_path / "trials", result) / "artifacts" / "srv" / "snapshot.txt"
+    assert kept.read_text() == "3\n"

@@ -529,3 +529,54 @@ def test_environment_fields_harbor_refuses_are_refused_by_name(
             assert runtime.builds == [] and runtime.containers == {}  # nothing built or run
         else:
             assert result.exception_info is None, result.exception_info
+
+
+COLLECT_TOML = """
+artifacts = ["/app/db.dump"]
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 30.0
+
+[[verifier.collect]]
+command = "snapshot-db > /app/db.dump"
+
+[[verifier.collect]]
+command = "broken-hook"
+timeout_sec = 5
+"""
+
+
+def test_collect_hooks_run_after_the_agent_and_before_the_artifacts(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    def solve(container: FakeContainer) -> int:
+        order.append("agent")
+        return 0
+
+    def other(container: FakeContainer, script: str) -> int:
+        if "snapshot-db" in script:
+            order.append("hook")
+            container.write("/app/db.dump", "rows\n")
+        return 1 if "broken-hook" in script else 0
+
+    task_dir = make_task(tmp_path / "tasks", "collects", toml=COLLECT_TOML)
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    result = run_trial(FakeRuntime(solve=solve, other=other), request)
+    assert result.exception_info is None, result.exception_info  # a failed hook is no error
+    out = tmp_path / "trials" / result.trial_name
+    assert order == ["agent", "hook"]
+    assert (out / "artifacts" / "app" / "db.dump").read_text() == "rows\n"
+    assert "'broken-hook' exited with code 1" in (out / "collect-hooks.txt").read_text()
+
+
+def test_a_collect_hook_for_a_sidecar_is_refused_by_name(tmp_path: Path) -> None:
+    toml = COLLECT_TOML.replace('command = "broken-hook"', 'command = "dump"\nservice = "db"')
+    task_dir = make_task(tmp_path / "tasks", "sidecar-hook", toml=toml)
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    result = run_trial(FakeRuntime(), request)
+    assert result.exception_info is not None
+    assert result.exception_info.exception_type == "TaskConfigError"
+    assert "service = 'db'" in result.exception_info.exception_message

@@ -95,7 +95,7 @@ from harbor_exec.sandbox.runtime import (
     NetworkKind,
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
-from harbor_exec.sandbox.users import UnknownUserError, is_root
+from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -284,6 +284,8 @@ class Trial:
         self._agent_logs_read = False
         #: One budget for everything the agent wrote (``SandboxPolicy.output``).
         self._agent_copy = ExtractReport()
+        self._accounts: ImageAccounts | None = None
+        self._default_user = ""
         #: Declared artifacts' manifest rows, once collected (``_collect_artifacts``).
         self._artifact_entries: list[dict[str, object]] | None = None
         self._artifacts_carried: list[tuple[Path, str]] = []
@@ -472,6 +474,14 @@ class Trial:
                 "a Docker engine has none",
                 file="task.toml",
             )
+        for hook in task.config.verifier.collect:
+            if hook.service != "main":
+                raise TaskConfigError(
+                    task.name,
+                    f"[[verifier.collect]] service = {hook.service!r}: only the main "
+                    "service exists here (compose environments do not run yet)",
+                    file="task.toml",
+                )
         if isinstance(self.request.agent, OracleAgent):
             return
         for field_name, value in (("mcp_servers", env.mcp_servers), ("skills_dir", env.skills_dir)):
@@ -562,6 +572,10 @@ class Trial:
         config = self.request.task.config
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
+        if image == self.image and self._accounts is None:
+            # The trial image's, read before anything ran: what later lookups resolve
+            # against (the agent may rewrite the container's account files).
+            self._accounts, self._default_user = accounts, default
         resolved: dict[UserRole, str] = {}
         for role in roles:
             user = {"agent": config.agent.user, "verifier": config.verifier.user}.get(role)
@@ -869,6 +883,7 @@ class Trial:
         Once per trial: after the agent, before any verifier (as Harbor does)."""
         if self._artifact_entries is not None:
             return self._artifacts_carried
+        self._run_collect_hooks(container_id)
         limits, budget = self.request.policy.output, self._agent_copy
         root = self.dir / "artifacts"
         declared, _ = self._artifact_specs()
@@ -916,6 +931,30 @@ class Trial:
             entries.append(entry)
         self._artifact_entries, self._artifacts_carried = entries, carried
         return carried
+
+    def _run_collect_hooks(self, container_id: str) -> None:
+        """``[[verifier.collect]]`` hooks, before the artifacts are read, as Harbor runs
+        them: best effort (a failure is noted in ``collect-hooks.txt``, never the
+        trial's), each under its ``timeout_sec``, as its ``user`` (resolved from the
+        image's account files as read before the agent ran)."""
+        hooks = self.request.task.config.verifier.collect
+        if not hooks or self._accounts is None:
+            return
+        notes: list[str] = []
+        for hook in hooks:
+            wanted = self._default_user if hook.user is None or str(hook.user) == "" else hook.user
+            try:
+                user = self._accounts.resolve(wanted)
+            except UnknownUserError as exc:
+                notes.append(f"{hook.command!r}: user {wanted!r}: {exc}")
+                continue
+            session = TrialSession(self.runtime, container_id, self.request.task)
+            ran = session.bash(hook.command, user=user, timeout_sec=hook.timeout_sec)
+            if ran.timed_out or ran.exit_code != 0:
+                how = "timed out" if ran.timed_out else f"exited with code {ran.exit_code}"
+                notes.append(f"{hook.command!r} {how}")
+        if notes:
+            (self.dir / "collect-hooks.txt").write_text("\n".join(notes) + "\n")
 
     def _convention_artifacts(self) -> list[tuple[Path, str]]:
         """``/logs/artifacts``'s children as read back (less its excludes), for a
