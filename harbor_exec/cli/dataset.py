@@ -7,9 +7,10 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -20,7 +21,7 @@ from rich.table import Table
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError
+from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError, TaskError
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec
 from harbor_exec.jobs.dataset import (
     ORACLE_CONFIG,
@@ -35,7 +36,8 @@ from harbor_exec.jobs.dataset import (
 from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewarm_tasks, tally
 from harbor_exec.sandbox.agent_layer import AgentLayerError
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import Discovery, Task, discover_tasks
+from harbor_exec.sources.registry import RegistryError, fetch_dataset, find_dataset, read_registry
+from harbor_exec.trial.task import Discovery, Task, discover_tasks, load_task
 
 if TYPE_CHECKING:
     from harbor_exec.executors.base import TrialExecutor
@@ -62,6 +64,92 @@ def load_dataset(path: Path) -> Discovery:
     except DatasetError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
+
+
+DatasetRefOption = Annotated[
+    str | None,
+    typer.Option(
+        "-d",
+        "--dataset",
+        metavar="NAME[@VERSION]",
+        help="A dataset of Harbor's JSON registry (--registry-path or --registry-url) "
+        "instead of PATH; its tasks are fetched from git by commit.",
+    ),
+]
+RegistryPathOption = Annotated[
+    Path | None, typer.Option("--registry-path", help="A registry JSON file (Harbor's format).")
+]
+RegistryUrlOption = Annotated[
+    str | None, typer.Option("--registry-url", help="A registry JSON file's URL.")
+]
+AllowUnpinnedOption = Annotated[
+    bool,
+    typer.Option(
+        "--task-git-allow-unpinned",
+        help="Run a registry task without a full git_commit_id at its remote's HEAD.",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class SelectedDataset:
+    """What a job runs: its tasks, its name, and Harbor's ``datasets`` entry for it."""
+
+    discovery: Discovery
+    name: str
+    config: dict[str, Any]
+    path: Path | None = None
+
+
+def select_dataset(
+    path: Path | None,
+    ref: str | None,
+    registry_path: Path | None,
+    registry_url: str | None,
+    allow_unpinned: bool,
+) -> SelectedDataset:
+    """PATH, or ``-d name@version`` from a registry, as ``harbor run`` takes them; a
+    bad choice or a failed fetch is exit 2 with the reason, before anything runs."""
+    if (path is None) == (ref is None):
+        _usage_error("give a task or dataset PATH, or -d NAME[@VERSION] with a registry")
+    if path is not None:
+        if registry_path or registry_url:
+            _usage_error("--registry-path and --registry-url go with -d, not a PATH")
+        root = path.resolve()
+        return SelectedDataset(load_dataset(path), root.name, {"path": str(root)}, root)
+    assert ref is not None
+    if (registry_path is None) == (registry_url is None):
+        _usage_error("-d needs exactly one of --registry-path and --registry-url")
+    try:
+        datasets = read_registry(path=registry_path, url=registry_url)
+        dataset = find_dataset(datasets, ref)
+        fetched = fetch_dataset(dataset, allow_unpinned=allow_unpinned)
+    except RegistryError as exc:
+        _usage_error(str(exc))
+    tasks: list[Task] = []
+    broken: list[TaskError] = []
+    for item in fetched:
+        try:
+            task = load_task(item.directory)
+        except TaskError as exc:
+            broken.append(exc)
+            continue
+        origin = {
+            "git_url": str(item.task.git_url),
+            "git_commit_id": item.commit,
+            "path": item.task.path,
+        }
+        tasks.append(replace(task, origin=origin))
+    registry: dict[str, Any] = (
+        {"path": str(registry_path.resolve())} if registry_path else {"url": registry_url}
+    )
+    config = {"name": dataset.name, "version": dataset.version, "registry": registry}
+    return SelectedDataset(Discovery(tasks=tasks, broken=broken), dataset.name, config)
+
+
+def _usage_error(message: str) -> NoReturn:
+    console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(2)
 
 
 class _Signalled(KeyboardInterrupt):
@@ -128,7 +216,13 @@ RayOption = Annotated[
 
 @app.command()
 def validate(
-    path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
+    path: Annotated[
+        Path | None, typer.Argument(help="A task directory or a dataset of tasks.")
+    ] = None,
+    dataset: DatasetRefOption = None,
+    registry_path: RegistryPathOption = None,
+    registry_url: RegistryUrlOption = None,
+    task_git_allow_unpinned: AllowUnpinnedOption = False,
     n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 4,
     n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
@@ -145,7 +239,7 @@ def validate(
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
     from harbor_exec.cli.serve import open_ray_executor
 
-    discovery = load_dataset(path)
+    selected = select_dataset(path, dataset, registry_path, registry_url, task_git_allow_unpinned)
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
     options = sandbox.SandboxOptions(
@@ -163,13 +257,12 @@ def validate(
     )
     outcome = run_dataset_job(
         "validate",
-        discovery,
+        selected,
         runtime,
         jobs_dir=jobs_dir,
         job_name=job_name,
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
-        dataset_path=path.resolve(),
         make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
         executor=executor,
     )
@@ -178,14 +271,13 @@ def validate(
 
 def run_dataset_job(
     command: str,
-    discovery: Discovery,
+    selected: SelectedDataset,
     runtime: DockerRuntime | None,
     *,
     jobs_dir: Path,
     job_name: str | None,
     n_concurrent: int,
     n_attempts: int,
-    dataset_path: Path,
     make_spec: Callable[[Task, Path], TrialSpec],
     executor: TrialExecutor | None = None,
     agent: Mapping[str, Any] = ORACLE_CONFIG,
@@ -202,7 +294,7 @@ def run_dataset_job(
         TimeElapsedColumn(),
         console=console,
     )
-    total = len(discovery.tasks) * n_attempts
+    total = len(selected.discovery.tasks) * n_attempts
     bar = progress.add_task("trials", total=total, counts="")
 
     def on_event(event: JobEvent) -> None:
@@ -228,14 +320,15 @@ def run_dataset_job(
         with _signals_like_ctrl_c(), progress:
             outcome = run_job(
                 runtime,
-                discovery.tasks,
+                selected.discovery.tasks,
                 jobs_dir=jobs_dir,
                 job_name=job_name,
                 n_concurrent=n_concurrent,
                 n_attempts=n_attempts,
-                dataset_name=dataset_path.name,
-                dataset_path=dataset_path,
-                invalid_tasks=discovery.broken,
+                dataset_name=selected.name,
+                dataset_path=selected.path,
+                dataset_config=selected.config,
+                invalid_tasks=selected.discovery.broken,
                 make_spec=make_spec,
                 on_event=on_event,
                 executor=executor,

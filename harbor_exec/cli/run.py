@@ -21,7 +21,16 @@ from rich.markup import escape
 
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
-from harbor_exec.cli.dataset import console, load_dataset, open_runtime, run_dataset_job
+from harbor_exec.cli.dataset import (
+    AllowUnpinnedOption,
+    DatasetRefOption,
+    RegistryPathOption,
+    RegistryUrlOption,
+    console,
+    open_runtime,
+    run_dataset_job,
+    select_dataset,
+)
 from harbor_exec.executors.native import (
     NativeAgentConfig,
     model_endpoint,
@@ -147,7 +156,6 @@ def check_run_agent(
 
 @app.command()
 def run(
-    path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
     agent: Annotated[
         str,
         typer.Option(
@@ -188,6 +196,13 @@ def run(
     agent_setup_timeout_sec: Annotated[
         float | None, typer.Option(min=0.001, help="The agent's setup timeout.")
     ] = None,
+    path: Annotated[
+        Path | None, typer.Argument(help="A task directory or a dataset of tasks.")
+    ] = None,
+    dataset: DatasetRefOption = None,
+    registry_path: RegistryPathOption = None,
+    registry_url: RegistryUrlOption = None,
+    task_git_allow_unpinned: AllowUnpinnedOption = False,
     n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 4,
     n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
@@ -210,7 +225,7 @@ def run(
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,
     )
-    discovery = load_dataset(path)
+    selected = select_dataset(path, dataset, registry_path, registry_url, task_git_allow_unpinned)
     # Harbor's import (litellm's, mostly) takes seconds: once, now, and offline.
     set_litellm_offline()
     importlib.import_module("harbor_exec.trial.native_env")
@@ -229,13 +244,12 @@ def run(
     policy = options.policy(max_concurrent_trials=n_concurrent, pid_max=runtime.pid_max())
     outcome = run_dataset_job(
         "run",
-        discovery,
+        selected,
         runtime,
         jobs_dir=jobs_dir,
         job_name=job_name,
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
-        dataset_path=path.resolve(),
         make_spec=lambda task, job_dir: chosen.spec(task, job_dir, policy=policy),
         # Each trial's relay (and the native agent) run in this process.
         executor=LocalExecutor(runtime),

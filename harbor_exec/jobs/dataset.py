@@ -254,6 +254,7 @@ def harbor_job_config(
     n_attempts: int,
     n_concurrent: int,
     agent: Mapping[str, Any] = ORACLE_CONFIG,
+    dataset_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Harbor 0.26's job ``config.json`` (JobConfig; unset fields take its defaults);
     ``agent``: Harbor's ``AgentConfig`` fields of the job's agent (never a key)."""
@@ -265,7 +266,13 @@ def harbor_job_config(
         "n_concurrent_trials": n_concurrent,
         "environment": {"type": "docker", "delete": True},
         "agents": [dict(agent)],
-        "datasets": [{"path": str(dataset_path)}] if dataset_path is not None else [],
+        "datasets": (
+            [dict(dataset_config)]
+            if dataset_config is not None
+            else [{"path": str(dataset_path)}]
+            if dataset_path is not None
+            else []
+        ),
     }
 
 
@@ -384,6 +391,7 @@ def run_job(
     n_attempts: int = 1,
     dataset_name: str = "adhoc",
     dataset_path: Path | None = None,
+    dataset_config: Mapping[str, Any] | None = None,
     invalid_tasks: Sequence[TaskError] = (),
     make_spec: Callable[[Task, Path], TrialSpec] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
@@ -424,6 +432,7 @@ def run_job(
                 n_attempts=n_attempts,
                 n_concurrent=n_concurrent,
                 agent=agent,
+                dataset_config=dataset_config,
             ),
             indent=2,
         )
