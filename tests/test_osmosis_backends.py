@@ -25,11 +25,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import serve
+from tests.server_utils import serve, wait_until
 
 if sys.version_info < (3, 12):
     pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
 
+from osmosis_ai.rollout import AgentWorkflow as OsmosisAgentWorkflow
+from osmosis_ai.rollout import Grader as OsmosisGrader
 from osmosis_ai.rollout import LocalBackend as OsmosisLocalBackend
 from osmosis_ai.rollout.backend import ExecutionBackend as OsmosisExecutionBackend
 from osmosis_ai.rollout.client import RolloutClient
@@ -38,7 +40,7 @@ from osmosis_ai.rollout.types import ExecutionResult as OsmosisResult
 
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.osmosis import OsmosisBackend, as_backend
-from harbor_exec.protocol import ExecutionOutcome, ExecutionResult
+from harbor_exec.protocol import POLLING_LEASE_HEADER, ExecutionOutcome, ExecutionResult
 from harbor_exec.server import create_rollout_server
 
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
@@ -210,3 +212,75 @@ def test_harbor_exec_serves_without_osmosis_ai(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+class _SdkAnswer(OsmosisAgentWorkflow):  # type: ignore[type-arg]
+    async def run(self, ctx: Any) -> list[dict[str, Any]]:
+        return [*ctx.prompt, {"role": "assistant", "content": "4"}]
+
+
+class _SdkExact(OsmosisGrader):
+    async def grade(self, ctx: Any) -> None:
+        ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
+
+
+async def _graded_result(http: httpx.AsyncClient, rollout_id: str) -> tuple[str, dict[str, Any]]:
+    """Submit over plain HTTP and long-poll to the end (bounded); (lease token, result)."""
+    admitted = await http.post(
+        "/rollout",
+        json={
+            "rollout_id": rollout_id,
+            "initial_messages": PROMPT,
+            "chat_completions_url": CHAT_URL,
+            "label": "4",
+        },
+    )
+    assert admitted.status_code == 202, admitted.text
+    token = admitted.json()["polling_lease_token"]
+    for _ in range(50):
+        polled = await http.get(
+            f"/rollout/{rollout_id}/result", headers={POLLING_LEASE_HEADER: token}
+        )
+        body: dict[str, Any] = polled.json()
+        if body["status"] in ("success", "failure", "cancelled"):
+            return token, body
+    raise AssertionError("the rollout never finished")
+
+
+async def test_osmosis_local_backend_gets_our_servers_state_metrics_and_openapi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """osmosis-ai's LocalBackend behind our server: its rollouts are in our durable
+    state (a restarted server serves the result again to the same lease token), our
+    metrics and OpenAPI; the trajectory lands beside the SDK backend's artifacts."""
+    monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(tmp_path / "root"))
+    data_dir = tmp_path / "state"
+
+    def app() -> Any:
+        backend = OsmosisLocalBackend(workflow=_SdkAnswer, grader=_SdkExact)
+        return create_rollout_server(backend=backend, data_dir=data_dir, configure_logging=False)
+
+    with serve(app()) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            token, first = await _graded_result(http, "durable-1")
+            metrics = (await http.get("/metrics")).text
+            openapi = (await http.get("/openapi.json")).json()
+            health = (await http.get("/health")).json()
+    assert (first["status"], first["sample"]["reward"]) == ("success", 1.0)
+    assert "harbor_exec_rollouts_admitted_total 1.0" in metrics
+    completed = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("harbor_exec_rollouts_completed_total{") and 'status="success"' in line
+    ]
+    assert completed and completed[0].endswith(" 1.0")
+    assert "/rollout/{rollout_id}/status" in openapi["paths"]
+    assert health["backend"] == "osmosis:LocalBackend" and "concurrency" in health
+    assert wait_until((tmp_path / "root" / "durable-1" / "trajectory.json").is_file)
+    with serve(app()) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            again = await http.get(
+                "/rollout/durable-1/result", headers={POLLING_LEASE_HEADER: token}
+            )
+    assert again.status_code == 200
+    assert again.json() == first
