@@ -16,6 +16,11 @@ round is bounded: at most ``--rollouts`` rollouts and ``--time-limit`` seconds.
 
     .venv/bin/python bench/bench_http.py
     .venv/bin/python bench/bench_http.py --rollouts 2000 --rounds 5 --concurrency 1,32
+
+``--with-osmosis-backend`` adds a third server: osmosis-ai's own LocalBackend object (the
+same trivial SDK workflow and grader) behind harbor-exec's server
+(``harbor_exec.backends.osmosis``), driven by osmosis-ai's client, and reports it against
+the osmosis-ai server: what serving an unchanged osmosis-ai backend with us costs or saves.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from typing import Any
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 CHAT_URL = "http://127.0.0.1:9/v1/chat/completions"
 IMPLEMENTATIONS = ("harbor-exec", "osmosis-ai")
+# osmosis-ai's LocalBackend object behind harbor-exec's server (``--with-osmosis-backend``).
+OSMOSIS_BEHIND_OURS = "osmosis-backend"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -76,11 +83,10 @@ def _harbor_exec_app(artifact_root: str) -> Any:
     )
 
 
-def _osmosis_app(artifact_root: str) -> Any:
+def _osmosis_backend(artifact_root: str) -> Any:
     os.environ["_OSMOSIS_ROLLOUT_ARTIFACT_ROOT"] = artifact_root
     from osmosis_ai.rollout import AgentWorkflow, Grader
     from osmosis_ai.rollout.backend.local import LocalBackend
-    from osmosis_ai.rollout.server import create_rollout_server
 
     class Answer(AgentWorkflow):  # type: ignore[type-arg]
         async def run(self, ctx: Any) -> Any:
@@ -90,8 +96,24 @@ def _osmosis_app(artifact_root: str) -> Any:
         async def grade(self, ctx: Any) -> None:
             ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
 
-    backend = LocalBackend(workflow=Answer, grader=Exact)
-    return create_rollout_server(backend=backend)
+    return LocalBackend(workflow=Answer, grader=Exact)
+
+
+def _osmosis_app(artifact_root: str) -> Any:
+    from osmosis_ai.rollout.server import create_rollout_server
+
+    return create_rollout_server(backend=_osmosis_backend(artifact_root))
+
+
+def _osmosis_behind_ours_app(artifact_root: str) -> Any:
+    from harbor_exec.server import create_rollout_server
+
+    no_db = os.environ.get("HARBOR_EXEC_BENCH_NO_DATA_DIR") == "1"
+    return create_rollout_server(
+        backend=_osmosis_backend(artifact_root),
+        artifact_root=artifact_root,
+        data_dir=None if no_db else os.path.join(artifact_root, ".data-dir"),
+    )
 
 
 def serve(implementation: str, artifact_root: str, pure_python: bool) -> None:
@@ -100,11 +122,12 @@ def serve(implementation: str, artifact_root: str, pure_python: bool) -> None:
 
     from harbor_exec.server.run import uvicorn_implementations
 
-    app = (
-        _harbor_exec_app(artifact_root)
-        if implementation == "harbor-exec"
-        else _osmosis_app(artifact_root)
-    )
+    builders = {
+        "harbor-exec": _harbor_exec_app,
+        "osmosis-ai": _osmosis_app,
+        OSMOSIS_BEHIND_OURS: _osmosis_behind_ours_app,
+    }
+    app = builders[implementation](artifact_root)
     # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
     # says TCP, and without it every response waits out a delayed ACK (~40 ms).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -261,13 +284,20 @@ def _osmosis_available() -> bool:
 
 
 def run(
-    concurrencies: list[int], count: int, time_limit: float, rounds: int, pure_python: bool = False
+    concurrencies: list[int],
+    count: int,
+    time_limit: float,
+    rounds: int,
+    pure_python: bool = False,
+    with_osmosis_backend: bool = False,
 ) -> list[Measurement]:
-    """Both servers stay up; rounds alternate between them so that load from
-    elsewhere on the machine hits both alike."""
+    """All servers stay up; rounds alternate between them so that load from
+    elsewhere on the machine hits them alike."""
     implementations = [
         impl for impl in IMPLEMENTATIONS if impl == "harbor-exec" or _osmosis_available()
     ]
+    if with_osmosis_backend and _osmosis_available():
+        implementations.append(OSMOSIS_BEHIND_OURS)
     results: list[Measurement] = []
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[subprocess.Popen[str], str]] = {}
@@ -297,7 +327,7 @@ def run(
                     )
                     results.append(measurement)
                     print(
-                        f"round {round_index + 1}  {implementation:>11}  c={concurrency:<3}"
+                        f"round {round_index + 1}  {implementation:>15}  c={concurrency:<3}"
                         f" {measurement.rollouts:>6} rollouts"
                         f"  {measurement.per_second:8.1f} rollouts/s"
                         f"  {measurement.cpu_ms:6.3f} ms server CPU/rollout"
@@ -318,7 +348,7 @@ def report(results: list[Measurement]) -> None:
         (implementation, level): [
             m for m in results if (m.implementation, m.concurrency) == (implementation, level)
         ]
-        for implementation in IMPLEMENTATIONS
+        for implementation in (*IMPLEMENTATIONS, OSMOSIS_BEHIND_OURS)
         for level in levels
     }
     print()
@@ -339,6 +369,13 @@ def report(results: list[Measurement]) -> None:
                 reference = statistics.median(theirs)
                 line += f"  ref {reference:8.3f} [{_spread(theirs)}]  {median / reference:5.2f}x"
             print(line)
+            behind = [value(m) for m in runs[OSMOSIS_BEHIND_OURS, level]]
+            if behind and ref:
+                served = statistics.median(behind)
+                print(
+                    f"      {'':<10}  osmosis-ai LocalBackend behind ours {served:8.3f}"
+                    f" [{_spread(behind)}]  {served / reference:5.2f}x the osmosis-ai server"
+                )
     print("targets: rollouts/s ratio >= 2.00x, server CPU ratio <= 0.40x, client CPU <= 0.50x")
 
 
@@ -346,7 +383,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--serve", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve", choices=(*IMPLEMENTATIONS, OSMOSIS_BEHIND_OURS), help=argparse.SUPPRESS
+    )
     parser.add_argument("--artifact-root", help=argparse.SUPPRESS)
     parser.add_argument("--rollouts", type=int, default=1000, help="rollouts per round (max)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per round (max)")
@@ -355,12 +394,25 @@ def main() -> None:
     parser.add_argument(
         "--pure-python", action="store_true", help="asyncio's loop and h11 for both servers"
     )
+    parser.add_argument(
+        "--with-osmosis-backend",
+        action="store_true",
+        help="also serve osmosis-ai's LocalBackend object with harbor-exec's server",
+    )
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.artifact_root, args.pure_python)
         return
     levels = [int(level) for level in args.concurrency.split(",")]
-    report(run(levels, args.rollouts, args.time_limit, args.rounds, args.pure_python))
+    results = run(
+        levels,
+        args.rollouts,
+        args.time_limit,
+        args.rounds,
+        args.pure_python,
+        args.with_osmosis_backend,
+    )
+    report(results)
 
 
 if __name__ == "__main__":

@@ -288,5 +288,13 @@ def test_default_artifact_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert default_artifact_root() == tmp_path / "env-root"
     assert LocalBackend(workflow=ScriptedWorkflow).artifact_root == tmp_path / "env-root"
     monkeypatch.delenv("HARBOR_EXEC_ARTIFACT_ROOT")
+    monkeypatch.delenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", raising=False)
+    # HarborBackend's and the server's fallback stays ours...
     assert default_artifact_root() == Path.home() / ".harbor-exec" / "rollouts"
+    # ...LocalBackend's is osmosis-ai 0.3.8's, with its override variable.
+    assert LocalBackend(workflow=ScriptedWorkflow).artifact_root == Path.home() / ".osmosis"
+    monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(tmp_path / "osmosis-root"))
+    assert LocalBackend(workflow=ScriptedWorkflow).artifact_root == tmp_path / "osmosis-root"
+    explicit = LocalBackend(workflow=ScriptedWorkflow, artifact_root=tmp_path / "mine")
+    assert explicit.artifact_root == tmp_path / "mine"
     assert ConcurrencyConfig().max_concurrent is None

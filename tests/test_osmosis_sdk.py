@@ -3,9 +3,11 @@
 The same project (``tasks_examples/osmosis_sdk_project``: a workflow and grader that
 subclass osmosis-ai 0.3.8's classes and call the chat endpoint) runs under osmosis-ai's
 LocalBackend behind osmosis-ai's server, and under harbor-exec's LocalBackend behind
-our server; the real osmosis-ai RolloutClient drives both with the same inputs against
-one fake chat endpoint on 127.0.0.1, and every result must agree: status, error
-message and category, and the sample (messages, label, reward, metrics, removal).
+our server, and under osmosis-ai's own LocalBackend object served by our server
+(``harbor_exec.backends.osmosis``); the real osmosis-ai RolloutClient drives all three
+with the same inputs against one fake chat endpoint on 127.0.0.1, and every result must
+agree: status, error message and category, and the sample (messages, label, reward,
+metrics, removal).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.fake_chat import FakeChat
-from tests.server_utils import serve
+from tests.server_utils import serve, wait_until
 
 OSMOSIS_PYTHON = sys.version_info >= (3, 12)
 if not OSMOSIS_PYTHON:
@@ -77,22 +79,33 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     """Both servers, each with its own artifact root."""
     reference_root = tmp_path_factory.mktemp("osmosis-root")
     ours_root = tmp_path_factory.mktemp("harbor-root")
+    served_root = tmp_path_factory.mktemp("served-root")
     monkeypatch = pytest.MonkeyPatch()
     # osmosis-ai's LocalBackend reads its artifact root when constructed.
     monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(reference_root))
     reference = create_osmosis_server(
         backend=OsmosisLocalBackend(**SDK_REFS), configure_logging=False
     )
+    monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(served_root))
+    # osmosis-ai's own backend object behind our server; no artifact_root given, so
+    # the trajectory goes next to the backend's artifacts, as osmosis-ai's server does.
+    served = create_rollout_server(backend=OsmosisLocalBackend(**SDK_REFS), configure_logging=False)
     ours = create_rollout_server(
         backend=LocalBackend(**SDK_REFS, artifact_root=ours_root), artifact_root=ours_root
     )
     try:
-        with serve(reference) as reference_url, serve(ours) as ours_url:
+        with (
+            serve(reference) as reference_url,
+            serve(ours) as ours_url,
+            serve(served) as served_url,
+        ):
             yield {
                 "reference": reference_url,
                 "ours": ours_url,
+                "served": served_url,
                 "reference_root": str(reference_root),
                 "ours_root": str(ours_root),
+                "served_root": str(served_root),
             }
     finally:
         monkeypatch.undo()
@@ -136,7 +149,9 @@ async def test_same_results_as_osmosis_local_backend(
     rollout_id = uuid.uuid4().hex
     reference = await _run(servers["reference"], chat.base_url, case, rollout_id)
     ours = await _run(servers["ours"], chat.base_url, case, rollout_id)
+    served = await _run(servers["served"], chat.base_url, case, rollout_id)
     assert _comparable(ours) == _comparable(reference)
+    assert _comparable(served) == _comparable(reference)
     # And what they agree on is what the project does.
     expected_status, expected_category, expected_reward = {
         "right": ("success", None, 1.0),
@@ -164,9 +179,13 @@ async def test_same_results_as_osmosis_local_backend(
     if case == "workflow_raises":
         assert ours.err_message == "the agent broke"
     if case == "artifact":
-        for root in (servers["reference_root"], servers["ours_root"]):
+        for root in (servers["reference_root"], servers["ours_root"], servers["served_root"]):
             answer = Path(root) / rollout_id / "artifacts" / "answer.txt"
             assert answer.read_text() == "4\n"
+    if case == "right":
+        # Our server wrote the trajectory of osmosis-ai's backend into its own root.
+        trajectory = Path(servers["served_root"]) / rollout_id / "trajectory.json"
+        assert wait_until(trajectory.is_file)  # written shortly after the result
 
 
 class _StatusReportingWorkflow(OsmosisAgentWorkflow[Any]):

@@ -23,7 +23,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from harbor_exec.protocol import (
     BackendHealth,
@@ -38,6 +38,7 @@ __all__ = [
     "OSMOSIS_ARTIFACT_ROOT_ENV",
     "ExecutionBackend",
     "default_artifact_root",
+    "local_artifact_root",
 ]
 
 
@@ -54,6 +55,16 @@ def default_artifact_root() -> Path:
         if configured := os.environ.get(name):
             return Path(configured)
     return Path.home() / ".harbor-exec" / "rollouts"
+
+
+def local_artifact_root() -> Path:
+    """LocalBackend's root, osmosis-ai 0.3.8's: ``$HARBOR_EXEC_ARTIFACT_ROOT``, else
+    ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, else ``~/.osmosis`` (so ``<id>/artifacts`` is
+    where the Osmosis guide says LocalBackend puts it)."""
+    for name in (ARTIFACT_ROOT_ENV, OSMOSIS_ARTIFACT_ROOT_ENV):
+        if configured := os.environ.get(name):
+            return Path(configured)
+    return Path.home() / ".osmosis"
 
 
 class ExecutionBackend(ABC):
@@ -110,6 +121,28 @@ class ExecutionBackend(ABC):
         rollout's state: a backend only reports transitions through the rollout
         context (``update_status``)."""
         return False
+
+    def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
+        """osmosis-ai 0.3.8's hook: the backend's own state of one rollout (``{"status":
+        ..., "reward": ..., "err_message": ...}``), None when it does not know it (the
+        default). The server asks it on ``GET /rollout/{id}/status`` (a live status the
+        backend tracks further than the server, or a rollout the server no longer
+        holds) and while cancelling (to tell finished work from unknown work)."""
+        return None
+
+    def cancel_rollouts(
+        self,
+        ids: Sequence[str] | None = None,
+        prefix: str | None = None,
+        all: bool = False,
+    ) -> dict[str, str]:
+        """osmosis-ai 0.3.8's hook: cancel matching rollouts, ``{id: "cancelled_queued" |
+        "cancelled_running" | "not_found"}``; ``{}`` (the default) means unsupported.
+        ``POST /rollout/cancel`` calls it with one id at a time; a disposition it returns
+        means the backend stops the rollout itself (``not_found`` only counts when
+        ``rollout_status`` reports a terminal state), otherwise the server goes on
+        with ``cancel`` and, failing that, cancels the ``execute`` task."""
+        return {}
 
     def health(self) -> BackendHealth:
         """Backend part of ``GET /health``; must not raise."""

@@ -33,7 +33,12 @@ from harbor_exec.authoring import (
     run_workflow_once,
 )
 from harbor_exec.backends.artifacts import LazyArtifactsDir, LazyGraderContext, LazyWorkflowContext
-from harbor_exec.backends.base import ARTIFACT_ROOT_ENV, ExecutionBackend, default_artifact_root
+from harbor_exec.backends.base import (
+    ARTIFACT_ROOT_ENV,
+    ExecutionBackend,
+    default_artifact_root,
+    local_artifact_root,
+)
 from harbor_exec.compat.osmosis import (
     as_grader_class,
     as_workflow_class,
@@ -55,6 +60,7 @@ __all__ = [
     "LazyArtifactsDir",
     "LocalBackend",
     "default_artifact_root",
+    "local_artifact_root",
 ]
 
 logger = logging.getLogger(__name__)
@@ -113,7 +119,10 @@ class LocalBackend(ExecutionBackend):
     run unchanged, through ``harbor_exec.compat.osmosis``. Concurrency comes from
     ``workflow_config.concurrency.max_concurrent`` (4 without a config, no cap
     when the config says None). Each rollout gets ``<artifact_root>/<id>/artifacts/``,
-    created when the workflow or grader first reads ``ctx.artifacts_dir``.
+    created when the workflow or grader first reads ``ctx.artifacts_dir``;
+    ``artifact_root`` defaults to osmosis-ai's (``local_artifact_root()``:
+    ``$HARBOR_EXEC_ARTIFACT_ROOT``, else ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, else
+    ``~/.osmosis``).
     """
 
     reports_running: ClassVar[bool] = True
@@ -160,7 +169,7 @@ class LocalBackend(ExecutionBackend):
         )
         self._limiter = _Limiter(max_concurrent)
         self.artifact_root = (
-            Path(artifact_root).expanduser() if artifact_root else default_artifact_root()
+            Path(artifact_root).expanduser() if artifact_root else local_artifact_root()
         )
 
     # ------------------------------------------------------------------ reporting

@@ -45,6 +45,7 @@ __all__ = [
     "is_grader_config",
     "is_osmosis_class",
     "is_workflow_config",
+    "sdk_rollout_context",
 ]
 
 # Where the SDK defines its bases (osmosis-ai 0.3.8).
@@ -180,7 +181,7 @@ def _sdk_grader_context(context: GraderContext) -> Any:
     return sdk
 
 
-def _sdk_rollout_context(rollout: RolloutContext) -> Any:
+def sdk_rollout_context(rollout: RolloutContext) -> Any:
     """The SDK's ambient context for ``rollout``: same URL, key and id; its status
     changes are passed on to ``rollout`` (which tells the server)."""
     from osmosis_ai.rollout.context import RolloutContext as SdkRolloutContext
@@ -215,7 +216,7 @@ class OsmosisWorkflow(AgentWorkflow[Any]):
         from osmosis_ai.rollout.types.output import coerce_output
 
         rollout = get_rollout_context() or RolloutContext()
-        sdk_rollout = _sdk_rollout_context(rollout)
+        sdk_rollout = sdk_rollout_context(rollout)
         # As osmosis-ai's LocalBackend: run and collect the sample inside the SDK context.
         with sdk_rollout:
             output = coerce_output(await self.sdk_workflow.run(_sdk_workflow_context(ctx)))

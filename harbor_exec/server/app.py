@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import PlainTextResponse, Response
 
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
+from harbor_exec.backends.osmosis import as_backend
 from harbor_exec.protocol import (
     DEFAULT_MAX_TIMEOUT_SEC,
     FEATURES_HEADER,
@@ -78,7 +79,7 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[Any]]
 
 def create_rollout_server(
     *,
-    backend: ExecutionBackend,
+    backend: ExecutionBackend | object,
     lifespan: Lifespan | None = None,
     configure_logging: bool = True,
     result_wait_timeout_sec: float = DEFAULT_RESULT_WAIT_TIMEOUT_SEC,
@@ -93,13 +94,19 @@ def create_rollout_server(
     max_timeout_sec: float = DEFAULT_MAX_TIMEOUT_SEC,
     data_dir: Path | str | None = None,
 ) -> FastAPI:
-    """Build the FastAPI app that serves rollouts from ``backend``.
+    """Build the FastAPI app that serves rollouts from ``backend``: ours
+    (``harbor_exec.backends.base.ExecutionBackend``) or an osmosis-ai 0.3.8
+    ``ExecutionBackend`` (its LocalBackend, your own), served through
+    ``harbor_exec.backends.osmosis.OsmosisBackend``.
 
     ``lifespan`` (e.g. a backend's prewarm) is entered before serving and exited
     last. ``configure_logging`` (osmosis-ai's keyword) installs an INFO handler on the
     root logger when the process has none, since uvicorn configures only its own;
-    ``False`` keeps yours. ``artifact_root`` (default ``$HARBOR_EXEC_ARTIFACT_ROOT`` or
-    ``~/.harbor-exec/rollouts``) receives ``<id>/trajectory.json``. Bodies over
+    ``False`` keeps yours. ``artifact_root`` receives ``<id>/trajectory.json``; by default
+    the backend's own ``artifact_root`` when it has one (a LocalBackend's, so
+    trajectory and artifacts share ``<root>/<id>/`` as in osmosis-ai), else
+    ``$HARBOR_EXEC_ARTIFACT_ROOT``, ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT`` or
+    ``~/.harbor-exec/rollouts``. Bodies over
     ``max_body_bytes`` get 413. Raises ``ValueError`` for inconsistent timeouts.
     """
     if not math.isfinite(result_wait_timeout_sec) or result_wait_timeout_sec <= 0:
@@ -118,17 +125,18 @@ def create_rollout_server(
         raise ValueError("max_timeout_sec must be finite and greater than zero")
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
+    served = as_backend(backend)
     if configure_logging and not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     service = RolloutService(
-        backend,
+        served,
         result_wait_timeout_sec=result_wait_timeout_sec,
         polling_lease_timeout_sec=polling_lease_timeout_sec,
         result_retention_sec=result_retention_sec,
         artifact_root=Path(artifact_root).expanduser()
         if artifact_root
-        else default_artifact_root(),
+        else _backend_artifact_root(served) or default_artifact_root(),
         server_secrets=(api_key,) if api_key else (),
         retry_after_sec=retry_after_sec,
         shutdown_drain_sec=shutdown_drain_sec,
@@ -140,7 +148,7 @@ def create_rollout_server(
     @asynccontextmanager
     async def app_lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            await anyio.to_thread.run_sync(backend.start)
+            await anyio.to_thread.run_sync(served.start)
             service.restore()
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
@@ -171,7 +179,7 @@ def create_rollout_server(
     @app.get("/health", **docs["health"])
     async def health() -> Response:
         try:
-            payload = backend.health().model_dump(mode="json")
+            payload = served.health().model_dump(mode="json")
         except Exception as exc:
             # /health answers 200 whatever the backend's state: it is how operators
             # and harnesses learn that state.
@@ -252,7 +260,7 @@ def create_rollout_server(
         if not service.accepting:
             return error_response(503, "rollout server is shutting down")
         try:
-            summary = await backend.prewarm(None if selector.all else selector.task_ids)
+            summary = await served.prewarm(None if selector.all else selector.task_ids)
         except (ValueError, KeyError, LookupError) as exc:
             return error_response(400, f"prewarm refused: {exc}")
         except Exception as exc:
@@ -266,6 +274,11 @@ def create_rollout_server(
         return Response(service.render_metrics(), 200, None, PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _backend_artifact_root(backend: ExecutionBackend) -> Path | None:
+    root = getattr(backend, "artifact_root", None)
+    return root if isinstance(root, Path) else None
 
 
 def _one_cancel_selector(selector: CancelRolloutsRequest) -> str | None:

@@ -123,9 +123,10 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
         },
         "status": {
             "response_model": RolloutStatusResponse,
-            "response_description": "Current status.",
+            "response_description": "Current status (the backend's, when its "
+            "rollout_status knows a rollout the server does not hold).",
             "responses": {
-                404: _error("Unknown rollout_id."),
+                404: _error("Unknown rollout_id (to the server and to the backend)."),
                 422: invalid,
                 **common,
             },
