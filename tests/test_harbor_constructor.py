@@ -230,6 +230,8 @@ def test_a_wheel_that_is_no_bundle_is_named(tmp_path: Path) -> None:
         backend.start()
     with pytest.raises(BundleError, match="no such file"):
         load_bundle(tmp_path / "missing.whl")
+    with pytest.raises(ValueError, match=r"bundle .*missing.whl: no such file"):
+        backend_for(tmp_path, bundle=tmp_path / "missing.whl")
 
 
 def osmosis_wheel(tmp_path: Path) -> Path:

@@ -279,6 +279,10 @@ class HarborBackend(ExecutionBackend):
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
         check_agent_name(agent)
         self.is_oracle = agent == "oracle"
+        if isinstance(bundle, str | Path) and not Path(bundle).expanduser().exists():
+            # Checked now: the bundle itself is read (or, for an osmosis-ai wheel, rebuilt
+            # here) by start().
+            raise ValueError(f"bundle {bundle}: no such file or directory")
         if self.is_oracle and bundle is not None:
             raise ValueError("the oracle runs no bundle: pass agent= a workflow, or omit it")
         if self.is_oracle and grader is not None:
