@@ -209,11 +209,11 @@ class HarborBackend(ExecutionBackend):
         workflow and grader are then the bundle's (``agent`` may be omitted; given, it must
         be the bundle's workflow).
 
-        ``patch_dockerfile_with_sdk``: accepted for compatibility, and either value does
-        the same: a bundle's dependencies are installed once into a read-only volume
-        keyed by the requirement set and task image (never per trial, never into the task
-        image, which stays untouched). ``True`` without a bundle is a ValueError, as in
-        osmosis-ai.
+        ``patch_dockerfile_with_sdk``: accepted for compatibility, and every value does
+        the same: a bundle's dependencies are installed once, by the runtime's Python,
+        into a volume keyed by the requirement set alone and mounted read-only into each
+        trial (``sandbox.deps``): never per trial, never into the task image, which stays
+        untouched. ``True`` without a bundle is a ValueError, as in osmosis-ai.
 
         Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
         TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
