@@ -371,3 +371,46 @@ def test_the_guides_v03_entrypoint_as_written(
     assert seen[0]["workflow_config"] == "arith_agent.workflow:workflow_config"
     assert backend.bundle is not None and backend.bundle.has_grader
     assert runtime.builds  # prewarm built the task image before serving
+
+
+def test_the_guides_task_mode_snippets_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Section 3's template and dataset constructors and section 6's dataset lifespan,
+    verbatim but for the import (``code_dir`` omitted: found from the workflow class)."""
+    project = tmp_path / "checkout"
+    shutil.copytree(EXAMPLE_DIR, project)
+    make_task(project / "tasks", "my-task")
+    for task_id in ("task-a", "task-b"):
+        make_task(project / "tasks", task_id)
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("HARBOR_EXEC_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    monkeypatch.syspath_prepend(str(project / "src"))
+    MyWorkflow = importlib.import_module("arith_agent.workflow").ArithWorkflow
+    trial_queue = TrialQueue(n_concurrent=3)
+
+    from harbor_exec.backends.harbor import HarborBackend
+    from harbor_exec.server.app import create_rollout_server
+
+    backend = HarborBackend(
+        orchestrator=trial_queue,
+        tasks_dir=Path("tasks/my-task"),
+        task_mode="template",
+        agent=MyWorkflow,
+    )
+    assert backend.task_mode == "template" and backend.max_concurrent_trials == 3
+
+    backend = HarborBackend(
+        orchestrator=trial_queue,
+        tasks_dir=Path("tasks"),
+        task_mode="dataset",
+        agent=MyWorkflow,
+    )
+    app = create_rollout_server(
+        backend=backend,
+        lifespan=backend.prewarm_lifespan(["task-a", "task-b"]),
+    )
+    assert app is not None and backend.task_mode == "dataset"
+    backend.start()  # the bundle, built from the project found from MyWorkflow
+    assert backend.bundle is not None
+    assert backend.bundle.name == "arith_agent.workflow:ArithWorkflow"
