@@ -31,7 +31,7 @@ from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.manifest import MANIFEST_NAME, Manifest
 from harbor_exec.bundler.wheels import sha256_file
 
-__all__ = ["load_bundle", "osmosis_bundle_refs"]
+__all__ = ["check_bundle_path", "load_bundle", "osmosis_bundle_refs"]
 
 #: The shim osmosis-ai's bundler writes into the package, and its import aliases.
 _OSMOSIS_SHIM = "bundle_main.py"
@@ -46,8 +46,29 @@ _OSMOSIS_ALIASES = {
 def load_bundle(path: str | Path, *, cache_dir: Path | None = None) -> Bundle:
     """The bundle at ``path`` (see the module doc); ``cache_dir`` as ``build_bundle``'s."""
     given = Path(path).expanduser()
+    root = _harbor_exec_root(given)
+    if root is not None:
+        return _bundle_dir(root, given)
+    return _from_osmosis_wheel(given, cache_dir)
+
+
+def check_bundle_path(path: str | Path) -> None:
+    """Refuse, cheaply (no build), a path ``load_bundle`` would refuse: a BundleError
+    naming it. A harbor-exec bundle's digest is checked later, by ``load_bundle``."""
+    given = Path(path).expanduser()
+    root = _harbor_exec_root(given)
+    if root is None and osmosis_bundle_refs(given) is None:
+        raise BundleError(_not_a_bundle(given))
+    if root is not None and not (root / MANIFEST_NAME).is_file():
+        raise BundleError(f"bundle {given}: the directory has no {MANIFEST_NAME}")
+
+
+def _harbor_exec_root(given: Path) -> Path | None:
+    """The harbor-exec bundle directory ``given`` is, or holds the wheel of; None for a
+    wheel that is not in one. BundleError when ``given`` is neither a directory nor a
+    wheel."""
     if given.is_dir():
-        return _bundle_dir(given, given)
+        return given
     if not given.is_file():
         raise BundleError(f"bundle {given}: no such file or directory")
     if given.suffix != ".whl" or not zipfile.is_zipfile(given):
@@ -55,9 +76,14 @@ def load_bundle(path: str | Path, *, cache_dir: Path | None = None) -> Bundle:
             f"bundle {given} is neither a bundle directory (with {MANIFEST_NAME}) nor a wheel"
         )
     root = given.resolve().parent.parent
-    if (root / MANIFEST_NAME).is_file():
-        return _bundle_dir(root, given)
-    return _from_osmosis_wheel(given, cache_dir)
+    return root if (root / MANIFEST_NAME).is_file() else None
+
+
+def _not_a_bundle(wheel: Path) -> str:
+    return (
+        f"bundle {wheel} is not a bundle: no {MANIFEST_NAME} beside it (a harbor-exec "
+        f"bundle) and no {_OSMOSIS_SHIM} runner shim (an osmosis-ai bundle wheel)"
+    )
 
 
 def _bundle_dir(root: Path, given: Path) -> Bundle:
@@ -114,10 +140,7 @@ def osmosis_bundle_refs(wheel: Path) -> dict[str, str | None] | None:
 def _from_osmosis_wheel(wheel: Path, cache_dir: Path | None) -> Bundle:
     refs = osmosis_bundle_refs(wheel)
     if refs is None:
-        raise BundleError(
-            f"bundle {wheel} is not a bundle: no {MANIFEST_NAME} beside it (a harbor-exec "
-            f"bundle) and no {_OSMOSIS_SHIM} runner shim (an osmosis-ai bundle wheel)"
-        )
+        raise BundleError(_not_a_bundle(wheel))
     with tempfile.TemporaryDirectory(prefix="harbor-exec-osmosis-bundle-") as tmp:
         project = Path(tmp) / "project"
         _unpack_as_project(wheel, project)

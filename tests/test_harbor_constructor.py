@@ -225,13 +225,20 @@ def test_a_wheel_that_is_no_bundle_is_named(tmp_path: Path) -> None:
         {"pyproject.toml": setuptools_pyproject("plain-lib"), "plain_lib/__init__.py": "X = 1\n"},
     )
     wheel = build_wheel(project, tmp_path / "out", what="plain-lib")
-    backend = backend_for(tmp_path, bundle=wheel)
     with pytest.raises(BundleError, match=rf"bundle {wheel} is not a bundle"):
-        backend.start()
+        backend_for(tmp_path, bundle=wheel)  # refused at construction, before any build
+    with pytest.raises(BundleError, match=rf"bundle {wheel} is not a bundle"):
+        load_bundle(wheel)
     with pytest.raises(BundleError, match="no such file"):
         load_bundle(tmp_path / "missing.whl")
-    with pytest.raises(ValueError, match=r"bundle .*missing.whl: no such file"):
+    with pytest.raises(BundleError, match=r"bundle .*missing.whl: no such file"):
         backend_for(tmp_path, bundle=tmp_path / "missing.whl")
+    with pytest.raises(BundleError, match=r"the directory has no manifest\.json"):
+        backend_for(tmp_path, bundle=project)
+    not_a_wheel = tmp_path / "notes.txt"
+    not_a_wheel.write_text("hello\n")
+    with pytest.raises(BundleError, match="neither a bundle directory"):
+        backend_for(tmp_path, bundle=str(not_a_wheel))
 
 
 def osmosis_wheel(tmp_path: Path) -> Path:

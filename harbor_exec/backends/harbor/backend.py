@@ -279,10 +279,12 @@ class HarborBackend(ExecutionBackend):
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
         check_agent_name(agent)
         self.is_oracle = agent == "oracle"
-        if isinstance(bundle, str | Path) and not Path(bundle).expanduser().exists():
-            # Checked now: the bundle itself is read (or, for an osmosis-ai wheel, rebuilt
-            # here) by start().
-            raise ValueError(f"bundle {bundle}: no such file or directory")
+        if isinstance(bundle, str | Path):
+            # Checked now, cheaply; the bundle itself is read (or, for an osmosis-ai wheel,
+            # bundled here) by start().
+            from harbor_exec.bundler.prebuilt import check_bundle_path  # the bundler extra
+
+            check_bundle_path(bundle)
         if self.is_oracle and bundle is not None:
             raise ValueError("the oracle runs no bundle: pass agent= a workflow, or omit it")
         if self.is_oracle and grader is not None:
