@@ -156,8 +156,9 @@ class SandboxPolicy:
     """The operator's settings for every trial container.
 
     The ``default_*`` limits apply to tasks whose ``[environment]`` leaves the field
-    unset; a task's own ``cpus``, ``memory_mb`` and ``storage_mb`` win (see
-    ``ContainerLimits.resolve``).
+    unset; a task's own ``cpus``, ``memory_mb`` and ``storage_mb`` win over them, and the
+    ``override_*`` ones (Harbor's ``EnvironmentConfig.override_*``) win over the task's
+    (see ``ContainerLimits.resolve``).
     """
 
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
@@ -171,6 +172,9 @@ class SandboxPolicy:
     default_cpus: float = DEFAULT_CPUS
     default_memory_mb: int = DEFAULT_MEMORY_MB
     default_storage_mb: int = DEFAULT_STORAGE_MB
+    override_cpus: float | None = None
+    override_memory_mb: int | None = None
+    override_storage_mb: int | None = None
     shm_mb: int = DEFAULT_SHM_MB
     nofile_limit: int = DEFAULT_NOFILE_LIMIT
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
@@ -181,7 +185,8 @@ class SandboxPolicy:
 
 @dataclass(frozen=True)
 class ContainerLimits:
-    """The limits one container runs under: the task's own, else the operator's."""
+    """The limits one container runs under: the operator's overrides, else the task's
+    own, else the operator's defaults."""
 
     cpus: float
     memory_mb: int
@@ -194,11 +199,12 @@ class ContainerLimits:
     def resolve(cls, policy: SandboxPolicy, env: EnvironmentConfig) -> ContainerLimits:
         # Harbor leaves these None unless task.toml sets them, so "unset" is exact;
         # 0 is as good as unset (Harbor's docker environment passes no limit for it).
-        memory_mb = env.memory_mb or policy.default_memory_mb
+        memory_mb = policy.override_memory_mb or env.memory_mb or policy.default_memory_mb
+        cpus = policy.override_cpus or (float(env.cpus) if env.cpus else policy.default_cpus)
         return cls(
-            cpus=float(env.cpus) if env.cpus else policy.default_cpus,
+            cpus=cpus,
             memory_mb=memory_mb,
-            storage_mb=env.storage_mb or policy.default_storage_mb,
+            storage_mb=policy.override_storage_mb or env.storage_mb or policy.default_storage_mb,
             shm_mb=min(policy.shm_mb, memory_mb),  # tmpfs pages are memory
             nofile_limit=policy.nofile_limit,
             pids_limit=policy.pids_limit,

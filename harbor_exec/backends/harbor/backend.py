@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from pydantic import Field
@@ -44,6 +44,12 @@ from harbor_exec.authoring import (
     get_rollout_context,
 )
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
+from harbor_exec.backends.harbor.constructor import (
+    EnvironmentSettings,
+    environment_settings,
+    orchestrator_concurrency,
+    reject_unknown_keywords,
+)
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
     PreparedBundle,
@@ -85,7 +91,13 @@ from harbor_exec.trial.native import (
 )
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
+if TYPE_CHECKING:
+    from harbor_exec.bundler import Bundle  # the bundler extra: workflows only
+
 logger = logging.getLogger(__name__)
+
+#: Trials run at once when neither max_concurrent_trials nor an orchestrator says.
+DEFAULT_MAX_CONCURRENT_TRIALS = 4
 
 
 #: A native agent's ATIF trajectory (Harbor's ``trajectory.json``), kept beside the
@@ -142,17 +154,20 @@ class HarborBackend(ExecutionBackend):
         *,
         tasks_dir: str | Path,
         task_mode: TaskMode = "template",
-        agent: str | type = "oracle",
+        agent: str | type | None = None,
         workflow_config: Any = None,
         grader: str | type | None = None,
         grader_config: Any = None,
         code_dir: str | Path | None = None,
-        bundle: Any = None,
+        bundle: Bundle | str | Path | None = None,
         trials_dir: str | Path | None = None,
         artifacts_dir: str | Path | None = None,
         cleanup_successful_trials: bool = True,
-        max_concurrent_trials: int = 4,
+        max_concurrent_trials: int | None = None,
         max_queue_depth: int | None = None,
+        orchestrator: object = None,
+        environment_config: object = None,
+        patch_dockerfile_with_sdk: bool | None = None,
         runtime: ContainerEngine | None = None,
         executor: TrialExecutor | None = None,
         task_roots: Sequence[str | Path] = (),
@@ -172,13 +187,46 @@ class HarborBackend(ExecutionBackend):
         native_agent_kwargs: Mapping[str, Any] | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
         agent_setup_timeout_sec: float | None = None,
+        **unknown: object,
     ) -> None:
-        """``agent``: "oracle", one of Harbor's own agents (``NATIVE_AGENT_NAMES``:
-        "terminus-2", run unchanged on this host, reaching the model only through the
-        rollout's relay), or a workflow (a class or ``module:attr``). A native agent
-        takes ``native_agent_kwargs`` (its options), ``model_name`` (an
-        ``openai/<id>`` route; a rollout's ``metadata["harbor_model"]`` overrides it)
-        and ``agent_setup_timeout_sec``.
+        """The keywords of osmosis-ai 0.3.8's ``HarborBackend`` (the migration guide's
+        constructor) are taken as docs/migrating-from-osmosis.md tabulates; in short:
+
+        ``orchestrator``: a Harbor ``TrialQueue`` (or any object with ``n_concurrent``):
+        its ``n_concurrent`` is ``max_concurrent_trials`` (default 4; both given and
+        different: ValueError). Trials do not run through it: hooks added to it are not
+        called, and a queue with retries (``retry_config.max_retries`` > 0) is refused.
+
+        ``environment_config``: Harbor's ``EnvironmentConfig`` (or a dict of its fields):
+        ``override_cpus``/``override_memory_mb``/``override_storage_mb`` replace every
+        task's own, as in Harbor; ``force_build`` is ignored (tasks with a Dockerfile are
+        always built from it, cached by content); any other field not at Harbor's default
+        is a ValueError naming it (``delete=False`` included: containers are always
+        removed; ``cleanup_successful_trials=False`` keeps trial files).
+
+        ``bundle``: a ``Bundle`` (``build_bundle``), or a path: a bundle directory, its
+        wheel, or a bundle wheel built by osmosis-ai's SDK (``bundler.prebuilt``); the
+        workflow and grader are then the bundle's (``agent`` may be omitted; given, it must
+        be the bundle's workflow).
+
+        ``patch_dockerfile_with_sdk``: accepted for compatibility, and every value does
+        the same: a bundle's dependencies are installed once, by the runtime's Python,
+        into a volume keyed by the requirement set alone and mounted read-only into each
+        trial (``sandbox.deps``): never per trial, never into the task image, which stays
+        untouched. ``True`` without a bundle is a ValueError, as in osmosis-ai.
+
+        Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
+        TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
+
+        ``agent``: "oracle" (the default without a bundle), one of Harbor's own
+        agents (``NATIVE_AGENT_NAMES``: "terminus-2", run unchanged on this host,
+        reaching the model only through the rollout's relay), or a workflow (a class or
+        ``module:attr``). A native agent takes ``native_agent_kwargs`` (its options),
+        ``model_name`` (an ``openai/<id>`` route; a rollout's
+        ``metadata["harbor_model"]`` overrides it) and ``agent_setup_timeout_sec`` (the
+        bound on its install). A workflow has no in-container setup to bound (its
+        bundle is copied in, its dependencies are prebuilt): there
+        ``agent_setup_timeout_sec`` is accepted and has no effect.
 
         ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
         task from (none by default), pinned by ``git_commit_id`` unless
@@ -192,6 +240,24 @@ class HarborBackend(ExecutionBackend):
         bundled grader verifies; "shared" (the agent's container) only when asked,
         being weaker: there what the grader's interpreter reads besides the read-only
         runtime (``/etc/ld.so.preload``, ``/tmp``, ...) is the agent's."""
+        reject_unknown_keywords(unknown)
+        if orchestrator is not None:
+            concurrency = orchestrator_concurrency(orchestrator)
+            if max_concurrent_trials is not None and max_concurrent_trials != concurrency:
+                raise ValueError(
+                    f"max_concurrent_trials={max_concurrent_trials} conflicts with the "
+                    f"orchestrator's n_concurrent={concurrency}: pass one of them"
+                )
+            max_concurrent_trials = concurrency
+        elif max_concurrent_trials is None:
+            max_concurrent_trials = DEFAULT_MAX_CONCURRENT_TRIALS
+        overrides = (
+            environment_settings(environment_config)
+            if environment_config is not None
+            else EnvironmentSettings()
+        )
+        if agent is None:
+            agent = "oracle" if bundle is None else None
         if max_queue_depth is not None and max_queue_depth < 1:
             raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
         if max_concurrent_trials < 1:
@@ -213,6 +279,14 @@ class HarborBackend(ExecutionBackend):
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
         check_agent_name(agent)
         self.is_oracle = agent == "oracle"
+        if isinstance(bundle, str | Path):
+            # Checked now, cheaply; the bundle itself is read (or, for an osmosis-ai wheel,
+            # bundled here) by start().
+            from harbor_exec.bundler.prebuilt import check_bundle_path  # the bundler extra
+
+            check_bundle_path(bundle)
+        if self.is_oracle and bundle is not None:
+            raise ValueError("the oracle runs no bundle: pass agent= a workflow, or omit it")
         if self.is_oracle and grader is not None:
             raise ValueError("a bundled grader needs a workflow agent (the oracle has no bundle)")
         self.native: NativeAgentConfig | None = None
@@ -228,11 +302,18 @@ class HarborBackend(ExecutionBackend):
                 kwargs=native_agent_kwargs,
                 setup_timeout_sec=agent_setup_timeout_sec,
             )
-        elif native_agent_kwargs or agent_setup_timeout_sec is not None:
+        elif native_agent_kwargs:
             raise ValueError(
-                "native_agent_kwargs and agent_setup_timeout_sec are for Harbor's own agents "
-                f"({', '.join(NATIVE_AGENT_NAMES)})"
+                f"native_agent_kwargs are for Harbor's own agents ({', '.join(NATIVE_AGENT_NAMES)})"
+                "; a workflow takes workflow_config"
             )
+        elif agent_setup_timeout_sec is not None and agent_setup_timeout_sec <= 0:
+            raise ValueError("agent_setup_timeout_sec must be positive (or None)")
+        if patch_dockerfile_with_sdk and (
+            self.is_oracle or (self.native is not None and grader is None)
+        ):
+            # As osmosis-ai: without a workflow or a grader there is no bundle to install.
+            raise ValueError("patch_dockerfile_with_sdk requires a bundle (a workflow or grader)")
         self.max_concurrent_trials = max_concurrent_trials
         self.max_queue_depth = max_queue_depth
         self.cleanup_successful_trials = cleanup_successful_trials
@@ -252,7 +333,9 @@ class HarborBackend(ExecutionBackend):
             # A bundled grader verifies tasks without tests/; known once the bundle is built.
             require_tests=grader is None,
         )
-        self.agent_name = "oracle" if self.is_oracle else str(getattr(agent, "__name__", agent))
+        self.agent_name = (
+            "oracle" if self.is_oracle else str(getattr(agent, "__name__", agent or "bundle"))
+        )
         self._bundle_args: dict[str, Any] = {
             "workflow_config": workflow_config,
             "grader": grader,
@@ -269,6 +352,9 @@ class HarborBackend(ExecutionBackend):
         }
         # None: SandboxPolicy's documented default.
         for key, value in (
+            ("override_cpus", overrides.override_cpus),
+            ("override_memory_mb", overrides.override_memory_mb),
+            ("override_storage_mb", overrides.override_storage_mb),
             ("default_cpus", default_cpus),
             ("default_memory_mb", default_memory_mb),
             ("default_storage_mb", default_storage_mb),
@@ -314,12 +400,16 @@ class HarborBackend(ExecutionBackend):
                 importlib.import_module("harbor_exec.trial.native_env")
                 if is_in_container_agent(self.native.name):
                     self._prepare_agent_layer(self.native)
-            if self.native is not None and self._bundle_args["grader"] is not None:
+            has_grader = self._bundle_args["grader"] is not None
+            if self.native is not None and (has_grader or self._bundle_args["bundle"] is not None):
                 # A grader-only bundle: Harbor's agent is no workflow.
                 self.bundle = prepare_bundle(None, **self._bundle_args)
                 self.resolver.require_tests = False
             elif not self.is_oracle and self.native is None:
-                self.bundle = prepare_bundle(self._agent, **self._bundle_args)
+                # agent None: the workflow is the prebuilt bundle's own.
+                self.bundle = prepare_bundle(
+                    self._agent, agent_from_bundle=self._agent is None, **self._bundle_args
+                )
                 self.agent_name = self.bundle.name
                 self.resolver.require_tests = not self.bundle.has_grader
             args = dict(self._policy_args)

@@ -77,13 +77,40 @@ def prepare_bundle(
     grader_config: Any = None,
     code_dir: str | Path | None = None,
     bundle: Any = None,
+    agent_from_bundle: bool = False,
 ) -> PreparedBundle:
     """Build (or reuse) the bundle of ``agent`` and read what trials need from it;
-    ``agent`` None: a grader-only bundle (the agent is one of Harbor's own)."""
-    from harbor_exec.bundler import build_bundle  # the bundler extra: workflows only
+    ``agent`` None: a grader-only bundle (the agent is one of Harbor's own), or, with
+    ``agent_from_bundle``, the workflow the prebuilt ``bundle`` names. ``bundle``: a
+    ``Bundle`` or a path (``bundler.prebuilt.load_bundle``)."""
+    from harbor_exec.bundler import Bundle, build_bundle  # the bundler extra: workflows only
+    from harbor_exec.bundler.prebuilt import load_bundle
 
+    if bundle is not None and not isinstance(bundle, Bundle):
+        if not isinstance(bundle, str | Path):
+            raise TypeError(
+                f"bundle must be a Bundle or the path of one (or of a bundle wheel); got "
+                f"{type(bundle).__name__}"
+            )
+        bundle = load_bundle(bundle)
+    if agent_from_bundle:
+        if bundle is None or bundle.manifest.workflow is None:
+            raise ValueError("pass agent= (the bundle, if any, names no workflow)")
+        agent = bundle.manifest.workflow
     workflow_ref = _ref_for(agent, what="agent")
     grader_ref = _ref_for(grader, what="grader")
+    if bundle is not None:
+        # A supplied bundle is used as built (as in osmosis-ai): refs that disagree with
+        # it would run other code than the caller named.
+        for what, ref, built in (
+            ("agent", workflow_ref, bundle.manifest.workflow),
+            ("grader", grader_ref, bundle.manifest.grader),
+        ):
+            if ref is not None and built is not None and ref != built:
+                raise ValueError(
+                    f"{what}={ref!r} differs from the bundle's {built!r} ({bundle.root}): "
+                    f"omit {what}= or rebuild the bundle"
+                )
     if bundle is None:
         main_ref = workflow_ref or grader_ref
         if main_ref is None:
