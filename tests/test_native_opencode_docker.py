@@ -1,0 +1,201 @@
+"""opencode (Harbor's own class, unchanged) as a HarborBackend agent: real Docker trials
+behind the real HTTP server, a scripted model on 127.0.0.1 (streaming, as opencode
+asks), our client.
+
+opencode runs inside the container from its prebuilt read-only layer (its Bun binary
+on the runtime's glibc loader; the task image has neither Node nor Python; nothing is
+installed or fetched at trial time) and reaches the model through the runtime's
+in-container forwarder, on a ``no-network`` task, with its own provider on
+``@ai-sdk/openai-compatible``. Every command the model runs sees the rollout's relay
+token as the key; the real key (also in this process's environment, where Harbor
+would find it) is in no file of the container, no process's environment, and no file
+the trial left. The sample's chat is the one the relay saw."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm is imported
+os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.bundler.agent_wheels import prepare_agent_layer
+from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.server.app import create_rollout_server
+from tests.scripted_chat import ScriptedChat
+from tests.server_utils import serve
+from tests.task_factory import make_task
+from tests.test_native_agents_docker import KEY, files_holding, rollout
+
+INSTRUCTION = "Write the number 42 into /app/answer.txt."
+TEST_SH = """
+for p in python3 node; do
+  if command -v $p >/dev/null 2>&1; then echo present; else echo none; fi > /logs/verifier/$p.txt
+done
+if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+TOML = (
+    '[environment]\nnetwork_mode = "no-network"\n'
+    "[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 30.0\n"
+)
+#: The key in two halves: the model's command joins them, so the key itself is never in
+#: the chat or a file, and a match can only be a leak.
+_KEY_A, _KEY_B = KEY[:16], KEY[16:]
+COMMAND = (
+    f"env; A={_KEY_A}; B={_KEY_B}; "
+    'grep -rlsF "$A$B" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev'
+    " > /logs/agent/key-files.txt; "
+    'cat /proc/[0-9]*/environ | grep -caF "$A$B" > /logs/agent/key-environ.txt; '
+    "cat /proc/[0-9]*/environ | grep -caF PATH= > /logs/agent/environ-control.txt; "
+    "echo 42 > /app/answer.txt"
+)
+
+
+def bash_call(command: str, *, call_id: str) -> dict[str, Any]:
+    """An assistant message calling opencode's ``bash`` tool."""
+    arguments = {"command": command, "description": "Write the answer"}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "bash", "arguments": json.dumps(arguments)},
+            }
+        ],
+    }
+
+
+#: The model runs the command (``env`` and the key scan; its output comes back to it),
+#: then ends the turn with plain text (opencode stops when no tool is called).
+SCRIPT: list[Any] = [bash_call(COMMAND, call_id="call_1"), "The answer is written."]
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+
+@pytest.fixture(scope="session")
+def opencode_layer(docker_runtime: DockerRuntime, base_images: dict[str, str]) -> AgentLayer:
+    """opencode's layer, prepared (its binary from the npm registry, host side) and
+    installed into its volume once for the session (once per machine)."""
+    started = time.monotonic()
+    layer = prepare_agent_layer("opencode")
+    prepared = time.monotonic()
+    _volume, built = ensure_agent_layer(docker_runtime, layer, "debian:bookworm-slim")
+    print(
+        f"opencode layer: prepare {prepared - started:.1f}s, "
+        f"volume {time.monotonic() - prepared:.1f}s (built now: {built})"
+    )
+    return layer
+
+
+def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
+    tmp_path: Path,
+    docker_runtime: DockerRuntime,
+    opencode_layer: AgentLayer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    task = make_task(
+        tmp_path / "tasks",
+        "answer-42",
+        test=TEST_SH,
+        instruction=INSTRUCTION,
+        toml=TOML,
+        dockerfile="FROM debian:bookworm-slim\nRUN mkdir -p /app\nWORKDIR /app\n",
+    )
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="opencode",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        agent_setup_timeout_sec=60,
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    started = time.monotonic()
+    with ScriptedChat(SCRIPT) as chat, serve(app) as url:
+        result = rollout(url, chat, INSTRUCTION)
+    seconds = time.monotonic() - started
+    assert result.status.value == "success", result.err_message
+    sample = result.sample
+    assert sample is not None and sample.reward == 1.0
+
+    # Two streamed calls (no title call), both through the relay with the real key, on
+    # chat completions with opencode's own tools.
+    assert len(chat.requests) == 2, [r.body.get("messages", [{}])[0] for r in chat.requests]
+    for request in chat.requests:
+        assert request.path == "/v1/chat/completions"
+        assert request.authorization == f"Bearer {KEY}"
+        assert request.body["model"] == "osmosis-rollout"
+        assert request.body["stream"] is True
+        assert "bash" in [t["function"]["name"] for t in request.body["tools"]]
+    assert INSTRUCTION in json.dumps(chat.requests[0].body["messages"])
+    # What `env` showed the model: the token as the key, the forwarder as the endpoint.
+    messages = chat.requests[1].body["messages"]
+    observed = json.dumps(messages)
+    assert KEY not in observed
+    token = _env_value(messages, "OPENAI_API_KEY")
+    assert token and token != KEY
+    base = _env_value(messages, "OPENAI_BASE_URL")
+    assert base is not None and base.startswith("http://127.0.0.1:") and base.endswith("/v1")
+    assert _env_value(messages, "OPENCODE_DISABLE_AUTOUPDATE") == "true"
+
+    # The sample's chat is the relay's: the last call's messages, then the streamed
+    # answer assembled (the token redacted like every secret the trial knows).
+    last = json.loads(json.dumps(messages).replace(token, "[REDACTED]"))
+    assert sample.messages[: len(last)] == last
+    assert len(sample.messages) == len(last) + 1
+    assert sample.messages[-1] == {"role": "assistant", "content": "The answer is written."}
+    extra = sample.extra_fields or {}
+    assert extra["chat_source"] == "relay"
+    assert "bash" in [t["function"]["name"] for t in extra["tools"]]
+    # Usage from the relay's own accounting (streamed usage chunks).
+    assert sample.metrics["llm_requests"] == 2
+    assert sample.metrics["llm_prompt_tokens"] == 2 * ScriptedChat.PROMPT_TOKENS
+    assert sample.metrics["llm_completion_tokens"] == 2 * ScriptedChat.COMPLETION_TOKENS
+
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    verifier = trial_dir / "verifier"
+    assert (verifier / "python3.txt").read_text().strip() == "none"
+    assert (verifier / "node.txt").read_text().strip() == "none"
+    agent_dir = trial_dir / "agent"
+    # The model, as root, found the key in no file and no process environment of its
+    # container (while opencode and the forwarder ran); environments were readable.
+    assert (agent_dir / "key-files.txt").read_text() == ""
+    assert (agent_dir / "key-environ.txt").read_text().strip() == "0"
+    assert int((agent_dir / "environ-control.txt").read_text()) > 0
+    result_json = json.loads((trial_dir / "result.json").read_text())
+    assert result_json["agent_info"]["name"] == "opencode"
+    assert result_json["verifier_result"]["rewards"] == {"reward": 1.0}
+    # opencode's own output came back; Harbor's ATIF conversion of it is kept, untrusted.
+    assert (agent_dir / "opencode.txt").is_file()
+    trajectory = json.loads((agent_dir / "trajectory.json").read_text())
+    assert trajectory["agent"]["name"] == "opencode"
+    assert trajectory["agent"]["extra"]["harbor_exec"]["trusted"] is False
+    assert files_holding(trial_dir, KEY) == []
+    assert files_holding(trial_dir, token) == []
+    assert files_holding(tmp_path / "server-artifacts", KEY) == []
+    assert files_holding(tmp_path / "artifacts", KEY) == []
+    print(f"opencode rollout: {seconds:.1f}s")
+
+
+def _env_value(messages: list[dict[str, Any]], name: str) -> str | None:
+    """``name``'s value in the ``env`` output a tool message carried back to the model."""
+    for message in messages:
+        if message.get("role") != "tool":
+            continue
+        content = message.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        for line in text.splitlines():
+            if line.startswith(f"{name}="):
+                return line.partition("=")[2]
+    return None
