@@ -19,6 +19,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm 
 os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,26 @@ def bash_call(command: str, *, call_id: str) -> dict[str, Any]:
 #: The model runs the command (``env`` and the key scan; its output comes back to it),
 #: then ends the turn with plain text (opencode stops when no tool is called).
 SCRIPT: list[Any] = [bash_call(COMMAND, call_id="call_1"), "The answer is written."]
+#: On the musl image (busybox's grep cannot skip /proc): env and the answer only.
+MUSL_SCRIPT: list[Any] = [
+    bash_call("env; echo 42 > /app/answer.txt", call_id="call_1"),
+    "The answer is written.",
+]
+
+MUSL_LOADER = Path("/usr/lib/x86_64-linux-musl/libc.so")  # Debian's musl package
+STATIC_BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static
+STATIC_BASH = Path("/bin/bash-static")  # Debian's bash-static
+_APPLETS = ("sh", "env", "cat", "grep", "mkdir", "tee", "ls", "rm", "echo", "test", "[")
+#: No glibc at all: musl's loader, a static busybox and a static bash (Harbor's agents
+#: run their commands with bash), and neither Node nor Python.
+MUSL_DOCKERFILE = (
+    "FROM scratch\nCOPY ld-musl /lib/ld-musl-x86_64.so.1\nCOPY busybox /bin/busybox\n"
+    + "".join(f"COPY busybox /bin/{applet}\n" for applet in _APPLETS)
+    + "COPY bash /bin/bash\n"
+    + 'RUN ["/bin/busybox", "mkdir", "-p", "/tmp", "/app"]\n'
+    + 'RUN ["/bin/busybox", "chmod", "1777", "/tmp"]\nWORKDIR /app\n'
+)
+GLIBC_DOCKERFILE = "FROM debian:bookworm-slim\nRUN mkdir -p /app\nWORKDIR /app\n"
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -97,21 +118,32 @@ def opencode_layer(docker_runtime: DockerRuntime, base_images: dict[str, str]) -
     return layer
 
 
+@pytest.mark.parametrize("image", ["glibc", "musl"])
 def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     tmp_path: Path,
     docker_runtime: DockerRuntime,
     opencode_layer: AgentLayer,
     monkeypatch: pytest.MonkeyPatch,
+    image: str,
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    musl = image == "musl"
     task = make_task(
         tmp_path / "tasks",
         "answer-42",
         test=TEST_SH,
         instruction=INSTRUCTION,
         toml=TOML,
-        dockerfile="FROM debian:bookworm-slim\nRUN mkdir -p /app\nWORKDIR /app\n",
+        dockerfile=MUSL_DOCKERFILE if musl else GLIBC_DOCKERFILE,
     )
+    if musl:
+        for path in (MUSL_LOADER, STATIC_BUSYBOX, STATIC_BASH):
+            assert path.is_file(), f"{path} is missing: run scripts/setup.sh"
+        environment = task / "environment"
+        shutil.copyfile(MUSL_LOADER, environment / "ld-musl")
+        shutil.copy(STATIC_BUSYBOX, environment / "busybox")  # executable
+        shutil.copy(STATIC_BASH, environment / "bash")
+    script = MUSL_SCRIPT if musl else SCRIPT
     backend = HarborBackend(
         tasks_dir=task,
         agent="opencode",
@@ -122,7 +154,7 @@ def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     )
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     started = time.monotonic()
-    with ScriptedChat(SCRIPT) as chat, serve(app) as url:
+    with ScriptedChat(script) as chat, serve(app) as url:
         result = rollout(url, chat, INSTRUCTION)
     seconds = time.monotonic() - started
     assert result.status.value == "success", result.err_message
@@ -168,11 +200,12 @@ def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     assert (verifier / "python3.txt").read_text().strip() == "none"
     assert (verifier / "node.txt").read_text().strip() == "none"
     agent_dir = trial_dir / "agent"
-    # The model, as root, found the key in no file and no process environment of its
-    # container (while opencode and the forwarder ran); environments were readable.
-    assert (agent_dir / "key-files.txt").read_text() == ""
-    assert (agent_dir / "key-environ.txt").read_text().strip() == "0"
-    assert int((agent_dir / "environ-control.txt").read_text()) > 0
+    if not musl:
+        # The model, as root, found the key in no file and no process environment of
+        # its container (while opencode and the forwarder ran); environments were readable.
+        assert (agent_dir / "key-files.txt").read_text() == ""
+        assert (agent_dir / "key-environ.txt").read_text().strip() == "0"
+        assert int((agent_dir / "environ-control.txt").read_text()) > 0
     result_json = json.loads((trial_dir / "result.json").read_text())
     assert result_json["agent_info"]["name"] == "opencode"
     assert result_json["verifier_result"]["rewards"] == {"reward": 1.0}
@@ -185,7 +218,7 @@ def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     assert files_holding(trial_dir, token) == []
     assert files_holding(tmp_path / "server-artifacts", KEY) == []
     assert files_holding(tmp_path / "artifacts", KEY) == []
-    print(f"opencode rollout: {seconds:.1f}s")
+    print(f"opencode rollout ({image}): {seconds:.1f}s")
 
 
 def _env_value(messages: list[dict[str, Any]], name: str) -> str | None:
