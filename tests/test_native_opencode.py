@@ -167,7 +167,7 @@ def test_an_npm_binary_is_extracted_when_it_matches_its_integrity(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tool"]  # no tarball left
     with pytest.raises(BundleError, match="has no package/bin/other"):
         fetch_npm_member("pkg", "1.0.0", "package/bin/other", tmp_path / "other")
-    with pytest.raises(BundleError, match="pkg@2.0.0"):
+    with pytest.raises(BundleError, match=r"pkg@2\.0\.0"):
         fetch_npm_member("pkg", "2.0.0", "package/bin/tool", tmp_path / "two")
 
 
