@@ -1,5 +1,5 @@
 """Harbor's ``BaseEnvironment`` over a harbor-exec ``TrialSession``, and the driver that
-runs one of Harbor's agents (terminus-2) on it, unchanged.
+runs one of Harbor's agents (terminus-2, mini-swe-agent, opencode) on it, unchanged.
 
 Imported only when a native agent runs (the ``native`` extra: harbor >= 0.26, which
 needs Python >= 3.12); ``harbor_exec.trial.native`` makes litellm offline first.

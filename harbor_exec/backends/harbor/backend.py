@@ -173,12 +173,14 @@ class HarborBackend(ExecutionBackend):
         model_name: str = DEFAULT_MODEL_NAME,
         agent_setup_timeout_sec: float | None = None,
     ) -> None:
-        """``agent``: "oracle", one of Harbor's own agents (``NATIVE_AGENT_NAMES``:
-        "terminus-2", run unchanged on this host, reaching the model only through the
-        rollout's relay), or a workflow (a class or ``module:attr``). A native agent
-        takes ``native_agent_kwargs`` (its options), ``model_name`` (an
-        ``openai/<id>`` route; a rollout's ``metadata["harbor_model"]`` overrides it)
-        and ``agent_setup_timeout_sec``.
+        """``agent``: "oracle", one of Harbor's own agents, run unchanged
+        (``NATIVE_AGENT_NAMES``: "terminus-2", on this host; "mini-swe-agent" and
+        "opencode", inside the trial's container from a prebuilt read-only agent layer
+        fetched at ``start()`` or prewarm; each reaches the model only through the
+        rollout's relay, with the per-rollout token as its key), or a workflow (a class
+        or ``module:attr``). A native agent takes ``native_agent_kwargs`` (its options),
+        ``model_name`` (an ``openai/<id>`` route; a rollout's ``metadata["harbor_model"]``
+        overrides it) and ``agent_setup_timeout_sec``.
 
         ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
         task from (none by default), pinned by ``git_commit_id`` unless
@@ -338,9 +340,10 @@ class HarborBackend(ExecutionBackend):
             )
 
     def _prepare_agent_layer(self, native: NativeAgentConfig) -> None:
-        """mini-swe-agent's layer: its wheels fetched now (the only time the network is
-        used), installed into its volume by prewarm or the first trial. When they cannot
-        be had, every trial's setup fails at once, naming the layer."""
+        """An in-container agent's layer (mini-swe-agent's, opencode's): its wheels and
+        binaries fetched now (the only time the network is used), installed into its
+        volume by prewarm or the first trial. When they cannot be had, every trial's
+        setup fails at once, naming the layer."""
         from harbor_exec.bundler.agent_wheels import prepare_agent_layer
         from harbor_exec.bundler.errors import BundleError
 
