@@ -232,3 +232,39 @@ def _env_value(messages: list[dict[str, Any]], name: str) -> str | None:
             if line.startswith(f"{name}="):
                 return line.partition("=")[2]
     return None
+
+
+def test_harbor_exec_run_evaluates_a_dataset_with_opencode(
+    tmp_path: Path, opencode_layer: AgentLayer
+) -> None:
+    """``harbor-exec run --agent opencode``: the real CLI in a subprocess prepares (finds)
+    the layer, each trial's relay gets the key from the named variable."""
+    from tests.test_run_native_docker import KEY_ENV, files_holding, run_cli
+    from tests.test_run_native_docker import KEY as RUN_KEY
+
+    dataset = tmp_path / "answers"
+    for name in ("answer-a", "answer-b"):
+        make_task(
+            dataset,
+            name,
+            test=TEST_SH,
+            instruction=INSTRUCTION,
+            toml=TOML,
+            dockerfile=GLIBC_DOCKERFILE,
+        )
+    script = [bash_call("echo 42 > /app/answer.txt", call_id="c1"), "Done."]
+    with ScriptedChat(script, per_conversation=True) as chat:
+        args = [str(dataset), "--agent", "opencode", "--model-name", "openai/scripted"]
+        args += ["--api-base", chat.base_url, "--api-key-env", KEY_ENV, "-n", "2"]
+        args += ["--jobs-dir", str(tmp_path / "jobs"), "--job-name", "j"]
+        done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "opencode__scripted__answers" in done.stdout and "mean 1.000" in done.stdout
+    assert len(chat.requests) == 4  # two calls per trial, no title call
+    assert {r.authorization for r in chat.requests} == {f"Bearer {RUN_KEY}"}
+    assert {r.body["model"] for r in chat.requests} == {"scripted"}
+    job = json.loads((tmp_path / "jobs" / "j" / "result.json").read_text())
+    evals = job["stats"]["evals"]["opencode__scripted__answers"]
+    assert evals["n_trials"] == 2 and evals["n_errors"] == 0
+    assert job["stats"]["n_input_tokens"] == 4 * ScriptedChat.PROMPT_TOKENS
+    assert files_holding(tmp_path / "jobs", RUN_KEY) == []
