@@ -239,8 +239,8 @@ def test_harbor_exec_run_evaluates_a_dataset_with_opencode(
 ) -> None:
     """``harbor-exec run --agent opencode``: the real CLI in a subprocess prepares (finds)
     the layer, each trial's relay gets the key from the named variable."""
-    from tests.test_run_native_docker import KEY_ENV, files_holding, run_cli
     from tests.test_run_native_docker import KEY as RUN_KEY
+    from tests.test_run_native_docker import KEY_ENV, files_holding, run_cli
 
     dataset = tmp_path / "answers"
     for name in ("answer-a", "answer-b"):
