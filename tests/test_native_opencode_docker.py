@@ -268,3 +268,37 @@ def test_harbor_exec_run_evaluates_a_dataset_with_opencode(
     assert evals["n_trials"] == 2 and evals["n_errors"] == 0
     assert job["stats"]["n_input_tokens"] == 4 * ScriptedChat.PROMPT_TOKENS
     assert files_holding(tmp_path / "jobs", RUN_KEY) == []
+
+
+def test_without_its_layer_opencode_fails_setup_fast_naming_it(
+    tmp_path: Path, docker_runtime: DockerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend started where the layer could not be had: no npm, curl or nvm is
+    tried at trial time; setup fails at once naming the layer and the prewarm command."""
+    import harbor_exec.bundler.agent_wheels as agent_wheels
+    from harbor_exec.sandbox.agent_layer import AgentLayerError
+
+    def offline(name: str) -> AgentLayer:
+        raise AgentLayerError("the npm registry is unreachable")
+
+    monkeypatch.setattr(agent_wheels, "prepare_agent_layer", offline)
+    task = make_task(
+        tmp_path / "tasks", "no-layer", test=TEST_SH, instruction=INSTRUCTION, toml=TOML
+    )
+    backend = HarborBackend(
+        tasks_dir=task,
+        agent="opencode",
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with ScriptedChat(SCRIPT) as chat, serve(app) as url:
+        started = time.monotonic()
+        result = rollout(url, chat, INSTRUCTION)
+        seconds = time.monotonic() - started
+    assert result.status.value == "failure"
+    assert "/opt/harbor-exec-agent" in (result.err_message or "")
+    assert "harbor-exec prewarm --agent opencode" in (result.err_message or "")
+    assert chat.requests == []
+    assert seconds < 30
