@@ -2,9 +2,11 @@
 
 ``prepare_agent_layer`` downloads the agent's pinned packages once per machine
 (manylinux wheels for the read-only runtime's CPython, with the bundle machinery's
-``download_wheels``) into the cache, beside this harbor-exec's container side (the
-runtime wheel): the only step of a layer that needs the network, run at prewarm or
-when the backend starts. ``load_agent_layer`` reads the cache only.
+``download_wheels``, and native binaries from their npm packages, checked by the
+registry's sha512, with ``harbor_exec.bundler.npm``) into the cache, beside this
+harbor-exec's container side (the runtime wheel): the only step of a layer that
+needs the network, run at prewarm or when the backend starts. ``load_agent_layer``
+reads the cache only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from packaging.utils import canonicalize_name
 
 from harbor_exec.bundler.cache import default_cache_dir, entry_lock, publish, work_dir
 from harbor_exec.bundler.errors import BundleError
+from harbor_exec.bundler.npm import fetch_npm_member
 from harbor_exec.bundler.runtime import ensure_runtime_wheel, runtime_source
 from harbor_exec.bundler.wheels import (
     DEFAULT_PLATFORM,
@@ -36,10 +39,12 @@ from harbor_exec.sandbox.agent_layer import (
     AgentLayer,
     AgentLayerError,
     AgentPackage,
-    launcher,
+    launchers,
 )
 
 _INDEX = "index.json"
+#: In a cache entry: the layer's native binaries, by program name.
+_BINARIES = "binaries"
 
 
 def _cache(cache_dir: Path | None) -> Path:
@@ -51,6 +56,9 @@ def _key(package: AgentPackage, platform: str) -> str:
         "recipe": AGENT_LAYER_RECIPE,
         "agent": package.agent,
         "requirements": list(package.requirements),
+        "binaries": {
+            name: [b.package, b.version, b.member] for name, b in sorted(package.binaries.items())
+        },
         "python_version": RUNTIME_PYTHON_VERSION,
         "platform_tags": platform_tags(platform),
     }
@@ -81,13 +89,15 @@ def load_agent_layer(agent: str, cache_dir: Path | None = None) -> AgentLayer | 
     if not local.is_file():  # this harbor-exec's container side, beside the wheels
         copy_or_link(runtime_wheel, local)
     wheels = (*data["wheels"], runtime_wheel.name)
+    texts = launchers(package)
     digest = hashlib.sha256(
         json.dumps(
             {
                 "recipe": AGENT_LAYER_RECIPE,
                 "wheels": data["digest"],
+                "binaries": data.get("binaries", {}),
                 "runtime": runtime_wheel.name,
-                "launchers": {n: launcher(e) for n, e in sorted(package.programs.items())},
+                "launchers": texts,
             },
             sort_keys=True,
         ).encode()
@@ -97,8 +107,9 @@ def load_agent_layer(agent: str, cache_dir: Path | None = None) -> AgentLayer | 
         wheelhouse=entry,
         wheels=tuple(sorted(wheels)),
         pip_wheel=data["pip_wheel"],
-        programs=dict(package.programs),
+        programs=texts,
         digest=digest,
+        binaries={name: entry / _BINARIES / name for name in package.binaries},
     )
 
 
@@ -124,6 +135,16 @@ def prepare_agent_layer(agent: str, cache_dir: Path | None = None) -> AgentLayer
                 except BundleError as exc:
                     raise AgentLayerError(f"{agent}'s agent layer: {exc}") from exc
                 names = {read_wheel(p).name: p.name for p in paths}
+                binaries: dict[str, str] = {}
+                if package.binaries:
+                    (wheelhouse / _BINARIES).mkdir()
+                for name, binary in sorted(package.binaries.items()):
+                    binary_path = wheelhouse / _BINARIES / name
+                    try:
+                        fetch_npm_member(binary.package, binary.version, binary.member, binary_path)
+                    except BundleError as exc:
+                        raise AgentLayerError(f"{agent}'s agent layer: {exc}") from exc
+                    binaries[name] = sha256_file(binary_path)
                 index = {
                     "agent": agent,
                     "requirements": list(package.requirements),
@@ -132,6 +153,7 @@ def prepare_agent_layer(agent: str, cache_dir: Path | None = None) -> AgentLayer
                     "digest": hashlib.sha256(
                         json.dumps(sorted((p.name, sha256_file(p)) for p in paths)).encode()
                     ).hexdigest(),
+                    "binaries": binaries,  # name: sha256 of the binary
                 }
                 (wheelhouse / _INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
                 publish(wheelhouse, entry)

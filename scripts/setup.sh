@@ -81,7 +81,8 @@ ensure_docker() {
 
 # Trial containers run under Docker's default seccomp profile without ptrace, derived at
 # run time from Debian's copy of it (harbor_exec/sandbox/seccomp.py). The tests build a
-# musl image from a static busybox and Debian's musl loader (tests/test_runtime_images.py).
+# musl image from a static busybox and Debian's musl loader (tests/test_runtime_images.py),
+# and one with a static bash too (tests/test_native_opencode_docker.py).
 PROFILE_IN_PACKAGE=/usr/share/gocode/src/github.com/docker/docker/profiles/seccomp/default.json
 SECCOMP_PROFILE="$PROFILE_IN_PACKAGE"
 ensure_sandbox_sources() {
@@ -92,6 +93,10 @@ ensure_sandbox_sources() {
   if [ ! -f /usr/lib/x86_64-linux-musl/libc.so ]; then
     say "installing musl (for the tests' musl image)"
     apt_install musl
+  fi
+  if [ ! -x /bin/bash-static ]; then
+    say "installing bash-static (for the tests' musl image with bash: tests/test_native_opencode_docker.py)"
+    apt_install bash-static
   fi
   [ -f "$SECCOMP_PROFILE" ] && return 0
   if [ -n "${HARBOR_EXEC_SECCOMP_PROFILE:-}" ]; then

@@ -10,7 +10,9 @@ reads; ``ids_of(i)`` are the ones answer ``i`` carried. With ``cached_tokens`` e
 ``usage`` also says that many prompt tokens were cached
 (``prompt_tokens_details.cached_tokens``). With ``per_conversation=True`` the script
 restarts for each conversation (the reply is the one for the number of assistant
-messages the request holds), so several agents can share one endpoint at once.
+messages the request holds), so several agents can share one endpoint at once. A
+request with ``"stream": true`` (opencode's) gets the same answer as an SSE stream of
+chunks (the message as one delta, then the finish reason, then ``usage``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def terminus_reply(
     )
 
 
+def _stream_events(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """``answer`` (a chat completion) as the chunks of a stream."""
+    choice = answer["choices"][0]
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    return [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]},
+        {**head, "choices": [], "usage": answer["usage"]},
+    ]
+
+
 @dataclass(frozen=True)
 class ScriptedRequest:
     path: str
@@ -93,6 +110,16 @@ class ScriptedChat:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 answer = chat._answer(self.path, self.headers.get("authorization"), body)
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("cache-control", "no-cache")
+                    self.end_headers()
+                    for event in _stream_events(answer):
+                        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.close_connection = True
+                    return
                 data = json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")

@@ -202,7 +202,7 @@ def test_prewarm_installs_the_agent_layer_once_with_its_launchers(tmp_path: Path
         wheelhouse=tmp_path / "wheels",
         wheels=("pip-1-py3-none-any.whl", "x-1-py3-none-any.whl"),
         pip_wheel="pip-1-py3-none-any.whl",
-        programs={"mini-swe-agent": "minisweagent.run.mini:app"},
+        programs={"mini-swe-agent": launcher("minisweagent.run.mini:app")},
         digest="d" * 64,
     )
     runtime = FakeRuntime()

@@ -380,13 +380,15 @@ def prewarm(
         str | None,
         typer.Option(
             "--agent",
-            help="Also prepare this in-container native agent's layer (mini-swe-agent): "
-            "its wheels are fetched now, its volume installed with the first task.",
+            help="Also prepare this in-container native agent's layer (mini-swe-agent, "
+            "opencode): its wheels (and opencode's binary) are fetched now, its volume "
+            "installed with the first task.",
         ),
     ] = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed.
-    With ``--agent mini-swe-agent``, also that agent's layer (its wheels, then its volume)."""
+    With ``--agent mini-swe-agent`` (or ``opencode``), also that agent's layer (its
+    wheels and binaries, then its volume)."""
     discovery = load_dataset(path)
     if ray:
         _prewarm_ray(ray, discovery.tasks, node or None, broken=len(discovery.broken))

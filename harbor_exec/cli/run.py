@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,10 +41,12 @@ from harbor_exec.executors.native import (
 )
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec
 from harbor_exec.jobs.dataset import JobOutcome
+from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError
 from harbor_exec.trial.native import (
     NATIVE_AGENT_NAMES,
     check_model_name,
     check_native_kwargs,
+    is_in_container_agent,
     is_native_agent,
     set_litellm_offline,
 )
@@ -225,6 +228,8 @@ def run(
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,
     )
+    if is_in_container_agent(agent):
+        chosen.config = replace(chosen.config, layer=_agent_layer(agent))
     selected = select_dataset(path, dataset, registry_path, registry_url, task_git_allow_unpinned)
     # Harbor's import (litellm's, mostly) takes seconds: once, now, and offline.
     set_litellm_offline()
@@ -258,6 +263,21 @@ def run(
     )
     _print_scores(outcome)
     raise typer.Exit(0)
+
+
+def _agent_layer(agent: str) -> AgentLayer:
+    """An in-container agent's layer (fetched now when this machine has none: the only
+    time the network is used); exit 2 saying why when it cannot be had."""
+    from harbor_exec.bundler.errors import BundleError
+    from harbor_exec.jobs.prewarm import prepare_prewarm_agent
+
+    try:
+        return prepare_prewarm_agent(agent)
+    except (AgentLayerError, BundleError, OSError) as exc:
+        console.print(
+            f"[red]{escape(agent)}'s agent layer is not available:[/red] {escape(str(exc))}"
+        )
+        raise typer.Exit(2) from None
 
 
 def _print_scores(outcome: JobOutcome) -> None:

@@ -271,14 +271,14 @@ def serve(
     agent: Annotated[
         str | None,
         typer.Option(
-            help="With --tasks-dir: oracle, terminus-2 (Harbor's own agent), or an "
-            "AgentWorkflow module:Class."
+            help="With --tasks-dir: oracle, terminus-2, mini-swe-agent, opencode (Harbor's "
+            "own agents), or an AgentWorkflow module:Class."
         ),
     ] = None,
     model_name: Annotated[
         str | None,
         typer.Option(
-            help="With --agent terminus-2: the model route, openai/<id> [default: "
+            help="With a native --agent: the model route, openai/<id> [default: "
             "openai/osmosis-rollout]; a rollout's metadata.harbor_model overrides it."
         ),
     ] = None,
@@ -286,13 +286,13 @@ def serve(
         list[str] | None,
         typer.Option(
             metavar="KEY=VALUE",
-            help="With --agent terminus-2: an option of the agent (VALUE as JSON when it "
+            help="With a native --agent: an option of the agent (VALUE as JSON when it "
             "parses, e.g. max_turns=30, collect_rollout_details=true; repeatable).",
         ),
     ] = None,
     agent_setup_timeout_sec: Annotated[
         float | None,
-        typer.Option(help="With --agent terminus-2: the agent's setup timeout."),
+        typer.Option(help="With a native --agent: the agent's setup timeout."),
     ] = None,
     code_dir: Annotated[
         Path | None, typer.Option(help="The workflow's project (default: found from --agent).")

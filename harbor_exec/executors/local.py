@@ -110,7 +110,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             model = handle.secrets.model
             agent = handle.spec.agent
             native = isinstance(agent, NativeAgentSpec)
-            # mini-swe-agent reaches the relay from its container; its sample is the
+            # mini-swe-agent/opencode reach the relay from the container; the sample is the
             # chat the relay saw (what the container writes is the agent's to rewrite).
             in_container = isinstance(agent, NativeAgentSpec) and agent.in_container
             if model is not None:

@@ -1,5 +1,6 @@
-"""Harbor's own agents (terminus-2, ...) as the agent of many trials: the one place
-``HarborBackend``'s rollouts and ``harbor-exec run``'s trials are made from.
+"""Harbor's own agents (terminus-2, mini-swe-agent, opencode) as the agent of many
+trials: the one place ``HarborBackend``'s rollouts and ``harbor-exec run``'s trials are
+made from.
 
 * ``native_agent_config``: what the user configured (the agent's name, its model
   route, its options, its setup timeout), checked once, before anything runs.
@@ -40,7 +41,7 @@ class NativeAgentConfig:
     model_name: str = DEFAULT_MODEL_NAME
     kwargs: dict[str, Any] = field(default_factory=dict)
     setup_timeout_sec: float | None = None
-    layer: AgentLayer | None = None  # an in-container agent's (mini-swe-agent's)
+    layer: AgentLayer | None = None  # an in-container agent's (mini-swe-agent, opencode)
 
 
 def native_agent_config(

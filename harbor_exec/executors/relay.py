@@ -295,14 +295,67 @@ def _usage_numbers(payload: Any) -> _Usage | None:
     )
 
 
-class _SseUsage:
-    """Finds ``usage`` in an SSE stream chunk by chunk, holding at most one event."""
+class _StreamedMessage:
+    """The assistant message a chat stream's deltas add up to (``choices[0]``): its
+    content and reasoning concatenated, its tool calls assembled by index."""
 
     def __init__(self) -> None:
+        self.role = "assistant"
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.seen = False
+
+    def add(self, event: Any) -> None:
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return
+        delta = choices[0].get("delta")
+        if not isinstance(delta, dict):
+            return
+        self.seen = True
+        if isinstance(delta.get("role"), str):
+            self.role = delta["role"]
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(delta.get(key), str):
+                self.reasoning.append(delta[key])
+        for call in delta.get("tool_calls") or []:
+            if not isinstance(call, dict):
+                continue
+            index = call.get("index", len(self.tool_calls))
+            slot = self.tool_calls.setdefault(
+                index if isinstance(index, int) else len(self.tool_calls),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if isinstance(call.get("id"), str):
+                slot["id"] = call["id"]
+            function = call.get("function")
+            if isinstance(function, dict):
+                for key in ("name", "arguments"):
+                    if isinstance(function.get(key), str):
+                        slot["function"][key] += function[key]
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": "".join(self.content) or None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return message
+
+
+class _SseUsage:
+    """Finds ``usage`` in an SSE stream chunk by chunk, holding at most one event;
+    with ``record``, also the streamed assistant message (``message``)."""
+
+    def __init__(self, record: bool = False) -> None:
         self._line = bytearray()
         self._data = bytearray()
         self._oversized = False
         self.found: _Usage | None = None
+        self.message = _StreamedMessage() if record else None
 
     def feed(self, chunk: bytes) -> None:
         self._line += chunk
@@ -333,6 +386,9 @@ class _SseUsage:
         data, oversized = bytes(self._data), self._oversized
         self._data.clear()
         self._oversized = False
+        if self.message is not None and not oversized and data and data != b"[DONE]":
+            with contextlib.suppress(ValueError):
+                self.message.add(json.loads(data))
         # Cheap substring test first: most chunks carry no usage.
         if oversized or b'"usage"' not in data:
             return
@@ -395,7 +451,8 @@ class ModelRelay:
         self.token: str = token or secrets.token_urlsafe(32)
         # What this relay saw; read it after the rollout (or live, from the same loop).
         self.usage = ModelUsage()
-        #: With ``record_chat``: the last successful JSON chat call as the relay saw it,
+        #: With ``record_chat``: the last successful chat call as the relay saw it (a
+        #: streamed answer's message assembled from its deltas),
         #: ``{"messages": [...request...], "response": {...choices[0].message...},
         #: "tools": [...] | None}`` (bounded by the request and answer limits; one kept).
         self.last_chat: dict[str, Any] | None = None
@@ -837,7 +894,7 @@ class ModelRelay:
             )
         )
         writer.write(head or b"")
-        sse_usage = _SseUsage() if sse else None
+        sse_usage = _SseUsage(record=request_body is not None) if sse else None
         json_body = bytearray() if as_json else None
         size = 0
         async for chunk in response.aiter_raw():
@@ -863,6 +920,9 @@ class ModelRelay:
         if sse_usage is not None:
             sse_usage.close()
             found = sse_usage.found
+            streamed = sse_usage.message
+            if request_body is not None and streamed is not None and streamed.seen:
+                self._keep_chat(request_body, {"choices": [{"message": streamed.message()}]})
         elif json_body:
             with contextlib.suppress(ValueError):
                 answer = json.loads(json_body)

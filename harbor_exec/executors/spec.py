@@ -84,7 +84,8 @@ class NativeAgentSpec:
 
     @property
     def in_container(self) -> bool:
-        """mini-swe-agent: runs in the container, from its agent layer, via the relay mount."""
+        """mini-swe-agent, opencode: run in the container, from their agent layer, via the
+        relay mount."""
         return is_in_container_agent(self.name)
 
     def agent(

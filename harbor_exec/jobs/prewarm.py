@@ -55,8 +55,9 @@ class PrewarmEvent:
 
 
 def prepare_prewarm_agent(agent: str) -> AgentLayer:
-    """The agent layer of ``agent`` (``mini-swe-agent``), its wheels downloaded when this
-    machine has none; ``ValueError`` for an agent without a layer."""
+    """The agent layer of ``agent`` (``mini-swe-agent``, ``opencode``), its wheels (and
+    binaries) downloaded when this machine has none; ``ValueError`` for an agent
+    without a layer."""
     if not is_in_container_agent(agent):
         raise ValueError(
             f"agent {agent!r} has no agent layer to prewarm: only "

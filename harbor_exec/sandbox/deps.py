@@ -81,7 +81,8 @@ class WheelInstall:
 
     ``site`` and ``marker`` are container paths under ``mount``; ``launchers`` are
     executable text files (container path: content) written after the install;
-    ``pip_wheel`` is the file name of pip's wheel among ``wheels``.
+    ``files`` (host file, container path under ``mount``) are placed as they are,
+    modes kept, before it; ``pip_wheel`` is the file name of pip's wheel among ``wheels``.
     """
 
     volume: str
@@ -92,6 +93,7 @@ class WheelInstall:
     pip_wheel: str
     kind: str  # the volume's LABEL_KIND
     launchers: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[tuple[Path, str], ...] = ()
 
 
 def install_wheels(runtime: ContainerRuntime, install: WheelInstall, image: str) -> bool:
@@ -119,7 +121,10 @@ def install_wheels(runtime: ContainerRuntime, install: WheelInstall, image: str)
             volume=install.volume,
             mount=install.mount,
             marker=install.marker,
-            files=tuple((w, f"{_WHEELHOUSE}/{w.name}") for w in install.wheels),
+            files=(
+                *((w, f"{_WHEELHOUSE}/{w.name}") for w in install.wheels),
+                *install.files,
+            ),
             command=tuple(command),
             labels={LABEL_KIND: install.kind},
             timeout_sec=DEPS_BUILD_TIMEOUT_SEC,

@@ -1,4 +1,4 @@
-"""Harbor's own agents (terminus-2, mini-swe-agent) as trial agents, run unchanged.
+"""Harbor's own agents (terminus-2, mini-swe-agent, opencode) as trial agents, run unchanged.
 
 ``NativeAgent`` is the trial-side ``Agent``: plain values only (the agent's name,
 model route, options, the rollout's relay token and socket). Its ``run`` imports
@@ -13,8 +13,8 @@ it, the container needs no network, and nothing the agent writes holds the key.
 Inside the container terminus-2 needs only tmux, which comes from the read-only
 runtime (``RUNTIME_TMUX``), never from the image or an install.
 
-mini-swe-agent runs inside the container, from its prebuilt read-only layer
-(``harbor_exec.sandbox.agent_layer``; Harbor's install step never runs), and reaches
+mini-swe-agent and opencode run inside the container, from their prebuilt read-only
+layer (``harbor_exec.sandbox.agent_layer``; Harbor's install step never runs), and reach
 the model through the runtime's in-container forwarder (``runner forward``, a
 loopback port piped onto the relay's socket mounted into the container), with the
 per-rollout token as its key: every command the model runs can read that token,
@@ -41,9 +41,9 @@ from harbor_exec.trial.results import AgentInfo, ModelInfo
 from harbor_exec.trial.task import Task
 
 #: Harbor's agents harbor-exec runs (besides the oracle), by Harbor's names.
-NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2", "mini-swe-agent")
+NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2", "mini-swe-agent", "opencode")
 #: Those that run inside the trial's container (from their agent layer), not here.
-IN_CONTAINER_AGENT_NAMES: tuple[str, ...] = ("mini-swe-agent",)
+IN_CONTAINER_AGENT_NAMES: tuple[str, ...] = ("mini-swe-agent", "opencode")
 #: Every name ``agent=`` accepts besides a workflow reference (``module:attr``).
 AGENT_NAMES: tuple[str, ...] = ("oracle", *NATIVE_AGENT_NAMES)
 DEFAULT_MODEL_NAME = "openai/osmosis-rollout"

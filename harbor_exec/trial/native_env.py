@@ -1,5 +1,5 @@
 """Harbor's ``BaseEnvironment`` over a harbor-exec ``TrialSession``, and the driver that
-runs one of Harbor's agents (terminus-2) on it, unchanged.
+runs one of Harbor's agents (terminus-2, mini-swe-agent, opencode) on it, unchanged.
 
 Imported only when a native agent runs (the ``native`` extra: harbor >= 0.26, which
 needs Python >= 3.12); ``harbor_exec.trial.native`` makes litellm offline first.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import shutil
 import tempfile
@@ -244,7 +245,8 @@ def _check_tmux(session: TrialSession) -> None:
 def _check_agent_layer(agent: NativeAgent, session: TrialSession) -> dict[str, str]:
     """The layer's programs (name: container path), or ``AgentSetupError`` naming what
     is missing: Harbor's install (curl, uv, PyPI) never runs in its place."""
-    programs = {name: f"{AGENT_BIN}/{name}" for name in AGENT_PACKAGES[agent.name].programs}
+    names = AGENT_PACKAGES[agent.name].program_names
+    programs = {name: f"{AGENT_BIN}/{name}" for name in names}
     checks = " && ".join(
         [f"test -f {AGENT_MARKER}", *(f"test -x {path}" for path in programs.values())]
     )
@@ -301,17 +303,61 @@ def _agent_kwargs(agent: NativeAgent, port: int) -> dict[str, Any]:
     return kwargs
 
 
+#: opencode's provider for the relay. opencode's built-in ``openai`` provider speaks
+#: the Responses API; a provider of our own on ``@ai-sdk/openai-compatible`` (compiled
+#: into opencode's binary: nothing is fetched) keeps it on chat completions.
+OPENCODE_PROVIDER = "harbor-exec"
+#: opencode offline: no update check, no models.dev fetch, no default plugins or LSP
+#: servers downloaded (each would try the internet; none is needed).
+OPENCODE_OFFLINE_ENV: Mapping[str, str] = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "true",
+    "OPENCODE_DISABLE_MODELS_FETCH": "true",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "true",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "true",
+    "OPENCODE_DISABLE_SHARE": "true",
+}
+
+
 def in_container_env(agent: NativeAgent, port: int) -> dict[str, str]:
     """An in-container agent's environment (every command the model runs inherits it):
-    the loopback forwarder as its endpoint, the relay token as its key, litellm offline."""
+    the loopback forwarder as its endpoint, the relay token as its key, litellm (and
+    opencode) offline."""
     url = f"http://127.0.0.1:{port}{agent.relay_path}"
-    return {
+    env = {
         "OPENAI_API_KEY": agent.token,
         "OPENAI_API_BASE": url,
         "OPENAI_BASE_URL": url,
         "MSWEA_COST_TRACKING": "ignore_errors",
         **LITELLM_OFFLINE_ENV,
     }
+    if agent.name == "opencode":
+        env.update(OPENCODE_OFFLINE_ENV)
+    return env
+
+
+def opencode_options(agent: NativeAgent, port: int) -> tuple[str, dict[str, Any]]:
+    """opencode's model (``harbor-exec/<id>``) and options: the user's ``opencode_config``
+    with the relay as the provider (the token, from the environment, as its key),
+    and what keeps the chat one append-only conversation: no compaction, and no
+    title call (a second conversation on the same relay)."""
+    model_id = agent.model_name.partition("/")[2]
+    config: dict[str, Any] = copy.deepcopy(dict(agent.kwargs.get("opencode_config") or {}))
+    providers = config.setdefault("provider", {})
+    providers[OPENCODE_PROVIDER] = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "harbor-exec relay",
+        "options": {
+            "baseURL": f"http://127.0.0.1:{port}{agent.relay_path}",
+            "apiKey": "{env:OPENAI_API_KEY}",
+        },
+        "models": {model_id: {}},
+    }
+    config["compaction"] = {**(config.get("compaction") or {}), "auto": False, "prune": False}
+    agents = config.setdefault("agent", {})
+    agents["title"] = {**(agents.get("title") or {}), "disable": True}
+    config["autoupdate"] = False
+    config["share"] = "disabled"
+    return f"{OPENCODE_PROVIDER}/{model_id}", {**agent.kwargs, "opencode_config": config}
 
 
 async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float | None) -> AgentRun:
@@ -326,9 +372,12 @@ async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float |
             programs = await asyncio.to_thread(_check_agent_layer, agent, session)
             port = await asyncio.to_thread(_start_forwarder, agent, session)
             extra_env = in_container_env(agent, port)
-            kwargs = {**agent.kwargs, "skip_install": True}
+            model_name, options = agent.model_name, dict(agent.kwargs)
+            if agent.name == "opencode":
+                model_name, options = opencode_options(agent, port)
+            kwargs = {**options, "skip_install": True}
             return await _setup_and_run(
-                agent, session, timeout_sec, paths, kwargs, extra_env, programs
+                agent, session, timeout_sec, paths, kwargs, extra_env, programs, model_name
             )
         await asyncio.to_thread(_check_tmux, session)
         forwarder = ForwarderThread(agent.relay_socket)
@@ -348,12 +397,14 @@ async def _setup_and_run(
     kwargs: dict[str, Any],
     extra_env: dict[str, str],
     programs: Mapping[str, str],
+    model_name: str | None = None,
 ) -> AgentRun:
+    """``model_name``: the agent's own name for the model, when it is not the route."""
     try:
         harbor_agent = AgentFactory.create_agent_from_name(
             AgentName(agent.name),
             logs_dir=paths.agent_dir,
-            model_name=agent.model_name,
+            model_name=model_name or agent.model_name,
             # Always given for an in-container agent: Harbor resolves the model's key
             # from it before this process's environment (which may hold a real key).
             extra_env=extra_env,
@@ -576,4 +627,12 @@ def _relay_sample(
     return redact(json.dumps(payload), [agent.token]).encode()
 
 
-__all__ = ["HarborExecEnvironment", "in_container_env", "run_native_agent", "token_turns"]
+__all__ = [
+    "OPENCODE_OFFLINE_ENV",
+    "OPENCODE_PROVIDER",
+    "HarborExecEnvironment",
+    "in_container_env",
+    "opencode_options",
+    "run_native_agent",
+    "token_turns",
+]

@@ -218,11 +218,13 @@ class HarborBackend(ExecutionBackend):
         Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
         TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
 
-        ``agent``: "oracle" (the default without a bundle), one of Harbor's own
-        agents (``NATIVE_AGENT_NAMES``: "terminus-2", run unchanged on this host,
-        reaching the model only through the rollout's relay), or a workflow (a class or
-        ``module:attr``). A native agent takes ``native_agent_kwargs`` (its options),
-        ``model_name`` (an ``openai/<id>`` route; a rollout's
+        ``agent``: "oracle" (the default without a bundle), one of Harbor's own agents,
+        run unchanged (``NATIVE_AGENT_NAMES``: "terminus-2", on this host;
+        "mini-swe-agent" and "opencode", inside the trial's container from a prebuilt
+        read-only agent layer fetched at ``start()`` or prewarm; each reaches the model
+        only through the rollout's relay, with the per-rollout token as its key), or a
+        workflow (a class or ``module:attr``). A native agent takes
+        ``native_agent_kwargs`` (its options), ``model_name`` (an ``openai/<id>`` route; a rollout's
         ``metadata["harbor_model"]`` overrides it) and ``agent_setup_timeout_sec`` (the
         bound on its install). A workflow has no in-container setup to bound (its
         bundle is copied in, its dependencies are prebuilt): there
@@ -428,9 +430,10 @@ class HarborBackend(ExecutionBackend):
             )
 
     def _prepare_agent_layer(self, native: NativeAgentConfig) -> None:
-        """mini-swe-agent's layer: its wheels fetched now (the only time the network is
-        used), installed into its volume by prewarm or the first trial. When they cannot
-        be had, every trial's setup fails at once, naming the layer."""
+        """An in-container agent's layer (mini-swe-agent's, opencode's): its wheels and
+        binaries fetched now (the only time the network is used), installed into its
+        volume by prewarm or the first trial. When they cannot be had, every trial's
+        setup fails at once, naming the layer."""
         from harbor_exec.bundler.agent_wheels import prepare_agent_layer
         from harbor_exec.bundler.errors import BundleError
 
