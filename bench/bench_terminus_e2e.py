@@ -67,6 +67,21 @@ HARBOR_KWARGS = (
     "store_all_messages=true",
 )
 RUN_TIMEOUT_SEC = 300
+#: The task's name, which Harbor's per-trial image tags start with (removed at the end).
+TASK = "hx-bench-e2e-answer"
+
+
+def remove_harbor_images() -> None:
+    """The images Harbor's trials tagged (``TASK__<id>__env-main``; shared layers)."""
+    listed = subprocess.run(
+        ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    tags = [tag for tag in listed.stdout.split() if tag.startswith(f"{TASK}__")]
+    if tags:
+        subprocess.run(["docker", "image", "rm", *tags], capture_output=True, check=False)
 
 
 def harbor_exec_command(dataset: Path, jobs: Path, job: str, api_base: str) -> list[str]:
@@ -121,7 +136,7 @@ def main() -> None:
         dataset = root / "answers"
         make_task(
             dataset,
-            "answer",
+            TASK,
             test=TEST_SH,
             instruction=INSTRUCTION,
             toml=TOML,
@@ -129,23 +144,26 @@ def main() -> None:
         )
         jobs = root / "jobs"
         overlay = root / "overlay.yaml"
-        for rep in range(args.reps + 1):  # rep 0 warms both (images, caches): not counted
-            ours_job, harbor_job = f"hx-{rep}", f"harbor-{rep}"
-            ours_s = timed_run(
-                partial(harbor_exec_command, dataset, jobs, ours_job), jobs, ours_job
-            )
-            # harbor-exec's first trial made the runtime volume Harbor's container mounts.
-            write_compose_overlay(overlay, runtime_volume(DockerRuntime()))
-            harbor_run = partial(harbor_command, dataset, jobs, harbor_job, overlay=overlay)
-            theirs_s = timed_run(harbor_run, jobs, harbor_job)
-            print(
-                f"rep {rep}{' (warm-up)' if rep == 0 else ''}: harbor-exec {ours_s:.1f} s, "
-                f"harbor {theirs_s:.1f} s",
-                flush=True,
-            )
-            if rep > 0:
-                ours.append(ours_s)
-                theirs.append(theirs_s)
+        try:
+            for rep in range(args.reps + 1):  # rep 0 warms both (images, caches): not counted
+                ours_job, harbor_job = f"hx-{rep}", f"harbor-{rep}"
+                ours_s = timed_run(
+                    partial(harbor_exec_command, dataset, jobs, ours_job), jobs, ours_job
+                )
+                # harbor-exec's first trial made the runtime volume Harbor's container mounts.
+                write_compose_overlay(overlay, runtime_volume(DockerRuntime()))
+                harbor_run = partial(harbor_command, dataset, jobs, harbor_job, overlay=overlay)
+                theirs_s = timed_run(harbor_run, jobs, harbor_job)
+                print(
+                    f"rep {rep}{' (warm-up)' if rep == 0 else ''}: harbor-exec {ours_s:.1f} s, "
+                    f"harbor {theirs_s:.1f} s",
+                    flush=True,
+                )
+                if rep > 0:
+                    ours.append(ours_s)
+                    theirs.append(theirs_s)
+        finally:
+            remove_harbor_images()
     ratio = statistics.median(ours) / statistics.median(theirs)
     print(f"harbor-exec run: median {statistics.median(ours):.2f} s over {args.reps}")
     print(f"harbor run: median {statistics.median(theirs):.2f} s over {args.reps}")
