@@ -6,6 +6,8 @@
 # Idempotent. On a bare Debian 12/13 machine (as root) it:
 #   1. installs Docker (Debian's docker.io), debootstrap and docker-compose when
 #      `docker info` fails, starts dockerd in the background and waits for it;
+#      the Docker Compose v2 CLI plugin (`docker compose`, from Debian's
+#      docker-compose 2.x package) when `docker compose version` fails;
 #      busybox-static and Docker's default seccomp profile (from Debian's
 #      golang-github-docker-docker-dev) for the trial containers' sandbox;
 #   2. creates .venv (Python 3.12 when available, else python3 >= 3.11) with
@@ -23,7 +25,7 @@ VALIDATE=1
 for arg in "$@"; do
   case "$arg" in
     --no-validate) VALIDATE=0 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -77,6 +79,53 @@ ensure_docker() {
       echo "note: ${missing[*]} missing; base image bootstrap / service-image tests need them" >&2
     fi
   fi
+}
+
+# `docker compose` (v2: Harbor's own docker environment runs it, bench/ compares against it).
+# Debian 13's docker-compose package is that CLI plugin; Debian 12's is Compose v1 in Python
+# (kept: tests drive it as docker-compose). There the plugin, a static Go binary needing only
+# libc6 >= 2.34, is taken from Debian 13's package without installing it, through a private
+# apt state so the machine's sources stay as they are.
+COMPOSE_PLUGIN_DIR=/usr/local/lib/docker/cli-plugins
+COMPOSE_SUITE="${HARBOR_EXEC_COMPOSE_SUITE:-trixie}"
+ensure_compose_v2() {
+  if docker compose version >/dev/null 2>&1; then
+    say "$(docker compose version)"
+    return 0
+  fi
+  apt_update_once docker-compose
+  local candidate
+  candidate="$(apt-cache policy docker-compose | sed -n 's/^ *Candidate: *//p')"
+  if [ "${candidate%%.*}" = 2 ]; then
+    say "installing Docker Compose v2 (docker-compose $candidate)"
+    apt_install docker-compose
+  else
+    say "installing the Docker Compose v2 plugin from Debian $COMPOSE_SUITE's docker-compose"
+    local tmp apt_opts codename mirror
+    # The Debian mirror this machine's own release comes from, for the other suite.
+    codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
+    mirror="$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 'Created-By: Packages' \
+      | awk -v c="$codename" '$2 == c { print $1; exit }')"
+    [ -n "$mirror" ] || die "no apt source for Debian $codename to fetch docker-compose v2 from"
+    tmp="$(mktemp -d)"
+    chmod 755 "$tmp"  # apt downloads as _apt
+    mkdir -p "$tmp/lists/partial"
+    printf 'Types: deb\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$mirror" "$COMPOSE_SUITE" >"$tmp/compose.sources"
+    apt_opts=(-o "Dir::Etc::SourceList=$tmp/compose.sources" -o Dir::Etc::SourceParts=/dev/null
+      -o "Dir::State::Lists=$tmp/lists" -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=)
+    apt-get "${apt_opts[@]}" update -qq \
+      || die "cannot read Debian $COMPOSE_SUITE's package list (for docker-compose v2)"
+    (cd "$tmp" && apt-get "${apt_opts[@]}" download -qq docker-compose 2>/dev/null) \
+      || die "cannot download docker-compose from Debian $COMPOSE_SUITE"
+    dpkg-deb --fsys-tarfile "$tmp"/docker-compose_*.deb \
+      | tar -x -C "$tmp" ./usr/libexec/docker/cli-plugins/docker-compose
+    install -D -m 0755 "$tmp/usr/libexec/docker/cli-plugins/docker-compose" \
+      "$COMPOSE_PLUGIN_DIR/docker-compose"
+    rm -rf "$tmp"
+  fi
+  docker compose version >/dev/null 2>&1 || die "docker compose version fails after installing Compose v2"
+  say "$(docker compose version)"
 }
 
 # Trial containers run under Docker's default seccomp profile without ptrace, derived at
@@ -150,6 +199,7 @@ ensure_venvs() {
 }
 
 ensure_docker
+ensure_compose_v2
 ensure_sandbox_sources
 ensure_venvs
 say "making base images"
