@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
 from harbor_exec.trial.task import discover_tasks
-from harbor_exec.trial.trial import TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for, run_trial
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -438,3 +439,47 @@ def test_images_prune_removes_stale_runtime_and_dependency_volumes(
     finally:
         holder.remove(force=True)
         in_use.remove(force=True)
+
+
+def test_deps_in_image_bakes_the_install_into_a_layer_once(
+    docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
+) -> None:
+    """``patch_dockerfile_with_sdk=True`` (``SandboxPolicy.deps_in_image``): the agent's
+    container has the dependency environment in its image, not mounted; a second trial
+    builds nothing; the separate verifier still gets the read-only volume."""
+    from harbor_exec.bundler import build_bundle
+    from harbor_exec.sandbox.deps import BAKED_IMAGE_REPO, DepsLayer
+    from harbor_exec.trial.task import load_task
+    from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
+
+    bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)
+    deps = DepsLayer(bundle.wheelhouse, bundle.manifest.pip_wheel, bundle.requirements_digest)
+    nonce = uuid.uuid4().hex
+    check = (
+        "[ -f /opt/harbor-exec-deps/installed.txt ] || exit 1\n"
+        "grep -q ' /opt/harbor-exec-deps ' /proc/mounts && echo mounted || echo baked\n"
+    )
+    task = make_task(
+        tmp_path / "tasks",
+        "baked",
+        solve=f"{{ {check} }} > /logs/agent/where.txt",
+        test=f"{{ {check} }} > /logs/verifier/where.txt; echo 1 > /logs/verifier/reward.txt",
+        toml='[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\nenvironment_mode = "separate"\n',
+        dockerfile=f"FROM debian:bookworm-slim\nRUN echo {nonce} > /id\nWORKDIR /app\n",
+    )
+    built: list[int] = []
+    for _ in range(2):
+        request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "trials")
+        request.deps = deps
+        request.policy = replace(request.policy, deps_in_image=True)
+        trial = Trial(docker_runtime, request)
+        result = trial.run()
+        assert result.exception_info is None, result.exception_info
+        assert trial.image.startswith(f"{BAKED_IMAGE_REPO}:")
+        made_images.append(trial.image)
+        built.append(trial.images_built)
+        out = tmp_path / "trials" / result.trial_name
+        assert (out / "agent" / "where.txt").read_text() == "baked\n"
+        assert (out / "verifier" / "where.txt").read_text() == "mounted\n"
+    made_images.append(image_tag_for(load_task(task)))
+    assert built[0] >= 2 and built[1] == 0, built  # task image + bake, then nothing

@@ -185,6 +185,10 @@ def test_patch_dockerfile_and_setup_timeout(tmp_path: Path, example_bundle: Bund
         )
         backend.start()
         assert backend.bundle is not None and backend.bundle.name == EXAMPLE_REFS["workflow"]
+        # True: the workflow's dependencies are baked into a layer of each task image
+        # (tests/test_builds_docker.py); otherwise the read-only volume.
+        assert backend.planner is not None
+        assert backend.planner.policy.deps_in_image is (value is True)
     with pytest.raises(ValueError, match="agent_setup_timeout_sec must be positive"):
         backend_for(tmp_path, agent=EXAMPLE_REFS["workflow"], agent_setup_timeout_sec=0)
 

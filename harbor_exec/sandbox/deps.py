@@ -9,18 +9,24 @@ installs it once. The runtime's site-packages name ``DEPS_SITE`` in a ``.pth`` f
 so the runner finds it under ``python -I`` too.
 
 A plain value (``DepsLayer``) says what to install; ``ensure_deps_env`` fills the
-volume on whichever engine runs the trial (this machine's, or a Ray node's).
+volume on whichever engine runs the trial (this machine's, or a Ray node's). Asked for
+(``SandboxPolicy.deps_in_image``, osmosis-ai's ``patch_dockerfile_with_sdk=True``),
+``bake_deps_into_image`` adds the same install as a layer on top of a task image.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from harbor_exec.container.exchange import DEPS_MOUNT, DEPS_SITE, RUNTIME_PYTHON
-from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, VolumeFill
+from harbor_exec.errors import EnvironmentStartError
+from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, ContainerSpec, VolumeFill
 
 DEPS_BUILD_TIMEOUT_SEC = 900.0
 DEPS_VOLUME_PREFIX = "harbor-exec-deps-"
@@ -147,10 +153,67 @@ def ensure_deps_env(runtime: ContainerRuntime, layer: DepsLayer, image: str) -> 
     return layer.volume_name, install_wheels(runtime, install, image)
 
 
+#: Tag of a task image with a dependency environment baked in (``bake_deps_into_image``).
+BAKED_IMAGE_REPO = "harbor-exec/deps-baked"
+
+
+def bake_deps_into_image(
+    runtime: ContainerRuntime, image: str, volume: str, *, scratch: Path
+) -> tuple[str, bool]:
+    """``image`` with the filled ``volume``'s tree as a layer at ``DEPS_MOUNT`` (the
+    osmosis-ai ``patch_dockerfile_with_sdk=True`` way); returns ``(tag, built_now)``.
+
+    The tree is read from the volume (installed once by the runtime's Python, as for
+    the mount) through a helper container that never starts, and added by one
+    ``ADD`` on top of ``image``: nothing of the task image runs, and the tag is keyed
+    by ``image`` and ``volume``, so each pair is built once. Trial containers of such
+    an image get the deps from their own writable layer (the agent may change its
+    copy, not the image); the mounted volume stays the read-only default.
+    """
+    key = hashlib.sha256(f"{image}\0{volume}".encode()).hexdigest()[:32]
+    tag = f"{BAKED_IMAGE_REPO}:{key}"
+    if runtime.image_exists(tag):
+        return tag, False
+    helper = runtime.create(
+        ContainerSpec(
+            image=image,
+            name=f"harbor-exec-bake-{key[:12]}-{secrets.token_hex(3)}",
+            labels={LABEL_KIND: "deps-bake"},
+            network="none",
+            deps_volume=volume,
+        )
+    )
+    try:
+        context = scratch / f"bake-{key[:12]}-{secrets.token_hex(3)}"
+        context.mkdir(parents=True)
+        stream = runtime.get_archive(helper, DEPS_MOUNT)
+        if stream is None:
+            raise EnvironmentStartError(f"the dependency volume {volume} has no {DEPS_MOUNT}")
+        with (context / "deps.tar").open("wb") as out:
+            for chunk in stream:
+                out.write(chunk)
+    finally:
+        runtime.remove(helper)
+    parent = str(PurePosixPath(DEPS_MOUNT).parent)
+    (context / "Dockerfile").write_text(f"FROM {image}\nADD deps.tar {parent}/\n")
+    try:
+        built = runtime.ensure_image(
+            context_dir=context,
+            tag=tag,
+            timeout_sec=DEPS_BUILD_TIMEOUT_SEC,
+            labels={LABEL_KIND: "deps-baked"},
+        )
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+    return tag, built.built
+
+
 __all__ = [
+    "BAKED_IMAGE_REPO",
     "DEPS_VOLUME_PREFIX",
     "DepsLayer",
     "WheelInstall",
+    "bake_deps_into_image",
     "ensure_deps_env",
     "install_wheels",
 ]

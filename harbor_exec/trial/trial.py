@@ -82,7 +82,7 @@ from harbor_exec.sandbox.archives import (
     tree_entries,
     write_archive,
 )
-from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
+from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -177,6 +177,10 @@ class SandboxPolicy:
     override_storage_mb: int | None = None
     shm_mb: int = DEFAULT_SHM_MB
     nofile_limit: int = DEFAULT_NOFILE_LIMIT
+    #: A bundle's dependencies baked into a layer of the task image for the agent's
+    #: container (osmosis-ai's ``patch_dockerfile_with_sdk=True``), instead of the
+    #: read-only volume (the default; verifier containers always get the volume).
+    deps_in_image: bool = False
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
     #: The verifier's own ``/logs/verifier``, read first.
@@ -300,6 +304,7 @@ class Trial:
         self.output = TrialOutput()
         self.image = request.image or ""
         self.deps_volume: str | None = None  # the dependency environment, once ensured
+        self.deps_baked = False  # ... and baked into ``self.image`` (``deps_in_image``)
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
@@ -457,7 +462,7 @@ class Trial:
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
             syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
             gpus=gpus,
-            deps_volume=self.deps_volume,
+            deps_volume=None if kind == "trial" and self.deps_baked else self.deps_volume,
             agent_volume=self.agent_volume if kind == "trial" else None,
         )
 
@@ -531,6 +536,12 @@ class Trial:
             if request.deps is not None:
                 self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)
                 self.images_built += built
+                if request.policy.deps_in_image:
+                    self.image, built = bake_deps_into_image(
+                        self.runtime, self.image, self.deps_volume, scratch=self.dir
+                    )
+                    self.images_built += built
+                    self.deps_baked = True
             if request.agent_layer is not None:
                 self.agent_volume, built = ensure_agent_layer(
                     self.runtime, request.agent_layer, self.image

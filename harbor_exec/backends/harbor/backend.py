@@ -209,11 +209,14 @@ class HarborBackend(ExecutionBackend):
         workflow and grader are then the bundle's (``agent`` may be omitted; given, it must
         be the bundle's workflow).
 
-        ``patch_dockerfile_with_sdk``: accepted for compatibility, and every value does
-        the same: a bundle's dependencies are installed once, by the runtime's Python,
-        into a volume keyed by the requirement set alone and mounted read-only into each
-        trial (``sandbox.deps``): never per trial, never into the task image, which stays
-        untouched. ``True`` without a bundle is a ValueError, as in osmosis-ai.
+        ``patch_dockerfile_with_sdk``: where a workflow's dependencies live in the agent's
+        container. False/None (the default): installed once, by the runtime's Python,
+        into a volume keyed by the requirement set alone and mounted read-only
+        (``sandbox.deps``); the task image stays untouched. True: that same install is
+        baked into a layer on top of each task image (``bake_deps_into_image``, once per
+        image and requirement set), as osmosis-ai patches the Dockerfile; verifier
+        containers keep the volume. ``True`` without a bundle is a ValueError, as in
+        osmosis-ai.
 
         Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
         TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
@@ -351,6 +354,9 @@ class HarborBackend(ExecutionBackend):
             "grader_verifier_mode": grader_verifier_mode,
             "pids_limit": pids_limit,
             "output": output_limits or OutputLimits(),
+            # The workflow's dependencies in a layer of the task image (its container);
+            # a grader's stay in the volume of the verifier's.
+            "deps_in_image": bool(patch_dockerfile_with_sdk) and self.native is None,
         }
         # None: SandboxPolicy's documented default.
         for key, value in (
