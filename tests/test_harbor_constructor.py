@@ -54,6 +54,19 @@ def backend_for(tmp_path: Path, **options: Any) -> HarborBackend:
     )
 
 
+def one_rollout(app: Any, rollout_id: str) -> Any:
+    """One rollout of ``PROMPT`` through ``app`` served on loopback, by our client."""
+
+    async def scenario(url: str) -> Any:
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = RolloutClient(url=url, http_client=http)
+            handle = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id=rollout_id)
+            return await handle
+
+    with serve(app) as url:
+        return asyncio.run(scenario(url))
+
+
 # ----------------------------------------------------------------- orchestrator
 
 
@@ -130,14 +143,7 @@ def test_a_rollout_runs_under_the_overrides(tmp_path: Path) -> None:
     )
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
 
-    async def scenario(url: str) -> Any:
-        async with httpx.AsyncClient(timeout=30) as http:
-            client = RolloutClient(url=url, http_client=http)
-            handle = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="limits-1")
-            return await handle
-
-    with serve(app) as url:
-        result = asyncio.run(scenario(url))
+    result = one_rollout(app, "limits-1")
     assert result.status == "success", result.err_message
     specs = [c.spec for c in runtime.containers.values()]
     assert specs and all((s.cpus, s.memory_mb) == (1.0, 600) for s in specs)
@@ -293,14 +299,7 @@ def test_a_rollout_through_an_osmosis_bundle_wheel(tmp_path: Path) -> None:
     backend = backend_for(tmp_path, executor=LocalExecutor(runtime), bundle=str(wheel))
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
 
-    async def scenario(url: str) -> Any:
-        async with httpx.AsyncClient(timeout=60) as http:
-            client = RolloutClient(url=url, http_client=http)
-            handle = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="osm-1")
-            return await handle
-
-    with serve(app) as url:
-        result = asyncio.run(scenario(url))
+    result = one_rollout(app, "osm-1")
     assert result.status == "success", result.err_message
     assert seen and seen[0]["workflow"] == EXAMPLE_REFS["workflow"]
     assert seen[0]["grader"] is None  # the agent's copy never names the grader
@@ -369,14 +368,7 @@ def test_the_guides_v03_entrypoint_as_written(
     )
     # --------------------------------------------------------------------------------
 
-    async def scenario(url: str) -> Any:
-        async with httpx.AsyncClient(timeout=60) as http:
-            client = RolloutClient(url=url, http_client=http)
-            handle = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="guide-1")
-            return await handle
-
-    with serve(app) as url:
-        result = asyncio.run(scenario(url))
+    result = one_rollout(app, "guide-1")
     assert result.status == "success", result.err_message
     assert [m["workflow"] for m in seen] == ["arith_agent.workflow:ArithWorkflow"]
     assert seen[0]["workflow_config"] == "arith_agent.workflow:workflow_config"
