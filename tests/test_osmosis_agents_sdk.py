@@ -13,7 +13,6 @@ results must agree: status, error message and category, and the whole sample
 from __future__ import annotations
 
 import json
-import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -27,9 +26,6 @@ from tests.server_utils import serve
 
 if sys.version_info < (3, 12):
     pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
-# The integration's litellm: no network at import or per call.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 pytest.importorskip("agents", reason="osmosis-ai's openai-agents extra is not installed")
 
 from osmosis_ai.rollout import LocalBackend as OsmosisLocalBackend
@@ -99,6 +95,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     reference_root = tmp_path_factory.mktemp("osmosis-root")
     ours_root = tmp_path_factory.mktemp("harbor-root")
     monkeypatch = pytest.MonkeyPatch()
+    # The integration's litellm, imported with the workflow: no network at import.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_OFFLINE_MODE", "true")
     # osmosis-ai's LocalBackend reads its artifact root when constructed.
     monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(reference_root))
     reference = create_osmosis_server(

@@ -118,6 +118,9 @@ def test_agents_project_in_a_container_as_in_osmosis_local_backend(
         artifacts_dir=tmp_path / "artifacts",
     )
     monkeypatch = pytest.MonkeyPatch()
+    # The integration's litellm in this process (osmosis-ai's backend): offline too.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_OFFLINE_MODE", "true")
     monkeypatch.setenv("_OSMOSIS_ROLLOUT_ARTIFACT_ROOT", str(tmp_path / "osmosis-root"))
     reference_app = create_osmosis_server(
         backend=OsmosisLocalBackend(**AGENTS_REFS), configure_logging=False
