@@ -173,13 +173,21 @@ async def test_same_results_as_osmosis_local_backend(
         assert ours.err_message == "the agent broke"
 
 
-def test_the_model_saw_the_integrations_requests(
+async def test_the_model_saw_the_integrations_requests(
     servers: dict[str, str], chat: ScriptedChat
 ) -> None:
-    """Runs after the side-by-side cases: the integration streamed through litellm
-    with the rollout's key, and its second request carried the tool's result."""
-    assert chat.requests, "no request reached the scripted model"
-    assert all(r.body.get("stream") is True for r in chat.requests)
-    assert all(r.authorization == "Bearer sk-agents-side-by-side" for r in chat.requests)
-    second = [r for r in chat.requests if any(m.get("role") == "tool" for m in r.body["messages"])]
-    assert second and second[0].body["messages"][-1]["content"] == "4.0"
+    """The integration streamed through litellm with the rollout's key, and its second
+    request carried the tool's result, in both backends."""
+    for server in ("reference", "ours"):
+        before = len(chat.requests)
+        result = await _run(servers[server], chat.base_url, "right", uuid.uuid4().hex)
+        assert result.status.value == "success", result.err_message
+        requests = chat.requests[before:]
+        assert len(requests) == 2, server
+        assert all(r.body.get("stream") is True for r in requests)
+        assert all(r.authorization == "Bearer sk-agents-side-by-side" for r in requests)
+        assert requests[1].body["messages"][-1] == {
+            "role": "tool",
+            "tool_call_id": "call_add_1",
+            "content": "4.0",
+        }
