@@ -10,7 +10,9 @@ reads; ``ids_of(i)`` are the ones answer ``i`` carried. With ``cached_tokens`` e
 ``usage`` also says that many prompt tokens were cached
 (``prompt_tokens_details.cached_tokens``). With ``per_conversation=True`` the script
 restarts for each conversation (the reply is the one for the number of assistant
-messages the request holds), so several agents can share one endpoint at once. A
+messages the request holds), so several agents can share one endpoint at once, and
+an answer's ``id`` is that step's (``chatcmpl-<step>``), the same in every
+conversation, so agents that record it give the same trajectory wherever they run. A
 request with ``"stream": true`` (opencode's) gets the same answer as an SSE stream of
 chunks (the message as one delta, then the finish reason, then ``usage``).
 """
@@ -162,7 +164,7 @@ class ScriptedChat:
             "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
         }
         answer: dict[str, Any] = {
-            "id": f"chatcmpl-{turn}",
+            "id": f"chatcmpl-{step}",
             "object": "chat.completion",
             "created": 0,
             "model": body.get("model", "scripted"),

@@ -81,6 +81,13 @@ CUSTOM_FLOWS = """
             subprocess.run([sys.executable, "-c", "print('child says hi')"], check=True)
             return [{"role": "assistant", "content": "the real one"}]
 
+    class SeesLitellmEnv(AgentWorkflow):
+        async def run(self, ctx):
+            import json, os
+            names = ("LITELLM_LOCAL_MODEL_COST_MAP", "LITELLM_OFFLINE_MODE")
+            seen = json.dumps({name: os.environ.get(name) for name in names})
+            return [{"role": "assistant", "content": seen}]
+
     class ReportsWhatItSees(Grader):
         async def grade(self, ctx):
             ctx.sample.extra_fields["seen"] = {
@@ -293,6 +300,21 @@ def test_sample_source_is_used_when_the_workflow_returns_none(
     sample = _read(custom.agent_sample)
     assert sample["messages"] == [{"role": "assistant", "content": "from the source"}]
     assert sample["metrics"] == {"turns": 1}
+
+
+def test_the_workflow_runs_with_litellm_offline(
+    custom: Layout, chat: FakeChat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The container is offline: litellm (the SDK's integrations use it) is told so,
+    instead of trying to fetch its model cost map when imported."""
+    for name in ("LITELLM_LOCAL_MODEL_COST_MAP", "LITELLM_OFFLINE_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    _manifest(custom, workflow="custom_flows:SeesLitellmEnv")
+    custom.agent_input(chat, "anything")
+    done = custom.run("agent")
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(_read(custom.agent_sample)["messages"][-1]["content"])
+    assert seen == {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_OFFLINE_MODE": "true"}
 
 
 def test_messages_none_is_a_success_without_a_sample(custom: Layout, chat: FakeChat) -> None:

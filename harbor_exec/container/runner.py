@@ -343,6 +343,11 @@ def _sample_payload(sample: RolloutSample | None) -> dict[str, Any]:
     return safe.model_dump(mode="json", include=set(SAMPLE_FIELDS))
 
 
+# The settings that keep litellm from using the network (as harbor_exec.trial.native
+# gives Harbor's own agents; repeated here: this module imports no host code).
+LITELLM_OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_OFFLINE_MODE": "true"}
+
+
 def _on_sigterm(_signum: int, _frame: FrameType | None) -> NoReturn:
     raise _Terminated
 
@@ -751,6 +756,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "forward":
         return run_forward(args.socket)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # The container is offline: litellm (which the SDK's integrations use) would try to
+    # fetch its model cost map when imported. Set for the user's code and its children.
+    for name, value in LITELLM_OFFLINE_ENV.items():
+        os.environ.setdefault(name, value)
     paths = RunnerPaths(manifest=args.manifest, logs_dir=args.logs_dir, tests_dir=args.tests_dir)
     # Appended, never first: nothing in a code dir shadows the standard library or the
     # runner's own modules in the read-only runtime and dependency environment.
