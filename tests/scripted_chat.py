@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["ScriptedChat", "ScriptedRequest", "terminus_reply", "tool_call_reply"]
+__all__ = [
+    "ScriptedChat",
+    "ScriptedRequest",
+    "env_value_sent_back",
+    "terminus_reply",
+    "tool_call_reply",
+]
 
 
 def tool_call_reply(command: str, *, call_id: str, text: str = "Running a command.") -> Any:
@@ -197,3 +203,21 @@ class ScriptedChat:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+def env_value_sent_back(messages: list[dict[str, Any]], name: str) -> str | None:
+    """``name``'s value in the ``env`` output a tool message carried back to the model
+    (plain text, or a JSON ``{"output": ...}`` as mini-swe-agent sends it)."""
+    for message in messages:
+        if message.get("role") != "tool":
+            continue
+        content = message.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        try:
+            output = str(json.loads(text)["output"])
+        except (ValueError, KeyError, TypeError):
+            output = text
+        for line in output.splitlines():
+            if line.startswith(f"{name}="):
+                return line.partition("=")[2]
+    return None

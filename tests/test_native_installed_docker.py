@@ -27,7 +27,7 @@ from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError, ensure_agent_layer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
-from tests.scripted_chat import ScriptedChat, tool_call_reply
+from tests.scripted_chat import ScriptedChat, env_value_sent_back, tool_call_reply
 from tests.server_utils import serve
 from tests.task_factory import make_task
 from tests.test_native_agents_docker import KEY, files_holding, rollout
@@ -109,9 +109,9 @@ def test_mini_swe_agent_solves_a_no_network_task_through_the_in_container_forwar
     # the key, the loopback forwarder as the endpoint, never the real key.
     observed = json.dumps(chat.requests[1].body["messages"])
     assert KEY not in observed
-    token = _env_value(chat.requests[1].body["messages"], "OPENAI_API_KEY")
+    token = env_value_sent_back(chat.requests[1].body["messages"], "OPENAI_API_KEY")
     assert token and token != KEY
-    base = _env_value(chat.requests[1].body["messages"], "OPENAI_BASE_URL")
+    base = env_value_sent_back(chat.requests[1].body["messages"], "OPENAI_BASE_URL")
     assert base is not None and base.startswith("http://127.0.0.1:") and base.endswith("/v1")
 
     # The sample's chat is the relay's: the last call's messages, then the answer (the
@@ -153,23 +153,6 @@ def test_mini_swe_agent_solves_a_no_network_task_through_the_in_container_forwar
     assert files_holding(tmp_path / "server-artifacts", KEY) == []
     assert files_holding(tmp_path / "artifacts", KEY) == []
     print(f"mini-swe-agent rollout: {seconds:.1f}s")
-
-
-def _env_value(messages: list[dict[str, Any]], name: str) -> str | None:
-    """``name``'s value in the ``env`` output a tool message carried back to the model."""
-    for message in messages:
-        if message.get("role") != "tool":
-            continue
-        content = message.get("content")
-        text = content if isinstance(content, str) else json.dumps(content)
-        try:
-            output = str(json.loads(text)["output"])
-        except (ValueError, KeyError, TypeError):
-            output = text
-        for line in output.splitlines():
-            if line.startswith(f"{name}="):
-                return line.partition("=")[2]
-    return None
 
 
 def test_a_missing_agent_layer_fails_setup_fast_naming_it(

@@ -31,7 +31,7 @@ from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
-from tests.scripted_chat import ScriptedChat
+from tests.scripted_chat import ScriptedChat, env_value_sent_back
 from tests.server_utils import serve
 from tests.task_factory import make_task
 from tests.test_native_agents_docker import KEY, files_holding, rollout
@@ -175,11 +175,11 @@ def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     messages = chat.requests[1].body["messages"]
     observed = json.dumps(messages)
     assert KEY not in observed
-    token = _env_value(messages, "OPENAI_API_KEY")
+    token = env_value_sent_back(messages, "OPENAI_API_KEY")
     assert token and token != KEY
-    base = _env_value(messages, "OPENAI_BASE_URL")
+    base = env_value_sent_back(messages, "OPENAI_BASE_URL")
     assert base is not None and base.startswith("http://127.0.0.1:") and base.endswith("/v1")
-    assert _env_value(messages, "OPENCODE_DISABLE_AUTOUPDATE") == "true"
+    assert env_value_sent_back(messages, "OPENCODE_DISABLE_AUTOUPDATE") == "true"
 
     # The sample's chat is the relay's: the last call's messages, then the streamed
     # answer assembled (the token redacted like every secret the trial knows).
@@ -219,19 +219,6 @@ def test_opencode_solves_a_no_network_task_through_the_in_container_forwarder(
     assert files_holding(tmp_path / "server-artifacts", KEY) == []
     assert files_holding(tmp_path / "artifacts", KEY) == []
     print(f"opencode rollout ({image}): {seconds:.1f}s")
-
-
-def _env_value(messages: list[dict[str, Any]], name: str) -> str | None:
-    """``name``'s value in the ``env`` output a tool message carried back to the model."""
-    for message in messages:
-        if message.get("role") != "tool":
-            continue
-        content = message.get("content")
-        text = content if isinstance(content, str) else json.dumps(content)
-        for line in text.splitlines():
-            if line.startswith(f"{name}="):
-                return line.partition("=")[2]
-    return None
 
 
 def test_harbor_exec_run_evaluates_a_dataset_with_opencode(

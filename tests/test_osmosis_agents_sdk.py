@@ -21,15 +21,16 @@ from typing import Any
 
 import pytest
 
+from tests.osmosis_side_by_side import comparable, run_osmosis_rollout
 from tests.scripted_chat import ScriptedChat
 from tests.server_utils import serve
 
 if sys.version_info < (3, 12):
     pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
-pytest.importorskip("agents", reason="osmosis-ai's openai-agents extra is not installed")
 
+# The dev extra's openai-agents: missing is a broken install, an error here, never a skip.
+import agents  # noqa: F401
 from osmosis_ai.rollout import LocalBackend as OsmosisLocalBackend
-from osmosis_ai.rollout.client import RolloutClient
 from osmosis_ai.rollout.server.app import (
     create_rollout_server as create_osmosis_server,
 )
@@ -115,31 +116,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
 async def _run(url: str, chat_url: str, case: str, rollout_id: str) -> Any:
     label, metadata, grade = CASES[case]
-    client = RolloutClient(url=url, admission_timeout_sec=30)
-    try:
-        return await client.run_rollout(
-            PROMPT,
-            chat_url,
-            rollout_id,
-            llm_api_key="sk-agents-side-by-side",
-            label=label,
-            metadata=metadata,
-            grade=grade,
-            agent_timeout_sec=60,
-            grader_timeout_sec=60,
-        )
-    finally:
-        await client.aclose()
-
-
-def _comparable(result: Any) -> dict[str, Any]:
-    sample = result.sample
-    return {
-        "status": result.status.value,
-        "err_message": result.err_message,
-        "err_category": result.err_category.value if result.err_category else None,
-        "sample": None if sample is None else sample.model_dump(mode="json"),
-    }
+    return await run_osmosis_rollout(
+        url,
+        chat_url,
+        rollout_id,
+        PROMPT,
+        llm_api_key="sk-agents-side-by-side",
+        label=label,
+        metadata=metadata,
+        grade=grade,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -149,7 +135,7 @@ async def test_same_results_as_osmosis_local_backend(
     rollout_id = uuid.uuid4().hex
     reference = await _run(servers["reference"], chat.base_url, case, rollout_id)
     ours = await _run(servers["ours"], chat.base_url, case, rollout_id)
-    assert _comparable(ours) == _comparable(reference)
+    assert comparable(ours) == comparable(reference)
     # And what they agree on is what the project does.
     status, category, reward = EXPECTED[case]
     assert (ours.status.value, ours.err_category.value if ours.err_category else None) == (

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sys
 import time
 import uuid
@@ -26,7 +25,8 @@ import pytest
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import Bundle, build_bundle
 from harbor_exec.server.app import create_rollout_server
-from tests.bundle_utils import REPO_ROOT, bundle_cache
+from tests.bundle_utils import bundle_cache
+from tests.osmosis_side_by_side import comparable, run_osmosis_rollout, template_without_tests
 from tests.scripted_chat import ScriptedChat
 from tests.server_utils import serve
 from tests.test_osmosis_agents_sdk import AGENTS_REFS, PROJECT, add_call
@@ -35,7 +35,6 @@ if sys.version_info < (3, 12):
     pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
 
 from osmosis_ai.rollout import LocalBackend as OsmosisLocalBackend
-from osmosis_ai.rollout.client import RolloutClient
 from osmosis_ai.rollout.server.app import (
     create_rollout_server as create_osmosis_server,
 )
@@ -44,7 +43,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 __all__ = ["bundle_cache"]  # the session fixture, used below
 
-TEMPLATE = REPO_ROOT / "tasks_examples" / "template"
 PROMPT = [{"role": "user", "content": "What is 6+7?"}]
 KEY = "sk-agents-docker-" + uuid.uuid4().hex
 
@@ -65,39 +63,17 @@ def scripted() -> Iterator[ScriptedChat]:
         yield chat
 
 
-def _task(root: Path) -> Path:
-    """The template task without tests/: the bundled SDK grader verifies."""
-    task = root / "template"
-    shutil.copytree(TEMPLATE, task)
-    shutil.rmtree(task / "tests")
-    return task
-
-
 async def _run(url: str, chat_url: str, label: str, rollout_id: str) -> Any:
-    client = RolloutClient(url=url, admission_timeout_sec=60)
-    try:
-        return await client.run_rollout(
-            PROMPT,
-            chat_url,
-            rollout_id,
-            llm_api_key=KEY,
-            label=label,
-            agent_timeout_sec=300,
-            grader_timeout_sec=300,
-        )
-    finally:
-        await client.aclose()
-
-
-def _comparable(result: Any, *, label: bool = True) -> dict[str, Any]:
-    sample = result.sample
-    exclude = set() if label else {"label"}
-    return {
-        "status": result.status.value,
-        "err_message": result.err_message,
-        "err_category": result.err_category.value if result.err_category else None,
-        "sample": None if sample is None else sample.model_dump(mode="json", exclude=exclude),
-    }
+    return await run_osmosis_rollout(
+        url,
+        chat_url,
+        rollout_id,
+        PROMPT,
+        admission_timeout_sec=60,
+        timeout_sec=300,
+        llm_api_key=KEY,
+        label=label,
+    )
 
 
 def test_bundle_carries_the_integration(agents_bundle: Bundle) -> None:
@@ -110,7 +86,7 @@ def test_agents_project_in_a_container_as_in_osmosis_local_backend(
     tmp_path: Path, scripted: ScriptedChat, agents_bundle: Bundle
 ) -> None:
     backend = HarborBackend(
-        tasks_dir=_task(tmp_path),
+        tasks_dir=template_without_tests(tmp_path),
         agent=AGENTS_REFS["workflow"],
         grader=AGENTS_REFS["grader"],
         bundle=agents_bundle,
@@ -138,14 +114,14 @@ def test_agents_project_in_a_container_as_in_osmosis_local_backend(
     finally:
         monkeypatch.undo()
     for name, result in (("ours", ours), ("reference", reference)):
-        dumped = json.dumps(_comparable(result), indent=1, sort_keys=True)
+        dumped = json.dumps(comparable(result), indent=1, sort_keys=True)
         (tmp_path / f"{name}.json").write_text(dumped)  # for a diff when they disagree
     assert ours.status.value == "success", ours.err_message
     # One difference, by design: the agent's container never sees the label, so the
     # host gives the sample the request's label; osmosis-ai's LocalBackend keeps the
     # sample source's (the session's: None).
     assert (ours.sample.label, reference.sample.label) == ("13", None)
-    assert _comparable(ours, label=False) == _comparable(reference, label=False)
+    assert comparable(ours, exclude={"label"}) == comparable(reference, exclude={"label"})
     assert ours.sample is not None and ours.sample.reward == 1.0
     items = ours.sample.messages
     assert [item.get("type") or item.get("role") for item in items] == [

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.fake_chat import FakeChat
+from tests.osmosis_side_by_side import comparable, run_osmosis_rollout
 from tests.server_utils import serve, wait_until
 
 OSMOSIS_PYTHON = sys.version_info >= (3, 12)
@@ -31,7 +32,6 @@ from osmosis_ai.rollout import AgentWorkflow as OsmosisAgentWorkflow  # noqa: E4
 from osmosis_ai.rollout import LocalBackend as OsmosisLocalBackend  # noqa: E402
 from osmosis_ai.rollout import RolloutStatus as OsmosisRolloutStatus  # noqa: E402
 from osmosis_ai.rollout import get_rollout_context as osmosis_rollout_context  # noqa: E402
-from osmosis_ai.rollout.client import RolloutClient  # noqa: E402
 from osmosis_ai.rollout.server.app import (  # noqa: E402
     create_rollout_server as create_osmosis_server,
 )
@@ -113,33 +113,20 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
 async def _run(url: str, chat_url: str, case: str, rollout_id: str) -> Any:
     label, metadata, grade = CASES[case]
-    client = RolloutClient(url=url, admission_timeout_sec=30)
-    try:
-        return await client.run_rollout(
-            PROMPT,
-            chat_url,
-            rollout_id,
-            llm_api_key="sk-side-by-side",
-            label=label,
-            metadata=metadata,
-            grade=grade,
-            agent_timeout_sec=60,
-            grader_timeout_sec=60,
-        )
-    finally:
-        await client.aclose()
+    return await run_osmosis_rollout(
+        url,
+        chat_url,
+        rollout_id,
+        PROMPT,
+        llm_api_key="sk-side-by-side",
+        label=label,
+        metadata=metadata,
+        grade=grade,
+    )
 
 
 def _comparable(result: Any) -> dict[str, Any]:
-    sample = result.sample
-    return {
-        "status": result.status.value,
-        "err_message": result.err_message,
-        "err_category": result.err_category.value if result.err_category else None,
-        "sample": None
-        if sample is None
-        else sample.model_dump(mode="json", exclude={"trajectory_messages"}),
-    }
+    return comparable(result, exclude={"trajectory_messages"})
 
 
 @pytest.mark.parametrize("case", list(CASES))

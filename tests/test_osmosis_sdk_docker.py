@@ -12,7 +12,6 @@ The reward and sample are what osmosis-ai's own LocalBackend gives
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +26,7 @@ from harbor_exec.client import RolloutClient
 from harbor_exec.server.app import create_rollout_server
 from tests.bundle_utils import REPO_ROOT, bundle_cache
 from tests.fake_chat import FakeChat
+from tests.osmosis_side_by_side import template_without_tests
 from tests.server_utils import serve
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -40,7 +40,6 @@ SDK_REFS = {
     "grader": "sdk_arith.grader:SdkArithGrader",
     "grader_config": "sdk_arith.grader:grader_config",
 }
-TEMPLATE = REPO_ROOT / "tasks_examples" / "template"
 
 
 @pytest.fixture(scope="session")
@@ -51,14 +50,6 @@ def sdk_bundle(bundle_cache: Path) -> Bundle:
     bundle = build_bundle(SDK_PROJECT, cache_dir=bundle_cache, **SDK_REFS)
     print(f"SDK bundle built in {time.monotonic() - started:.1f}s (cached: {bundle.cached})")
     return bundle
-
-
-def _task(root: Path) -> Path:
-    """The template task without tests/: the bundled SDK grader verifies."""
-    task = root / "template"
-    shutil.copytree(TEMPLATE, task)
-    shutil.rmtree(task / "tests")
-    return task
 
 
 def test_sdk_bundle_carries_osmosis_ai_for_cp313(sdk_bundle: Bundle) -> None:
@@ -73,7 +64,7 @@ def test_sdk_workflow_and_grader_in_a_container(
 ) -> None:
     chat.reset()
     backend = HarborBackend(
-        tasks_dir=_task(tmp_path),
+        tasks_dir=template_without_tests(tmp_path),
         agent=SDK_REFS["workflow"],
         grader=SDK_REFS["grader"],
         bundle=sdk_bundle,
