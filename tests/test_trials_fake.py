@@ -580,3 +580,59 @@ def test_a_collect_hook_for_a_sidecar_is_refused_by_name(tmp_path: Path) -> None
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "TaskConfigError"
     assert "service = 'db'" in result.exception_info.exception_message
+
+
+def test_an_explicit_logs_artifacts_entry_replaces_harbors_implicit_one(tmp_path: Path) -> None:
+    toml = (
+        'artifacts = [{ source = "/logs/artifacts", exclude = ["*.tmp"] }]\n'
+        "[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n"
+    )
+
+    def solve(container: FakeContainer) -> int:
+        container.write("/logs/artifacts/keep.txt", "kept\n")
+        container.write("/logs/artifacts/junk.tmp", "junk\n")
+        return 0
+
+    task_dir = make_task(tmp_path / "tasks", "explicit-convention", toml=toml)
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    result = run_trial(FakeRuntime(solve=solve), request)
+    assert result.exception_info is None, result.exception_info
+    out = tmp_path / "trials" / result.trial_name / "artifacts"
+    assert (out / "logs" / "artifacts" / "keep.txt").read_text() == "kept\n"
+    assert not (out / "logs" / "artifacts" / "junk.tmp").exists()
+    rows = json.loads((out / "manifest.json").read_text())
+    assert [(r["source"], r["status"], r["exclude"]) for r in rows] == [
+        ("/logs/artifacts", "ok", ["*.tmp"])
+    ]
+
+
+def test_a_collect_hook_runs_before_logs_artifacts_is_read_in_separate_mode(
+    tmp_path: Path,
+) -> None:
+    """What a hook writes into ``/logs/artifacts`` is collected, and handed to the
+    separate verifier, as in Harbor (hooks run before any collection)."""
+    toml = (
+        "[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n"
+        '[[verifier.collect]]\ncommand = "dump-state > /logs/artifacts/state.txt"\n'
+    )
+
+    def other(container: FakeContainer, script: str) -> int:
+        if "dump-state" in script:
+            container.write("/logs/artifacts/state.txt", "snapshot\n")
+        return 0
+
+    seen: list[bytes | None] = []
+
+    def test(container: FakeContainer) -> int:
+        seen.append(container.files.get("/logs/artifacts/state.txt"))
+        container.write("/logs/verifier/reward.txt", "1\n")
+        return 0
+
+    task_dir = make_task(tmp_path / "tasks", "hook-separate", toml=toml)
+    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request.policy = SandboxPolicy(verifier_mode="separate")
+    result = run_trial(FakeRuntime(other=other, test=test), request)
+    assert result.exception_info is None, result.exception_info
+    out = tmp_path / "trials" / result.trial_name / "artifacts"
+    assert (out / "logs" / "artifacts" / "state.txt").read_text() == "snapshot\n"
+    assert seen == [b"snapshot\n"]

@@ -677,6 +677,8 @@ class Trial:
             self._agent_sample = run.sample
         self._pin_agent_sample()
         self._check_cancelled()
+        # Harbor's place for them: after the agent, before anything is read back.
+        self._run_collect_hooks(session.container_id)
         result.agent_result = AgentResult.model_validate(run.agent_result or {})
         if watch.exceeded is not None:
             used = watch.exceeded
@@ -900,13 +902,12 @@ class Trial:
         Once per trial: after the agent, before any verifier (as Harbor does)."""
         if self._artifact_entries is not None:
             return self._artifacts_carried
-        self._run_collect_hooks(container_id)
         limits, budget = self.request.policy.output, self._agent_copy
         root = self.dir / "artifacts"
         declared, _ = self._artifact_specs()
         entries: list[dict[str, object]] = []
         carried: list[tuple[Path, str]] = []
-        claimed = [root / CONVENTION_DIR.lstrip("/")]
+        claimed = [self._convention_dir]
         for spec in declared:
             source = str(spec.get("source") or "")
             exclude = [str(e) for e in spec.get("exclude") or []]
@@ -950,10 +951,11 @@ class Trial:
         return carried
 
     def _run_collect_hooks(self, container_id: str) -> None:
-        """``[[verifier.collect]]`` hooks, before the artifacts are read, as Harbor runs
-        them: best effort (a failure is noted in ``collect-hooks.txt``, never the
-        trial's), each under its ``timeout_sec``, as its ``user`` (resolved from the
-        image's account files as read before the agent ran)."""
+        """``[[verifier.collect]]`` hooks, once the agent's processes are stopped and
+        before its logs and artifacts are read, as Harbor runs them: best effort (a
+        failure is noted in ``collect-hooks.txt``, never the trial's), each under its
+        ``timeout_sec``, as its ``user`` (resolved from the image's account files as
+        read before the agent ran)."""
         hooks = self.request.task.config.verifier.collect
         if not hooks or self._accounts is None:
             return
@@ -973,11 +975,15 @@ class Trial:
         if notes:
             (self.dir / "collect-hooks.txt").write_text("\n".join(notes) + "\n")
 
+    @property
+    def _convention_dir(self) -> Path:
+        """Where ``/logs/artifacts`` is read back to (Harbor's ``artifacts/logs/artifacts``)."""
+        return self.dir / "artifacts" / CONVENTION_DIR.lstrip("/")
+
     def _convention_artifacts(self) -> list[tuple[Path, str]]:
-        """``/logs/artifacts``'s children as read back (less its excludes), for a
-        verifier container; the directory itself stays the verifier's, mode 777."""
-        convention = self.dir / "artifacts" / CONVENTION_DIR.lstrip("/")
-        _drop_excluded(convention, self._artifact_specs()[1])
+        """``/logs/artifacts``'s children as read back, for a verifier container; the
+        directory itself stays the verifier's, mode 777."""
+        convention = self._convention_dir
         if not convention.is_dir():
             return []
         return [(path, f"{CONVENTION_DIR}/{path.name}") for path in convention.iterdir()]
@@ -987,9 +993,7 @@ class Trial:
         declared artifact, once they were collected."""
         if self._artifact_entries is None:
             return
-        root = self.dir / "artifacts"
-        convention = root / CONVENTION_DIR.lstrip("/")
-        _drop_excluded(convention, self._artifact_specs()[1])
+        root, convention = self.dir / "artifacts", self._convention_dir
         status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
         first = _manifest_entry(
             CONVENTION_DIR, root, convention, status, is_dir=True, exclude=self._artifact_specs()[1]
@@ -1033,10 +1037,7 @@ class Trial:
         self._agent_logs_read = True
         stream = self.runtime.get_archive(container_id, "/logs")
         if stream is not None:
-            routes = {
-                "agent": self.dir / "agent",
-                "artifacts": self.dir / "artifacts" / "logs" / "artifacts",
-            }
+            routes = {"agent": self.dir / "agent", "artifacts": self._convention_dir}
             extract_archive(
                 stream,
                 self.dir,
@@ -1044,6 +1045,8 @@ class Trial:
                 report=self._agent_copy,
                 routes=routes,
             )
+            # An explicit ``/logs/artifacts`` entry's excludes, once, as it lands.
+            _drop_excluded(self._convention_dir, self._artifact_specs()[1])
         self._pin_agent_sample()  # the container's sample.json may have been rewritten
         secrets = self.request.secrets
         self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
