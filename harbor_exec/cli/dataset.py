@@ -36,6 +36,15 @@ from harbor_exec.jobs.dataset import (
 from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewarm_tasks, tally
 from harbor_exec.sandbox.agent_layer import AgentLayerError
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sources.packages import (
+    PACKAGE_SOURCE_ENV,
+    FetchedPackage,
+    PackageError,
+    check_local_manifest,
+    fetch_dataset_package,
+    fetch_task,
+    open_package_source,
+)
 from harbor_exec.sources.registry import RegistryError, fetch_dataset, find_dataset, read_registry
 from harbor_exec.trial.task import Discovery, Task, discover_tasks, load_task
 
@@ -71,9 +80,30 @@ DatasetRefOption = Annotated[
     typer.Option(
         "-d",
         "--dataset",
-        metavar="NAME[@VERSION]",
-        help="A dataset of Harbor's JSON registry (--registry-path or --registry-url) "
-        "instead of PATH; its tasks are fetched from git by commit.",
+        metavar="NAME[@VERSION]|ORG/NAME[@REF]",
+        help="Instead of PATH: a dataset of Harbor's JSON registry (--registry-path or "
+        "--registry-url; its tasks fetched from git by commit), or a dataset package "
+        "org/name@ref from --package-source (every task digest checked).",
+    ),
+]
+TaskRefOption = Annotated[
+    str | None,
+    typer.Option(
+        "-t",
+        "--task",
+        metavar="ORG/NAME[@REF]",
+        help="Instead of PATH: one task package (ref: latest, a tag, a revision or "
+        "sha256:<hex>) from --package-source, its digest checked.",
+    ),
+]
+PackageSourceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--package-source",
+        metavar="DIR|URL",
+        envvar=PACKAGE_SOURCE_ENV,
+        help="Where Harbor packages (org/name@ref) come from: a directory laid out as "
+        "Harbor's package cache, or a mirror URL (docs/datasets.md).",
     ),
 ]
 RegistryPathOption = Annotated[
@@ -97,8 +127,10 @@ class SelectedDataset:
 
     discovery: Discovery
     name: str
-    config: dict[str, Any]
+    config: dict[str, Any] | None  # None: no dataset (``-t``: ``tasks_config``)
     path: Path | None = None
+    #: Harbor's job ``tasks`` entries (``-t``).
+    tasks_config: list[dict[str, Any]] | None = None
 
 
 def select_dataset(
@@ -107,16 +139,34 @@ def select_dataset(
     registry_path: Path | None,
     registry_url: str | None,
     allow_unpinned: bool,
+    *,
+    task: str | None = None,
+    package_source: str | None = None,
 ) -> SelectedDataset:
-    """PATH, or ``-d name@version`` from a registry, as ``harbor run`` takes them; a
-    bad choice or a failed fetch is exit 2 with the reason, before anything runs."""
-    if (path is None) == (ref is None):
-        _usage_error("give a task or dataset PATH, or -d NAME[@VERSION] with a registry")
+    """PATH, ``-d name@version`` from a registry, ``-d org/name@ref`` or ``-t
+    org/name@ref`` from the package source, as ``harbor run`` takes them; a bad
+    choice, a failed fetch or a digest mismatch is exit 2 with the reason, before
+    anything runs."""
+    if sum(x is not None for x in (path, ref, task)) != 1:
+        _usage_error(
+            "give a task or dataset PATH, -d NAME[@VERSION] with a registry, or -t/-d "
+            "ORG/NAME[@REF] with a package source"
+        )
+    package = ref is not None and "/" in ref.partition("@")[0]
+    if (path is not None or task is not None or package) and (registry_path or registry_url):
+        _usage_error("--registry-path and --registry-url go with -d NAME[@VERSION] only")
     if path is not None:
-        if registry_path or registry_url:
-            _usage_error("--registry-path and --registry-url go with -d, not a PATH")
         root = path.resolve()
-        return SelectedDataset(load_dataset(path), root.name, {"path": str(root)}, root)
+        discovery = load_dataset(path)
+        try:
+            check_local_manifest(
+                root, [t.path for t in discovery.tasks], [t.name for t in discovery.tasks]
+            )
+        except PackageError as exc:
+            _usage_error(str(exc))
+        return SelectedDataset(discovery, root.name, {"path": str(root)}, root)
+    if task is not None or package:
+        return _select_package(task, ref if package else None, package_source)
     assert ref is not None
     if (registry_path is None) == (registry_url is None):
         _usage_error("-d needs exactly one of --registry-path and --registry-url")
@@ -130,7 +180,7 @@ def select_dataset(
     broken: list[TaskError] = []
     for item in fetched:
         try:
-            task = load_task(item.directory)
+            loaded = load_task(item.directory)
         except TaskError as exc:
             broken.append(exc)
             continue
@@ -139,12 +189,63 @@ def select_dataset(
             "git_commit_id": item.commit,
             "path": item.task.path,
         }
-        tasks.append(replace(task, origin=origin))
+        tasks.append(replace(loaded, origin=origin))
     registry: dict[str, Any] = (
         {"path": str(registry_path.resolve())} if registry_path else {"url": registry_url}
     )
     config = {"name": dataset.name, "version": dataset.version, "registry": registry}
     return SelectedDataset(Discovery(tasks=tasks, broken=broken), dataset.name, config)
+
+
+def _select_package(task: str | None, dataset: str | None, location: str | None) -> SelectedDataset:
+    """``-t org/name@ref`` or ``-d org/name@ref``: fetched and checked through the
+    operator's package source; recorded as Harbor records package tasks."""
+    flag = "-t" if task is not None else "-d"
+    try:
+        source = open_package_source(location)
+        if source is None:
+            _usage_error(
+                f"{flag} {task or dataset} is a Harbor package: name where packages come "
+                f"from with --package-source DIR|URL (or ${PACKAGE_SOURCE_ENV})"
+            )
+        if task is not None:
+            fetched = fetch_task(source, task)
+            ok, error = _load_package_task(fetched)
+            discovery = Discovery(tasks=[ok] if ok else [], broken=[error] if error else [])
+            entry = {
+                "name": fetched.ref.full_name,
+                "ref": fetched.ref.ref,
+                "digest": fetched.digest,
+                "package_source": source.location,
+            }
+            return SelectedDataset(discovery, "adhoc", None, tasks_config=[entry])
+        assert dataset is not None
+        fetched_dataset = fetch_dataset_package(source, dataset)
+    except PackageError as exc:
+        _usage_error(str(exc))
+    tasks: list[Task] = []
+    broken: list[TaskError] = []
+    for item in fetched_dataset.tasks:
+        ok, error = _load_package_task(item)
+        if ok is not None:
+            tasks.append(ok)
+        if error is not None:
+            broken.append(error)
+    name = fetched_dataset.package.ref.full_name
+    config = {
+        "name": name,
+        "ref": fetched_dataset.package.digest,
+        "package_source": source.location,
+    }
+    return SelectedDataset(Discovery(tasks=tasks, broken=broken), name, config)
+
+
+def _load_package_task(fetched: FetchedPackage) -> tuple[Task | None, TaskError | None]:
+    try:
+        task = load_task(fetched.directory)
+    except TaskError as exc:
+        return None, exc
+    return replace(task, origin=fetched.task_id), None
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -220,6 +321,8 @@ def validate(
         Path | None, typer.Argument(help="A task directory or a dataset of tasks.")
     ] = None,
     dataset: DatasetRefOption = None,
+    task: TaskRefOption = None,
+    package_source: PackageSourceOption = None,
     registry_path: RegistryPathOption = None,
     registry_url: RegistryUrlOption = None,
     task_git_allow_unpinned: AllowUnpinnedOption = False,
@@ -239,7 +342,15 @@ def validate(
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
     from harbor_exec.cli.serve import open_ray_executor
 
-    selected = select_dataset(path, dataset, registry_path, registry_url, task_git_allow_unpinned)
+    selected = select_dataset(
+        path,
+        dataset,
+        registry_path,
+        registry_url,
+        task_git_allow_unpinned,
+        task=task,
+        package_source=package_source,
+    )
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
     options = sandbox.SandboxOptions(
@@ -328,6 +439,7 @@ def run_dataset_job(
                 dataset_name=selected.name,
                 dataset_path=selected.path,
                 dataset_config=selected.config,
+                tasks_config=selected.tasks_config,
                 invalid_tasks=selected.discovery.broken,
                 make_spec=make_spec,
                 on_event=on_event,

@@ -25,8 +25,10 @@ from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import (
     AllowUnpinnedOption,
     DatasetRefOption,
+    PackageSourceOption,
     RegistryPathOption,
     RegistryUrlOption,
+    TaskRefOption,
     console,
     open_runtime,
     run_dataset_job,
@@ -203,6 +205,8 @@ def run(
         Path | None, typer.Argument(help="A task directory or a dataset of tasks.")
     ] = None,
     dataset: DatasetRefOption = None,
+    task: TaskRefOption = None,
+    package_source: PackageSourceOption = None,
     registry_path: RegistryPathOption = None,
     registry_url: RegistryUrlOption = None,
     task_git_allow_unpinned: AllowUnpinnedOption = False,
@@ -230,7 +234,15 @@ def run(
     )
     if is_in_container_agent(agent):
         chosen.config = replace(chosen.config, layer=_agent_layer(agent))
-    selected = select_dataset(path, dataset, registry_path, registry_url, task_git_allow_unpinned)
+    selected = select_dataset(
+        path,
+        dataset,
+        registry_path,
+        registry_url,
+        task_git_allow_unpinned,
+        task=task,
+        package_source=package_source,
+    )
     # Harbor's import (litellm's, mostly) takes seconds: once, now, and offline.
     set_litellm_offline()
     importlib.import_module("harbor_exec.trial.native_env")

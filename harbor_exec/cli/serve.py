@@ -23,6 +23,7 @@ import typer
 
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
+from harbor_exec.cli.dataset import PackageSourceOption
 from harbor_exec.cli.sandbox import SandboxOptions
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
@@ -50,6 +51,7 @@ class ServeOptions:
     task_env_allow: list[str] = field(default_factory=list)
     task_git_allow: list[str] = field(default_factory=list)
     task_git_allow_unpinned: bool = False
+    package_source: str | None = None  # metadata.harbor_task org/name@ref come from here
     sandbox: SandboxOptions = field(default_factory=SandboxOptions)
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
@@ -104,6 +106,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
     from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.bundler.errors import BundleError
     from harbor_exec.errors import DockerUnavailableError
+    from harbor_exec.sources.packages import PackageError, open_package_source
 
     if options.workflow is not None:
         raise typer.BadParameter("with --tasks-dir, name the workflow with --agent module:Class")
@@ -135,6 +138,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             task_env_allow=options.task_env_allow,
             task_git_allow=options.task_git_allow,
             task_git_allow_unpinned=options.task_git_allow_unpinned,
+            package_source=open_package_source(options.package_source),
             verifier_mode="separate" if options.sandbox.separate_verifier else "task",
             grader_verifier_mode="shared" if options.sandbox.shared_grader else "separate",
             default_cpus=options.sandbox.default_cpus,
@@ -155,7 +159,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
     except DockerUnavailableError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except (ImportError, ValueError, TypeError) as exc:
+    except (ImportError, ValueError, TypeError, PackageError) as exc:
         raise typer.BadParameter(str(exc)) from exc
 
 
@@ -325,6 +329,7 @@ def serve(
         bool,
         typer.Option(help="Run git tasks without git_commit_id (the remote's HEAD at the time)."),
     ] = False,
+    package_source: PackageSourceOption = None,
     verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
     grader_verifier_mode: sandbox.GraderVerifierModeOption = (
         sandbox.GraderVerifierModeChoice.SEPARATE
@@ -396,6 +401,7 @@ def serve(
         task_env_allow=list(task_env_allow or []),
         task_git_allow=list(task_git_allow or []),
         task_git_allow_unpinned=task_git_allow_unpinned,
+        package_source=package_source,
         sandbox=SandboxOptions(
             verifier_mode,
             default_cpus,

@@ -255,10 +255,12 @@ def harbor_job_config(
     n_concurrent: int,
     agent: Mapping[str, Any] = ORACLE_CONFIG,
     dataset_config: Mapping[str, Any] | None = None,
+    tasks_config: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Harbor 0.26's job ``config.json`` (JobConfig; unset fields take its defaults);
-    ``agent``: Harbor's ``AgentConfig`` fields of the job's agent (never a key)."""
-    return {
+    ``agent``: Harbor's ``AgentConfig`` fields of the job's agent (never a key);
+    ``tasks_config``: its ``tasks`` entries (a package task: name, ref, digest)."""
+    config: dict[str, Any] = {
         "schema_version": 1,
         "job_name": job_dir.name,
         "jobs_dir": str(job_dir.parent),
@@ -274,15 +276,24 @@ def harbor_job_config(
             else []
         ),
     }
+    if tasks_config:
+        config["tasks"] = [dict(entry) for entry in tasks_config]
+    return config
 
 
 def harbor_trial_config(
     task: Task, trial_dir: Path, job_id: uuid.UUID, agent: Mapping[str, Any] = ORACLE_CONFIG
 ) -> dict[str, Any]:
     """Harbor 0.26's per-trial ``config.json`` (TrialConfig)."""
+    origin = task.origin or {}
+    task_config: dict[str, Any] = (
+        {"name": f"{origin['org']}/{origin['name']}", "ref": origin.get("ref"), "source": None}
+        if "org" in origin  # a package task: Harbor's TaskConfig names it, with no path
+        else {"path": str(task.path), "source": None}
+    )
     return {
         "schema_version": 1,
-        "task": {"path": str(task.path), "source": None},
+        "task": task_config,
         "trial_name": trial_dir.name,
         "trials_dir": str(trial_dir.parent),
         "agent": dict(agent),
@@ -392,6 +403,7 @@ def run_job(
     dataset_name: str = "adhoc",
     dataset_path: Path | None = None,
     dataset_config: Mapping[str, Any] | None = None,
+    tasks_config: Sequence[Mapping[str, Any]] | None = None,
     invalid_tasks: Sequence[TaskError] = (),
     make_spec: Callable[[Task, Path], TrialSpec] | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
@@ -433,6 +445,7 @@ def run_job(
                 n_concurrent=n_concurrent,
                 agent=agent,
                 dataset_config=dataset_config,
+                tasks_config=tasks_config,
             ),
             indent=2,
         )
@@ -488,7 +501,7 @@ def run_job(
                     task_name=task.name,
                     trial_name=handle.name,
                     trial_uri=trial_dir.resolve().as_uri(),
-                    task_id={"path": str(task.path)},
+                    task_id=task.origin or {"path": str(task.path)},
                     source=spec.source,
                     task_checksum=task.checksum(),
                     config={},

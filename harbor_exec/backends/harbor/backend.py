@@ -81,6 +81,7 @@ from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
+from harbor_exec.sources.packages import PackageSource
 from harbor_exec.trial.native import (
     DEFAULT_MODEL_NAME,
     NATIVE_AGENT_NAMES,
@@ -174,6 +175,7 @@ class HarborBackend(ExecutionBackend):
         task_env_allow: Sequence[str] = (),
         task_git_allow: Sequence[str] = (),
         task_git_allow_unpinned: bool = False,
+        package_source: str | PackageSource | None = None,
         verifier_mode: Literal["task", "separate"] = "task",
         grader_verifier_mode: Literal["separate", "shared"] = "separate",
         default_cpus: float | None = None,
@@ -236,6 +238,11 @@ class HarborBackend(ExecutionBackend):
         ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
         task from (none by default), pinned by ``git_commit_id`` unless
         ``task_git_allow_unpinned``.
+
+        ``package_source``: where a rollout's ``metadata.harbor_task`` ``org/name[@ref]``
+        (a Harbor package) comes from: a directory laid out as Harbor's package cache or
+        a mirror URL (``harbor_exec.sources.packages``); none by default, when packages
+        are refused as a path outside the served roots is.
 
         ``relay_extra_routes``: POST routes under the model URL's path (e.g.
         ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
@@ -327,13 +334,20 @@ class HarborBackend(ExecutionBackend):
         # The same root the server writes trajectories and diagnostics to, by default.
         self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else default_artifact_root()
         git = GitTaskSource(allow=tuple(task_git_allow), allow_unpinned=task_git_allow_unpinned)
+        packages = (
+            PackageSource(package_source) if isinstance(package_source, str) else package_source
+        )
+        written = [self.trials_dir, self.artifacts_dir, git.cache_dir]
+        if packages is not None:
+            written.append(packages.cache_dir)
         self.resolver = TaskResolver(
             tasks_path,
             task_mode=task_mode,
             task_roots=[Path(r) for r in task_roots],
             # Never a task root: a rollout could plant a task there for the next one.
-            written_roots=[self.trials_dir, self.artifacts_dir, git.cache_dir],
+            written_roots=written,
             git=git,
+            packages=packages,
             env_allow=task_env_allow,
             # A bundled grader verifies tasks without tests/; known once the bundle is built.
             require_tests=grader is None,

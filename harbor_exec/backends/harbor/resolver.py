@@ -7,8 +7,10 @@
   operator's ``task_roots``, never a directory we write into), or with
   ``metadata.git_url`` (and ``git_commit_id``) the path ``harbor_task`` inside that
   repository at that commit, from URL prefixes the operator allows
-  (``harbor_exec.sources.git``). Every refusal of a ``harbor_task`` is the same
-  message, whether or not the path exists and whatever the URL.
+  (``harbor_exec.sources.git``), or a Harbor package ``org/name[@ref]`` through the
+  operator's package source (``harbor_exec.sources.packages``; digest checked). Every
+  refusal of a ``harbor_task`` is the same message, whether or not the path exists,
+  whatever the URL, and for a package when no package source is configured.
 
 Tasks are loaded (checked and snapshotted) once and again whenever their
 directory changes; ``${VAR}`` templates in a request-named task read only the
@@ -27,6 +29,7 @@ from typing import Any, Literal
 from harbor_exec.errors import DatasetError, TaskError
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.git import GitTaskError, GitTaskRefused, GitTaskSource
+from harbor_exec.sources.packages import PackageError, PackageSource, fetch_task, is_package_ref
 from harbor_exec.trial.task import (
     Task,
     discover_tasks,
@@ -61,6 +64,7 @@ class TaskResolver:
         env_allow: Sequence[str] = (),
         require_tests: bool = True,
         git: GitTaskSource | None = None,
+        packages: PackageSource | None = None,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset'; got {task_mode!r}")
@@ -71,6 +75,7 @@ class TaskResolver:
         self.env_allow = frozenset(env_allow)
         self.require_tests = require_tests
         self.git = git or GitTaskSource()
+        self.packages = packages
         self._loaded: dict[tuple[Path, bool], tuple[str, Task]] = {}
         self._lock = threading.Lock()
 
@@ -90,11 +95,14 @@ class TaskResolver:
         ref = metadata.get("harbor_task")
         if ref is not None and metadata.get("git_url") is not None:
             return self._git_task(ref, metadata)
+        if is_package_ref(ref):
+            return self._package_task(str(ref))
         if ref is not None:
             if not isinstance(ref, str) or not ref.startswith((".", "/", "~")):
                 raise RolloutRejected(
-                    f"metadata.harbor_task {ref!r}: only local task paths (starting with '/', "
-                    "'.' or '~') are supported"
+                    f"metadata.harbor_task {ref!r}: a local task path (starting with '/', "
+                    "'.' or '~'), a Harbor package org/name[@ref], or a path with "
+                    "metadata.git_url"
                 )
             return ResolvedTask(ref, self.load(self._served_path(ref), from_request=True))
         task_id = metadata.get("harbor_task_id")
@@ -130,6 +138,17 @@ class TaskResolver:
         task = self.load(path, from_request=True)
         origin = {"git_url": url, "git_commit_id": pinned, "path": ref}
         return ResolvedTask(f"{url}@{pinned[:12]}:{ref}", replace(task, origin=origin))
+
+    def _package_task(self, ref: str) -> ResolvedTask:
+        if self.packages is None:
+            raise _not_served(ref)
+        try:
+            fetched = fetch_task(self.packages, ref)
+        except PackageError as exc:
+            raise RolloutRejected(f"metadata.harbor_task {ref!r}: {exc}") from None
+        task = self.load(fetched.directory, from_request=True)
+        task_id = f"{fetched.ref.full_name}@{fetched.digest}"
+        return ResolvedTask(task_id, replace(task, origin=fetched.task_id))
 
     def load(self, path: Path, *, from_request: bool = False) -> Task:
         """The task at ``path``, loaded again (checked and snapshotted) whenever its
@@ -174,7 +193,8 @@ class TaskResolver:
 
 
 def _not_served(ref: object) -> RolloutRejected:
-    """The one refusal of a ``harbor_task`` (a path or a git task) this server does not serve."""
+    """The one refusal of a ``harbor_task`` (a path, a git task or a package) this
+    server does not serve."""
     return RolloutRejected(f"harbor_task {ref!r} is not under a served task root")
 
 
