@@ -149,7 +149,7 @@ def select_dataset(
     anything runs."""
     if sum(x is not None for x in (path, ref, task)) != 1:
         _usage_error(
-            "give a task or dataset PATH, -d NAME[@VERSION] with a registry, or -t/-d "
+            "give a task or dataset PATH, or -d NAME[@VERSION] with a registry, or -t/-d "
             "ORG/NAME[@REF] with a package source"
         )
     package = ref is not None and "/" in ref.partition("@")[0]

@@ -405,6 +405,12 @@ class PackageSource:
         if ref.kind == "digest" and _DIGEST.fullmatch(ref.ref):
             return ref.ref
         index = self._index(ref)
+        if not index and self.is_url:
+            raise PackageError(
+                f"package {ref}: no {INDEX} for {ref.full_name} at {self.location} (a "
+                "mirror resolves tags, revisions and digest prefixes through it); name a "
+                "full sha256 digest"
+            )
         if ref.kind == "digest":
             known = set(index.get("tags", {}).values()) | set(index.get("revisions", {}).values())
             known |= set(self._listed_digests(ref))
