@@ -5,18 +5,19 @@ mirror served on 127.0.0.1, every digest checked before anything runs."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskResolver
+from harbor_exec.cli import app, commands
 from harbor_exec.jobs.dataset import harbor_job_config, harbor_trial_config
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.packages import (
@@ -279,51 +280,44 @@ def test_local_dataset_toml_digests_are_checked(tmp_path: Path) -> None:
         check_local_manifest(dataset, dirs, ["hello-shell", "python-fib"])
     assert good in str(got.value) and "dataset.toml [[tasks]] 0" in str(got.value)
     # validate refuses it before any engine is opened (exit 2, the reason named).
-    done = subprocess.run(
-        [*CLI, "validate", str(dataset)],
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "COLUMNS": "1000",
-            "NO_COLOR": "1",
-            "DOCKER_HOST": "unix:///nonexistent",
-        },
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "digest mismatch" in done.stdout and good in done.stdout
+    done = cli("validate", str(dataset))
+    assert done.exit_code == 2, done.output
+    assert "digest mismatch" in done.output and good in done.output
 
 
-def test_cli_package_choices_are_checked_before_anything_runs(tmp_path: Path) -> None:
+@dataclass
+class CliResult:
+    exit_code: int
+    output: str  # its words, one space apart (a long line may have wrapped)
+
+
+def cli(*args: str) -> CliResult:
+    """The CLI in this process, with no engine to reach and no package source set."""
+    assert commands  # registered on ``app``
+    env = {"DOCKER_HOST": "unix:///nonexistent", "HARBOR_EXEC_PACKAGE_SOURCE": None}
+    result = CliRunner().invoke(app, list(args), env=env, terminal_width=1000)
+    return CliResult(result.exit_code, " ".join(result.output.split()))
+
+
+def test_cli_package_choices_are_checked_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HARBOR_EXEC_CACHE_DIR", str(tmp_path / "cache"))
     packages = tmp_path / "packages"
     digest = add_task(packages, HELLO, "acme/hello")
     (packages / "acme" / "hello" / digest[7:] / "instruction.md").write_text("tampered\n")
-    env = {
-        **os.environ,
-        "COLUMNS": "1000",
-        "NO_COLOR": "1",
-        "HARBOR_EXEC_CACHE_DIR": str(tmp_path / "cache"),
-        "DOCKER_HOST": "unix:///nonexistent",  # nothing may reach an engine
-    }
-    env.pop("HARBOR_EXEC_PACKAGE_SOURCE", None)
-
-    def validate(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*CLI, "validate", *args], capture_output=True, text=True, env=env, timeout=120
-        )
-
-    alone = validate("-t", "acme/hello")
-    assert alone.returncode == 2 and "--package-source DIR|URL" in alone.stdout
-    mismatch = validate("-t", f"acme/hello@{digest}", "--package-source", str(packages))
-    assert mismatch.returncode == 2, mismatch.stdout + mismatch.stderr
-    assert "digest mismatch" in mismatch.stdout and digest in mismatch.stdout
-    with_registry = validate("-d", "acme/set", "--registry-path", str(tmp_path / "r.json"))
-    assert (
-        with_registry.returncode == 2 and "go with -d NAME[@VERSION] only" in with_registry.stdout
-    )
-    both = validate(str(tmp_path), "-t", "acme/hello")
-    assert both.returncode == 2 and "give a task or dataset PATH, or -d" in both.stdout
+    alone = cli("validate", "-t", "acme/hello")
+    assert alone.exit_code == 2 and "--package-source DIR|URL" in alone.output
+    mismatch = cli("validate", "-t", f"acme/hello@{digest}", "--package-source", str(packages))
+    assert mismatch.exit_code == 2, mismatch.output
+    assert "digest mismatch" in mismatch.output and digest in mismatch.output
+    with_registry = cli("validate", "-d", "acme/set", "--registry-path", str(tmp_path / "r"))
+    assert with_registry.exit_code == 2
+    assert "go with -d NAME[@VERSION] only" in with_registry.output
+    both = cli("validate", str(tmp_path), "-t", "acme/hello")
+    assert both.exit_code == 2 and "give a task or dataset PATH, or -d" in both.output
+    run_help = cli("run", "--help")
+    assert "--package-source" in run_help.output and "ORG/NAME[@REF]" in run_help.output
 
 
 def _request(metadata: dict[str, object]) -> ExecutionRequest:

@@ -1,0 +1,127 @@
+"""``validate -t org/name@ref`` and ``-d org/dataset@ref`` through a package source,
+on a real engine: the oracle earns reward 1 in Harbor's job layout, and a package
+whose content does not match its digest is refused before any image or container."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from tests.package_utils import HELLO, add_dataset, add_task
+
+CLI = [sys.executable, "-m", "harbor_exec.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # This checkout's harbor_exec, whatever the venv has installed.
+    env = {**os.environ, "COLUMNS": "1000", "NO_COLOR": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("HARBOR_EXEC_PACKAGE_SOURCE", None)
+    return subprocess.run(
+        [*CLI, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def trial_results(job: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(job.glob("*/result.json"))]
+
+
+def test_validate_runs_a_package_task_and_a_dataset_package(tmp_path: Path) -> None:
+    packages = tmp_path / "packages"
+    hello = add_task(packages, HELLO, "acme/hello", tags={"latest": "self"})
+    dataset = add_dataset(packages, "acme/set", {"acme/hello": hello}, tags={"v1": "self"})
+    jobs = tmp_path / "jobs"
+
+    done = run_cli(
+        "validate",
+        "-t",
+        "acme/hello",
+        "--package-source",
+        str(packages),
+        "--jobs-dir",
+        str(jobs),
+        "--job-name",
+        "t",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = json.loads((jobs / "t" / "config.json").read_text())
+    assert config["datasets"] == []
+    assert config["tasks"] == [
+        {"name": "acme/hello", "ref": "latest", "digest": hello, "package_source": str(packages)}
+    ]
+    [result] = trial_results(jobs / "t")
+    assert result["task_id"] == {"org": "acme", "name": "hello", "ref": "latest"}
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+    trial_dir = Path(str(result["trial_uri"]).removeprefix("file://"))
+    trial_config = json.loads((trial_dir / "config.json").read_text())
+    assert trial_config["task"] == {"name": "acme/hello", "ref": "latest", "source": None}
+    assert json.loads((jobs / "t" / "result.json").read_text())["n_total_trials"] == 1
+
+    done = run_cli(
+        "validate",
+        "-d",
+        "acme/set@v1",
+        "--package-source",
+        str(packages),
+        "--jobs-dir",
+        str(jobs),
+        "--job-name",
+        "d",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = json.loads((jobs / "d" / "config.json").read_text())
+    assert config["datasets"] == [
+        {"name": "acme/set", "ref": dataset, "package_source": str(packages)}
+    ]
+    [result] = trial_results(jobs / "d")
+    assert result["task_id"] == {"org": "acme", "name": "hello", "ref": hello}
+    assert result["source"] == "acme/set"
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+
+
+def test_a_digest_mismatch_is_refused_before_any_build(tmp_path: Path) -> None:
+    # A task no engine has seen (its own Dockerfile), so any build would be new.
+    task = tmp_path / "fresh"
+    shutil.copytree(HELLO, task)
+    dockerfile = task / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + f"\nLABEL fresh={uuid.uuid4().hex}\n")
+    packages = tmp_path / "packages"
+    digest = add_task(packages, task, "acme/fresh", tags={"latest": "self"})
+    hello = add_task(packages, HELLO, "acme/hello")
+    add_dataset(packages, "acme/set", {"acme/hello": hello, "acme/fresh": digest})
+    (packages / "acme" / "fresh" / digest[7:] / "solution" / "solve.sh").write_text("exit 0\n")
+    client = docker.from_env()
+    try:
+        images = {i.id for i in client.images.list(all=True)}
+        containers = {c.id for c in client.containers.list(all=True)}
+        for args in (("-t", f"acme/fresh@{digest}"), ("-d", "acme/set")):
+            done = run_cli(
+                "validate",
+                *args,
+                "--package-source",
+                str(packages),
+                "--jobs-dir",
+                str(tmp_path / "jobs"),
+                cwd=tmp_path,
+            )
+            assert done.returncode == 2, done.stdout + done.stderr
+            assert "package acme/fresh: digest mismatch" in done.stdout
+            assert digest in done.stdout
+        assert {i.id for i in client.images.list(all=True)} == images
+        assert {c.id for c in client.containers.list(all=True)} == containers
+        assert not (tmp_path / "jobs").exists()
+    finally:
+        client.close()
