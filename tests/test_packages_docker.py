@@ -4,6 +4,7 @@ whose content does not match its digest is refused before any image or container
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,9 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import httpx
 import pytest
 
+from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
+from harbor_exec.client import RolloutClient
+from harbor_exec.server.app import create_rollout_server
 from tests.package_utils import HELLO, add_dataset, add_task
+from tests.server_utils import serve
 
 CLI = [sys.executable, "-m", "harbor_exec.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +131,44 @@ def test_a_digest_mismatch_is_refused_before_any_build(tmp_path: Path) -> None:
         assert not (tmp_path / "jobs").exists()
     finally:
         client.close()
+
+
+def test_a_rollout_runs_a_package_named_by_harbor_task(tmp_path: Path) -> None:
+    """``serve --package-source``'s backend: ``metadata.harbor_task`` ``org/name@ref``."""
+    packages = tmp_path / "packages"
+    digest = add_task(packages, HELLO, "acme/hello", tags={"stable": "self"})
+    served = tmp_path / "served"
+    served.mkdir()
+    options = ServeOptions(
+        tasks_dir=served,
+        task_mode="dataset",
+        agent="oracle",
+        trials_dir=tmp_path / "trials",
+        artifact_root=tmp_path / "artifacts",
+        package_source=str(packages),
+    )
+    backend = build_harbor_backend(options)
+
+    async def run(url: str, metadata: dict[str, str]) -> Any:
+        async with httpx.AsyncClient(timeout=300) as http:
+            client = RolloutClient(url=url, http_client=http)
+            return await client.run_rollout(
+                initial_messages=[],
+                chat_completions_url="http://127.0.0.1:9/v1",
+                rollout_id=uuid.uuid4().hex,
+                metadata=metadata,
+            )
+
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with serve(app) as url:
+        result = asyncio.run(run(url, {"harbor_task": "acme/hello@stable"}))
+        assert result.status.value == "success", result.err_message
+        assert result.sample.reward == 1.0
+        refused = asyncio.run(run(url, {"harbor_task": "acme/hello@9"}))
+    assert refused.status.value != "success"
+    assert "no such revision" in str(refused.err_message)
+    recorded = [json.loads(p.read_text()) for p in (tmp_path / "trials").glob("*/result.json")]
+    assert [r["task_id"] for r in recorded] == [{"org": "acme", "name": "hello", "ref": "stable"}]
+    assert backend.resolver.packages is not None
+    assert backend.resolver.packages.location == str(packages)
+    assert (backend.resolver.packages.cache_dir / "acme" / "hello" / digest[7:]).is_dir()

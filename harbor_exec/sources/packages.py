@@ -51,6 +51,7 @@ import requests
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from harbor_exec.bundler.cache import entry_lock
+from harbor_exec.bundler.wheels import sha256_file
 from harbor_exec.cache import cache_root
 from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.archives import OutputLimits, extract_archive
@@ -239,14 +240,6 @@ def _package_files(task_dir: Path) -> list[tuple[str, Path]]:
     return sorted((rel, f) for rel, f in kept if not spec.match_file(rel))
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def content_digest(task_dir: Path) -> str:
     """``sha256:<hex>``: Harbor 0.26's task content hash (``Packager``), the digest a
     package, a ``dataset.toml`` ``[[tasks]]`` entry and Harbor's job lock name."""
@@ -254,7 +247,7 @@ def content_digest(task_dir: Path) -> str:
     try:
         outer = hashlib.sha256()
         for rel, path in _package_files(root):
-            outer.update(f"{rel}\0{_file_sha256(path)}\n".encode())
+            outer.update(f"{rel}\0{sha256_file(path)}\n".encode())
     except OSError as exc:
         raise PackageError(f"{task_dir}: cannot hash its files: {exc}") from None
     return f"sha256:{outer.hexdigest()}"
@@ -678,7 +671,7 @@ def check_manifest_files(manifest: DatasetManifest, root: Path) -> None:
     for item in manifest.files:
         path = root / item.path
         if item.digest and path.is_file():
-            actual = f"sha256:{_file_sha256(path)}"
+            actual = f"sha256:{sha256_file(path)}"
             if actual != item.digest:
                 raise PackageDigestMismatch(
                     f"{manifest.dataset.name} file {item.path}", item.digest, actual, MANIFEST
