@@ -184,6 +184,10 @@ def test_a_tampered_package_is_refused_naming_both_digests(tmp_path: Path) -> No
     (packages / "acme" / "evil" / evil[7:] / "tests" / "leak.txt").symlink_to(outside)
     with pytest.raises(PackageError, match="a link out of the package"):
         fetch_task(source, f"acme/evil@{evil}")
+    (packages / "acme" / "evil" / evil[7:] / "tests" / "leak.txt").unlink()
+    (packages / "acme" / "evil" / evil[7:] / "tests" / "loop").symlink_to("..")
+    with pytest.raises(PackageError, match="a link to a directory"):
+        fetch_task(source, f"acme/evil@{evil}")
 
 
 def test_a_dataset_package_pins_its_tasks_and_a_changed_task_is_refused(tmp_path: Path) -> None:

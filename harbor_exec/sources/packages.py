@@ -515,6 +515,8 @@ class PackageSource:
             if actual != digest:
                 raise PackageDigestMismatch(ref.full_name, digest, actual, where)
             os.rename(tree, entry)
+        except OSError as exc:
+            raise PackageError(f"package {ref.full_name}@{digest}: {exc}") from None
         finally:
             shutil.rmtree(stage, ignore_errors=True)
 
@@ -535,6 +537,8 @@ class PackageSource:
                     target = path.resolve()
                     if not target.is_relative_to(root) or not target.exists():
                         raise PackageError(f"{path}: a link out of the package; refused")
+                    if target.is_dir():
+                        raise PackageError(f"{path}: a link to a directory; refused")
                 elif not (path.is_dir() or path.is_file()):
                     raise PackageError(f"{path}: not a regular file or directory; refused")
                 if path.is_file():
