@@ -148,6 +148,7 @@ def test_a_rollout_runs_a_package_named_by_harbor_task(tmp_path: Path) -> None:
         package_source=str(packages),
     )
     backend = build_harbor_backend(options)
+    backend.cleanup_successful_trials = False  # keep the trial's result.json to read
 
     async def run(url: str, metadata: dict[str, str]) -> Any:
         async with httpx.AsyncClient(timeout=300) as http:
