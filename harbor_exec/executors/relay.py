@@ -69,7 +69,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.container.runner import abort_connections
+from harbor_exec.container.forward import abort_connections
 from harbor_exec.executors.base import ModelUsage
 
 __all__ = [

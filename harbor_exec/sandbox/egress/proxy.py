@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 import h11
 import httpcore
 
-from harbor_exec.container.runner import abort_connections
+from harbor_exec.container.forward import abort_connections
 from harbor_exec.sandbox.egress.policy import (
     EgressMode,
     EgressPolicy,
@@ -73,6 +73,7 @@ __all__ = [
     "EgressProxyThread",
     "EgressRefused",
     "EgressStats",
+    "GuardedBackend",
     "HttpRequest",
     "HttpResponse",
     "Upstream",
@@ -275,7 +276,7 @@ class _GuardedStream(httpcore.AsyncNetworkStream):
         return None
 
 
-class _GuardedBackend(httpcore.AsyncNetworkBackend):
+class GuardedBackend(httpcore.AsyncNetworkBackend):
     """httpcore's network backend over a ``Connector``: pooled HTTP obeys the guard."""
 
     def __init__(self, connector: Connector) -> None:
@@ -542,7 +543,7 @@ class EgressProxy:
         try:
             os.chmod(self.directory, 0o755)
             self._pool = httpcore.AsyncConnectionPool(
-                network_backend=_GuardedBackend(self.connector),
+                network_backend=GuardedBackend(self.connector),
                 max_connections=self.limits.max_connections,
                 keepalive_expiry=30.0,
             )
