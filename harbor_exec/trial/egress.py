@@ -36,6 +36,7 @@ from harbor_exec.sandbox.egress import (
     EgressPolicy,
     EgressProxy,
     EgressProxyThread,
+    Upstream,
     forwarder_command,
     proxy_env,
 )
@@ -57,11 +58,13 @@ class EgressSettings:
     ``overrides``: name (or ``name:port``) -> ``(host, port)`` the proxy connects
     to instead, without DNS or the private-address guard (a local mirror; how tests
     reach servers on 127.0.0.1). ``dns=False``: names not in ``overrides`` are
-    refused."""
+    refused. ``upstream``: where admitted traffic goes (one object for every trial,
+    e.g. a cache; it gets each request's trial and phase); None: directly."""
 
     overrides: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     dns: bool = True
     limits: EgressLimits = field(default_factory=EgressLimits)
+    upstream: Upstream | None = None
 
 
 def _policy(mode: object, hosts: list[str] | None) -> EgressPolicy:
@@ -143,6 +146,7 @@ class TrialEgress:
                 limits=self.settings.limits,
                 overrides=self.settings.overrides,
                 dns=self.settings.dns,
+                upstream=self.settings.upstream,
             )
             thread = EgressProxyThread(proxy)
             try:

@@ -478,7 +478,9 @@ class EgressProxy:
     ``directory`` must not exist: ``start()`` creates it (0755) with the socket
     (0666) in it; ``aclose()`` removes both. ``refused_log`` (a file in the trial
     dir) receives a JSON line per refusal, up to ``limits.max_log_records``.
-    The phase starts as ``no-network`` until ``set_phase``.
+    ``overrides``, ``dns`` and ``allow_private`` configure the ``Connector``;
+    ``upstream`` replaces ``DirectUpstream``. The phase starts as ``no-network``
+    until ``set_phase``.
     """
 
     def __init__(
@@ -515,7 +517,6 @@ class EgressProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
         self._made_directory = False
-        self._budget_logged = False
 
     def __repr__(self) -> str:
         return f"EgressProxy(socket={str(self.socket_path)!r}, phase={self.phase!r})"
