@@ -244,3 +244,75 @@ def test_allowlisted_task_reaches_only_its_hosts(
         ("verifier", "GET", "allowed.test", 80),
     ]
     assert all("allowed_hosts" in r["reason"] for r in records)
+
+
+_PROBE = r"""
+for host in allowed.test other.test; do
+    echo "$host=$(curl -s -o /dev/null -w '%{{http_code}}' http://$host/{phase})"
+done > /logs/{phase}/probe.txt
+"""
+
+
+@pytest.mark.parametrize(
+    ("verifier_toml", "verifier_sees"),
+    [
+        # Shared container; the verifier's phase has no network at all.
+        ('network_mode = "no-network"', "allowed.test=403\nother.test=403\n"),
+        # A separate verifier container, with an allowlist of its own.
+        (
+            'environment_mode = "separate"\nnetwork_mode = "allowlist"\n'
+            'allowed_hosts = ["other.test"]',
+            "allowed.test=403\nother.test=200\n",
+        ),
+    ],
+)
+def test_the_verifier_phase_has_its_own_policy(
+    docker_runtime: DockerRuntime,
+    tmp_path: Path,
+    servers: dict[str, _Server],
+    verifier_toml: str,
+    verifier_sees: str,
+) -> None:
+    toml = f"""
+[environment]
+network_mode = "allowlist"
+allowed_hosts = ["allowed.test"]
+
+[agent]
+timeout_sec = 60.0
+
+[verifier]
+timeout_sec = 60.0
+{verifier_toml}
+"""
+    task_dir = make_task(
+        tmp_path,
+        "phases",
+        solve=_PROBE.format(phase="agent"),
+        test=_PROBE.format(phase="verifier") + "echo 1 > /logs/verifier/reward.txt\n",
+        toml=toml,
+        dockerfile=_DOCKERFILE,
+    )
+    environment = task_dir / "environment"
+    _curl_into(environment)
+    shutil.copy(tmp_path / "ca.pem", environment / "ca.pem")
+    (environment / "checks.py").write_text(_CHECKS)
+    overrides = {
+        "allowed.test": ("127.0.0.1", servers["allowed"].port),
+        "other.test": ("127.0.0.1", servers["other"].port),
+    }
+    policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
+    trials = tmp_path / "trials"
+    result = run_trial(
+        docker_runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
+    )
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
+    out = trials / result.trial_name
+    assert (out / "agent" / "probe.txt").read_text() == "allowed.test=200\nother.test=403\n"
+    assert (out / "verifier" / "probe.txt").read_text() == verifier_sees
+    records = [json.loads(line) for line in (out / REFUSED_LOG).read_text().splitlines()]
+    assert ("agent", "other.test") in {(r["phase"], r["host"]) for r in records}
+    assert {path for _, path, _ in servers["other"].seen} == (
+        {"/verifier"} if "separate" in verifier_toml else set()
+    )
