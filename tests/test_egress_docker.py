@@ -157,6 +157,32 @@ allowed_hosts = ["verifier.test", "secure.test"]
 """
 
 
+def _run_allowlisted(
+    runtime: DockerRuntime, tmp_path: Path, servers: dict[str, _Server], **task: str
+) -> Path:
+    """Make the task (the image with curl and the checks), run its oracle trial with every
+    test name mapped to its server on 127.0.0.1 (DNS off), check reward 1, return its dir."""
+    task_dir = make_task(tmp_path, "allowlisted", dockerfile=_DOCKERFILE, **task)
+    environment = task_dir / "environment"
+    _curl_into(environment)
+    shutil.copy(tmp_path / "ca.pem", environment / "ca.pem")
+    (environment / "checks.py").write_text(_CHECKS)
+    overrides = {
+        f"{name}.test": ("127.0.0.1", server.port)
+        for name, server in servers.items()
+        if name != "secure"
+    }
+    overrides["secure.test:443"] = ("127.0.0.1", servers["secure"].port)
+    policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
+    trials = tmp_path / "trials"
+    result = run_trial(
+        runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
+    )
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
+    return trials / result.trial_name
+
+
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[dict[str, _Server]]:
     cert = _cert(tmp_path, "secure.test")
@@ -179,32 +205,14 @@ def test_allowlisted_task_reaches_only_its_hosts(
     docker_runtime: DockerRuntime, tmp_path: Path, servers: dict[str, _Server]
 ) -> None:
     port = servers["allowed"].port
-    task_dir = make_task(
+    out = _run_allowlisted(
+        docker_runtime,
         tmp_path,
-        "allowlisted",
+        servers,
         solve=_SOLVE.format(port=port),
         test=_TEST.format(port=port),
         toml=_TOML,
-        dockerfile=_DOCKERFILE,
     )
-    environment = task_dir / "environment"
-    _curl_into(environment)
-    shutil.copy(tmp_path / "ca.pem", environment / "ca.pem")
-    (environment / "checks.py").write_text(_CHECKS)
-    overrides = {
-        "allowed.test": ("127.0.0.1", servers["allowed"].port),
-        "other.test": ("127.0.0.1", servers["other"].port),
-        "verifier.test": ("127.0.0.1", servers["verifier"].port),
-        "secure.test:443": ("127.0.0.1", servers["secure"].port),
-    }
-    policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
-    trials = tmp_path / "trials"
-    result = run_trial(
-        docker_runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
-    )
-    assert result.exception_info is None, result.exception_info
-    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
-    out = trials / result.trial_name
     agent = json.loads((out / "agent" / "agent-checks.json").read_text())
     verifier = json.loads((out / "verifier" / "verifier-checks.json").read_text())
     expected_agent = {
@@ -285,30 +293,14 @@ timeout_sec = 60.0
 timeout_sec = 60.0
 {verifier_toml}
 """
-    task_dir = make_task(
+    out = _run_allowlisted(
+        docker_runtime,
         tmp_path,
-        "phases",
+        servers,
         solve=_PROBE.format(phase="agent"),
         test=_PROBE.format(phase="verifier") + "echo 1 > /logs/verifier/reward.txt\n",
         toml=toml,
-        dockerfile=_DOCKERFILE,
     )
-    environment = task_dir / "environment"
-    _curl_into(environment)
-    shutil.copy(tmp_path / "ca.pem", environment / "ca.pem")
-    (environment / "checks.py").write_text(_CHECKS)
-    overrides = {
-        "allowed.test": ("127.0.0.1", servers["allowed"].port),
-        "other.test": ("127.0.0.1", servers["other"].port),
-    }
-    policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
-    trials = tmp_path / "trials"
-    result = run_trial(
-        docker_runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
-    )
-    assert result.exception_info is None, result.exception_info
-    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
-    out = trials / result.trial_name
     assert (out / "agent" / "probe.txt").read_text() == "allowed.test=200\nother.test=403\n"
     assert (out / "verifier" / "probe.txt").read_text() == verifier_sees
     records = [json.loads(line) for line in (out / REFUSED_LOG).read_text().splitlines()]
