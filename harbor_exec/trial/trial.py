@@ -92,12 +92,12 @@ from harbor_exec.sandbox.runtime import (
     ContainerRuntime,
     ContainerSpec,
     Mount,
-    NetworkKind,
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
+from harbor_exec.trial.egress import ContainerKind, EgressSettings, TrialEgress, network_plan
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
@@ -108,7 +108,7 @@ from harbor_exec.trial.results import (
     parse_rewards,
     utcnow,
 )
-from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
+from harbor_exec.trial.task import EnvironmentConfig, Task, resolve_env
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -185,6 +185,8 @@ class SandboxPolicy:
     output: OutputLimits = field(default_factory=OutputLimits)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
+    #: Allowlisted networks' egress proxy (``harbor_exec.trial.egress``).
+    egress: EgressSettings = field(default_factory=EgressSettings)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,10 @@ class Trial:
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
+        self.network_plan = network_plan(
+            request.task.config, separate_verifier=self.verifier_mode == "separate"
+        )
+        self._egress = TrialEgress(self.name, self.dir, request.policy.egress)
 
     # ----------------------------------------------------------------- control
 
@@ -414,16 +420,12 @@ class Trial:
             return "separate" if config.environment_mode == "separate" else "shared"
         return "separate" if config.environment is not None else "shared"
 
-    def _network(self) -> NetworkKind:
-        mode = self.request.task.config.environment.network_mode
-        if mode is NetworkMode.NO_NETWORK:
-            return "none"
-        if mode is NetworkMode.ALLOWLIST:
-            raise EnvironmentStartError(
-                "[environment].network_mode='allowlist' is not supported by harbor-exec's "
-                "Docker runtime; use 'public' or 'no-network'"
-            )
-        return "bridge"
+    def _enter_egress(self, phase: Literal["agent", "verifier"], container_id: str) -> None:
+        """The phase's network policy on the trial's proxy, when its container has one."""
+        shared = phase == "agent" or self.verifier_mode == "shared"
+        if self.network_plan.proxied("trial" if shared else "verifier"):
+            policy = self.network_plan.agent if phase == "agent" else self.network_plan.verifier
+            self._egress.enter(phase, policy, self.runtime, container_id)
 
     def _spec(
         self,
@@ -439,6 +441,13 @@ class Trial:
         label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
         limits = ContainerLimits.resolve(policy, env_config)
+        env = resolve_env(
+            env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
+        )
+        network_kind: ContainerKind = "trial" if kind == "trial" else "verifier"
+        if self.network_plan.proxied(network_kind):
+            mounts = [*mounts, self._egress.mount()]
+            env = {**env, **self._egress.env()}
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -449,15 +458,13 @@ class Trial:
                 LABEL_KIND: kind,
                 **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
             },
-            env=resolve_env(
-                env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
-            ),
+            env=env,
             cpus=limits.cpus,
             memory_mb=limits.memory_mb,
             pids_limit=limits.pids_limit,
             shm_mb=limits.shm_mb,
             nofile_limit=limits.nofile_limit,
-            network=self._network(),
+            network=self.network_plan.network(network_kind),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
             syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
@@ -646,6 +653,7 @@ class Trial:
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
         limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
         watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
+        self._enter_egress("agent", session.container_id)
         try:
             with watch:
                 run = request.agent.run(session, timeout)
@@ -726,6 +734,7 @@ class Trial:
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
+        self._enter_egress("verifier", session.container_id)
         run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
         self._check_cancelled()
         if run.timed_out:
@@ -1087,6 +1096,7 @@ class Trial:
             self.runtime.remove(container_id)
 
     def _teardown(self, session: TrialSession | None) -> None:
+        self._egress.close()
         with self._container_lock:
             container_id, self._container_id = self._container_id, None
         if container_id is None:
