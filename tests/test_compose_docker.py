@@ -1,0 +1,271 @@
+"""Compose environments against a real Docker engine: the main service plus sidecars
+on a network of their own per trial, hardened like the trial container, and nothing
+left behind (after the trial, a cancel, a ``kill -9`` and the reaper)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, LABEL_MANAGED, LABEL_TRIAL
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from tests.server_utils import wait_until
+from tests.task_factory import make_task
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+#: The sidecar: python's http.server answering on the task network, after writing the
+#: file it serves (so that its healthcheck passes only once it serves).
+SERVER = 'mkdir -p /srv && echo "$$ANSWER" > /srv/answer && exec python -m http.server 8000 -d /srv'
+#: test.sh asks the sidecar by service name with bash's /dev/tcp (no curl in the image).
+FETCH = """
+    exec 3<>/dev/tcp/db/8000 || { echo 0 > /logs/verifier/reward.txt; exit 0; }
+    printf 'GET /answer HTTP/1.0\\r\\nHost: db\\r\\n\\r\\n' >&3
+    body=$(cat <&3 | tail -n 1)
+    if [ "$body" = "$(cat /app/expected 2>/dev/null)" ]; then echo 1; else echo 0; fi \\
+        > /logs/verifier/reward.txt
+"""
+
+
+def compose_task(
+    root: Path,
+    name: str,
+    *,
+    command: str = SERVER,
+    healthcheck: bool = True,
+    dockerfile: bool = True,
+    solve: str = "echo 42 > /app/expected",
+    extra: str = "",
+) -> Path:
+    task = make_task(root, name, solve=solve, test=FETCH)
+    env = task / "environment"
+    if not dockerfile:
+        (env / "Dockerfile").unlink()
+        (env / "main").mkdir()
+        (env / "main" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (env / "db").mkdir()
+    (env / "db" / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\n")
+    check = (
+        """
+    healthcheck:
+      test: ["CMD", "python", "-c", "import urllib.request; urllib.request.urlopen('http://localhost:8000/answer')"]
+      interval: 1s
+      timeout: 5s
+      retries: 30
+"""
+        if healthcheck
+        else ""
+    )
+    main_build = "" if dockerfile else "    build:\n      context: ./main\n"
+    (env / "docker-compose.yaml").write_text(
+        f"""services:
+  main:
+{main_build}    environment:
+      FROM_COMPOSE: "${{MAIN_IMAGE_NAME}}"
+    depends_on:
+      db:
+        condition: {"service_healthy" if healthcheck else "service_started"}
+  db:
+    build: ./db
+    command: ["sh", "-c", {json.dumps(command)}]
+    environment:
+      ANSWER: "42"
+{check}{textwrap.dedent(extra)}"""
+    )
+    return task
+
+
+def ours(trial: str) -> list[str]:
+    """Containers, networks and volumes labelled with ``trial``."""
+    client = docker.from_env()
+    label = {"label": [f"{LABEL_MANAGED}=true", f"{LABEL_TRIAL}={trial}"]}
+    found = [f"container {c['Id'][:12]}" for c in client.api.containers(all=True, filters=label)]
+    found += [f"network {n['Name']}" for n in client.api.networks(filters=label)]
+    found += [f"volume {v['Name']}" for v in client.api.volumes(filters=label).get("Volumes") or []]
+    client.close()
+    return found
+
+
+def run(runtime: DockerRuntime, task: Path, trials: Path) -> TrialResult:
+    return run_trial(runtime, TrialRequest(task=load_task(task), trials_dir=trials))
+
+
+def test_oracle_earns_1_through_its_sidecar_and_nothing_is_left(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    task = compose_task(
+        tmp_path,
+        "compose-ok",
+        solve='echo 42 > /app/expected; echo "$FROM_COMPOSE" > /logs/agent/from-compose',
+        extra="""
+    volumes:
+      - cache:/cache
+volumes:
+  cache:
+""",
+    )
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None
+    assert result.verifier_result.rewards == {"reward": 1.0}
+    # The Harbor variable reached main's environment through the compose file.
+    out = tmp_path / "trials" / result.trial_name
+    assert (out / "agent" / "from-compose").read_text().startswith("harbor-exec/env:")
+    assert ours(result.trial_name) == []
+
+
+def test_a_broken_sidecar_earns_0(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    task = compose_task(tmp_path, "compose-broken", command="exec sleep 600", healthcheck=False)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None
+    assert result.verifier_result.rewards == {"reward": 0.0}
+    assert ours(result.trial_name) == []
+
+
+def test_compose_with_a_dockerfile_runs_its_compose_file_and_main_can_be_built_elsewhere(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """Both a Dockerfile and a compose file: the compose file runs (the sidecar
+    answers); and a main built from ``build: ./main`` without environment/Dockerfile."""
+    for name, dockerfile in (("compose-both", True), ("compose-main-dir", False)):
+        task = compose_task(tmp_path, name, dockerfile=dockerfile)
+        result = run(docker_runtime, task, tmp_path / "trials")
+        assert result.verifier_result is not None, result.exception_info
+        assert result.verifier_result.rewards == {"reward": 1.0}, name
+
+
+def test_sidecar_hardening_limits_labels_and_order(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """While the agent runs: the sidecar was healthy before main started
+    (depends_on service_healthy), runs under the init with the trial's hardening,
+    limits and labels, on an internal-or-bridge network of the trial's own."""
+    solve = "echo 42 > /app/expected; sleep 20"
+    task = compose_task(tmp_path, "compose-inspect", solve=solve)
+    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
+    worker = threading.Thread(target=trial.run)
+    worker.start()
+    client = docker.from_env()
+    try:
+        label = {"label": [f"{LABEL_TRIAL}={trial.name}"]}
+        assert wait_until(lambda: len(client.api.containers(filters=label)) == 2, timeout=60)
+        containers = [
+            client.api.inspect_container(c["Id"]) for c in client.api.containers(filters=label)
+        ]
+        by_kind = {c["Config"]["Labels"]["harbor-exec.kind"]: c for c in containers}
+        sidecar, main = by_kind["sidecar"], by_kind["trial"]
+        host = sidecar["HostConfig"]
+        assert set(DROPPED_CAPABILITIES) <= set(host["CapDrop"])
+        assert "no-new-privileges" in host["SecurityOpt"]
+        assert any(opt.startswith("seccomp=") for opt in host["SecurityOpt"])
+        assert host["PidsLimit"] and host["Memory"] and host["NanoCpus"]
+        assert host["Memory"] == host["MemorySwap"]
+        assert host["NetworkMode"] not in ("host", "default", "bridge")
+        assert sidecar["Path"].endswith("/bin/tini")  # the runtime's init as PID 1
+        assert sidecar["State"]["Health"]["Status"] == "healthy"
+        # Started in order: the sidecar was healthy before main was even created.
+        log = sidecar["State"]["Health"]["Log"]
+        assert log and log[0]["End"] < main["Created"]
+        network = host["NetworkMode"]
+        assert main["HostConfig"]["NetworkMode"] == network
+        assert "db" in sidecar["NetworkSettings"]["Networks"][network]["Aliases"]
+        net = client.api.inspect_network(network)
+        assert net["Labels"][LABEL_TRIAL] == trial.name and net["Driver"] == "bridge"
+    finally:
+        trial.cancel()
+        worker.join(30)
+        client.close()
+    assert ours(trial.name) == []
+
+
+def test_cancel_mid_agent_leaves_nothing(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    task = compose_task(tmp_path, "compose-cancel", solve="sleep 60")
+    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
+    results: list[TrialResult] = []
+    worker = threading.Thread(target=lambda: results.append(trial.run()))
+    worker.start()
+    client = docker.from_env()
+    label = {"label": [f"{LABEL_TRIAL}={trial.name}", "harbor-exec.kind=trial"]}
+    try:
+        assert wait_until(lambda: bool(client.api.containers(filters=label)), timeout=60)
+    finally:
+        client.close()
+    started = time.monotonic()
+    trial.cancel()
+    worker.join(30)
+    assert time.monotonic() - started < 5
+    assert results and results[0].exception_type == "CancelledError"
+    assert ours(trial.name) == []
+
+
+_KILLED_TRIAL = """
+import sys
+from pathlib import Path
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import TrialRequest, run_trial
+run_trial(DockerRuntime(), TrialRequest(task=load_task(sys.argv[1]), trials_dir=Path(sys.argv[2]),
+          trial_name=sys.argv[3]))
+"""
+
+
+def test_kill_9_then_the_reaper_removes_sidecars_network_and_volumes(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    task = compose_task(
+        tmp_path,
+        "compose-kill",
+        solve="sleep 120",
+        extra="""
+    volumes:
+      - cache:/cache
+volumes:
+  cache:
+""",
+    )
+    name = "compose-kill__killme"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_TRIAL, str(task), str(tmp_path / "t"), name],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    client = docker.from_env()
+    label = {"label": [f"{LABEL_TRIAL}={name}", "harbor-exec.kind=trial"]}
+    try:
+        assert wait_until(lambda: bool(client.api.containers(filters=label)), timeout=90)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        left = ours(name)
+        assert any(item.startswith("network") for item in left)
+        assert any(item.startswith("volume") for item in left)
+        assert len([item for item in left if item.startswith("container")]) == 2
+        docker_runtime.reap_orphans()
+        assert ours(name) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        client.close()
+
+
+def test_a_sidecar_that_exits_fails_the_environment_and_leaves_nothing(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    task = compose_task(tmp_path, "compose-exits", command="exit 3")
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_type == "EnvironmentStartError"
+    assert result.exception_info is not None
+    assert "'db'" in result.exception_info.exception_message
+    assert ours(result.trial_name) == []
