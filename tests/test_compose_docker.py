@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -23,69 +22,9 @@ from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
 from tests.server_utils import wait_until
-from tests.task_factory import make_task
+from tests.task_factory import make_compose_task as compose_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
-
-#: The sidecar: python's http.server answering on the task network, after writing the
-#: file it serves (so that its healthcheck passes only once it serves).
-SERVER = 'mkdir -p /srv && echo "$$ANSWER" > /srv/answer && exec python -m http.server 8000 -d /srv'
-#: test.sh asks the sidecar by service name with bash's /dev/tcp (no curl in the image).
-FETCH = """
-    exec 3<>/dev/tcp/db/8000 || { echo 0 > /logs/verifier/reward.txt; exit 0; }
-    printf 'GET /answer HTTP/1.0\\r\\nHost: db\\r\\n\\r\\n' >&3
-    body=$(cat <&3 | tail -n 1)
-    if [ "$body" = "$(cat /app/expected 2>/dev/null)" ]; then echo 1; else echo 0; fi \\
-        > /logs/verifier/reward.txt
-"""
-
-
-def compose_task(
-    root: Path,
-    name: str,
-    *,
-    command: str = SERVER,
-    healthcheck: bool = True,
-    dockerfile: bool = True,
-    solve: str = "echo 42 > /app/expected",
-    extra: str = "",
-) -> Path:
-    task = make_task(root, name, solve=solve, test=FETCH)
-    env = task / "environment"
-    if not dockerfile:
-        (env / "Dockerfile").unlink()
-        (env / "main").mkdir()
-        (env / "main" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
-    (env / "db").mkdir()
-    (env / "db" / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\n")
-    check = (
-        """
-    healthcheck:
-      test: ["CMD", "python", "-c", "import urllib.request; urllib.request.urlopen('http://localhost:8000/answer')"]
-      interval: 1s
-      timeout: 5s
-      retries: 30
-"""
-        if healthcheck
-        else ""
-    )
-    main_build = "" if dockerfile else "    build:\n      context: ./main\n"
-    (env / "docker-compose.yaml").write_text(
-        f"""services:
-  main:
-{main_build}    environment:
-      FROM_COMPOSE: "${{MAIN_IMAGE_NAME}}"
-    depends_on:
-      db:
-        condition: {"service_healthy" if healthcheck else "service_started"}
-  db:
-    build: ./db
-    command: ["sh", "-c", {json.dumps(command)}]
-    environment:
-      ANSWER: "42"
-{check}{textwrap.dedent(extra)}"""
-    )
-    return task
 
 
 def ours(trial: str) -> list[str]:
@@ -269,3 +208,70 @@ def test_a_sidecar_that_exits_fails_the_environment_and_leaves_nothing(
     assert result.exception_info is not None
     assert "'db'" in result.exception_info.exception_message
     assert ours(result.trial_name) == []
+
+
+HARBOR = Path(__file__).resolve().parent.parent / ".venv-harbor" / "bin" / "harbor"
+
+
+def test_harbor_and_harbor_exec_agree_on_compose_rewards(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """Harbor 0.26 runs the same compose tasks (``docker compose``) here: its oracle's
+    reward and exception agree with ours for a working and a broken sidecar."""
+    if not HARBOR.exists():
+        pytest.fail(".venv-harbor is missing: run scripts/setup.sh", pytrace=False)
+    dataset = tmp_path / "ds"
+    compose_task(dataset, "hx-sbs-compose-ok")
+    compose_task(dataset, "hx-sbs-compose-broken", command="exec sleep 600", healthcheck=False)
+    jobs = tmp_path / "jobs"
+    done = subprocess.run(
+        [
+            str(HARBOR),
+            "run",
+            "-p",
+            str(dataset),
+            "-a",
+            "oracle",
+            "-n",
+            "2",
+            "-y",
+            "-q",
+            "-o",
+            str(jobs),
+            "--job-name",
+            "harbor",
+        ],
+        env={**os.environ, "HARBOR_TELEMETRY": "0"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    try:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        theirs = {}
+        for result in (jobs / "harbor").glob("*/result.json"):
+            data = json.loads(result.read_text())
+            rewards = (data.get("verifier_result") or {}).get("rewards")
+            theirs[data["task_name"]] = (
+                rewards,
+                (data.get("exception_info") or {}).get("exception_type"),
+            )
+        mine = {}
+        for task_dir in sorted(dataset.iterdir()):
+            ran = run(docker_runtime, task_dir, tmp_path / "trials")
+            mine_rewards = ran.verifier_result.rewards if ran.verifier_result else None
+            mine[ran.task_name] = (mine_rewards, ran.exception_type)
+        assert theirs == mine
+        assert mine["hx-sbs-compose-ok"] == ({"reward": 1.0}, None)
+        assert mine["hx-sbs-compose-broken"] == ({"reward": 0.0}, None)
+    finally:
+        listed = subprocess.run(
+            ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        tags = [t for t in listed.stdout.split() if t.startswith("hx-sbs-compose")]
+        if tags:
+            subprocess.run(["docker", "image", "rm", *tags], capture_output=True, check=False)

@@ -533,8 +533,8 @@ class Trial:
             if hook.service != "main":
                 raise TaskConfigError(
                     task.name,
-                    f"[[verifier.collect]] service = {hook.service!r}: only the main "
-                    "service exists here (compose environments do not run yet)",
+                    f"[[verifier.collect]] service = {hook.service!r}: hooks run in the "
+                    "main service only here (not in a compose sidecar)",
                     file="task.toml",
                 )
         if isinstance(self.request.agent, OracleAgent):
