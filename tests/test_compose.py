@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from harbor_exec.errors import EnvironmentStartError, TaskConfigError
+from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_TRIAL
 from harbor_exec.trial import compose
 from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest, run_trial
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.task_factory import make_task
 
@@ -212,3 +213,45 @@ def test_no_network_task_gets_an_internal_network(
     result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
     assert result.exception_info is None, result.exception_info
     assert seen == [{"internal": "True"}]
+
+
+def test_a_separate_verifier_gets_a_fresh_compose_project(
+    task: Task, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Harbor 0.26 starts a whole new environment from environment/ for a separate
+    verifier: new sidecars and network; the agent's are gone before it starts."""
+    env = task.environment_dir.resolve()
+    patch_model(monkeypatch, model(env, db=db(env)))
+    runtime = FakeRuntime()
+    created_networks: list[str] = []
+    original = runtime.create_network
+
+    def record(name: str, labels: Any, *, internal: bool) -> str:
+        created_networks.append(name)
+        return original(name, labels, internal=internal)
+
+    runtime.create_network = record  # type: ignore[method-assign]
+    policy = SandboxPolicy(verifier_mode="separate")
+    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t", policy=policy))
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_environment_mode == "separate"
+    kinds = [c.spec.labels[LABEL_KIND] for c in runtime.containers.values()]
+    assert kinds == ["sidecar", "trial", "sidecar", "verifier"]
+    assert len(set(created_networks)) == 2
+    verifier = list(runtime.containers.values())[3]
+    assert verifier.spec.network_name == created_networks[1]
+    assert all(c.removed for c in runtime.containers.values())
+    assert runtime.networks == {} and runtime.trial_volumes == {}
+
+
+def test_prewarm_builds_every_service_image(task: Task, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = task.environment_dir.resolve()
+    patch_model(monkeypatch, model(env, db=db(env), cache={"image": "redis:7"}))
+    runtime = FakeRuntime()
+    outcome = prewarm_one(runtime, task)
+    assert outcome.status == "built", outcome.detail
+    assert outcome.detail == compose.main_image_tag(task)
+    assert len(runtime.builds) == 2  # main and db; redis:7 is only looked up
+    assert {b.split(":")[0] for b in runtime.builds} == {"harbor-exec/env", "harbor-exec/service"}
+    assert "redis:7" in runtime.images
+    assert prewarm_one(runtime, task).status == "cached"

@@ -607,7 +607,8 @@ class ComposeEnvironment:
                 self.containers[name] = container_id
             self._copy_binds(container_id, self.project.services[name])
             self.runtime.start(container_id)
-        for name in self.containers:
+        self._await_dependencies(MAIN, deadline)
+        for name in list(self.containers):
             self._await(name, "service_healthy_if_any", deadline)
         self._guard()
         service = self.project.main
@@ -710,11 +711,12 @@ class ComposeEnvironment:
                     )
             elif not status.running:
                 if (
-                    condition == "service_healthy_if_any"
+                    condition in ("service_healthy_if_any", "service_started")
+                    and status.exists
                     and status.exit_code == 0
                     and not has_check
                 ):
-                    return  # a one-shot service that finished (compose up --wait accepts it)
+                    return  # a one-shot service that finished (it did start)
                 raise EnvironmentStartError(
                     f"service {name!r} exited (code {status.exit_code}) before it was "
                     f"{'healthy' if has_check or condition == 'service_healthy' else 'up'}"
