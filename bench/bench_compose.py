@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from bench.harbor_docker import compose_v2_available
+from bench.harbor_docker import compose_v2_available, print_ratio, remove_harbor_images
 from tests.task_factory import make_compose_task
 
 TARGET = 0.5
@@ -48,19 +47,6 @@ def harbor_binary() -> str:
     if local.exists():
         return str(local)
     raise SystemExit("Harbor 0.26 is not installed (.venv-harbor): run scripts/setup.sh")
-
-
-def remove_harbor_images() -> None:
-    """The images Harbor's trials tagged for the task (``TASK__<id>__env-<service>``)."""
-    listed = subprocess.run(
-        ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    tags = [tag for tag in listed.stdout.split() if tag.startswith(f"{TASK}__")]
-    if tags:
-        subprocess.run(["docker", "image", "rm", *tags], capture_output=True, check=False)
 
 
 def harbor_exec_command(dataset: Path, jobs: Path, job: str) -> list[str]:
@@ -118,12 +104,8 @@ def main() -> None:
                         times.append(seconds)
                 print(f"rep {rep}{' (warm-up)' if rep == 0 else ''}: {', '.join(line)}", flush=True)
         finally:
-            remove_harbor_images()
-    ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"harbor-exec validate: median {statistics.median(ours):.2f} s over {args.reps}")
-    print(f"harbor run: median {statistics.median(theirs):.2f} s over {args.reps}")
-    verdict = "ok" if ratio <= TARGET else "over target"
-    print(f"ratio harbor-exec / Harbor: {ratio:.2f}x (target <= {TARGET}x): {verdict}")
+            remove_harbor_images(TASK)
+    print_ratio("harbor-exec validate", ours, theirs, TARGET)
 
 
 if __name__ == "__main__":
