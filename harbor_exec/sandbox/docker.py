@@ -730,7 +730,9 @@ class DockerRuntime:
                 spec.image,
                 entrypoint=entrypoint,
                 command=command,
-                user=user,  # setpriv (in INIT_COMMAND) drops the init to its own uid
+                # Root for the keep-alive (setpriv in INIT_COMMAND drops the init to its
+                # own uid); a sidecar's process runs as its service's (or image's) user.
+                user=user,
                 name=spec.name,
                 labels={**spec.labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner},
                 environment=dict(spec.env),

@@ -50,6 +50,7 @@ from harbor_exec.errors import (
     CancelledError,
     EnvironmentStartError,
     EnvironmentStartTimeoutError,
+    HarborExecError,
     TaskConfigError,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
@@ -752,12 +753,22 @@ class ComposeEnvironment:
             containers, self.containers = list(self.containers.values()), {}
             network, self.network = self.network, None
             volumes, self.volumes = list(self.volumes.values()), {}
-        for container_id in containers:
-            self.runtime.remove(container_id)
+        # Best effort, each object on its own: what an engine fault leaves is removed
+        # by the reaper (by owner label) or at shutdown (``remove_owned``).
+        removals: list[tuple[Callable[[str], None], str]] = [
+            (self.runtime.remove, c) for c in containers
+        ]
         if network is not None:
-            self.runtime.remove_network(network)
-        for volume in volumes:
-            self.runtime.remove_volume(volume)
+            removals.append((self.runtime.remove_network, network))
+        removals += [(self.runtime.remove_volume, v) for v in volumes]
+        failed: HarborExecError | None = None
+        for remove, name in removals:
+            try:
+                remove(name)
+            except HarborExecError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
 
 __all__ = [
