@@ -59,12 +59,13 @@ def make_compose_task(
     dockerfile: bool = True,
     solve: str = "echo 42 > /app/expected",
     extra: str = "",
+    toml: str = DEFAULT_TOML,
 ) -> Path:
     """A compose task: ``main`` plus a ``db`` sidecar (python's http.server built from a
     local base image) that serves ``42``; the oracle writes the expected answer and
     ``test.sh`` earns 1 when the sidecar, asked by service name, answers it. ``extra``
     is appended to the ``db`` service (and may add top-level keys)."""
-    task = make_task(root, name, solve=solve, test=FETCH)
+    task = make_task(root, name, solve=solve, test=FETCH, toml=toml)
     env = task / "environment"
     if not dockerfile:
         (env / "Dockerfile").unlink()

@@ -199,6 +199,29 @@ volumes:
         client.close()
 
 
+def test_a_separate_verifier_gets_sidecars_of_its_own(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """Separate mode (Harbor 0.26 starts a new project from environment/): the
+    verifier's fresh container reaches a fresh sidecar; the agent's output reaches it
+    only as a declared artifact."""
+    toml = """
+        artifacts = ["/app/expected"]
+        [agent]
+        timeout_sec = 30.0
+        [verifier]
+        timeout_sec = 30.0
+        environment_mode = "separate"
+    """
+    task = compose_task(tmp_path, "compose-separate", toml=toml)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.verifier_environment_mode == "separate"
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None
+    assert result.verifier_result.rewards == {"reward": 1.0}
+    assert ours(result.trial_name) == []
+
+
 def test_a_sidecar_that_exits_fails_the_environment_and_leaves_nothing(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
