@@ -222,6 +222,34 @@ def test_a_separate_verifier_gets_sidecars_of_its_own(
     assert ours(result.trial_name) == []
 
 
+def test_a_no_network_task_reaches_its_sidecar_on_an_internal_network(
+    docker_runtime: DockerRuntime, tmp_path: Path
+) -> None:
+    """``no-network`` (which Harbor 0.26 refuses here): the trial's network is internal
+    (no route out: ``tests/test_compose.py`` checks the flag) and the sidecar answers."""
+    toml = """
+        [agent]
+        timeout_sec = 30.0
+        [verifier]
+        timeout_sec = 30.0
+        [environment]
+        network_mode = "no-network"
+    """
+    solve = """
+        echo 42 > /app/expected
+        getent hosts db > /logs/agent/db.txt
+        true
+    """
+    task = compose_task(tmp_path, "compose-offline", toml=toml, solve=solve)
+    result = run(docker_runtime, task, tmp_path / "trials")
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None
+    assert result.verifier_result.rewards == {"reward": 1.0}
+    agent = tmp_path / "trials" / result.trial_name / "agent"
+    assert "db" in (agent / "db.txt").read_text()
+    assert ours(result.trial_name) == []
+
+
 def test_a_sidecar_that_exits_fails_the_environment_and_leaves_nothing(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
