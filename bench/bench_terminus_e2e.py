@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from pathlib import Path
 from bench.harbor_docker import (
     compose_v2_available,
     dockerfile,
+    print_ratio,
+    remove_harbor_images,
     runtime_volume,
     write_compose_overlay,
 )
@@ -69,19 +70,6 @@ HARBOR_KWARGS = (
 RUN_TIMEOUT_SEC = 300
 #: The task's name, which Harbor's per-trial image tags start with (removed at the end).
 TASK = "hx-bench-e2e-answer"
-
-
-def remove_harbor_images() -> None:
-    """The images Harbor's trials tagged (``TASK__<id>__env-main``; shared layers)."""
-    listed = subprocess.run(
-        ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    tags = [tag for tag in listed.stdout.split() if tag.startswith(f"{TASK}__")]
-    if tags:
-        subprocess.run(["docker", "image", "rm", *tags], capture_output=True, check=False)
 
 
 def harbor_exec_command(dataset: Path, jobs: Path, job: str, api_base: str) -> list[str]:
@@ -163,12 +151,8 @@ def main() -> None:
                     ours.append(ours_s)
                     theirs.append(theirs_s)
         finally:
-            remove_harbor_images()
-    ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"harbor-exec run: median {statistics.median(ours):.2f} s over {args.reps}")
-    print(f"harbor run: median {statistics.median(theirs):.2f} s over {args.reps}")
-    verdict = "ok" if ratio <= TARGET else "over target"
-    print(f"ratio harbor-exec / Harbor: {ratio:.2f}x (target <= {TARGET}x): {verdict}")
+            remove_harbor_images(TASK)
+    print_ratio("harbor-exec run", ours, theirs, TARGET)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ linked onto ``PATH``, so terminus-2 on Harbor finds the same tmux and installs n
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -53,3 +54,25 @@ def write_compose_overlay(path: Path, volume: str) -> Path:
         f"    name: {volume}\n"
     )
     return path
+
+
+def remove_harbor_images(task: str) -> None:
+    """The images Harbor's trials of ``task`` tagged (``task__<id>__env-<service>``)."""
+    listed = subprocess.run(
+        ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    tags = [tag for tag in listed.stdout.split() if tag.startswith(f"{task}__")]
+    if tags:
+        subprocess.run(["docker", "image", "rm", *tags], capture_output=True, check=False)
+
+
+def print_ratio(ours_label: str, ours: list[float], theirs: list[float], target: float) -> None:
+    """The medians of both sides and their ratio against ``target``."""
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"{ours_label}: median {statistics.median(ours):.2f} s over {len(ours)}")
+    print(f"harbor run: median {statistics.median(theirs):.2f} s over {len(theirs)}")
+    verdict = "ok" if ratio <= target else "over target"
+    print(f"ratio harbor-exec / Harbor: {ratio:.2f}x (target <= {target}x): {verdict}")

@@ -41,6 +41,7 @@ from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
     BuildResult,
     ContainerSpec,
+    ContainerStatus,
     DiskUsage,
     ExecResult,
     ImageInfo,
@@ -165,6 +166,12 @@ class FakeRuntime:
     execs: list[FakeExec] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
     owner: str = "fake-owner"
+    #: Per-trial networks and volumes: name -> (labels, removed); ``health`` answers
+    #: ``container_status`` for containers with a healthcheck (default "healthy").
+    networks: dict[str, dict[str, str]] = field(default_factory=dict)
+    trial_volumes: dict[str, dict[str, str]] = field(default_factory=dict)
+    removed_objects: list[str] = field(default_factory=list)
+    health: Callable[[FakeContainer], str] = lambda container: "healthy"
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
     # ----------------------------------------------------------------- engine
@@ -223,6 +230,8 @@ class FakeRuntime:
         timeout_sec: float,
         labels: Mapping[str, str],
         build_args: Mapping[str, str] | None = None,
+        dockerfile: str | None = None,
+        target: str | None = None,
     ) -> BuildResult:
         self._call("ensure_image")
         if tag in self.images:
@@ -357,6 +366,33 @@ class FakeRuntime:
             time.sleep(min(timeout_sec, 0.01))
             return ExecResult(None, b"", True, timeout_sec)
         return ExecResult(code, b"", False, 0.0)
+
+    def container_status(self, container_id: str) -> ContainerStatus:
+        self._call("container_status")
+        container = self.containers.get(container_id)
+        if container is None or container.removed:
+            return ContainerStatus(exists=False, running=False)
+        health = self.health(container) if container.spec.healthcheck is not None else None
+        return ContainerStatus(True, container.running, None, health)
+
+    def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
+        self._call("create_network")
+        self.networks[name] = {**labels, "internal": str(internal)}
+        return name
+
+    def remove_network(self, name: str) -> None:
+        self._call("remove_network")
+        self.networks.pop(name, None)
+        self.removed_objects.append(name)
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> None:
+        self._call("create_volume")
+        self.trial_volumes[name] = dict(labels)
+
+    def remove_volume(self, name: str) -> None:
+        self._call("remove_volume")
+        self.trial_volumes.pop(name, None)
+        self.removed_objects.append(name)
 
     def remove(self, container_id: str) -> None:
         self.calls.append("remove")

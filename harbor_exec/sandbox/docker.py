@@ -59,7 +59,7 @@ import urllib3.exceptions
 from docker.utils.socket import frames_iter
 
 from harbor_exec.cache import BUILD_LOGS, cache_root
-from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT
+from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT, RUNTIME_TINI
 from harbor_exec.errors import (
     DockerUnavailableError,
     EngineUnavailableError,
@@ -79,6 +79,7 @@ from harbor_exec.sandbox.runtime import (
     LABEL_OWNER,
     BuildResult,
     ContainerSpec,
+    ContainerStatus,
     DiskUsage,
     ExecOptions,
     ExecResult,
@@ -120,7 +121,7 @@ def _refuses_buildkit(message: str) -> bool:
 
 
 @contextlib.contextmanager
-def _context_tar(context_dir: Path) -> Iterator[IO[bytes]]:
+def _context_tar(context_dir: Path, dockerfile: str = "Dockerfile") -> Iterator[IO[bytes]]:
     """The build context as a tar file, ``.dockerignore`` applied as ``docker build`` does.
 
     BuildKit tells a tar context from a bare Dockerfile by parsing the first tar
@@ -136,7 +137,7 @@ def _context_tar(context_dir: Path) -> Iterator[IO[bytes]]:
         patterns = [line for line in lines if line and not line.startswith("#")]
     files = sorted(
         docker.utils.build.exclude_paths(str(context_dir), patterns),
-        key=lambda name: (name != "Dockerfile", name),
+        key=lambda name: (name != dockerfile, name),
     )
     with tempfile.TemporaryFile() as context:
         with tarfile.open(fileobj=context, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -452,6 +453,10 @@ class DockerRuntime:
             "labels": json.dumps({**build["labels"], LABEL_MANAGED: "true"}),
             "buildargs": json.dumps(dict(build.get("build_args") or {})),
         }
+        if build.get("dockerfile"):
+            params["dockerfile"] = build.get("dockerfile")
+        if build.get("target"):
+            params["target"] = build.get("target")
         progress: BuildkitProgress | None = None
         if builder == "buildkit":
             # version=2 selects BuildKit; the tar context travels in the body, no session.
@@ -461,7 +466,11 @@ class DockerRuntime:
         tail: deque[str] = deque(maxlen=_LOG_TAIL_LINES)
         error: str | None = None
         timed_out = False
-        with log_path.open("w", encoding="utf-8") as log, _context_tar(context_dir) as context:
+        dockerfile = build.get("dockerfile") or "Dockerfile"
+        with (
+            log_path.open("w", encoding="utf-8") as log,
+            _context_tar(context_dir, dockerfile) as context,
+        ):
 
             def emit(lines: Iterable[str]) -> None:
                 for line in lines:
@@ -659,6 +668,12 @@ class DockerRuntime:
         # for more gets every CPU there is rather than a container that cannot start.
         cpus = min(spec.cpus, float(self._cpus)) if spec.cpus else None
         mounts = [_volume_mount(RUNTIME_MOUNT, runtime_volume)]
+        mounts += [
+            docker.types.Mount(
+                v.target, v.volume, type="volume", read_only=v.read_only, no_copy=v.no_copy
+            )
+            for v in spec.volumes
+        ]
         if spec.deps_volume is not None:
             mounts.append(_volume_mount(DEPS_MOUNT, spec.deps_volume))
         if spec.agent_volume is not None:
@@ -679,7 +694,7 @@ class DockerRuntime:
             security_opt=["no-new-privileges", self._seccomp.security_opt(spec.syscalls_allowed)],
             cap_drop=[c for c in DROPPED_CAPABILITIES if c not in given_back],
             cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,
-            network_mode=spec.network if spec.network != "bridge" else None,
+            network_mode=spec.network_name or (spec.network if spec.network != "bridge" else None),
             binds={
                 m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
                 for m in spec.mounts
@@ -691,17 +706,40 @@ class DockerRuntime:
             if spec.gpus > 0
             else None,
         )
+        # The init and keep-alive of the runtime, never the image's entrypoint; a
+        # compose sidecar runs its own process under the runtime's init instead.
+        entrypoint, command, user = list(INIT_COMMAND), list(KEEP_ALIVE_COMMAND), "0:0"
+        if spec.process is not None:
+            entrypoint, command = [RUNTIME_TINI, "--"], self._service_argv(spec)
+            user = spec.process.user or self.image_user(spec.image) or "0:0"
+        networking = None
+        if spec.network_name is not None:
+            if spec.network != "bridge":
+                raise EnvironmentStartError(
+                    f"network {spec.network!r} and the network {spec.network_name!r} at once"
+                )
+            networking = self._api.create_networking_config(
+                {
+                    spec.network_name: self._api.create_endpoint_config(
+                        aliases=list(spec.aliases) or None
+                    )
+                }
+            )
         try:
             created = self._api.create_container(
                 spec.image,
-                # The init and keep-alive of the runtime, never the image's entrypoint.
-                entrypoint=list(INIT_COMMAND),
-                command=list(KEEP_ALIVE_COMMAND),
-                user="0:0",  # setpriv (in INIT_COMMAND) drops the init to its own uid
+                entrypoint=entrypoint,
+                command=command,
+                # Root for the keep-alive (setpriv in INIT_COMMAND drops the init to its
+                # own uid); a sidecar's process runs as its service's (or image's) user.
+                user=user,
                 name=spec.name,
                 labels={**spec.labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner},
                 environment=dict(spec.env),
                 host_config=host_config,
+                networking_config=networking,
+                healthcheck=_healthcheck(spec),
+                working_dir=(spec.process.workdir if spec.process else None) or spec.workdir,
                 detach=True,
             )
         except docker.errors.APIError as exc:
@@ -709,6 +747,66 @@ class DockerRuntime:
                 f"cannot create a container from {spec.image}: {exc.explanation or exc}"
             ) from None
         return str(created["Id"])
+
+    def _service_argv(self, spec: ContainerSpec) -> list[str]:
+        """A sidecar's argv: its entrypoint and command, else the image's (Docker's rules)."""
+        assert spec.process is not None
+        config = self._image_config(spec.image)
+        process = spec.process
+        entry = list(
+            process.entrypoint
+            if process.entrypoint is not None
+            else (config.get("Entrypoint") or [])
+        )
+        if process.command is not None:
+            cmd = list(process.command)
+        elif process.entrypoint is not None:
+            cmd = []  # an entrypoint given clears the image's CMD
+        else:
+            cmd = list(config.get("Cmd") or [])
+        if not entry + cmd:
+            raise EnvironmentStartError(
+                f"the service image {spec.image} has no command and the service sets none"
+            )
+        return entry + cmd
+
+    @_engine_boundary
+    def container_status(self, container_id: str) -> ContainerStatus:
+        try:
+            state = self._api.inspect_container(container_id)["State"]
+        except docker.errors.NotFound:
+            return ContainerStatus(exists=False, running=False)
+        running = bool(state.get("Running")) and not state.get("Restarting")
+        health = (state.get("Health") or {}).get("Status")
+        exit_code = None if running else state.get("ExitCode")
+        return ContainerStatus(True, running, exit_code, str(health) if health else None)
+
+    @_engine_boundary
+    def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
+        try:
+            created = self._api.create_network(
+                name,
+                driver="bridge",
+                internal=internal,
+                check_duplicate=True,
+                labels={**labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner},
+            )
+        except docker.errors.APIError as exc:
+            raise EnvironmentStartError(
+                f"cannot create the network {name}: {exc.explanation or exc}"
+            ) from None
+        return str(created["Id"])
+
+    @_engine_boundary
+    def remove_network(self, name: str) -> None:
+        with contextlib.suppress(docker.errors.NotFound):
+            self._api.remove_network(name)
+
+    @_engine_boundary
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> None:
+        self._api.create_volume(
+            name, labels={**labels, LABEL_MANAGED: "true", LABEL_OWNER: self.owner}
+        )
 
     def _ensure_runtime_volume(self, image: str) -> str:
         """The read-only runtime's volume, created and filled once per engine; its name."""
@@ -1081,24 +1179,53 @@ class DockerRuntime:
             label.append(f"{LABEL_OWNER}={owner}")
         return list(self._api.containers(all=True, filters={"label": label}))
 
+    def _orphaned(self, owner: str) -> bool:
+        mine = self.owner.split("/")[1] if self.owner.count("/") >= 3 else None
+        return owner != self.owner and not owner_is_alive(owner, own_namespace=mine)
+
     @_engine_boundary
     def reap_orphans(self) -> list[str]:
-        """Remove our containers whose owner process is gone; returns their names."""
+        """Remove our containers whose owner process is gone, then such owners' networks
+        and per-trial volumes (a compose trial's); returns their names."""
         reaped: list[str] = []
         for container in self.our_containers():
-            owner = (container.get("Labels") or {}).get(LABEL_OWNER, "")
-            mine = self.owner.split("/")[1] if self.owner.count("/") >= 3 else None
-            if owner != self.owner and not owner_is_alive(owner, own_namespace=mine):
+            if self._orphaned((container.get("Labels") or {}).get(LABEL_OWNER, "")):
                 self.remove(container["Id"])
                 reaped.append((container.get("Names") or [container["Id"]])[0].lstrip("/"))
+        reaped += self._remove_networks_and_volumes(self._orphaned)
         return reaped
+
+    def _remove_networks_and_volumes(self, doomed: Callable[[str], bool]) -> list[str]:
+        """Remove our labelled networks and volumes whose owner ``doomed`` says; a network
+        still in use (a container of a live owner joined it) is left for the next reap."""
+        removed: list[str] = []
+        label = {"label": [f"{LABEL_MANAGED}=true"]}
+        for network in self._api.networks(filters=label):
+            if doomed((network.get("Labels") or {}).get(LABEL_OWNER, "")):
+                try:
+                    self.remove_network(network["Name"])
+                except docker.errors.APIError:
+                    continue
+                removed.append(str(network["Name"]))
+        for volume in self._api.volumes(filters=label).get("Volumes") or []:
+            if doomed((volume.get("Labels") or {}).get(LABEL_OWNER, "")):
+                try:
+                    self._api.remove_volume(volume["Name"], force=True)
+                except docker.errors.NotFound:
+                    pass
+                except docker.errors.APIError:
+                    continue
+                removed.append(str(volume["Name"]))
+        return removed
 
     @_engine_boundary
     def remove_owned(self) -> int:
-        """Remove every container this runtime's owner created; returns how many."""
+        """Remove every container (then network and per-trial volume) this runtime's
+        owner created; returns how many containers."""
         containers = self.our_containers(owner=self.owner)
         for container in containers:
             self.remove(container["Id"])
+        self._remove_networks_and_volumes(lambda owner: owner == self.owner)
         return len(containers)
 
     @_engine_boundary
@@ -1134,6 +1261,20 @@ class DockerRuntime:
             return int(Path("/proc/sys/kernel/pid_max").read_text())
         except (OSError, ValueError):
             return 32768
+
+
+def _healthcheck(spec: ContainerSpec) -> dict[str, Any] | None:
+    check = spec.healthcheck
+    if check is None:
+        return None
+    nanos = 1_000_000_000
+    return {
+        "test": list(check.test),
+        "interval": int(check.interval_sec * nanos) or None,
+        "timeout": int(check.timeout_sec * nanos) or None,
+        "retries": check.retries,
+        "start_period": int(check.start_period_sec * nanos) or None,
+    }
 
 
 def _volume_mount(target: str, volume: str, *, read_only: bool = True) -> Any:

@@ -44,6 +44,51 @@ class Mount:
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """A per-trial named volume (``ContainerRuntime.create_volume``) in a container."""
+
+    volume: str
+    target: str
+    read_only: bool = False
+    #: False: an empty volume is first filled from the image's files at ``target``
+    #: (Docker's and Compose's default for named volumes).
+    no_copy: bool = False
+
+
+@dataclass(frozen=True)
+class Healthcheck:
+    """Docker's HEALTHCHECK for a container (a compose service's ``healthcheck``)."""
+
+    test: Sequence[str]  # ["CMD-SHELL", "..."], ["CMD", ...] or ["NONE"]
+    interval_sec: float = 30.0
+    timeout_sec: float = 30.0
+    retries: int = 3
+    start_period_sec: float = 0.0
+
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    """A sidecar's own main process, run under the runtime's init instead of the
+    keep-alive. ``None`` fields are the image's (an ``entrypoint`` given clears the
+    image's ``CMD``, as in Docker)."""
+
+    entrypoint: Sequence[str] | None = None
+    command: Sequence[str] | None = None
+    user: str | None = None  # None: the image's USER
+    workdir: str | None = None  # None: the image's WORKDIR
+
+
+@dataclass(frozen=True)
+class ContainerStatus:
+    """What ``ContainerRuntime.container_status`` reports."""
+
+    exists: bool
+    running: bool
+    exit_code: int | None = None
+    health: str | None = None  # starting, healthy, unhealthy; None: no healthcheck
+
+
+@dataclass(frozen=True)
 class ContainerSpec:
     """Everything needed to create one trial container.
 
@@ -75,6 +120,15 @@ class ContainerSpec:
     #: An in-container native agent's layer (``harbor_exec.sandbox.agent_layer``),
     #: mounted read-only at ``AGENT_MOUNT``.
     agent_volume: str | None = None
+    #: A per-trial network of ours (``create_network``) to join instead of the default
+    #: bridge (``network`` must be "bridge"), reachable there as ``aliases``.
+    network_name: str | None = None
+    aliases: Sequence[str] = ()
+    volumes: Sequence[VolumeMount] = ()
+    #: A compose sidecar's process (None: the keep-alive, as every trial container).
+    process: ServiceProcess | None = None
+    healthcheck: Healthcheck | None = None
+    workdir: str | None = None  # the container's working directory (None: the image's)
 
 
 @dataclass(frozen=True)
@@ -140,6 +194,8 @@ class ImageBuild(TypedDict):
     timeout_sec: float
     labels: Mapping[str, str]
     build_args: NotRequired[Mapping[str, str] | None]
+    dockerfile: NotRequired[str | None]  # relative to context_dir; None: Dockerfile
+    target: NotRequired[str | None]  # a multi-stage build's stage
 
 
 class ExecOptions(TypedDict, total=False):
@@ -242,6 +298,26 @@ class ContainerRuntime(Protocol):
 
     def remove(self, container_id: str) -> None:
         """Kill and remove the container; a missing container is not an error."""
+        ...
+
+    def container_status(self, container_id: str) -> ContainerStatus:
+        """Whether the container exists and runs, its exit code and health."""
+        ...
+
+    def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
+        """Create a bridge network of ours (``internal``: no route out); returns its id."""
+        ...
+
+    def remove_network(self, name: str) -> None:
+        """Remove one of our networks; a missing one is not an error."""
+        ...
+
+    def create_volume(self, name: str, labels: Mapping[str, str]) -> None:
+        """Create a per-trial named volume of ours (removed with the trial, or reaped)."""
+        ...
+
+    def remove_volume(self, name: str) -> None:
+        """Remove a named volume; a missing one is not an error."""
         ...
 
 

@@ -533,10 +533,11 @@ def load_task(
         not config.environment.docker_image
         and env_dir.is_dir()
         and not (env_dir / "Dockerfile").is_file()
+        and not (env_dir / "docker-compose.yaml").is_file()
     ):
         raise TaskError(
             name,
-            "environment/ has no Dockerfile (docker-compose environments are not supported)",
+            "environment/ has neither a Dockerfile nor a docker-compose.yaml",
             file="environment/Dockerfile",
         )
     instruction_path = task_dir / "instruction.md"

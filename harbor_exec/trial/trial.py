@@ -96,6 +96,7 @@ from harbor_exec.sandbox.runtime import (
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
+from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.egress import ContainerKind, EgressSettings, TrialEgress, network_plan
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -231,6 +232,9 @@ def new_trial_name(task_name: str) -> str:
 def ensure_task_image(runtime: ContainerRuntime, task: Task) -> tuple[str, bool]:
     """Build (or reuse) the task's image; returns ``(image, built_now)``."""
     env = task.config.environment
+    if is_compose_task(task):  # every service's image (prewarm builds them all)
+        _project, images, built = prepare_images(runtime, task)
+        return images["main"], built > 0
     if task.dockerfile is None:
         assert env.docker_image is not None  # load_task guarantees one of the two
         runtime.ensure_present(env.docker_image)
@@ -314,6 +318,8 @@ class Trial:
             request.task.config, separate_verifier=self.verifier_mode == "separate"
         )
         self._egress = TrialEgress(self.name, self.dir, request.policy.egress)
+        #: A compose task's sidecars, network and volumes (``harbor_exec.trial.compose``).
+        self._compose: ComposeEnvironment | None = None
 
     # ----------------------------------------------------------------- control
 
@@ -327,6 +333,7 @@ class Trial:
             container_id = self._container_id
         if container_id is not None:
             self.runtime.remove(container_id)
+        self._compose_down()
 
     @property
     def cancelled(self) -> bool:
@@ -445,7 +452,8 @@ class Trial:
             env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
         )
         network_kind: ContainerKind = "trial" if kind == "trial" else "verifier"
-        if self.network_plan.proxied(network_kind):
+        # A sidecar has no forwarder to the proxy: it keeps its compose network only.
+        if kind != "sidecar" and self.network_plan.proxied(network_kind):
             mounts = [*mounts, self._egress.mount()]
             env = {**env, **self._egress.env()}
         return ContainerSpec(
@@ -474,10 +482,47 @@ class Trial:
         )
 
     def _create(self, spec: ContainerSpec) -> str:
+        spec = self._compose_up(spec)
         with self._container_lock:
             self._check_cancelled()
             container_id = self._container_id = self.runtime.create(spec)
-            return container_id
+        if self._compose is not None:
+            self._compose.place_main_binds(container_id)
+        return container_id
+
+    def _compose_up(self, spec: ContainerSpec) -> ContainerSpec:
+        """A compose task's sidecars, started around ``spec``'s container (the agent's,
+        or a separate verifier's from the task's own environment, as Harbor starts a
+        whole new project for it); ``spec`` joined to their network."""
+        task = self.request.task
+        verifier_env = task.config.verifier.environment
+        if not is_compose_task(task) or (
+            spec.labels.get(LABEL_KIND) == "verifier"
+            and (
+                task.verifier_dockerfile is not None or (verifier_env and verifier_env.docker_image)
+            )
+        ):
+            return spec
+        project, images, built = prepare_images(self.runtime, task)
+        self.images_built += built
+        self._compose = ComposeEnvironment(
+            self.runtime,
+            task,
+            project,
+            self.name,
+            labels={k: v for k, v in spec.labels.items() if k != LABEL_KIND},
+            base_spec=lambda image, _service: self._spec(
+                image, task.config.environment, kind="sidecar", mounts=()
+            ),
+            start_timeout_sec=task.config.environment.build_timeout_sec,
+            cancelled=lambda: self.cancelled,
+        )
+        return self._compose.up(spec, {**images, "main": spec.image})
+
+    def _compose_down(self) -> None:
+        compose, self._compose = self._compose, None
+        if compose is not None:
+            compose.down()
 
     def _check_environment_fields(self) -> None:
         """Refuse, before anything is built, the ``[environment]`` fields Harbor 0.26
@@ -496,8 +541,8 @@ class Trial:
             if hook.service != "main":
                 raise TaskConfigError(
                     task.name,
-                    f"[[verifier.collect]] service = {hook.service!r}: only the main "
-                    "service exists here (compose environments do not run yet)",
+                    f"[[verifier.collect]] service = {hook.service!r}: hooks run in the "
+                    "main service only here (not in a compose sidecar)",
                     file="task.toml",
                 )
         if isinstance(self.request.agent, OracleAgent):
@@ -560,7 +605,11 @@ class Trial:
             )
             entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
             entries += request.agent.files(task)
-            if task.dockerfile is None and task.environment_dir.is_dir():
+            if (
+                task.dockerfile is None
+                and task.environment_dir.is_dir()
+                and not is_compose_task(task)
+            ):
                 # Harbor uploads environment/ into the workdir for prebuilt images.
                 workdir = env_config.workdir or "/"
                 entries += tree_entries(task.environment_dir, workdir.rstrip("/") or "/")
@@ -1094,12 +1143,14 @@ class Trial:
             container_id, self._container_id = self._container_id, None
         if container_id is not None:
             self.runtime.remove(container_id)
+        self._compose_down()
 
     def _teardown(self, session: TrialSession | None) -> None:
         self._egress.close()
         with self._container_lock:
             container_id, self._container_id = self._container_id, None
         if container_id is None:
+            self._compose_down()
             return
         try:
             if not self.cancelled:
@@ -1114,6 +1165,7 @@ class Trial:
                 # Teardown never raises: an engine fault leaves the id with the
                 # runtime, whose periodic reap removes it once the engine is back.
                 self.runtime.remove(container_id)
+                self._compose_down()
             except Exception as exc:
                 self._record(exc)
 
