@@ -108,7 +108,14 @@ from harbor_exec.trial.results import (
     parse_rewards,
     utcnow,
 )
-from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
+from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
+from harbor_exec.trial.task import (
+    EnvironmentConfig,
+    HealthcheckConfig,
+    NetworkMode,
+    Task,
+    resolve_env,
+)
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -308,6 +315,8 @@ class Trial:
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
+        #: A multi-step trial moved the outputs read so far into ``steps/<name>/``.
+        self._outputs_archived = False
 
     # ----------------------------------------------------------------- control
 
@@ -359,16 +368,22 @@ class Trial:
             task_checksum=task.checksum(),
             config=self._config_summary(),
             agent_info=request.agent.info,
-            verifier_environment_mode=self.verifier_mode,
+            # Harbor 0.26 records None for multi-step trials (resolved per step).
+            verifier_environment_mode=None if task.is_multi_step else self.verifier_mode,
             started_at=utcnow(),
         )
         session: TrialSession | None = None
         try:
+            if task.is_multi_step:
+                check_steps_supported(self)
             session = self._environment(result)
             self._healthcheck(session)
-            if self._exception is None:
+            if task.is_multi_step:
+                if self._exception is None:
+                    run_steps(self, session, result)
+            elif self._exception is None:
                 self._agent(session, result)
-            if self._should_verify():
+            if not task.is_multi_step and self._should_verify():
                 assert session is not None
                 if self.verifier_mode == "separate":
                     self._verify_separate(session, result)
@@ -611,7 +626,9 @@ class Trial:
         HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
         ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
         ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
-        check = self.request.task.config.environment.healthcheck
+        self._run_healthcheck(session, self.request.task.config.environment.healthcheck)
+
+    def _run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
         if check is None:
             return
         start_period_end = time.monotonic() + check.start_period_sec
@@ -641,7 +658,7 @@ class Trial:
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
         timeout = request.agent_timeout_sec
         if timeout is None:
-            timeout = request.task.config.agent.timeout_sec
+            timeout = request.task.agent_timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
         limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
@@ -710,7 +727,7 @@ class Trial:
 
     def _verifier_timeout(self) -> float | None:
         timeout = self.request.verifier_timeout_sec
-        return self.request.task.config.verifier.timeout_sec if timeout is None else timeout
+        return self.request.task.verifier_timeout_sec if timeout is None else timeout
 
     def _run_verifier(
         self,
@@ -722,7 +739,8 @@ class Trial:
     ) -> None:
         """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
         read ``/logs/verifier`` through the engine and parse the reward."""
-        verifier = self.request.verifier or TestsVerifier(self.request.task.tests_dir)
+        task = self.request.task
+        verifier = step_verifier(self.request.verifier or TestsVerifier(task.tests_dir), task)
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
@@ -887,8 +905,7 @@ class Trial:
         excludes of ``/logs/artifacts`` (Harbor's implicit first entry, which an
         explicit entry for it replaces)."""
         specs = [
-            {"source": i} if isinstance(i, str) else dict(i)
-            for i in self.request.task.config.artifacts
+            {"source": i} if isinstance(i, str) else dict(i) for i in self.request.task.artifacts
         ]
         declared = [s for s in specs if str(s.get("source") or "").rstrip("/") != CONVENTION_DIR]
         explicit = [s for s in specs if s not in declared]
@@ -991,7 +1008,7 @@ class Trial:
     def _write_artifact_manifest(self) -> None:
         """Harbor's ``artifacts/manifest.json``: ``/logs/artifacts`` first, then each
         declared artifact, once they were collected."""
-        if self._artifact_entries is None:
+        if self._artifact_entries is None or self._outputs_archived:
             return
         root, convention = self.dir / "artifacts", self._convention_dir
         status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
