@@ -245,6 +245,10 @@ def test_side_by_side_with_harbor(
         theirs["exception_info"] or {}
     ).get("exception_type")
     assert step_summary(ours["step_results"]) == step_summary(theirs["step_results"])
+    # Multi-step trials record the agent and verifier on their steps only.
+    for key in ("agent_result", "agent_execution", "verifier"):
+        assert ours[key] is None and theirs[key] is None, key
+    assert ours["agent_setup"] is not None and theirs["agent_setup"] is not None
 
     # The same step dirs, with the same files in them.
     def layout(trial_dir: Path) -> set[str]:
@@ -257,3 +261,34 @@ def test_side_by_side_with_harbor(
 
     ours_dir = Path(ours["trial_uri"].removeprefix("file://"))
     assert layout(ours_dir) == layout(Path(theirs["_dir"]))
+
+
+def test_validate_runs_the_oracle_over_a_multi_step_dataset(tmp_path: Path) -> None:
+    from tests.test_validate_resume import CLI, env
+
+    dataset = tmp_path / "ds"
+    three_step_task(dataset, "final")
+    gated_task(dataset)
+    done = subprocess.run(
+        [*CLI, "validate", str(dataset), "--jobs-dir", str(tmp_path / "jobs"), "--job-name", "v"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=400,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr  # neither earns full reward
+    results = {
+        data["task_name"]: data
+        for data in (
+            json.loads(p.read_text()) for p in (tmp_path / "jobs" / "v").glob("*/result.json")
+        )
+    }
+    assert set(results) == {"three-final", "gated"}
+    assert results["three-final"]["verifier_result"]["rewards"] == {"reward": 0.5, "style": 1}
+    assert [s["step_name"] for s in results["gated"]["step_results"]] == ["slow"]
+    job = json.loads((tmp_path / "jobs" / "v" / "result.json").read_text())
+    evals = next(iter(job["stats"]["evals"].values()))
+    assert evals["exception_stats"] == {"AgentTimeoutError": [results["gated"]["trial_name"]]}
+    assert "AgentTimeoutError" in done.stdout + done.stderr
