@@ -393,11 +393,8 @@ def test_workflow_sample_covers_all_steps(tmp_path: Path) -> None:
 
 
 def test_harbor_backend_runs_a_multi_step_task(tmp_path: Path) -> None:
-    import asyncio
-
-    from harbor_exec.backends.harbor.backend import HarborBackend
-    from harbor_exec.executors.local import LocalExecutor
-    from harbor_exec.protocol import ExecutionRequest, RolloutStatus
+    from harbor_exec.protocol import RolloutStatus
+    from tests.test_trials_fake import dataset_rollouts
 
     steps = {"one": ("true", "# reward 1"), "two": ("true", "# reward 0.5")}
     make_multi_step_task(tmp_path / "ds", "steps", steps)
@@ -408,28 +405,9 @@ def test_harbor_backend_runs_a_multi_step_task(tmp_path: Path) -> None:
         step_tables={"one": "min_reward = 1\n"},
     )
     runtime = FakeRuntime(test=_reward_from_test)
-    backend = HarborBackend(
-        tasks_dir=tmp_path / "ds",
-        task_mode="dataset",
-        executor=LocalExecutor(runtime),
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-    )
-
-    async def run(task_id: str) -> object:
-        request = ExecutionRequest(
-            id=f"r-{task_id}", prompt=[], metadata={"harbor_task_id": task_id}
-        )
-        return await backend.execute(request)
-
-    async def both() -> list[object]:
-        results = await asyncio.gather(run("steps"), run("gated"))
-        await backend.shutdown()
-        return list(results)
-
-    done, gated = asyncio.run(both())
-    assert done.grader.status is RolloutStatus.SUCCESS  # type: ignore[attr-defined]
-    assert done.grader.sample.reward == 0.75  # type: ignore[attr-defined]  # mean of 1 and 0.5
-    assert gated.grader.sample.reward == 0.0  # type: ignore[attr-defined]  # gate: step two never ran
+    _, (done, gated) = dataset_rollouts(tmp_path, runtime, ["steps", "gated"])
+    assert done.grader.status is RolloutStatus.SUCCESS
+    assert done.grader.sample.reward == 0.75  # mean of 1 and 0.5
+    assert gated.grader.sample.reward == 0.0  # gate: step two never ran
     tests_run = [e.script for e in runtime.execs if "/tests/test.sh" in e.script]
     assert len(tests_run) == 3

@@ -274,7 +274,7 @@ def test_validate_runs_the_oracle_over_a_multi_step_dataset(tmp_path: Path) -> N
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        env=env(),
+        env={**env(), "PYTHONPATH": str(ROOT)},  # this checkout's harbor_exec
         timeout=400,
         check=False,
     )

@@ -45,6 +45,7 @@ import json
 import math
 import shlex
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,13 +117,7 @@ def step_verifier(verifier: TestsVerifier, task: Task) -> TestsVerifier:
     ``tests/`` placed over the task's, when the verifier runs the task's tests."""
     if task.step is None or verifier.bundled_grader or verifier.tests_dir != task.tests_dir:
         return verifier
-    return TestsVerifier(
-        tests_dir=verifier.tests_dir,
-        generated=verifier.generated,
-        extra_env=verifier.extra_env,
-        agent_files=verifier.agent_files,
-        step_tests_dir=task.step_tests_dir,
-    )
+    return replace(verifier, step_tests_dir=task.step_tests_dir)
 
 
 def min_reward_failure(
