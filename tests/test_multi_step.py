@@ -411,3 +411,43 @@ def test_harbor_backend_runs_a_multi_step_task(tmp_path: Path) -> None:
     assert gated.grader.sample.reward == 0.0  # gate: step two never ran
     tests_run = [e.script for e in runtime.execs if "/tests/test.sh" in e.script]
     assert len(tests_run) == 3
+
+
+def test_per_step_timeouts_and_users(tmp_path: Path) -> None:
+    task_dir = _steps_task(
+        tmp_path,
+        {"one": "1", "two": "1"},
+        toml='[agent]\ntimeout_sec = 50\nuser = "1000"\n[verifier]\ntimeout_sec = 60\n',
+        step_tables={
+            "one": '[steps.agent]\ntimeout_sec = 7\nuser = "0"\n[steps.verifier]\ntimeout_sec = 9\n'
+        },
+    )
+    runtime = FakeRuntime(test=_reward_from_test)
+    runtime.passwd += b"dev:x:1000:1000::/home/dev:/bin/bash\n"
+    runtime.group += b"dev:x:1000:\n"
+    _run(tmp_path, task_dir, runtime)
+    solves = [e for e in runtime.execs if "/solution/solve.sh" in e.script]
+    tests = [e for e in runtime.execs if "/tests/test.sh" in e.script]
+    assert [(e.timeout_sec, e.user) for e in solves] == [(7, "0:0"), (50, "1000:1000")]
+    assert tests[0].timeout_sec is not None and 8 < tests[0].timeout_sec <= 9
+    # Harbor reads the step's verifier timeout (default 600 s), not the task's 60 s.
+    assert tests[1].timeout_sec is not None and 599 < tests[1].timeout_sec <= 600
+
+
+def test_a_failed_step_healthcheck_stops_the_trial(tmp_path: Path) -> None:
+    task_dir = _steps_task(
+        tmp_path,
+        {"one": "1", "two": "1"},
+        step_tables={
+            "two": '[steps.healthcheck]\ncommand = "probe"\nretries = 1\ninterval_sec = 0\n'
+        },
+    )
+    runtime = FakeRuntime(
+        test=_reward_from_test, other=lambda c, script: 1 if script == "probe" else 0
+    )
+    result = _run(tmp_path, task_dir, runtime)
+    assert result.step_results is not None and len(result.step_results) == 2
+    info = result.step_results[1].exception_info
+    assert info is not None and info.exception_type == "HealthcheckError"
+    assert result.step_results[1].agent_execution is None
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1}
