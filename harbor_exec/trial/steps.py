@@ -218,6 +218,7 @@ def run_steps(trial: Trial, session: TrialSession, result: TrialResult) -> None:
     strategy = task.config.multi_step_reward_strategy
     result.verifier_result = select_reward(strategy, result.step_results)
     if samples:
+        trial._host_files = {}  # the last step's are in its own agent/ already
         trial._agent_sample = join_samples(samples)
         trial._pin_agent_sample()
         trial.output = TrialOutput(
