@@ -9,21 +9,33 @@ earlier step's recorded reward.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.bundler import Bundle
+from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.server.app import create_rollout_server
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import TrialRequest, run_trial
+from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
+from tests.fake_chat import FakeChat
+from tests.server_utils import serve
 from tests.task_factory import make_multi_step_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+__all__ = ["bundle_cache", "example_bundle"]  # the session fixtures, used below
 
 ROOT = Path(__file__).resolve().parents[1]
 HARBOR = ROOT / ".venv-harbor" / "bin" / "harbor"
@@ -292,3 +304,48 @@ def test_validate_runs_the_oracle_over_a_multi_step_dataset(tmp_path: Path) -> N
     evals = next(iter(job["stats"]["evals"].values()))
     assert evals["exception_stats"] == {"AgentTimeoutError": [results["gated"]["trial_name"]]}
     assert "AgentTimeoutError" in done.stdout + done.stderr
+
+
+def test_a_workflow_runs_each_step_and_its_sample_covers_them(
+    tmp_path: Path, chat: FakeChat, example_bundle: Bundle
+) -> None:
+    """The bundled workflow over HTTP: each step's own instruction as its prompt (step
+    two's answer differs from step one's, and its tests check it), the reward the mean
+    of the steps', the sample every step's messages in order."""
+    chat.reset()
+    check = 'got=$(tr -d "[:space:]" < /logs/artifacts/answer.txt); [ "$got" = "{n}" ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt'
+    task = make_multi_step_task(
+        tmp_path / "ds",
+        "arith",
+        {"add": ("true", check.format(n=42)), "more": ("true", check.format(n=43))},
+        dockerfile=DOCKERFILE,
+    )
+    (task / "steps" / "add" / "instruction.md").write_text("What is 17 + 25?\n")
+    (task / "steps" / "more" / "instruction.md").write_text("What is 40 + 3?\n")
+    backend = HarborBackend(
+        tasks_dir=tmp_path / "ds",
+        task_mode="dataset",
+        agent=EXAMPLE_REFS["workflow"],
+        bundle=example_bundle,
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+
+    async def one(url: str) -> Any:
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await RolloutClient(url=url, http_client=http).run_rollout(
+                initial_messages=[],
+                chat_completions_url=chat.base_url,
+                rollout_id=uuid.uuid4().hex,
+                metadata={"harbor_task_id": "arith"},
+            )
+
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
+    with serve(app) as url:
+        done = asyncio.run(one(url))
+    assert done.status == "success", done.err_message
+    assert done.sample.reward == 1.0
+    users = [m["content"] for m in done.sample.messages if m["role"] == "user"]
+    assert users == ["What is 17 + 25?\n", "What is 40 + 3?\n"]
+    answers = [m["content"] for m in done.sample.messages if m["role"] == "assistant"]
+    assert answers == ["42", "43"]
