@@ -325,18 +325,52 @@ def test_step_setup_failure_is_the_steps_runtime_error(tmp_path: Path) -> None:
     assert "Step 'two' setup.sh exited with code 3" in info.exception_message
 
 
-def test_separate_verifier_steps_are_refused_clearly(tmp_path: Path) -> None:
+def test_separate_verifiers_get_fresh_containers_and_the_agent_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    task_dir = _steps_task(
+        tmp_path, {"one": "1", "two": "0.5"}, toml='[verifier]\nenvironment_mode = "separate"\n'
+    )
+
+    def solve(container: FakeContainer) -> int:
+        seen = container.read("/app/state") or b""
+        container.write("/app/state", seen + b"x")
+        container.write("/logs/artifacts/n.txt", str(len(seen) + 1))
+        return 0
+
+    def test(container: FakeContainer) -> int:
+        # A fresh container: what the agent left in /app is not there; its artifacts are.
+        assert container.read("/app/state") is None
+        return _reward_from_test(container)
+
+    runtime = FakeRuntime(solve=solve, test=test)
+    result = _run(tmp_path, task_dir, runtime)
+    assert result.step_results is not None
+    assert [
+        s.verifier_result.rewards if s.verifier_result else None for s in result.step_results
+    ] == [
+        {"reward": 1},
+        {"reward": 0.5},
+    ], [s.exception_info for s in result.step_results]
+    solves = {e.container_id for e in runtime.execs if "/solution/solve.sh" in e.script}
+    tests = [e.container_id for e in runtime.execs if "/tests/test.sh" in e.script]
+    assert len(solves) == 1 and len(set(tests)) == 2 and not solves & set(tests)
+    assert all(c.removed for c in runtime.containers.values())
+    out = tmp_path / "trials" / result.trial_name / "steps"
+    assert (out / "two" / "artifacts" / "logs" / "artifacts" / "n.txt").read_text() == "2"
+
+
+def test_a_steps_own_verifier_environment_is_refused_clearly(tmp_path: Path) -> None:
     task_dir = _steps_task(
         tmp_path,
         {"one": "1"},
-        step_tables={"one": '[steps.verifier]\nenvironment_mode = "separate"\n'},
+        step_tables={"one": '[steps.verifier.environment]\ndocker_image = "x:1"\n'},
     )
     runtime = FakeRuntime(test=_reward_from_test)
     result = _run(tmp_path, task_dir, runtime)
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "TaskConfigError"
     assert "[[steps]] #1 ('one')" in result.exception_info.exception_message
-    assert "separate" in result.exception_info.exception_message
     assert not runtime.containers  # refused before anything started
 
 

@@ -101,6 +101,27 @@ def gated_task(root: Path) -> Path:
     )
 
 
+def separate_task(root: Path) -> Path:
+    """Two steps verified in fresh containers: each sees the step's artifacts, not
+    the agent's /app; the agent's container (and its /app) lives on into step two."""
+    return make_multi_step_task(
+        root,
+        "separate",
+        {
+            "first": (
+                "echo a > /app/state; echo a > /logs/artifacts/a.txt",
+                "[ -f /logs/artifacts/a.txt ] && [ ! -e /app/state ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt",
+            ),
+            "second": (
+                "[ -f /app/state ] && echo b > /logs/artifacts/b.txt",
+                "[ -f /logs/artifacts/b.txt ] && [ ! -e /app/state ] && r=1 || r=0; echo $r > /logs/verifier/reward.txt",
+            ),
+        },
+        toml='[verifier]\nenvironment_mode = "separate"\n',
+        dockerfile=DOCKERFILE,
+    )
+
+
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
     return run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials))
 
@@ -234,11 +255,24 @@ def harbor_run(task: Path, jobs: Path) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.parametrize("which", ["three", "gated"])
+def test_separate_verifiers_per_step(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
+    result = run(docker_runtime, separate_task(tmp_path), tmp_path / "trials")
+    assert result.step_results is not None
+    assert [
+        s.verifier_result.rewards if s.verifier_result else None for s in result.step_results
+    ] == [
+        {"reward": 1},
+        {"reward": 1},
+    ], result.first_exception
+    assert result.exception_type is None
+
+
+@pytest.mark.parametrize("which", ["three", "gated", "separate"])
 def test_side_by_side_with_harbor(
     docker_runtime: DockerRuntime, tmp_path: Path, which: str
 ) -> None:
-    task = three_step_task(tmp_path, None) if which == "three" else gated_task(tmp_path)
+    makers = {"three": lambda p: three_step_task(p, None), "gated": gated_task}
+    task = makers.get(which, separate_task)(tmp_path)
     theirs = harbor_run(task, tmp_path / "harbor-jobs")
     ours = json.loads(
         (

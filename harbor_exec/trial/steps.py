@@ -12,11 +12,15 @@ One container for the whole trial; each step, in order:
    non-zero exit is the step's ``RuntimeError``); the step's ``healthcheck``.
 2. agent: the trial's own agent phase (``Trial._agent``) under the step's
    ``[steps.agent].timeout_sec`` (else the task's) and user.
-3. verifier: the trial's own shared verifier (``Trial._verify_shared``): ``tests/``
-   and then ``steps/<name>/tests/`` placed at ``/tests``, the step's
-   ``[steps.verifier]`` timeout (Harbor reads the step's, whose default is 600 s),
-   user and env (over the task's). The reward is read back and stored on the
-   host, with the step's result, before anything of the next step runs.
+3. verifier: the trial's own verifier in the step's mode (Harbor's
+   ``resolve_step_verifier_mode``): shared (``Trial._verify_shared``), or separate
+   (``Trial._verify_separate``: a fresh container with the step's artifacts; the
+   agent's container stays for the next step, and is removed before the last
+   step's verifier, as Harbor stops it). ``tests/`` and then ``steps/<name>/tests/``
+   are placed at ``/tests``, under the step's ``[steps.verifier]`` timeout (Harbor
+   reads the step's, whose default is 600 s), user and env (over the task's). The
+   reward is read back and stored on the host, with the step's result, before
+   anything of the next step runs.
 4. archive: ``agent/``, ``verifier/`` and ``artifacts/`` (with its
    ``manifest.json``) move to ``steps/<name>/``; the step's result is a
    ``StepResult`` in ``result.json``'s ``step_results``.
@@ -35,8 +39,10 @@ joined: their messages in step order, ``metrics`` and ``extra_fields`` merged (a
 later step's key wins), and the first step's error form if any step failed to
 hand over a sample. Each step's own sample stays in ``steps/<name>/agent/``.
 
-Verifiers in separate mode are refused for multi-step tasks (Harbor 0.26 runs them;
-harbor-exec does not yet), as are agents that cannot take a per-step instruction.
+Refused by name (Harbor 0.26 runs them): a step's own verifier environment
+(``[steps.verifier.environment]``, ``steps/<name>/tests/Dockerfile``; a separate
+verifier runs in the task's), and agents that cannot take a per-step instruction
+(Harbor's native agents here).
 """
 
 from __future__ import annotations
@@ -86,23 +92,18 @@ def check_steps_supported(trial: Trial) -> None:
     task, request = trial.request.task, trial.request
     for index, step in enumerate(task.steps, start=1):
         where = f"[[steps]] #{index} ({step.name!r})"
-        mode = step_verifier_mode(task, step.config)
-        if mode == "separate" or request.policy.verifier_mode == "separate":
+        own = task.step_dir(step.name) / "tests"
+        if step.config.verifier.environment is not None or any(
+            (own / name).is_file() for name in ("Dockerfile", "docker-compose.yaml")
+        ):
             raise TaskConfigError(
                 task.name,
-                f"{where}: its verifier would run in separate mode; harbor-exec runs "
-                "multi-step tasks' verifiers in the agent's container (shared mode) only",
+                f"{where}: a step's own verifier environment ([steps.verifier.environment] "
+                f"or steps/{step.name}/tests/Dockerfile) is not supported here; a separate "
+                "verifier runs in the task's ([verifier.environment], tests/Dockerfile or "
+                "environment/)",
                 file="task.toml",
             )
-    grader = request.verifier is not None and request.verifier.bundled_grader
-    if grader and request.verify and request.policy.grader_verifier_mode == "separate":
-        raise TaskConfigError(
-            task.name,
-            "a multi-step task without tests is verified by the bundled grader in "
-            "separate mode here, which multi-step tasks do not support; give every step "
-            "tests (steps/<name>/tests/test.sh or tests/test.sh)",
-            file="task.toml",
-        )
     if not callable(getattr(request.agent, "for_step", None)):
         raise TaskConfigError(
             task.name,
@@ -201,7 +202,8 @@ def run_steps(trial: Trial, session: TrialSession, result: TrialResult) -> None:
             trial.request.task, trial.request.agent = view, _agent_for_step(agent, view)
             session.task = view
             try:
-                _run_step(trial, session, step, step_result, reset_tests=tests_used)
+                last = step is task.steps[-1]
+                _run_step(trial, session, step, step_result, reset_tests=tests_used, last=last)
             finally:
                 if step_result.exception_info is None and trial._exception is not None:
                     step_result.exception_info = trial._exception
@@ -209,7 +211,7 @@ def run_steps(trial: Trial, session: TrialSession, result: TrialResult) -> None:
                 if trial._agent_sample is not None:
                     samples.append(trial._agent_sample)
                 _archive_step(trial, step)
-            tests_used = step_result.verifier is not None
+            tests_used = step_result.verifier is not None and not _separate(trial, step)
             if should_stop(step.config, step_result, verify=request.verify):
                 break
     finally:
@@ -235,6 +237,17 @@ def _agent_for_step(agent: Agent, view: Task) -> Agent:
     return step_agent
 
 
+def _separate(trial: Trial, step: TaskStep) -> bool:
+    """Whether ``step`` verifies in a fresh container (the operator's policy, the
+    bundled grader's mode, else the step's or the task's ``environment_mode``)."""
+    request = trial.request
+    if request.policy.verifier_mode == "separate":
+        return True
+    if request.verifier is not None and request.verifier.bundled_grader:
+        return request.policy.grader_verifier_mode == "separate"
+    return step_verifier_mode(request.task, step.config) == "separate"
+
+
 def _run_step(
     trial: Trial,
     session: TrialSession,
@@ -242,6 +255,7 @@ def _run_step(
     step_result: StepResult,
     *,
     reset_tests: bool,
+    last: bool,
 ) -> None:
     _begin_step_outputs(trial)
     for part in ("agent", "verifier"):
@@ -259,7 +273,12 @@ def _run_step(
         scratch.agent_execution,
     )
     if trial._should_verify():
-        trial._verify_shared(session, scratch)
+        if _separate(trial, step):
+            # The agent's container stays for the next step; after the last, Harbor
+            # stops it before the verifier runs.
+            trial._verify_separate(session, scratch, keep_agent=not last)
+        else:
+            trial._verify_shared(session, scratch)
         step_result.verifier = scratch.verifier
         step_result.verifier_result = scratch.verifier_result
     else:

@@ -601,7 +601,7 @@ class Trial:
         """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
         ``container_id`` (created from ``image``, not started). A user left unset is
         the image's USER, as in Harbor."""
-        config = self.request.task.config
+        task = self.request.task
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
         if image == self.image and self._accounts is None:
@@ -610,7 +610,7 @@ class Trial:
             self._accounts, self._default_user = accounts, default
         resolved: dict[UserRole, str] = {}
         for role in roles:
-            user = {"agent": config.agent.user, "verifier": config.verifier.user}.get(role)
+            user = {"agent": task.agent_user, "verifier": task.verifier_user}.get(role)
             wanted = default if user is None or str(user) == "" else user
             try:
                 resolved[role] = accounts.resolve(wanted)
@@ -799,19 +799,28 @@ class Trial:
             return False
         return True
 
-    def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
+    def _verify_separate(
+        self, session: TrialSession, result: TrialResult, *, keep_agent: bool = False
+    ) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
 
         The hand-over (the agent's logs and artifacts, copied out and packed on the
         agent's budget) happens before the verifier's clock starts: nothing the agent
-        wrote is charged to the verifier's timeout or crowds its own outputs."""
+        wrote is charged to the verifier's timeout or crowds its own outputs.
+        ``keep_agent``: the agent's container stays for a later step (multi-step tasks);
+        the verifier's is removed once it is done."""
         task = self.request.task
+        agent_id: str | None = None
         with tempfile.TemporaryFile(dir=self.dir) as handover:
             self._pack_handover(session.container_id, handover)
             self._phase(TrialPhase.VERIFIER)
             timing = result.verifier = TimingInfo(started_at=utcnow())
             try:
-                self._remove_container()
+                if keep_agent:
+                    with self._container_lock:  # the verifier's is the one tracked now
+                        agent_id, self._container_id = self._container_id, None
+                else:
+                    self._remove_container()
                 image, upload_tests = self._verifier_image()
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
@@ -827,6 +836,12 @@ class Trial:
                 self._record(exc)
             finally:
                 timing.finished_at = utcnow()
+                if agent_id is not None:
+                    self._remove_container()
+                    with self._container_lock:
+                        self._container_id = agent_id
+                    if self.cancelled:
+                        self.runtime.remove(agent_id)
         self._record_agent_overflow()
 
     def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
