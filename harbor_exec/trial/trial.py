@@ -836,12 +836,12 @@ class Trial:
                 self._record(exc)
             finally:
                 timing.finished_at = utcnow()
-                if agent_id is not None:
+                if agent_id is not None:  # the verifier's goes; the agent's is tracked again
                     self._remove_container()
                     with self._container_lock:
                         self._container_id = agent_id
-                    if self.cancelled:
-                        self.runtime.remove(agent_id)
+                    if self.cancelled:  # cancel() ran while the verifier's was the tracked one
+                        self._remove_container()
         self._record_agent_overflow()
 
     def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
