@@ -45,6 +45,13 @@ def _steps_task(tmp_path: Path, rewards: dict[str, str], **kwargs: object) -> Pa
     return make_multi_step_task(tmp_path / "tasks", f"ms{uuid.uuid4().hex[:6]}", steps, **kwargs)  # type: ignore[arg-type]
 
 
+def step_rewards(result: TrialResult) -> list[object]:
+    """Each step's rewards (None: no verifier result), in step order."""
+    return [
+        s.verifier_result.rewards if s.verifier_result else None for s in result.step_results or []
+    ]
+
+
 def _run(tmp_path: Path, task_dir: Path, runtime: FakeRuntime | None = None) -> TrialResult:
     runtime = runtime or FakeRuntime(test=_reward_from_test)
     request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")

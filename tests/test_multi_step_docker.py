@@ -32,6 +32,7 @@ from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve
 from tests.task_factory import make_multi_step_task
+from tests.test_multi_step import step_rewards
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -209,10 +210,7 @@ def test_later_step_cannot_change_an_earlier_reward(
         dockerfile=DOCKERFILE,
     )
     result = run(docker_runtime, task, tmp_path / "trials")
-    assert result.step_results is not None
-    assert [
-        s.verifier_result.rewards if s.verifier_result else None for s in result.step_results
-    ] == [
+    assert step_rewards(result) == [
         {"reward": 1},
         {"reward": 1},
     ]
@@ -257,10 +255,7 @@ def harbor_run(task: Path, jobs: Path) -> dict[str, Any]:
 
 def test_separate_verifiers_per_step(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
     result = run(docker_runtime, separate_task(tmp_path), tmp_path / "trials")
-    assert result.step_results is not None
-    assert [
-        s.verifier_result.rewards if s.verifier_result else None for s in result.step_results
-    ] == [
+    assert step_rewards(result) == [
         {"reward": 1},
         {"reward": 1},
     ], result.first_exception
