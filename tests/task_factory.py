@@ -101,3 +101,37 @@ def make_compose_task(
 {check}{textwrap.dedent(extra)}"""
     )
     return task
+
+
+def make_multi_step_task(
+    root: Path,
+    name: str,
+    steps: dict[str, tuple[str, str]],
+    *,
+    toml: str = "",
+    step_tables: dict[str, str] | None = None,
+    dockerfile: str = "FROM debian:bookworm-slim\nWORKDIR /app\n",
+    shared_test: str | None = None,
+) -> Path:
+    """A multi-step task: ``steps`` maps each step's name to its (solve.sh, test.sh)
+    bash snippets (a None/empty test: none of its own); ``step_tables`` adds lines to a
+    step's ``[[steps]]`` table (``min_reward = 1.0``, ``[steps.agent]``...)."""
+    task = root / name
+    (task / "environment").mkdir(parents=True, exist_ok=True)
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
+    tables = []
+    for step, (solve, test) in steps.items():
+        step_dir = task / "steps" / step
+        (step_dir / "solution").mkdir(parents=True, exist_ok=True)
+        (step_dir / "instruction.md").write_text(f"Step {step}: do it.\n")
+        (step_dir / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{textwrap.dedent(solve)}\n")
+        if test:
+            (step_dir / "tests").mkdir(exist_ok=True)
+            (step_dir / "tests" / "test.sh").write_text(f"#!/bin/bash\n{textwrap.dedent(test)}\n")
+        extra = textwrap.dedent((step_tables or {}).get(step, ""))
+        tables.append(f'[[steps]]\nname = "{step}"\n{extra}\n')
+    if shared_test is not None:
+        (task / "tests").mkdir(exist_ok=True)
+        (task / "tests" / "test.sh").write_text(f"#!/bin/bash\n{textwrap.dedent(shared_test)}\n")
+    (task / "task.toml").write_text(textwrap.dedent(toml) + "\n" + "\n".join(tables))
+    return task

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,16 +213,11 @@ def test_engine_fault_maps_to_internal_error(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- HarborBackend
 
 
-def test_harbor_backend_over_the_fake(tmp_path: Path) -> None:
-    make_task(tmp_path / "ds", "good")
-    make_task(tmp_path / "ds", "bad", test="true")
-
-    def test_sh(container: FakeContainer) -> int:  # "bad"'s test.sh writes no reward
-        if not (container.read("/tests/test.sh") or b"").rstrip().endswith(b"true"):
-            container.write("/logs/verifier/reward.txt", "1")
-        return 0
-
-    runtime = FakeRuntime(test=test_sh)
+def dataset_rollouts(
+    tmp_path: Path, runtime: FakeRuntime, task_ids: list[str]
+) -> tuple[HarborBackend, list[Any]]:
+    """One oracle rollout per task id of the dataset ``tmp_path/ds``, concurrently,
+    through a ``HarborBackend`` over ``runtime``; the backend is shut down after."""
     backend = HarborBackend(
         tasks_dir=tmp_path / "ds",
         task_mode="dataset",
@@ -236,15 +232,29 @@ def test_harbor_backend_over_the_fake(tmp_path: Path) -> None:
         )
         return await backend.execute(request)
 
-    async def both() -> list[object]:
-        results = await asyncio.gather(run("good"), run("bad"), run("missing"))
+    async def every() -> list[object]:
+        results = await asyncio.gather(*(run(task_id) for task_id in task_ids))
         await backend.shutdown()
         return list(results)
 
-    good, bad, missing = asyncio.run(both())
-    assert good.grader.sample.reward == 1.0  # type: ignore[attr-defined]
-    assert bad.result.err_category is RolloutErrorCategory.VALIDATION_ERROR  # type: ignore[attr-defined]
-    assert "no such task" in missing.result.err_message  # type: ignore[attr-defined]
+    return backend, asyncio.run(every())
+
+
+def test_harbor_backend_over_the_fake(tmp_path: Path) -> None:
+    make_task(tmp_path / "ds", "good")
+    make_task(tmp_path / "ds", "bad", test="true")
+
+    def test_sh(container: FakeContainer) -> int:  # "bad"'s test.sh writes no reward
+        if not (container.read("/tests/test.sh") or b"").rstrip().endswith(b"true"):
+            container.write("/logs/verifier/reward.txt", "1")
+        return 0
+
+    backend, (good, bad, missing) = dataset_rollouts(
+        tmp_path, FakeRuntime(test=test_sh), ["good", "bad", "missing"]
+    )
+    assert good.grader.sample.reward == 1.0
+    assert bad.result.err_category is RolloutErrorCategory.VALIDATION_ERROR
+    assert "no such task" in missing.result.err_message
     assert backend.health().backend == "harbor" and backend.queue_info().running == 0
     assert not (tmp_path / "trials" / "r-good").exists()  # successful trials are cleaned up
 

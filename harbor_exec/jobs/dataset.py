@@ -50,7 +50,7 @@ def is_full_reward(result: TrialResult) -> bool:
     ``reward`` key, every key is >= 1.0. The reward must be valid, and the trial free
     of exceptions (the oracle without ``solve.sh`` is still verified, as in Harbor,
     and may earn its tests' reward; it did not pass)."""
-    if result.exception_info is not None:
+    if result.first_exception is not None:
         return False
     if not result.reward_valid or result.verifier_result is None:
         return False
@@ -64,8 +64,8 @@ def failure_reason(result: TrialResult) -> str | None:
     """A one-line reason a trial missed full reward, in the user's terms."""
     if is_full_reward(result):
         return None
-    if result.exception_info is not None:
-        lines = result.exception_info.exception_message.strip().splitlines()
+    if result.first_exception is not None:
+        lines = result.first_exception.exception_message.strip().splitlines()
         return f"{result.exception_type}: {lines[0] if lines else ''}"
     rewards = result.verifier_result.rewards if result.verifier_result else None
     rewards = rewards or {}
@@ -185,17 +185,25 @@ def job_stats(
                 evals.reward_stats.setdefault(key, {}).setdefault(shown, []).append(
                     result.trial_name
                 )
-        usage = result.agent_result
-        if usage is not None:  # summed as Harbor sums them (None: nobody counted)
+        usages = (
+            [result.agent_result]
+            if result.agent_result is not None
+            else [s.agent_result for s in result.step_results or [] if s.agent_result]
+        )
+        for usage in usages:  # summed as Harbor sums them (None: nobody counted)
             stats.n_input_tokens = _add_int(stats.n_input_tokens, usage.n_input_tokens)
             stats.n_cache_tokens = _add_int(stats.n_cache_tokens, usage.n_cache_tokens)
             stats.n_output_tokens = _add_int(stats.n_output_tokens, usage.n_output_tokens)
             stats.cost_usd = _add(stats.cost_usd, usage.cost_usd)
-        if result.exception_type is not None:
+        # Harbor counts every recorded exception's type once (a multi-step trial's
+        # are its steps').
+        exception_types = sorted({e.exception_type for e in result.recorded_exceptions()})
+        for exception_type in exception_types:
+            evals.exception_stats.setdefault(exception_type, []).append(result.trial_name)
+        if exception_types:
             evals.n_errors += 1
             stats.n_errored_trials += 1
-            evals.exception_stats.setdefault(result.exception_type, []).append(result.trial_name)
-            if is_exception(result.exception_type, CancelledError):
+            if any(is_exception(t, CancelledError) for t in exception_types):
                 stats.n_cancelled_trials += 1
     evals.metrics = [mean_metric(valid_rewards)] if valid_rewards else []
     evals.pass_at_k = pass_at_k(results)

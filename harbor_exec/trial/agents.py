@@ -10,7 +10,7 @@ generated grader test are the same verifier over different directories.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ from harbor_exec.container.exchange import (
     RUNTIME_PYTHON,
     TESTS_DIR,
     USER_CODE_DIR,
+    RolloutInput,
     in_logs,
     unframe_sample,
 )
@@ -174,12 +175,23 @@ class OracleAgent:
     def files(self, task: Task) -> list[ArchiveEntry]:
         return tree_entries(task.solution_dir, "/solution", executable=["solve.sh"])
 
+    def for_step(self, task: Task) -> OracleAgent:
+        """The oracle of one step: its ``files`` and ``run`` read the step's view
+        (``steps/<name>/solution/`` when the step has one, else ``solution/``)."""
+        return self
+
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
         if not session.task.solve_script.is_file():
             # Harbor's oracle raises exactly this (recorded as FileNotFoundError),
             # instead of letting bash fail with exit 127. It names the task's own file,
             # not the snapshot we checked.
-            missing = session.task.path / "solution" / "solve.sh"
+            task = session.task
+            missing = task.path / task.solve_script.relative_to(task.root)
+            if task.step is not None and task.solution_dir != task.root / "solution":
+                raise FileNotFoundError(
+                    "No OS-compatible solution script found for step "
+                    f"'{task.step.name}': expected {missing}"
+                )
             raise FileNotFoundError(f"Solution script not found: {missing}")
         config = session.task.config
         env = {
@@ -214,6 +226,8 @@ class TestsVerifier:
 
     tests_dir: Path | None = None
     generated: Sequence[ArchiveEntry] = ()
+    #: A step's own ``tests/``, placed over ``tests_dir`` (Harbor uploads both, in order).
+    step_tests_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
     # Agent outputs this verifier reads (a bundled grader grades the agent's sample):
     # the trial places its own copies there before the verifier runs, in the agent's
@@ -232,8 +246,9 @@ class TestsVerifier:
         if not upload_tests:
             return list(self.generated)
         entries = [ArchiveEntry("/tests", None, 0o755, fresh=True)]
-        if self.tests_dir is not None and self.tests_dir.is_dir():
-            entries += tree_entries(self.tests_dir, "/tests", executable=["test.sh"])[1:]
+        for tests_dir in (self.tests_dir, self.step_tests_dir):
+            if tests_dir is not None and tests_dir.is_dir():
+                entries += tree_entries(tests_dir, "/tests", executable=["test.sh"])[1:]
         return entries + list(self.generated)
 
     def run(
@@ -253,10 +268,9 @@ class TestsVerifier:
         reward files included. The trial reads ``/logs`` back the same way.
         ``placed`` are more files put in with them (the host's copies of ``agent_files``).
         """
-        config = session.task.config
         env = {
             **resolve_env(
-                config.verifier.env,
+                session.task.verifier_env,
                 task=session.task.name,
                 field="[verifier].env",
                 allowed=session.task.env_allow,
@@ -316,6 +330,13 @@ class WorkflowAgent:
 
     def files(self, task: Task) -> list[ArchiveEntry]:
         return [*self.bundle_files, ArchiveEntry(in_logs(AGENT_INPUT), self.rollout_input, 0o644)]
+
+    def for_step(self, task: Task) -> WorkflowAgent:
+        """The workflow of one step: a fresh run whose prompt is the step's instruction
+        (as Harbor runs each step's agent with that step's instruction)."""
+        step_input = RolloutInput.model_validate_json(self.rollout_input)
+        step_input.prompt = [{"role": "user", "content": task.instruction}]
+        return replace(self, rollout_input=step_input.model_dump_json().encode())
 
     def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
         # The sample comes back on the exec's stdout (see ``exchange.frame_sample``),

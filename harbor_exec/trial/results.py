@@ -120,6 +120,17 @@ class VerifierResult(BaseModel):
     rewards: Rewards | None = None
 
 
+class StepResult(BaseModel):
+    """One step of a multi-step trial (Harbor 0.26 ``StepResult``)."""
+
+    step_name: str
+    agent_result: AgentResult | None = None
+    verifier_result: VerifierResult | None = None
+    exception_info: ExceptionInfo | None = None
+    agent_execution: TimingInfo | None = None
+    verifier: TimingInfo | None = None
+
+
 class TrialResult(BaseModel):
     """Harbor's TrialResult (``schema_version: 1``), written as ``<trial>/result.json``."""
 
@@ -143,7 +154,7 @@ class TrialResult(BaseModel):
     agent_setup: TimingInfo | None = None
     agent_execution: TimingInfo | None = None
     verifier: TimingInfo | None = None
-    step_results: list[dict[str, Any]] | None = None
+    step_results: list[StepResult] | None = None
 
     @field_serializer("started_at", "finished_at")
     def _z(self, value: datetime | None) -> str | None:
@@ -155,9 +166,22 @@ class TrialResult(BaseModel):
         """True when there are rewards and no recorded exception voids them."""
         if self.verifier_result is None or not self.verifier_result.rewards:
             return False
-        if self.exception_info is None:
-            return True
-        return policy_for(self.exception_info.exception_type).has_valid_reward
+        return all(
+            policy_for(info.exception_type).has_valid_reward for info in self.recorded_exceptions()
+        )
+
+    def recorded_exceptions(self) -> list[ExceptionInfo]:
+        """The trial's exception first, then each step's, in step order (Harbor's)."""
+        found = [self.exception_info] if self.exception_info is not None else []
+        found += [s.exception_info for s in self.step_results or [] if s.exception_info]
+        return found
+
+    @property
+    def first_exception(self) -> ExceptionInfo | None:
+        """The trial's exception, else the first step's (multi-step trials record
+        what a step's agent or verifier raised on the step)."""
+        recorded = self.recorded_exceptions()
+        return recorded[0] if recorded else None
 
     @property
     def reward(self) -> float | None:
@@ -173,7 +197,9 @@ class TrialResult(BaseModel):
 
     @property
     def exception_type(self) -> str | None:
-        return self.exception_info.exception_type if self.exception_info else None
+        """The first recorded exception's type (the trial's, else a step's)."""
+        first = self.first_exception
+        return first.exception_type if first else None
 
     def write(self, trial_dir: Path, *, redacting: Sequence[str] = ()) -> None:
         """``<trial_dir>/result.json``, with every secret in ``redacting`` scrubbed."""

@@ -23,10 +23,11 @@ import shutil
 import stat
 import tempfile
 import tomllib
-from dataclasses import dataclass
+import unicodedata
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -210,6 +211,42 @@ class SolutionConfig(_Model):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+_STEP_NAME_INVALID = re.compile(r'[<>:"/\\|?*\x00-\x1f\x7f]')
+_WINDOWS_DEVICE = re.compile(r"^(CON|PRN|AUX|NUL|CONIN\$|CONOUT\$|(?:COM|LPT)[1-9¹²³])$", re.I)
+
+
+class StepConfig(_Model):
+    """One ``[[steps]]`` table (Harbor 0.26 ``StepConfig``)."""
+
+    name: str
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    #: A float gates on the ``reward`` key; a mapping on each key it names.
+    min_reward: float | dict[str, float] | None = None
+    healthcheck: HealthcheckConfig | None = None
+    artifacts: list[str | dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _portable_name(cls, value: str) -> str:
+        # Harbor's validate_step_name: one portable directory name on every host OS.
+        if (
+            not value.strip()
+            or value in {".", ".."}
+            or value.endswith((".", " "))
+            or _STEP_NAME_INVALID.search(value)
+            or _WINDOWS_DEVICE.fullmatch(value.partition(".")[0].rstrip(" "))
+        ):
+            raise ValueError(
+                f"invalid step name {value!r}: it must be a non-empty, portable directory "
+                "name (no path separators, control or reserved characters, device names, "
+                "trailing dots or spaces)"
+            )
+        if len(value.encode("utf-8")) > 255:
+            raise ValueError("step names must be at most 255 UTF-8 bytes")
+        return value
+
+
 class TaskConfig(_Model):
     """``task.toml`` (Harbor 0.26, ``schema_version = "1.4"``)."""
 
@@ -221,9 +258,24 @@ class TaskConfig(_Model):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     solution: SolutionConfig = Field(default_factory=SolutionConfig)
     source: str | None = None
-    multi_step_reward_strategy: str | None = None
-    steps: list[dict[str, Any]] | None = None
+    #: How the trial's reward derives from its steps' (None: ``mean``, for multi-step tasks).
+    multi_step_reward_strategy: Literal["mean", "final"] | None = None
+    steps: list[StepConfig] | None = None
     artifacts: list[str | dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_step_names(cls, steps: list[StepConfig] | None) -> list[StepConfig] | None:
+        seen: set[str] = set()
+        for step in steps or []:
+            key = unicodedata.normalize("NFC", step.name).casefold()
+            if key in seen:
+                raise ValueError(
+                    "step names must be unique, including case and Unicode normalization "
+                    f"variants: {step.name!r}"
+                )
+            seen.add(key)
+        return steps
 
     @model_validator(mode="before")
     @classmethod
@@ -258,6 +310,18 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return f"[{parts[0]}]" + "".join(f".{p}" for p in parts[1:])
 
 
+def _step_field_path(loc: tuple[int | str, ...], data: Any) -> str | None:
+    """``("steps", 1, "min_reward")`` -> ``[[steps]] #2 ('check').min_reward``."""
+    if len(loc) < 2 or loc[0] != "steps" or not isinstance(loc[1], int):
+        return None
+    steps = data.get("steps") if isinstance(data, dict) else None
+    entry = steps[loc[1]] if isinstance(steps, list) and loc[1] < len(steps) else None
+    name = entry.get("name") if isinstance(entry, dict) else None
+    label = f"[[steps]] #{loc[1] + 1}" + (f" ({name!r})" if isinstance(name, str) else "")
+    rest = _field_path(loc[2:])
+    return label if rest == "(top level)" else f"{label}.{rest.replace('[', '').replace(']', '')}"
+
+
 def parse_task_config(text: str, *, task: str) -> TaskConfig:
     """Parse ``task.toml`` text; a ``TaskConfigError`` names the field at fault."""
     try:
@@ -269,7 +333,8 @@ def parse_task_config(text: str, *, task: str) -> TaskConfig:
     except ValidationError as exc:
         by_field: dict[str, list[str]] = {}
         for err in exc.errors(include_url=False):
-            by_field.setdefault(_field_path(err["loc"]), []).append(err["msg"])
+            path = _step_field_path(err["loc"], data) or _field_path(err["loc"])
+            by_field.setdefault(path, []).append(err["msg"])
         problems = "; ".join(f"{path}: {' or '.join(msgs)}" for path, msgs in by_field.items())
         raise TaskConfigError(task, problems, file="task.toml") from None
 
@@ -414,8 +479,24 @@ def snapshot_task(task_dir: Path, *, task: str, store: Path | None = None) -> Pa
 
 
 @dataclass(frozen=True)
+class TaskStep:
+    """One step of a multi-step task: its ``[[steps]]`` table and instruction."""
+
+    config: StepConfig
+    instruction: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True)
 class Task:
-    """A loaded, validated single-step Harbor task.
+    """A loaded, validated Harbor task.
+
+    A multi-step task has ``steps``; ``for_step`` gives the view of one step (its
+    instruction, solution, tests, timeouts, users and artifacts), which the trial
+    runs as it runs a single-step task (``harbor_exec.trial.steps``).
 
     ``path`` is where it was loaded from (what results report); ``files`` is its
     checked snapshot, which every build and upload reads.
@@ -433,10 +514,71 @@ class Task:
     # Harbor's ``task_id`` when it is not ``{"path": ...}``: a git task's
     # ``{git_url, git_commit_id, path}``.
     origin: dict[str, str] | None = None
+    #: ``[[steps]]`` in order (empty: a single-step task).
+    steps: tuple[TaskStep, ...] = ()
+    #: The step this view runs (``for_step``); None: the task itself.
+    step: TaskStep | None = None
 
     @property
     def root(self) -> Path:
         return self.files or self.path
+
+    @property
+    def is_multi_step(self) -> bool:
+        return bool(self.steps)
+
+    def for_step(self, step: TaskStep) -> Task:
+        """The view of ``step``: what the trial's agent and verifier read for it."""
+        return replace(self, step=step, instruction=step.instruction)
+
+    def step_dir(self, name: str) -> Path:
+        return self.root / "steps" / name
+
+    @property
+    def step_tests_dir(self) -> Path | None:
+        """The step's own ``tests/``, placed over the task's ``tests/`` (as Harbor does)."""
+        return None if self.step is None else self.step_dir(self.step.name) / "tests"
+
+    @property
+    def step_workdir(self) -> Path | None:
+        """``steps/<name>/workdir/``: copied into the container's workdir before the step."""
+        return None if self.step is None else self.step_dir(self.step.name) / "workdir"
+
+    @property
+    def agent_timeout_sec(self) -> float | None:
+        """The step's ``[steps.agent].timeout_sec``, else the task's."""
+        step_timeout = self.step.config.agent.timeout_sec if self.step is not None else None
+        return self.config.agent.timeout_sec if step_timeout is None else step_timeout
+
+    @property
+    def verifier_timeout_sec(self) -> float:
+        """The step's ``[steps.verifier].timeout_sec`` (Harbor 0.26 reads the step's,
+        whose default is 600 s, never the task's), else the task's."""
+        if self.step is not None:
+            return self.step.config.verifier.timeout_sec
+        return self.config.verifier.timeout_sec
+
+    @property
+    def agent_user(self) -> str | int | None:
+        step_user = self.step.config.agent.user if self.step is not None else None
+        return self.config.agent.user if step_user is None else step_user
+
+    @property
+    def verifier_user(self) -> str | int | None:
+        step_user = self.step.config.verifier.user if self.step is not None else None
+        return self.config.verifier.user if step_user is None else step_user
+
+    @property
+    def verifier_env(self) -> dict[str, str]:
+        """``[verifier].env`` with the step's ``[steps.verifier].env`` over it."""
+        step_env = self.step.config.verifier.env if self.step is not None else {}
+        return {**self.config.verifier.env, **step_env}
+
+    @property
+    def artifacts(self) -> list[str | dict[str, Any]]:
+        """The task's declared artifacts, then the step's."""
+        step_artifacts = self.step.config.artifacts if self.step is not None else []
+        return [*self.config.artifacts, *step_artifacts]
 
     @property
     def environment_dir(self) -> Path:
@@ -453,6 +595,11 @@ class Task:
 
     @property
     def solution_dir(self) -> Path:
+        """A step's ``steps/<name>/solution/`` when it has one, else ``solution/``."""
+        if self.step is not None:
+            own = self.step_dir(self.step.name) / "solution"
+            if own.is_dir():
+                return own
         return self.root / "solution"
 
     @property
@@ -466,10 +613,14 @@ class Task:
 
     @property
     def test_script(self) -> Path:
+        if self.step_tests_dir is not None and (self.step_tests_dir / "test.sh").is_file():
+            return self.step_tests_dir / "test.sh"
         return self.tests_dir / "test.sh"
 
     @property
     def has_tests(self) -> bool:
+        if self.steps and self.step is None:
+            return all(self.for_step(step).has_tests for step in self.steps)
         return self.test_script.is_file()
 
     @property
@@ -520,8 +671,6 @@ def load_task(
     config_path = task_dir / "task.toml"
     config = parse_task_config(config_path.read_text(encoding="utf-8"), task=label)
     name = config.task.name if config.task is not None else source_dir.resolve().name
-    if config.steps:
-        raise TaskError(name, "multi-step tasks ([[steps]]) are not supported", file="task.toml")
     if config.environment.os is not TaskOS.LINUX:
         raise TaskError(name, "[environment].os: only 'linux' tasks can run here", file="task.toml")
     env_dir = task_dir / "environment"
@@ -540,18 +689,58 @@ def load_task(
             "environment/ has neither a Dockerfile nor a docker-compose.yaml",
             file="environment/Dockerfile",
         )
+    steps = _load_steps(task_dir, config, name=name, require_tests=require_tests)
     instruction_path = task_dir / "instruction.md"
-    if not instruction_path.is_file():
+    if steps:
+        instruction = ""  # each step has its own (Harbor: Task.instruction is "")
+    elif not instruction_path.is_file():
         raise TaskError(name, "missing (the agent's instruction)", file="instruction.md")
-    if require_tests and not (task_dir / "tests" / "test.sh").is_file():
+    elif require_tests and not (task_dir / "tests" / "test.sh").is_file():
         raise TaskError(name, "missing (the verifier's entry point)", file="tests/test.sh")
-    instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
+    else:
+        instruction = strip_canary(instruction_path.read_text(encoding="utf-8"))
     digests = (
         tree_digest(env_dir, extra=f"docker_image={config.environment.docker_image}"),
         task_dir.name,  # the snapshot is named by tree_digest(task_dir)
         tree_digest(task_dir / "tests"),
     )
-    return Task(source_dir.resolve(), name, config, instruction, digests, task_dir, env_allow)
+    return Task(
+        source_dir.resolve(), name, config, instruction, digests, task_dir, env_allow, steps=steps
+    )
+
+
+def _load_steps(
+    task_dir: Path, config: TaskConfig, *, name: str, require_tests: bool
+) -> tuple[TaskStep, ...]:
+    """Each ``[[steps]]`` entry with its instruction, checked as Harbor 0.26 checks them:
+    ``steps/<name>/instruction.md``, and a test script (the step's ``tests/test.sh`` or
+    the task's shared ``tests/test.sh``) unless verification is off."""
+    steps: list[TaskStep] = []
+    for index, step in enumerate(config.steps or [], start=1):
+        where = f"[[steps]] #{index} ({step.name!r}) in task.toml"
+        step_dir = task_dir / "steps" / step.name
+        rel = f"steps/{step.name}"
+        if not step_dir.is_dir():
+            raise TaskError(name, f"missing: the directory of {where}", file=rel)
+        instruction = step_dir / "instruction.md"
+        if not instruction.is_file():
+            raise TaskError(
+                name, f"missing: the instruction of {where}", file=f"{rel}/instruction.md"
+            )
+        if (
+            require_tests
+            and not (step_dir / "tests" / "test.sh").is_file()
+            and not (task_dir / "tests" / "test.sh").is_file()
+        ):
+            raise TaskError(
+                name,
+                f"missing: {where} has no test script ({rel}/tests/test.sh, or a shared "
+                "tests/test.sh)",
+                file=f"{rel}/tests/test.sh",
+            )
+        text = strip_canary(instruction.read_text(encoding="utf-8"))
+        steps.append(TaskStep(step, text))
+    return tuple(steps)
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,8 @@ from harbor_exec.trial.results import (
     parse_rewards,
     utcnow,
 )
-from harbor_exec.trial.task import EnvironmentConfig, Task, resolve_env
+from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
+from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -318,8 +319,12 @@ class Trial:
             request.task.config, separate_verifier=self.verifier_mode == "separate"
         )
         self._egress = TrialEgress(self.name, self.dir, request.policy.egress)
-        #: A compose task's sidecars, network and volumes (``harbor_exec.trial.compose``).
-        self._compose: ComposeEnvironment | None = None
+        #: A compose task's sidecars, network and volumes (``harbor_exec.trial.compose``),
+        #: one project per container that has them (a multi-step task's separate verifier
+        #: gets its own while the agent's stays); the tracked container's is the last.
+        self._composes: list[ComposeEnvironment] = []
+        #: A multi-step trial moved the outputs read so far into ``steps/<name>/``.
+        self._outputs_archived = False
 
     # ----------------------------------------------------------------- control
 
@@ -372,16 +377,22 @@ class Trial:
             task_checksum=task.checksum(),
             config=self._config_summary(),
             agent_info=request.agent.info,
-            verifier_environment_mode=self.verifier_mode,
+            # Harbor 0.26 records None for multi-step trials (resolved per step).
+            verifier_environment_mode=None if task.is_multi_step else self.verifier_mode,
             started_at=utcnow(),
         )
         session: TrialSession | None = None
         try:
+            if task.is_multi_step:
+                check_steps_supported(self)
             session = self._environment(result)
             self._healthcheck(session)
-            if self._exception is None:
+            if task.is_multi_step:
+                if self._exception is None:
+                    run_steps(self, session, result)
+            elif self._exception is None:
                 self._agent(session, result)
-            if self._should_verify():
+            if not task.is_multi_step and self._should_verify():
                 assert session is not None
                 if self.verifier_mode == "separate":
                     self._verify_separate(session, result)
@@ -482,12 +493,13 @@ class Trial:
         )
 
     def _create(self, spec: ContainerSpec) -> str:
+        projects = len(self._composes)
         spec = self._compose_up(spec)
         with self._container_lock:
             self._check_cancelled()
             container_id = self._container_id = self.runtime.create(spec)
-        if self._compose is not None:
-            self._compose.place_main_binds(container_id)
+        if len(self._composes) > projects:
+            self._composes[-1].place_main_binds(container_id)
         return container_id
 
     def _compose_up(self, spec: ContainerSpec) -> ContainerSpec:
@@ -505,7 +517,7 @@ class Trial:
             return spec
         project, images, built = prepare_images(self.runtime, task)
         self.images_built += built
-        self._compose = ComposeEnvironment(
+        compose = ComposeEnvironment(
             self.runtime,
             task,
             project,
@@ -517,12 +529,15 @@ class Trial:
             start_timeout_sec=task.config.environment.build_timeout_sec,
             cancelled=lambda: self.cancelled,
         )
-        return self._compose.up(spec, {**images, "main": spec.image})
+        self._composes.append(compose)
+        return compose.up(spec, {**images, "main": spec.image})
 
-    def _compose_down(self) -> None:
-        compose, self._compose = self._compose, None
-        if compose is not None:
-            compose.down()
+    def _compose_down(self, *, every: bool = True) -> None:
+        """Remove the tracked container's compose project (``every``: all of them)."""
+        while self._composes:
+            self._composes.pop().down()
+            if not every:
+                return
 
     def _check_environment_fields(self) -> None:
         """Refuse, before anything is built, the ``[environment]`` fields Harbor 0.26
@@ -642,7 +657,7 @@ class Trial:
         """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
         ``container_id`` (created from ``image``, not started). A user left unset is
         the image's USER, as in Harbor."""
-        config = self.request.task.config
+        task = self.request.task
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
         if image == self.image and self._accounts is None:
@@ -651,7 +666,7 @@ class Trial:
             self._accounts, self._default_user = accounts, default
         resolved: dict[UserRole, str] = {}
         for role in roles:
-            user = {"agent": config.agent.user, "verifier": config.verifier.user}.get(role)
+            user = {"agent": task.agent_user, "verifier": task.verifier_user}.get(role)
             wanted = default if user is None or str(user) == "" else user
             try:
                 resolved[role] = accounts.resolve(wanted)
@@ -667,7 +682,9 @@ class Trial:
         HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
         ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
         ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
-        check = self.request.task.config.environment.healthcheck
+        self._run_healthcheck(session, self.request.task.config.environment.healthcheck)
+
+    def _run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
         if check is None:
             return
         start_period_end = time.monotonic() + check.start_period_sec
@@ -697,7 +714,7 @@ class Trial:
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
         timeout = request.agent_timeout_sec
         if timeout is None:
-            timeout = request.task.config.agent.timeout_sec
+            timeout = request.task.agent_timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
         limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
@@ -767,7 +784,7 @@ class Trial:
 
     def _verifier_timeout(self) -> float | None:
         timeout = self.request.verifier_timeout_sec
-        return self.request.task.config.verifier.timeout_sec if timeout is None else timeout
+        return self.request.task.verifier_timeout_sec if timeout is None else timeout
 
     def _run_verifier(
         self,
@@ -779,7 +796,8 @@ class Trial:
     ) -> None:
         """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
         read ``/logs/verifier`` through the engine and parse the reward."""
-        verifier = self.request.verifier or TestsVerifier(self.request.task.tests_dir)
+        task = self.request.task
+        verifier = step_verifier(self.request.verifier or TestsVerifier(task.tests_dir), task)
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
@@ -839,19 +857,28 @@ class Trial:
             return False
         return True
 
-    def _verify_separate(self, session: TrialSession, result: TrialResult) -> None:
+    def _verify_separate(
+        self, session: TrialSession, result: TrialResult, *, keep_agent: bool = False
+    ) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
 
         The hand-over (the agent's logs and artifacts, copied out and packed on the
         agent's budget) happens before the verifier's clock starts: nothing the agent
-        wrote is charged to the verifier's timeout or crowds its own outputs."""
+        wrote is charged to the verifier's timeout or crowds its own outputs.
+        ``keep_agent``: the agent's container stays for a later step (multi-step tasks);
+        the verifier's is removed once it is done."""
         task = self.request.task
+        agent_id: str | None = None
         with tempfile.TemporaryFile(dir=self.dir) as handover:
             self._pack_handover(session.container_id, handover)
             self._phase(TrialPhase.VERIFIER)
             timing = result.verifier = TimingInfo(started_at=utcnow())
             try:
-                self._remove_container()
+                if keep_agent:
+                    with self._container_lock:  # the verifier's is the one tracked now
+                        agent_id, self._container_id = self._container_id, None
+                else:
+                    self._remove_container()
                 image, upload_tests = self._verifier_image()
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
@@ -867,6 +894,12 @@ class Trial:
                 self._record(exc)
             finally:
                 timing.finished_at = utcnow()
+                if agent_id is not None:  # the verifier's goes; the agent's is tracked again
+                    self._remove_container()
+                    with self._container_lock:
+                        self._container_id = agent_id
+                    if self.cancelled:  # cancel() ran while the verifier's was the tracked one
+                        self._remove_container()
         self._record_agent_overflow()
 
     def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
@@ -945,8 +978,7 @@ class Trial:
         excludes of ``/logs/artifacts`` (Harbor's implicit first entry, which an
         explicit entry for it replaces)."""
         specs = [
-            {"source": i} if isinstance(i, str) else dict(i)
-            for i in self.request.task.config.artifacts
+            {"source": i} if isinstance(i, str) else dict(i) for i in self.request.task.artifacts
         ]
         declared = [s for s in specs if str(s.get("source") or "").rstrip("/") != CONVENTION_DIR]
         explicit = [s for s in specs if s not in declared]
@@ -1049,7 +1081,7 @@ class Trial:
     def _write_artifact_manifest(self) -> None:
         """Harbor's ``artifacts/manifest.json``: ``/logs/artifacts`` first, then each
         declared artifact, once they were collected."""
-        if self._artifact_entries is None:
+        if self._artifact_entries is None or self._outputs_archived:
             return
         root, convention = self.dir / "artifacts", self._convention_dir
         status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
@@ -1143,7 +1175,7 @@ class Trial:
             container_id, self._container_id = self._container_id, None
         if container_id is not None:
             self.runtime.remove(container_id)
-        self._compose_down()
+        self._compose_down(every=False)
 
     def _teardown(self, session: TrialSession | None) -> None:
         self._egress.close()

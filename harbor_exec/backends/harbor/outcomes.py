@@ -83,7 +83,8 @@ def rollout_outcome(
     diagnostics = diagnostics_of(run, spec)
     if is_exception(exc_type, CancelledError):
         return ExecutionOutcome(workflow=cancelled(diagnostics))
-    message = result.exception_info.exception_message if result.exception_info else ""
+    first = result.first_exception
+    message = first.exception_message if first else ""
     workflow, sample = _workflow_result(request, run, spec, message, diagnostics)
     if workflow.status is not RolloutStatus.SUCCESS or not spec.verify:
         return ExecutionOutcome(workflow=workflow)
