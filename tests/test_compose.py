@@ -16,7 +16,7 @@ from harbor_exec.trial import compose
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest, run_trial
 from tests.fake_runtime import HOLD, FakeRuntime
-from tests.task_factory import make_task
+from tests.task_factory import make_multi_step_task, make_task
 
 
 def model(env: Path, **services: dict[str, Any]) -> dict[str, Any]:
@@ -240,6 +240,57 @@ def test_a_separate_verifier_gets_a_fresh_compose_project(
     assert len(set(created_networks)) == 2
     verifier = list(runtime.containers.values())[3]
     assert verifier.spec.network_name == created_networks[1]
+    assert all(c.removed for c in runtime.containers.values())
+    assert runtime.networks == {} and runtime.trial_volumes == {}
+
+
+def test_multi_step_separate_verifiers_keep_the_agents_project_and_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-step compose task with separate verifiers: each step's verifier gets a
+    project of its own while the agent's (kept for the next step) stays up; every one
+    of them is removed in the end."""
+    steps = {name: ("true", "echo 1 > /logs/verifier/reward.txt") for name in ("one", "two")}
+    root = make_multi_step_task(
+        tmp_path / "tasks", "ms-compose", steps, toml='[verifier]\nenvironment_mode = "separate"\n'
+    )
+    env = root / "environment"
+    (env / "db").mkdir()
+    (env / "db" / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\n")
+    (env / "conf").mkdir()
+    (env / "docker-compose.yaml").write_text("services:\n  db:\n    build: ./db\n")
+    task = load_task(root)
+    snapshot = task.environment_dir.resolve()
+    patch_model(monkeypatch, model(snapshot, db=db(snapshot)))
+    sidecars_at_solve: list[int] = []
+
+    def solve(container: Any) -> int:
+        sidecars_at_solve.append(
+            sum(
+                c.spec.labels[LABEL_KIND] == "sidecar" and not c.removed
+                for c in runtime.containers.values()
+            )
+        )
+        return 0
+
+    runtime = FakeRuntime(solve=solve)
+    live_at_verifier: list[int] = []
+    original = runtime.create_network
+
+    def record(name: str, labels: Any, *, internal: bool) -> str:
+        live_at_verifier.append(len(runtime.networks))
+        return original(name, labels, internal=internal)
+
+    runtime.create_network = record  # type: ignore[method-assign]
+    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
+    assert result.exception_info is None, result.exception_info
+    assert [s.verifier_result.rewards for s in result.step_results or [] if s.verifier_result] == [
+        {"reward": 1},
+        {"reward": 1},
+    ]
+    # The agent's network, then one per verifier; the agent's lived through step one's.
+    assert live_at_verifier == [0, 1, 0], live_at_verifier
+    assert sidecars_at_solve == [1, 1], "step two's agent lost its sidecar"
     assert all(c.removed for c in runtime.containers.values())
     assert runtime.networks == {} and runtime.trial_volumes == {}
 
