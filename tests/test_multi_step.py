@@ -367,6 +367,19 @@ def test_separate_verifiers_get_fresh_containers_and_the_agent_keeps_its_own(
     assert (out / "two" / "artifacts" / "logs" / "artifacts" / "n.txt").read_text() == "2"
 
 
+def test_a_steps_own_network_policy_is_refused_clearly(tmp_path: Path) -> None:
+    task_dir = _steps_task(
+        tmp_path,
+        {"one": "1"},
+        step_tables={"one": '[steps.agent]\nnetwork_mode = "no-network"\n'},
+    )
+    result = _run(tmp_path, task_dir)
+    assert result.exception_info is not None
+    assert result.exception_info.exception_type == "TaskConfigError"
+    assert "[steps.agent].network_mode" in result.exception_info.exception_message
+    assert "'one'" in result.exception_info.exception_message
+
+
 def test_a_steps_own_verifier_environment_is_refused_clearly(tmp_path: Path) -> None:
     task_dir = _steps_task(
         tmp_path,

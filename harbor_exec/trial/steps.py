@@ -104,6 +104,16 @@ def check_steps_supported(trial: Trial) -> None:
                 "environment/)",
                 file="task.toml",
             )
+        for phase, config in (("agent", step.config.agent), ("verifier", step.config.verifier)):
+            if config.network_mode is not None or config.allowed_hosts is not None:
+                # The container's network is made once for every step; a step's own
+                # phase policy would need it changed mid-trial.
+                raise TaskConfigError(
+                    task.name,
+                    f"{where}: [steps.{phase}].network_mode/allowed_hosts is not supported "
+                    f"here; set the policy on the task's [{phase}] or [environment]",
+                    file="task.toml",
+                )
     if not callable(getattr(request.agent, "for_step", None)):
         raise TaskConfigError(
             task.name,
