@@ -1,0 +1,386 @@
+"""The package cache on loopback: a real TLS-terminating tunnel in front of real local
+upstreams (HTTP and HTTPS on 127.0.0.1), a real httpx client through it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import stat
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
+from harbor_exec.sandbox.egress.cache import (
+    CacheRequest,
+    CacheStats,
+    CacheTotals,
+    HttpxUpstream,
+    Kind,
+    PackageCache,
+    UpstreamRefused,
+    classify,
+    public_resolver,
+)
+from harbor_exec.sandbox.egress.serve import (
+    PlainStream,
+    request_from_url,
+    serve_http,
+    serve_intercepted,
+)
+from tests.package_upstream import Upstream, serve_upstream
+
+NAMES = ("files.test", "pypi.test", "deb.test")
+
+
+@pytest.fixture
+def upstream_ca(tmp_path: Path) -> LocalCA:
+    """The upstreams' own CA (a different one from the cache's)."""
+    return LocalCA(tmp_path / "upstream-ca")
+
+
+@pytest.fixture
+def https_upstream(upstream_ca: LocalCA) -> Iterator[Upstream]:
+    # One certificate for every test name: serve_upstream presents files.test's leaf
+    # (the SNI callback picks the name's own).
+    context = upstream_ca.server_context("files.test")
+
+    def pick(sock: ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext) -> None:
+        if name:
+            sock.context = upstream_ca.server_context(name)
+
+    context.sni_callback = pick
+    with serve_upstream(context) as upstream:
+        yield upstream
+
+
+@pytest.fixture
+def http_upstream() -> Iterator[Upstream]:
+    with serve_upstream() as upstream:
+        yield upstream
+
+
+class Harness:
+    """The cache behind a minimal CONNECT/absolute-form front (the egress proxy's part
+    in production), one session per "trial"."""
+
+    def __init__(self, cache: PackageCache, ca: LocalCA) -> None:
+        self.cache = cache
+        self.ca = ca
+        self.port = 0
+        self.server: asyncio.AbstractServer | None = None
+        self.sessions: dict[str, object] = {}
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._on, "127.0.0.1", 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+
+    async def _on(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        line, *rest = head.decode("latin-1").split("\r\n")
+        method, target, _ = line.split(" ")
+        trial = "default"
+        for header in rest:
+            if header.lower().startswith("proxy-authorization:"):
+                trial = header.split(":", 1)[1].strip()
+        session = self.session(trial)
+        if method == "CONNECT":
+            host, port = target.rsplit(":", 1)
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+            await serve_intercepted(
+                reader, writer, host=host, port=int(port), session=session, ca=self.ca
+            )
+            return
+        # Plain HTTP, absolute-form: hand the request to the cache's h11 loop with the
+        # bytes already read.
+        request = request_from_url(method, target, [], None)
+        await serve_http(
+            PlainStream(reader, writer),
+            scheme=request.scheme,
+            host=request.host,
+            port=request.port,
+            session=session,
+            buffered=head,
+        )
+        writer.close()
+
+    def session(self, trial: str):  # type: ignore[no-untyped-def]
+        if trial not in self.sessions:
+            self.sessions[trial] = self.cache.session()
+        return self.sessions[trial]
+
+    def stats(self, trial: str = "default") -> CacheStats:
+        return self.session(trial).stats  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.cache.aclose()
+
+
+def _resolver(*upstreams: Upstream):  # type: ignore[no-untyped-def]
+    """Every test name -> the HTTPS upstream, port 80 -> the HTTP one."""
+    https, http = upstreams[0], upstreams[-1]
+
+    async def resolve(host: str, port: int) -> tuple[str, int]:
+        if host not in NAMES:
+            raise UpstreamRefused(f"{host} is not a test name")
+        return "127.0.0.1", http.port if port == 80 else https.port
+
+    return resolve
+
+
+@asynccontextmanager
+async def harness(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    *upstreams: Upstream,
+    max_bytes: int = 10_000_000,
+    ca_bundle: Path | None = None,
+) -> AsyncIterator[Harness]:
+    cache = PackageCache(
+        tmp_path / "store",
+        max_bytes=max_bytes,
+        upstream=HttpxUpstream(
+            ca_bundle=ca_bundle or upstream_ca.cert_path, resolver=_resolver(*upstreams)
+        ),
+        totals=CacheTotals(),
+    )
+    front = Harness(cache, LocalCA(tmp_path / "cache-ca"))
+    await front.start()
+    try:
+        yield front
+    finally:
+        await front.aclose()
+
+
+def client(front: Harness, trial: str = "default") -> httpx.AsyncClient:
+    context = ssl.create_default_context(cafile=str(front.ca.cert_path))
+    return httpx.AsyncClient(
+        proxy=httpx.Proxy(f"http://127.0.0.1:{front.port}", headers={"Proxy-Authorization": trial}),
+        verify=context,
+        trust_env=False,
+    )
+
+
+WHEEL = "/packages/aa/bb/demo-1.0-py3-none-any.whl"
+
+
+async def test_artifact_miss_then_hit_serves_the_upstreams_bytes(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"wheel-bytes" * 1000)
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "t1") as c1, client(front, "t2") as c2:
+            first = await c1.get(f"https://files.test{WHEEL}")
+            second = await c2.get(f"https://files.test{WHEEL}")
+            head = await c2.head(f"https://files.test{WHEEL}")
+        assert first.status_code == second.status_code == 200
+        assert first.content == second.content == b"wheel-bytes" * 1000
+        assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
+        assert head.status_code == 200 and head.headers["content-length"] == "11000"
+        assert https_upstream.count(WHEEL) == 1
+        assert front.stats("t1").misses == 1 and front.stats("t1").bytes_from_upstream == 11000
+        t2 = front.stats("t2")
+        assert (t2.hits, t2.misses, t2.upstream_requests, t2.bytes_from_cache) == (2, 0, 0, 11000)
+
+
+async def test_a_client_cannot_change_what_is_stored_for_a_url(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"genuine")
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "attacker") as attacker:
+            poisoned = await attacker.get(
+                f"https://files.test{WHEEL}",
+                headers={
+                    "Host": "evil.test",
+                    "X-Forwarded-Host": "evil.test",
+                    "Range": "bytes=0-2",
+                    "If-None-Match": '"x"',
+                    "Cache-Control": "max-age=999999",
+                    "User-Agent": "attacker",
+                },
+            )
+            # Requests with a body or credentials pass through and are not stored.
+            await attacker.post(f"https://files.test{WHEEL}", content=b"fake wheel")
+            await attacker.get(
+                f"https://files.test{WHEEL}?x=1", headers={"Authorization": "Bearer t"}
+            )
+        async with client(front, "victim") as victim:
+            got = await victim.get(f"https://files.test{WHEEL}")
+        assert poisoned.content == b"genuine"  # whole body from the upstream, Range ignored
+        assert got.content == b"genuine" and got.headers["x-cache"] == "HIT"
+        (fetch,) = [s for s in https_upstream.seen if s.method == "GET" and s.path == WHEEL]
+        # Nothing the client sent reached the upstream's cacheable request.
+        assert fetch.headers["host"] == "files.test"
+        for name in ("x-forwarded-host", "range", "if-none-match", "cache-control"):
+            assert name not in fetch.headers
+        assert fetch.headers["user-agent"].startswith("harbor-exec-package-cache")
+        assert front.stats("attacker").passthrough == 2
+        assert https_upstream.count(f"{WHEEL}?x=1") == 1
+        assert front.cache.store.size == len(b"genuine")
+
+
+async def test_an_index_is_revalidated_and_a_new_release_appears(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    index = "/simple/demo/"
+    https_upstream.set(index, b"<a>demo-1.0</a>", headers={"Cache-Control": "max-age=600"})
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front) as c:
+            first = await c.get(f"https://pypi.test{index}")
+            same = await c.get(f"https://pypi.test{index}")
+            https_upstream.set(index, b"<a>demo-1.0</a><a>demo-2.0</a>")
+            changed = await c.get(f"https://pypi.test{index}")
+        assert first.headers["x-cache"] == "MISS"
+        assert same.headers["x-cache"] == "REVALIDATED" and same.content == first.content
+        assert changed.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
+        assert https_upstream.count(index, 304) == 1 and https_upstream.count(index, 200) == 2
+        assert front.stats().revalidated == 1
+
+
+async def test_an_index_without_validators_is_not_stored(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    lists = "/debian/dists/stable/InRelease"
+    http_upstream.set(lists, b"Origin: Debian", etag=False)
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            for _ in range(2):
+                got = await c.get(f"http://deb.test{lists}")
+                assert got.content == b"Origin: Debian" and got.headers.get("x-cache") is None
+        assert http_upstream.count(lists) == 2 and front.cache.store.size == 0
+
+
+async def test_only_successful_cacheable_gets_are_stored(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    http_upstream.set("/pool/a.deb", b"gone", status=404)
+    http_upstream.set("/pool/b.deb", b"", status=302, headers={"Location": "/pool/c.deb"})
+    http_upstream.set("/pool/c.deb", b"secret", headers={"Cache-Control": "private"})
+    http_upstream.set("/pool/d.deb", b"session", headers={"Set-Cookie": "s=1"})
+    http_upstream.set("/pool/e.deb", b"nostore", headers={"Cache-Control": "no-store"})
+    http_upstream.set("/pool/f.deb", b"varies", headers={"Vary": "Cookie"})
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            for name in "abcdef":
+                for _ in range(2):
+                    got = await c.get(f"http://deb.test/pool/{name}.deb")
+                    assert got.headers.get("x-cache") is None
+            assert (await c.get("http://deb.test/pool/b.deb")).status_code == 302
+        for name in "acdef":
+            assert http_upstream.count(f"/pool/{name}.deb") == 2
+        assert front.cache.store.size == 0 and front.stats().passthrough == 13
+
+
+async def test_the_cache_stays_within_its_bound_evicting_least_recently_used(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    for i in range(6):
+        http_upstream.set(f"/pool/{i}.deb", bytes([65 + i]) * 1000)
+    async with harness(tmp_path, upstream_ca, http_upstream, max_bytes=3000) as front:
+        async with client(front) as c:
+            for i in range(3):
+                await c.get(f"http://deb.test/pool/{i}.deb")
+            await c.get("http://deb.test/pool/0.deb")  # 0 is now the most recent
+            for i in range(3, 5):
+                await c.get(f"http://deb.test/pool/{i}.deb")
+                assert front.cache.store.size <= 3000
+            kept = {e.url.rsplit("/", 1)[1] for e in front.cache.store._lru.values()}
+            assert kept == {"0.deb", "3.deb", "4.deb"}
+            assert (await c.get("http://deb.test/pool/0.deb")).headers["x-cache"] == "HIT"
+            assert (await c.get("http://deb.test/pool/1.deb")).headers["x-cache"] == "MISS"
+        assert front.cache.store.evictions == 3
+        assert len(list((tmp_path / "store" / "objects").glob("*.body"))) == 3
+    # What is on disk survives a restart, still within the bound.
+    reopened = PackageCache(tmp_path / "store", max_bytes=2000, totals=None)
+    assert reopened.store.size <= 2000 and len(reopened.store._lru) == 2
+    await reopened.aclose()
+
+
+async def test_concurrent_requests_for_one_url_fetch_it_once(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, os.urandom(3_000_000))
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        clients = [client(front, f"t{i}") for i in range(8)]
+        try:
+            answers = await asyncio.gather(*(c.get(f"https://files.test{WHEEL}") for c in clients))
+        finally:
+            for c in clients:
+                await c.aclose()
+        assert {a.content for a in answers} == {https_upstream.routes[WHEEL].body}
+        assert https_upstream.count(WHEEL) == 1
+
+
+async def test_upstream_tls_is_verified(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"from an unverified host")
+    other = LocalCA(tmp_path / "not-the-upstreams-ca")
+    async with harness(tmp_path, upstream_ca, https_upstream, ca_bundle=other.cert_path) as front:
+        async with client(front) as c:
+            got = await c.get(f"https://files.test{WHEEL}")
+        assert got.status_code == 502 and b"CERTIFICATE_VERIFY_FAILED" in got.content
+        assert front.cache.store.size == 0 and front.stats().upstream_errors == 1
+
+
+async def test_the_default_resolver_refuses_non_public_addresses() -> None:
+    for host in ("127.0.0.1", "localhost", "10.1.2.3", "::ffff:127.0.0.1", "169.254.169.254"):
+        with pytest.raises(UpstreamRefused):
+            await public_resolver(host, 80)
+
+
+async def test_a_refused_destination_is_a_403(tmp_path: Path) -> None:
+    cache = PackageCache(tmp_path / "s", max_bytes=1000, totals=None)
+    stats = CacheStats()
+    answer = await cache.handle(CacheRequest("GET", "http", "127.0.0.1", 8080, "/x.deb"), stats)
+    assert answer.status == 403 and stats.upstream_requests == 0
+    await answer.aclose()
+    await cache.aclose()
+
+
+def test_the_ca_key_is_private_and_leaves_verify(tmp_path: Path) -> None:
+    ca = LocalCA(tmp_path / "ca")
+    key = tmp_path / "ca" / CA_KEY
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "ca").stat().st_mode) == 0o700
+    assert b"PRIVATE KEY" not in ca.cert_pem and b"PRIVATE KEY" not in ca.cert_path.read_bytes()
+    # No leaf key or leaf file is left behind.
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca-cert.pem", "ca-key.pem"]
+    ca.server_context("pypi.org")
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca-cert.pem", "ca-key.pem"]
+    # The same CA is loaded again; a key others can read is refused.
+    assert LocalCA(tmp_path / "ca").cert_pem == ca.cert_pem
+    os.chmod(key, 0o644)
+    with pytest.raises(PermissionError, match="0600"):
+        LocalCA(tmp_path / "ca")
+
+
+@pytest.mark.parametrize(
+    ("host", "path", "kind"),
+    [
+        ("deb.debian.org", "/debian/dists/bookworm/InRelease", Kind.INDEX),
+        ("deb.debian.org", "/debian/dists/bookworm/main/binary-amd64/Packages.xz", Kind.INDEX),
+        (
+            "deb.debian.org",
+            "/debian/dists/bookworm/main/binary-amd64/by-hash/SHA256/ab",
+            Kind.ARTIFACT,
+        ),
+        ("deb.debian.org", "/debian/pool/main/c/curl/curl_7.88.1-10_amd64.deb", Kind.ARTIFACT),
+        ("pypi.org", "/simple/pytest/", Kind.INDEX),
+        ("pypi.org", "/pypi/pytest/json", Kind.INDEX),
+        ("files.pythonhosted.org", "/packages/ab/cd/pytest-8.4.1-py3-none-any.whl", Kind.ARTIFACT),
+        ("registry.npmjs.org", "/left-pad", Kind.INDEX),
+        ("registry.npmjs.org", "/left-pad/-/left-pad-1.3.0.tgz", Kind.ARTIFACT),
+        ("astral.sh", "/uv/0.8.0/install.sh", Kind.OTHER),
+    ],
+)
+def test_classification(host: str, path: str, kind: Kind) -> None:
+    assert classify(host, path) is kind
