@@ -1,0 +1,192 @@
+"""Which destinations a trial's phase may reach: Harbor 0.26's network policy.
+
+``EgressPolicy`` is one phase's policy (``public``, ``no-network`` or
+``allowlist`` with ``allowed_hosts``), with Harbor's entry forms and
+normalisation (``harbor.models.task.config._validate_allowed_host_names``):
+
+* ``example.com``: that host exactly (any port; Harbor's policies apply to
+  whole hosts);
+* ``*.example.com``: any name below ``example.com`` (not ``example.com``
+  itself), at any depth;
+* ``192.0.2.1``, ``2001:db8::1``: that address literal;
+* ``192.0.2.0/24``, ``2001:db8::/32``: address literals in that range.
+
+Names match names and addresses match addresses: a name is never resolved to
+decide (nothing is looked up for a refused name), and an address literal never
+matches a hostname entry.
+
+``is_forbidden_address`` is the proxy's SSRF guard: every address that is not
+globally routable (loopback, private, link-local, CGNAT, multicast, reserved,
+unspecified, and their IPv4-mapped IPv6 forms) is refused after resolution
+unless the destination came from the operator's resolver override.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+__all__ = [
+    "EgressMode",
+    "EgressPolicy",
+    "is_address",
+    "is_forbidden_address",
+    "normalize_allowed_hosts",
+    "normalize_host",
+]
+
+_LABEL: Final = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+_INVALID: Final = (
+    "allowed_hosts entries must be hostnames, IP addresses, or IP CIDR ranges, "
+    "not URLs, ports, or paths"
+)
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class EgressMode(StrEnum):
+    """A phase's network mode (the values of Harbor's ``network_mode``)."""
+
+    PUBLIC = "public"
+    NO_NETWORK = "no-network"
+    ALLOWLIST = "allowlist"
+
+
+def _address(text: str) -> IPAddress | None:
+    if "%" in text:
+        return None
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def _normalize_entry(entry: str) -> str:
+    host = entry.strip().lower().rstrip(".")
+    if not host:
+        raise ValueError("allowed_hosts entries must be non-empty hostnames")
+    if "/" in host:
+        try:
+            return ipaddress.ip_network(host, strict=True).compressed
+        except ValueError:
+            raise ValueError(f"{_INVALID}: {entry!r}") from None
+    if ":" in host:
+        address = _address(host)
+        if address is None or address.version != 6:
+            raise ValueError(f"{_INVALID}: {entry!r}")
+        return address.compressed
+    if "[" in host or "]" in host:
+        raise ValueError(f"{_INVALID}: {entry!r}")
+    name = host
+    if host.startswith("*."):
+        name = host[2:]
+        if not name:
+            raise ValueError("allowed_hosts wildcard entries must include a hostname suffix")
+        if _address(name) is not None:
+            raise ValueError(
+                "allowed_hosts wildcard entries must target hostnames, not IP address "
+                f"literals: {entry!r}"
+            )
+    elif "*" in host:
+        raise ValueError(
+            f"allowed_hosts wildcard entries must use a leading '*.' prefix: {entry!r}"
+        )
+    if not all(_LABEL.match(label) for label in name.split(".")):
+        raise ValueError(
+            "allowed_hosts entries must be IP addresses, IP CIDR ranges, or valid hostnames "
+            "or leading wildcard host patterns containing only letters, digits, hyphens, "
+            f"and dots: {entry!r}"
+        )
+    return host
+
+
+def normalize_allowed_hosts(hosts: list[str] | tuple[str, ...]) -> list[str]:
+    """Harbor's validation and normalisation of ``allowed_hosts`` (ValueError naming
+    the entry at fault)."""
+    return [_normalize_entry(host) for host in hosts]
+
+
+def normalize_host(host: str) -> str:
+    """A requested host as the policy compares it: lower case, no trailing dot, no
+    IPv6 brackets, an address in its compressed form."""
+    host = host.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    address = _address(host)
+    return address.compressed if address is not None else host
+
+
+def is_address(text: str) -> bool:
+    """Whether ``text`` is an IP address literal (no brackets, no zone)."""
+    return _address(text) is not None
+
+
+def is_forbidden_address(address: str) -> bool:
+    """Whether ``address`` (an IP literal) is not a public internet address."""
+    parsed = _address(address)
+    if parsed is None:
+        return True
+    if isinstance(parsed, ipaddress.IPv6Address):
+        mapped = parsed.ipv4_mapped or parsed.sixtofour
+        if mapped is not None:
+            return is_forbidden_address(str(mapped))
+    return not parsed.is_global or parsed.is_multicast
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """One phase's policy: what ``allows(host)`` admits."""
+
+    mode: EgressMode
+    allowed_hosts: tuple[str, ...] = ()
+    _names: frozenset[str] = field(init=False, repr=False, compare=False)
+    _suffixes: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _addresses: frozenset[IPAddress] = field(init=False, repr=False, compare=False)
+    _networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.allowed_hosts and self.mode is not EgressMode.ALLOWLIST:
+            raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+        object.__setattr__(
+            self, "allowed_hosts", tuple(normalize_allowed_hosts(self.allowed_hosts))
+        )
+        names: set[str] = set()
+        suffixes: list[str] = []
+        addresses: set[IPAddress] = set()
+        networks: list[IPNetwork] = []
+        for entry in self.allowed_hosts:
+            if entry.startswith("*."):
+                suffixes.append(entry[1:])  # ".example.com"
+            elif "/" in entry:
+                networks.append(ipaddress.ip_network(entry))
+            elif (address := _address(entry)) is not None:
+                addresses.add(address)
+            else:
+                names.add(entry)
+        object.__setattr__(self, "_names", frozenset(names))
+        object.__setattr__(self, "_suffixes", tuple(suffixes))
+        object.__setattr__(self, "_addresses", frozenset(addresses))
+        object.__setattr__(self, "_networks", tuple(networks))
+
+    @classmethod
+    def allowlist(cls, *hosts: str) -> EgressPolicy:
+        return cls(EgressMode.ALLOWLIST, hosts)
+
+    def allows(self, host: str) -> bool:
+        """Whether a request for ``host`` (a name or an address literal, any port) passes."""
+        if self.mode is EgressMode.PUBLIC:
+            return True
+        if self.mode is EgressMode.NO_NETWORK:
+            return False
+        host = normalize_host(host)
+        address = _address(host)
+        if address is not None:
+            return address in self._addresses or any(
+                address in network for network in self._networks
+            )
+        if host in self._names:
+            return True
+        return any(host.endswith(suffix) for suffix in self._suffixes)
