@@ -14,24 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harbor_exec.container.runner import ForwarderThread
+from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.cache import (
-    CacheRequest,
+    CacheSession,
     CacheStats,
     CacheTotals,
     HttpxUpstream,
     Kind,
     PackageCache,
-    UpstreamRefused,
     classify,
-    public_resolver,
 )
-from harbor_exec.sandbox.egress.serve import (
-    PlainStream,
-    request_from_url,
-    serve_http,
-    serve_intercepted,
-)
+from harbor_exec.sandbox.egress.serve import CacheUpstream
 from tests.package_upstream import Upstream, serve_upstream
 
 NAMES = ("files.test", "pypi.test", "deb.test")
@@ -64,75 +59,44 @@ def http_upstream() -> Iterator[Upstream]:
         yield upstream
 
 
-class Harness:
-    """The cache behind a minimal CONNECT/absolute-form front (the egress proxy's part
-    in production), one session per "trial"."""
+class Trials:
+    """The production path on loopback, one egress proxy (and session) per trial:
+    client -> 127.0.0.1 forwarder (the runtime's) -> unix socket -> EgressProxy ->
+    CacheUpstream -> the shared PackageCache -> a local upstream (TLS verified)."""
 
-    def __init__(self, cache: PackageCache, ca: LocalCA) -> None:
+    def __init__(
+        self, cache: PackageCache, ca: LocalCA, root: Path, overrides: dict[str, tuple[str, int]]
+    ) -> None:
         self.cache = cache
         self.ca = ca
-        self.port = 0
-        self.server: asyncio.AbstractServer | None = None
-        self.sessions: dict[str, object] = {}
+        self.root = root
+        self.overrides = overrides
+        self.trials: dict[str, tuple[EgressProxy, ForwarderThread, int, CacheSession]] = {}
 
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._on, "127.0.0.1", 0)
-        self.port = int(self.server.sockets[0].getsockname()[1])
-
-    async def _on(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        line, *rest = head.decode("latin-1").split("\r\n")
-        method, target, _ = line.split(" ")
-        trial = "default"
-        for header in rest:
-            if header.lower().startswith("proxy-authorization:"):
-                trial = header.split(":", 1)[1].strip()
-        session = self.session(trial)
-        if method == "CONNECT":
-            host, port = target.rsplit(":", 1)
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            await writer.drain()
-            await serve_intercepted(
-                reader, writer, host=host, port=int(port), session=session, ca=self.ca
+    async def port(self, trial: str) -> int:
+        if trial not in self.trials:
+            session = self.cache.session()
+            proxy = EgressProxy(
+                directory=self.root / f"egress-{trial}",
+                trial=trial,
+                overrides=self.overrides,
+                dns=False,
+                upstream=CacheUpstream(session, self.ca),
             )
-            return
-        # Plain HTTP, absolute-form: hand the request to the cache's h11 loop with the
-        # bytes already read.
-        request = request_from_url(method, target, [], None)
-        await serve_http(
-            PlainStream(reader, writer),
-            scheme=request.scheme,
-            host=request.host,
-            port=request.port,
-            session=session,
-            buffered=head,
-        )
-        writer.close()
-
-    def session(self, trial: str):  # type: ignore[no-untyped-def]
-        if trial not in self.sessions:
-            self.sessions[trial] = self.cache.session()
-        return self.sessions[trial]
+            await proxy.start()
+            await proxy.set_phase("verifier", EgressPolicy(EgressMode.PUBLIC))
+            forwarder = ForwarderThread(str(proxy.socket_path))
+            self.trials[trial] = (proxy, forwarder, forwarder.start(), session)
+        return self.trials[trial][2]
 
     def stats(self, trial: str = "default") -> CacheStats:
-        return self.session(trial).stats  # type: ignore[no-any-return]
+        return self.trials[trial][3].stats
 
     async def aclose(self) -> None:
-        assert self.server is not None
-        self.server.close()
+        for proxy, forwarder, _port, _session in self.trials.values():
+            forwarder.close()
+            await proxy.aclose()
         await self.cache.aclose()
-
-
-def _resolver(*upstreams: Upstream):  # type: ignore[no-untyped-def]
-    """Every test name -> the HTTPS upstream, port 80 -> the HTTP one."""
-    https, http = upstreams[0], upstreams[-1]
-
-    async def resolve(host: str, port: int) -> tuple[str, int]:
-        if host not in NAMES:
-            raise UpstreamRefused(f"{host} is not a test name")
-        return "127.0.0.1", http.port if port == 80 else https.port
-
-    return resolve
 
 
 @asynccontextmanager
@@ -142,30 +106,32 @@ async def harness(
     *upstreams: Upstream,
     max_bytes: int = 10_000_000,
     ca_bundle: Path | None = None,
-) -> AsyncIterator[Harness]:
+) -> AsyncIterator[Trials]:
+    """Every test name -> the first (HTTPS) upstream; port 80 -> the last (HTTP) one."""
+    https, http = upstreams[0], upstreams[-1]
+    overrides = {name: ("127.0.0.1", https.port) for name in NAMES}
+    overrides |= {f"{name}:80": ("127.0.0.1", http.port) for name in NAMES}
     cache = PackageCache(
         tmp_path / "store",
         max_bytes=max_bytes,
-        upstream=HttpxUpstream(
-            ca_bundle=ca_bundle or upstream_ca.cert_path, resolver=_resolver(*upstreams)
-        ),
+        upstream=HttpxUpstream(ca_bundle=ca_bundle or upstream_ca.cert_path),
         totals=CacheTotals(),
     )
-    front = Harness(cache, LocalCA(tmp_path / "cache-ca"))
-    await front.start()
+    trials = Trials(cache, LocalCA(tmp_path / "cache-ca"), tmp_path, overrides)
     try:
-        yield front
+        yield trials
     finally:
-        await front.aclose()
+        await trials.aclose()
 
 
-def client(front: Harness, trial: str = "default") -> httpx.AsyncClient:
+@asynccontextmanager
+async def client(front: Trials, trial: str = "default") -> AsyncIterator[httpx.AsyncClient]:
     context = ssl.create_default_context(cafile=str(front.ca.cert_path))
-    return httpx.AsyncClient(
-        proxy=httpx.Proxy(f"http://127.0.0.1:{front.port}", headers={"Proxy-Authorization": trial}),
-        verify=context,
-        trust_env=False,
-    )
+    port = await front.port(trial)
+    async with httpx.AsyncClient(
+        proxy=f"http://127.0.0.1:{port}", verify=context, trust_env=False
+    ) as http_client:
+        yield http_client
 
 
 WHEEL = "/packages/aa/bb/demo-1.0-py3-none-any.whl"
@@ -309,12 +275,14 @@ async def test_concurrent_requests_for_one_url_fetch_it_once(
 ) -> None:
     https_upstream.set(WHEEL, os.urandom(3_000_000))
     async with harness(tmp_path, upstream_ca, https_upstream) as front:
-        clients = [client(front, f"t{i}") for i in range(8)]
-        try:
-            answers = await asyncio.gather(*(c.get(f"https://files.test{WHEEL}") for c in clients))
-        finally:
-            for c in clients:
-                await c.aclose()
+
+        async def fetch(trial: str) -> httpx.Response:
+            async with client(front, trial) as c:
+                return await c.get(f"https://files.test{WHEEL}")
+
+        for i in range(8):
+            await front.port(f"t{i}")
+        answers = await asyncio.gather(*(fetch(f"t{i}") for i in range(8)))
         assert {a.content for a in answers} == {https_upstream.routes[WHEEL].body}
         assert https_upstream.count(WHEEL) == 1
 
@@ -331,19 +299,14 @@ async def test_upstream_tls_is_verified(
         assert front.cache.store.size == 0 and front.stats().upstream_errors == 1
 
 
-async def test_the_default_resolver_refuses_non_public_addresses() -> None:
-    for host in ("127.0.0.1", "localhost", "10.1.2.3", "::ffff:127.0.0.1", "169.254.169.254"):
-        with pytest.raises(UpstreamRefused):
-            await public_resolver(host, 80)
-
-
-async def test_a_refused_destination_is_a_403(tmp_path: Path) -> None:
-    cache = PackageCache(tmp_path / "s", max_bytes=1000, totals=None)
-    stats = CacheStats()
-    answer = await cache.handle(CacheRequest("GET", "http", "127.0.0.1", 8080, "/x.deb"), stats)
-    assert answer.status == 403 and stats.upstream_requests == 0
-    await answer.aclose()
-    await cache.aclose()
+async def test_a_non_public_destination_is_refused_by_the_cache(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            got = await c.get("http://10.1.2.3/pool/x.deb")
+        assert got.status_code == 403 and b"not public" in got.content
+        assert front.stats().upstream_requests == 0 and front.cache.store.size == 0
 
 
 def test_the_ca_key_is_private_and_leaves_verify(tmp_path: Path) -> None:

@@ -38,13 +38,11 @@ import asyncio
 import contextlib
 import email.utils
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import re
 import secrets
-import socket
 import ssl
 import time
 from collections import OrderedDict
@@ -59,6 +57,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from harbor_exec.sandbox.egress.proxy import Connector, EgressRefused
+
 __all__ = [
     "CACHE_TOTALS",
     "CacheRequest",
@@ -70,42 +70,25 @@ __all__ = [
     "PackageCache",
     "Resolver",
     "classify",
+    "connector_resolver",
 ]
 
 logger = logging.getLogger(__name__)
 
 Headers = list[tuple[str, str]]
-# host, port -> the address to connect to; the operator's override (tests map names
-# to 127.0.0.1 servers) or, by default, DNS with non-global addresses refused.
+# host, port -> the address to connect to: the trial's egress ``Connector`` (the
+# operator's overrides, else DNS with non-public addresses refused).
 Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
 
 
-class UpstreamRefused(Exception):
-    """The destination resolves to an address the cache must not reach."""
+def connector_resolver(connector: Connector) -> Resolver:
+    """The first address ``connector`` allows (EgressRefused when none)."""
 
+    async def resolve(host: str, port: int) -> tuple[str, int]:
+        addresses = await connector.resolve(host, port)
+        return addresses[0]
 
-async def public_resolver(host: str, port: int) -> tuple[str, int]:
-    """DNS, refusing any name with a non-global address (loopback, private, link-local,
-    ...), so a container cannot reach the host's or its network's services through the
-    cache; the connection goes to the address checked (no second lookup to rebind)."""
-    try:
-        literal = ipaddress.ip_address(host.strip("[]"))
-        addresses = [str(literal)]
-    except ValueError:
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise UpstreamRefused(f"{host} does not resolve: {exc}") from exc
-        addresses = [str(info[4][0]) for info in infos]
-    if not addresses:
-        raise UpstreamRefused(f"{host} does not resolve")
-    for address in addresses:
-        ip = ipaddress.ip_address(address)
-        mapped = getattr(ip, "ipv4_mapped", None)
-        if not (mapped or ip).is_global:
-            raise UpstreamRefused(f"{host} resolves to {address}, which is not a public address")
-    return addresses[0], port
+    return resolve
 
 
 _CHUNK: Final = 64 * 1024
@@ -201,6 +184,8 @@ class CacheRequest:
     target: str  # path and query, starting with "/"
     headers: Headers = field(default_factory=list)
     body: AsyncIterator[bytes] | None = None
+    # How to reach the upstream (the trial's egress connector); never part of the key.
+    resolve: Resolver | None = None
 
     def header(self, name: str) -> str | None:
         name = name.lower()
@@ -322,7 +307,6 @@ class HttpxUpstream:
         self,
         *,
         ca_bundle: str | os.PathLike[str] | None = None,
-        resolver: Resolver | None = None,
         timeout_sec: float = 60.0,
         max_connections: int = 64,
     ) -> None:
@@ -331,7 +315,7 @@ class HttpxUpstream:
             verify = ssl.create_default_context(cafile=os.fspath(ca_bundle))
         else:
             verify = True
-        self._resolver: Resolver = resolver if resolver is not None else public_resolver
+        self._default_resolver = connector_resolver(Connector())
         self._client = httpx.AsyncClient(
             verify=verify,
             follow_redirects=False,
@@ -341,7 +325,11 @@ class HttpxUpstream:
         )
 
     async def send(
-        self, request: CacheRequest, headers: Headers, body: AsyncIterator[bytes] | None = None
+        self,
+        request: CacheRequest,
+        headers: Headers,
+        body: AsyncIterator[bytes] | None = None,
+        resolve: Resolver | None = None,
     ) -> httpx.Response:
         """Send and return the response with its body unread (the caller closes it)."""
         host, port = request.host, request.port
@@ -349,7 +337,7 @@ class HttpxUpstream:
         host_header = host if port == default else f"{host}:{port}"
         extensions: dict[str, Any] = {}
         # Connect to the address resolved (and checked) here; TLS still verifies the name.
-        address, port = await self._resolver(host, port)
+        address, port = await (resolve or self._default_resolver)(host, port)
         if request.scheme == "https":
             extensions["sni_hostname"] = host
         host = address
@@ -621,9 +609,10 @@ class PackageCache:
             if cacheable:
                 return await self._cached(request, stats, head=method == "HEAD")
             return await self._passthrough(request, stats)
-        except UpstreamRefused as exc:
+        except EgressRefused as exc:
             self._count(stats, upstream_errors=1)
-            return _bytes_response(403, "Forbidden", f"{exc}\n".encode(), "pass")
+            message = f"harbor-exec package cache: {request.host}: {exc.reason}\n"
+            return _bytes_response(403, "Forbidden", message.encode(), "pass")
         except httpx.HTTPError as exc:
             self._count(stats, upstream_errors=1)
             logger.info(
@@ -634,8 +623,8 @@ class PackageCache:
                 request.target,
                 exc,
             )
-            message = f"upstream request failed: {type(exc).__name__}: {exc}\n".encode()
-            return _bytes_response(502, "Bad Gateway", message, "pass")
+            failed = f"upstream request failed: {type(exc).__name__}: {exc}\n"
+            return _bytes_response(502, "Bad Gateway", failed.encode(), "pass")
 
     async def _passthrough(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
         headers = [
@@ -660,7 +649,7 @@ class PackageCache:
     ) -> httpx.Response:
         """One upstream request, counted once it leaves (a refused one never does)."""
         try:
-            response = await self.upstream.send(request, headers, body)
+            response = await self.upstream.send(request, headers, body, request.resolve)
         except httpx.HTTPError:
             self._count(stats, upstream_requests=1)
             raise
@@ -729,7 +718,14 @@ class PackageCache:
                 return self._from_store(digest, entry, stats, head=head, source="hit")
             headers += _validators(entry.headers)
         response = await self._send(
-            CacheRequest("GET", request.scheme, request.host, request.port, request.target),
+            CacheRequest(
+                "GET",
+                request.scheme,
+                request.host,
+                request.port,
+                request.target,
+                resolve=request.resolve,
+            ),
             headers,
             stats,
         )

@@ -13,16 +13,31 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection
 from typing import Final, Protocol
 from urllib.parse import urlsplit
 
 import h11
 
 from harbor_exec.sandbox.egress.ca import LocalCA
-from harbor_exec.sandbox.egress.cache import CacheRequest, CacheResponse, CacheSession, header_list
+from harbor_exec.sandbox.egress.cache import (
+    CacheRequest,
+    CacheResponse,
+    CacheSession,
+    Resolver,
+    connector_resolver,
+    header_list,
+)
+from harbor_exec.sandbox.egress.proxy import (
+    DirectUpstream,
+    EgressContext,
+    HttpRequest,
+    HttpResponse,
+    Upstream,
+)
 
 __all__ = [
+    "CacheUpstream",
     "PlainStream",
     "Stream",
     "TLSServerStream",
@@ -79,7 +94,12 @@ def request_from_url(
 
 
 async def write_response(
-    conn: h11.Connection, writer: Stream, response: CacheResponse, *, head: bool
+    conn: h11.Connection,
+    writer: Stream,
+    response: CacheResponse,
+    *,
+    head: bool,
+    count: Callable[[int], None] | None = None,
 ) -> None:
     """Send ``response`` through ``conn`` (its body always drained or closed)."""
     try:
@@ -95,6 +115,8 @@ async def write_response(
         )
         async for chunk in response.body:
             if not head and chunk:
+                if count is not None:
+                    count(len(chunk))
                 writer.write(conn.send(h11.Data(data=chunk)))
                 await writer.drain()
         writer.write(conn.send(h11.EndOfMessage()))
@@ -111,8 +133,11 @@ async def serve_http(
     port: int,
     session: CacheSession,
     buffered: bytes = b"",
+    resolve: Resolver | None = None,
+    count: Callable[[int], None] | None = None,
 ) -> None:
-    """Answer the connection's requests (for ``scheme://host:port``) until it ends."""
+    """Answer the connection's requests (for ``scheme://host:port``) until it ends;
+    ``count`` is told of every body byte sent (the trial's egress budget)."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEADER_BYTES)
     if buffered:
         conn.receive_data(buffered)
@@ -131,10 +156,10 @@ async def serve_http(
         headers = header_list(event.headers)
         has_body = any(k.lower() in ("content-length", "transfer-encoding") for k, _ in headers)
         body = _request_body(conn, stream) if has_body else None
-        request = CacheRequest(method, scheme, host, port, target, headers, body)
+        request = CacheRequest(method, scheme, host, port, target, headers, body, resolve)
         try:
             response = await session.handle(request)
-            await write_response(conn, stream, response, head=method.upper() == "HEAD")
+            await write_response(conn, stream, response, head=method.upper() == "HEAD", count=count)
         except (OSError, ConnectionError, h11.LocalProtocolError, _ClientGone) as exc:
             logger.debug("package cache connection for %s ended: %s", host, exc)
             return
@@ -262,6 +287,8 @@ async def serve_intercepted(
     port: int,
     session: CacheSession,
     ca: LocalCA,
+    resolve: Resolver | None = None,
+    count: Callable[[int], None] | None = None,
 ) -> None:
     """A CONNECT tunnel already answered ``200``: terminate TLS as ``host`` with a
     leaf from ``ca`` (server side) and serve its HTTP/1.1 requests from the cache.
@@ -275,7 +302,15 @@ async def serve_intercepted(
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             logger.info("package cache: TLS with the client for %s failed: %r", host, exc)
             return
-        await serve_http(stream, scheme="https", host=host, port=port, session=session)
+        await serve_http(
+            stream,
+            scheme="https",
+            host=host,
+            port=port,
+            session=session,
+            resolve=resolve,
+            count=count,
+        )
         with contextlib.suppress(OSError, TimeoutError):
             async with asyncio.timeout(2):
                 await stream.close()
@@ -284,3 +319,71 @@ async def serve_intercepted(
         with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
             async with asyncio.timeout(2):
                 await writer.wait_closed()
+
+
+class CacheUpstream:
+    """The egress proxy's ``Upstream`` for one trial: what its policy admitted goes
+    through the package cache (plain HTTP directly; CONNECT tunnels to the ports in
+    ``intercept_ports`` are TLS-terminated with ``ca``'s leaf for the host), and other
+    tunnels go to ``fallback`` untouched. Upstream addresses come from the trial's
+    egress connector (overrides, SSRF guard)."""
+
+    def __init__(
+        self,
+        session: CacheSession,
+        ca: LocalCA,
+        *,
+        intercept_ports: Collection[int] = (443,),
+        fallback: Upstream | None = None,
+    ) -> None:
+        self.session = session
+        self.ca = ca
+        self.intercept_ports = frozenset(intercept_ports)
+        self.fallback: Upstream = fallback or DirectUpstream()
+
+    async def http(self, request: HttpRequest, context: EgressContext) -> HttpResponse:
+        answer = await self.session.handle(
+            CacheRequest(
+                request.method,
+                "http",
+                request.host,
+                request.port,
+                request.target.decode("latin-1"),
+                header_list(request.headers),
+                _aiter(request.body) if request.has_body else None,
+                connector_resolver(context.connector),
+            )
+        )
+        return HttpResponse(
+            status=answer.status,
+            headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers],
+            body=answer.body,
+            aclose=answer.aclose,
+            reason=answer.reason.encode("latin-1"),
+        )
+
+    async def tunnel(
+        self,
+        host: str,
+        port: int,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        context: EgressContext,
+    ) -> None:
+        if port not in self.intercept_ports:
+            await self.fallback.tunnel(host, port, client, context)
+            return
+        await serve_intercepted(
+            client[0],
+            client[1],
+            host=host,
+            port=port,
+            session=self.session,
+            ca=self.ca,
+            resolve=connector_resolver(context.connector),
+            count=context.count,
+        )
+
+
+async def _aiter(body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    async for chunk in body:
+        yield chunk
