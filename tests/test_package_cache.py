@@ -4,6 +4,7 @@ upstreams (HTTP and HTTPS on 127.0.0.1), a real httpx client through it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import ssl
 import stat
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from harbor_exec.container.runner import ForwarderThread
-from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy
+from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy, EgressProxyThread
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.cache import (
     CacheSession,
@@ -27,6 +28,7 @@ from harbor_exec.sandbox.egress.cache import (
     classify,
 )
 from harbor_exec.sandbox.egress.serve import CacheUpstream
+from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 from tests.package_upstream import Upstream, serve_upstream
 
 NAMES = ("files.test", "pypi.test", "deb.test")
@@ -347,3 +349,66 @@ def test_the_ca_key_is_private_and_leaves_verify(tmp_path: Path) -> None:
 )
 def test_classification(host: str, path: str, kind: Kind) -> None:
     assert classify(host, path) is kind
+
+
+def test_the_service_serves_trials_on_their_own_proxy_loops(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream, http_upstream: Upstream
+) -> None:
+    """The server's shape: one cache on its loop, each trial's proxy on another."""
+    https_upstream.set(WHEEL, b"W" * 200_000)
+    http_upstream.set("/debian/pool/main/c/curl.deb", b"D" * 5000)
+    service = PackageCacheService(
+        PackageCacheConfig(root=tmp_path / "cache", upstream_ca_bundle=upstream_ca.cert_path)
+    )
+    overrides = {"files.test": ("127.0.0.1", https_upstream.port)}
+    overrides["deb.test:80"] = ("127.0.0.1", http_upstream.port)
+    try:
+        # The trust directory holds public material only; the key stays in the CA's.
+        trust = sorted(p.name for p in service.trust_dir.iterdir())
+        assert trust == ["apt.conf", "ca-bundle.pem"]
+        assert b"PRIVATE" not in (service.trust_dir / "ca-bundle.pem").read_bytes()
+        assert service.ca.directory != service.trust_dir
+        results = []
+        for trial in ("t1", "t2"):
+            session = service.session()
+            proxy = EgressProxy(
+                directory=tmp_path / f"e-{trial}",
+                trial=trial,
+                overrides=overrides,
+                dns=False,
+                upstream=service.upstream(session),
+            )
+            thread = EgressProxyThread(proxy)
+            thread.start()
+            thread.set_phase("verifier", EgressPolicy(EgressMode.PUBLIC))
+            forwarder = ForwarderThread(str(proxy.socket_path))
+            port = forwarder.start()
+            try:
+                with httpx.Client(
+                    proxy=f"http://127.0.0.1:{port}",
+                    verify=ssl.create_default_context(
+                        cafile=str(service.trust_dir / "ca-bundle.pem")
+                    ),
+                    trust_env=False,
+                ) as c:
+                    wheel = c.get(f"https://files.test{WHEEL}")
+                    deb = c.get("http://deb.test/debian/pool/main/c/curl.deb")
+                    posted = c.post(f"https://files.test{WHEEL}", content=b"x" * 10)
+                results.append((wheel.content, deb.content, posted.status_code))
+            finally:
+                forwarder.close()
+                thread.close()
+            session.write(tmp_path / f"{trial}.json")
+            results.append(session.stats.to_dict())
+        assert results[0][:2] == results[2][:2] == (b"W" * 200_000, b"D" * 5000)
+        assert results[0][2] == results[2][2] == 200
+        first, second = results[1], results[3]
+        assert (first["misses"], first["passthrough"]) == (2, 1)
+        assert first["bytes_from_upstream"] == 205_000 + 200_000
+        assert (second["hits"], second["misses"], second["passthrough"]) == (2, 0, 1)
+        assert second["bytes_from_cache"] == 205_000
+        # One GET filled the cache; each POST passed through.
+        assert https_upstream.count(WHEEL) == 3
+        assert json.loads((tmp_path / "t2.json").read_text())["hits"] == 2
+    finally:
+        service.close()

@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import httpx
 from prometheus_client import REGISTRY
@@ -61,6 +61,7 @@ from harbor_exec.sandbox.egress.proxy import Connector, EgressRefused
 
 __all__ = [
     "CACHE_TOTALS",
+    "Answering",
     "CacheRequest",
     "CacheResponse",
     "CacheSession",
@@ -887,6 +888,12 @@ def _bytes_response(status: int, reason: str, data: bytes, source: str) -> Cache
 
     headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
     return CacheResponse(status, reason, headers, body(), source)
+
+
+class Answering(Protocol):
+    """What serves a connection's requests: a ``CacheSession`` or a bridge to one."""
+
+    async def handle(self, request: CacheRequest) -> CacheResponse: ...
 
 
 class CacheSession:

@@ -21,9 +21,9 @@ import h11
 
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.cache import (
+    Answering,
     CacheRequest,
     CacheResponse,
-    CacheSession,
     Resolver,
     connector_resolver,
     header_list,
@@ -131,7 +131,7 @@ async def serve_http(
     scheme: str,
     host: str,
     port: int,
-    session: CacheSession,
+    session: Answering,
     buffered: bytes = b"",
     resolve: Resolver | None = None,
     count: Callable[[int], None] | None = None,
@@ -285,7 +285,7 @@ async def serve_intercepted(
     *,
     host: str,
     port: int,
-    session: CacheSession,
+    session: Answering,
     ca: LocalCA,
     resolve: Resolver | None = None,
     count: Callable[[int], None] | None = None,
@@ -330,7 +330,7 @@ class CacheUpstream:
 
     def __init__(
         self,
-        session: CacheSession,
+        session: Answering,
         ca: LocalCA,
         *,
         intercept_ports: Collection[int] = (443,),
