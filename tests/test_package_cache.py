@@ -412,3 +412,18 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
         assert json.loads((tmp_path / "t2.json").read_text())["hits"] == 2
     finally:
         service.close()
+
+
+def test_server_metrics_show_the_package_cache() -> None:
+    from harbor_exec.sandbox.egress.cache import CACHE_TOTALS
+    from harbor_exec.server.metrics import ServerMetrics
+
+    before = CACHE_TOTALS.hits
+    CACHE_TOTALS.hits += 3
+    try:
+        text = ServerMetrics().render({})
+    finally:
+        CACHE_TOTALS.hits = before
+    assert f"harbor_exec_package_cache_hits_total {float(before + 3)}" in text
+    assert 'harbor_exec_package_cache_bytes_total{source="cache"}' in text
+    assert "harbor_exec_package_cache_bound_bytes" in text

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
@@ -109,6 +109,10 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheService
+    from harbor_exec.trial.package_cache import TrialPackageCache
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -183,6 +187,8 @@ class SandboxPolicy:
     deps_in_image: bool = False
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
+    #: The server's package cache (``harbor_exec.trial.package_cache``); None: off.
+    package_cache: PackageCacheService | None = field(default=None, compare=False)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
 
@@ -308,6 +314,7 @@ class Trial:
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
+        self._package_cache: TrialPackageCache | None = None
 
     # ----------------------------------------------------------------- control
 
@@ -364,6 +371,13 @@ class Trial:
         )
         session: TrialSession | None = None
         try:
+            service = request.policy.package_cache
+            if service is not None:
+                # Imported here: the cache needs the server extra (httpx, h11, ...).
+                from harbor_exec.trial.package_cache import TrialPackageCache, wanted
+
+                if wanted(service, task):
+                    self._package_cache = TrialPackageCache(service, self.name)
             session = self._environment(result)
             self._healthcheck(session)
             if self._exception is None:
@@ -379,13 +393,24 @@ class Trial:
         except BaseException as exc:  # keep the container accounting right on Ctrl-C too
             self._record(CancelledError(f"interrupted: {type(exc).__name__}"))
             self._teardown(session)
+            self._close_package_cache()
             raise
         self._teardown(session)
+        self._close_package_cache()
         self._phase(TrialPhase.DONE)
         result.exception_info = self._exception
         result.finished_at = utcnow()
         self._write(result)
         return result
+
+    def _close_package_cache(self) -> None:
+        cache, self._package_cache = self._package_cache, None
+        if cache is not None:
+            cache.close(self.dir)
+
+    def _start_package_forwarder(self, container_id: str, phase: str) -> None:
+        if self._package_cache is not None:
+            self._package_cache.start_forwarder(self.runtime, container_id, phase)
 
     def _config_summary(self) -> dict[str, object]:
         request, config = self.request, self.request.task.config
@@ -439,6 +464,12 @@ class Trial:
         label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
         limits = ContainerLimits.resolve(policy, env_config)
+        env = resolve_env(
+            env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
+        )
+        if self._package_cache is not None:
+            env = {**self._package_cache.env(), **env}  # the task's own settings win
+            mounts = [*mounts, *self._package_cache.mounts()]
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -449,9 +480,7 @@ class Trial:
                 LABEL_KIND: kind,
                 **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
             },
-            env=resolve_env(
-                env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
-            ),
+            env=env,
             cpus=limits.cpus,
             memory_mb=limits.memory_mb,
             pids_limit=limits.pids_limit,
@@ -568,6 +597,7 @@ class Trial:
                 pending = None
             self.runtime.start(container_id)
             self._check_cancelled()
+            self._start_package_forwarder(container_id, "agent")
         finally:
             timing.finished_at = utcnow()
         return TrialSession(
@@ -745,6 +775,7 @@ class Trial:
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
+            self._start_package_forwarder(session.container_id, "verifier")
             try:
                 self._run_verifier(session, result, started=timing.started_at)
             except (EnvironmentStartError, RewardFileNotFoundError):
@@ -803,6 +834,7 @@ class Trial:
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
                 self._check_cancelled()
+                self._start_package_forwarder(container_id, "verifier")
                 fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
