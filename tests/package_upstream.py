@@ -41,10 +41,14 @@ class Upstream:
     def set(self, path: str, body: bytes, **kwargs: object) -> None:
         self.routes[path] = Resource(body, **kwargs)  # type: ignore[arg-type]
 
-    def count(self, path: str, status: int | None = None) -> int:
+    def count(self, path: str, status: int | None = None, method: str | None = None) -> int:
         with self.lock:
             return sum(
-                1 for s in self.seen if s.path == path and (status is None or s.status == status)
+                1
+                for s in self.seen
+                if s.path == path
+                and (status is None or s.status == status)
+                and (method is None or s.method == method)
             )
 
     def content_fetches(self) -> int:

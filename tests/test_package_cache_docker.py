@@ -18,6 +18,7 @@ from pathlib import Path
 import pip
 import pytest
 
+from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
@@ -113,7 +114,7 @@ class Mirror:
 
     def content_fetches(self, path: str) -> int:
         upstream = self.http if path.startswith("/debian") else self.https
-        return upstream.count(path, 200)
+        return upstream.count(path, 200, "GET")
 
 
 TEST_SH = f"""
@@ -325,5 +326,25 @@ def test_a_task_can_opt_out_and_no_network_gets_nothing(
             result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service)
             assert result.reward == 1.0
             assert not (trial_dir / RESULT_FILE).exists()
+    finally:
+        service.close()
+
+
+def test_prewarm_with_the_verifier_fills_the_cache(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    upstream, upstream_ca = mirror
+    service = _service(tmp_path, upstream, upstream_ca)
+    try:
+        task = _task(tmp_path, upstream, b"no-needle")
+        outcome = prewarm_one(docker_runtime, load_task(task), package_cache=service)
+        assert outcome.status in ("built", "cached"), outcome.reason
+        assert "verifier ran, reward 1.0" in outcome.reason
+        fetched = {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)}
+        assert set(fetched.values()) == {1}, fetched
+        result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+        assert result.reward == 1.0
+        assert json.loads((trial_dir / RESULT_FILE).read_text())["misses"] == 0
+        assert {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)} == fetched
     finally:
         service.close()

@@ -374,11 +374,11 @@ class Entry:
     fresh_until: float  # 0: always revalidate
 
 
-def _key(request: CacheRequest) -> tuple[str, str, str]:
-    """(digest, url, accept): the URL's scheme, host, port, path and query and the
-    client's Accept, nothing else."""
+def _key(request: CacheRequest, kind: Kind) -> tuple[str, str, str]:
+    """(digest, url, accept): the URL's scheme, host, port, path and query and, but for
+    an artifact (its bytes are named by its URL), the client's Accept; nothing else."""
     url = f"{request.scheme}://{request.host.lower()}:{request.port}{request.target}"
-    accept = " ".join((request.header("accept") or "").split())
+    accept = "" if kind is Kind.ARTIFACT else " ".join((request.header("accept") or "").split())
     digest = hashlib.sha256(f"{url}\n{accept}".encode()).hexdigest()
     return digest, url, accept
 
@@ -685,11 +685,14 @@ class PackageCache:
     async def _cached(
         self, request: CacheRequest, stats: CacheStats, *, head: bool
     ) -> CacheResponse:
-        digest, url, accept = _key(request)
+        kind = classify(request.host, request.path)
+        digest, url, accept = _key(request, kind)
         lock = self._locks.setdefault(digest, asyncio.Lock())
         try:
             async with lock:
-                return await self._cached_locked(request, stats, digest, url, accept, head=head)
+                return await self._cached_locked(
+                    request, stats, digest, url, accept, kind, head=head
+                )
         finally:
             if not lock.locked():
                 self._locks.pop(digest, None)
@@ -701,10 +704,10 @@ class PackageCache:
         digest: str,
         url: str,
         accept: str,
+        kind: Kind,
         *,
         head: bool,
     ) -> CacheResponse:
-        kind = classify(request.host, request.path)
         filling = self._fills.get(digest)
         if filling is not None:
             fill, filling_entry = filling
