@@ -41,6 +41,7 @@ RUNTIME_FILES = (
     "protocol.py",
     "container/__init__.py",
     "container/exchange.py",
+    "container/forward.py",
     "container/redaction.py",
     "container/runner.py",
 )

@@ -117,6 +117,7 @@ def test_example_bundle_layout_and_manifest(example_bundle: Bundle) -> None:
         "harbor_exec/compat/osmosis.py",
         "harbor_exec/container/__init__.py",
         "harbor_exec/container/exchange.py",
+        "harbor_exec/container/forward.py",
         "harbor_exec/container/redaction.py",
         "harbor_exec/container/runner.py",
         "harbor_exec/errors.py",

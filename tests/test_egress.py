@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from harbor_exec.container.runner import ForwarderThread
+from harbor_exec.container.forward import ForwarderThread
 from harbor_exec.sandbox.egress import (
     EgressContext,
     EgressLimits,
@@ -557,3 +557,53 @@ def test_a_replacement_upstream_gets_what_the_policy_admitted(make_proxy: Any) -
         ("agent", "POST", "http://deb.cache.test:8080/a?b"),
         ("agent", "CONNECT", "pypi.cache.test:443"),
     ]
+
+
+def test_the_forwarder_runs_from_its_source_alone(make_proxy: Any, web: _Server) -> None:
+    """How the trial starts it in a container: ``python -I -c SOURCE --socket S --port N``
+    (no harbor_exec importable), detached; it pipes a fixed port to the proxy."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from harbor_exec.container import forward
+
+    setup = make_proxy(
+        EgressPolicy.allowlist("allowed.test"), {"allowed.test": ("127.0.0.1", web.port)}
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    source = Path(forward.__file__).read_text()
+    socket_path = str(setup.proxy.socket_path)
+    started = subprocess.run(
+        [sys.executable, "-I", "-c", source, "--socket", socket_path, "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
+    )
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.strip() == str(port)
+    child = [
+        int(pid)
+        for pid in os.listdir("/proc")
+        if pid.isdigit()
+        and socket_path.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    ]
+    assert len(child) == 1
+    try:
+        with httpx.Client(proxy=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as c:
+            assert c.get("http://allowed.test/x").text == "hello from allowed"
+            assert c.get("http://other.test/x").status_code == 403
+        # The port is taken while it runs: a second forwarder says so.
+        again = subprocess.run(
+            [sys.executable, "-I", "-c", source, "--socket", socket_path, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert again.returncode == 2 and f"127.0.0.1:{port}" in again.stderr
+    finally:
+        os.kill(child[0], signal.SIGKILL)

@@ -14,6 +14,7 @@ import subprocess
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pip
 import pytest
@@ -22,6 +23,7 @@ from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.trial.egress import EgressSettings
 from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
@@ -199,17 +201,20 @@ def mirror(tmp_path: Path) -> Iterator[tuple[Mirror, LocalCA]]:
 
 
 def _service(tmp_path: Path, mirror: Mirror, upstream_ca: LocalCA) -> PackageCacheService:
-    overrides = {name: ("127.0.0.1", mirror.https.port) for name in ("files.test", "pypi.test")}
-    overrides["deb.test:80"] = ("127.0.0.1", mirror.http.port)
     return PackageCacheService(
         PackageCacheConfig(
             root=tmp_path / "server-cache",
             max_bytes=BOUND,
             upstream_ca_bundle=upstream_ca.cert_path,
-            overrides=overrides,
-            dns=False,
         )
     )
+
+
+def _egress(mirror: Mirror) -> EgressSettings:
+    """The test names -> the local upstreams; nothing else resolves (DNS off)."""
+    overrides = {name: ("127.0.0.1", mirror.https.port) for name in ("files.test", "pypi.test")}
+    overrides["deb.test:80"] = ("127.0.0.1", mirror.http.port)
+    return EgressSettings(overrides=overrides, dns=False)
 
 
 def _task(tmp_path: Path, mirror: Mirror, needle: bytes, name: str = "fetches") -> Path:
@@ -242,12 +247,19 @@ HX_NEEDLE_HEX = "{needle.hex()}"
 
 
 def _run(
-    runtime: DockerRuntime, task: Path, trials: Path, service: PackageCacheService | None
+    runtime: DockerRuntime,
+    task: Path,
+    trials: Path,
+    service: PackageCacheService,
+    mirror: Mirror,
+    **policy: Any,
 ) -> tuple[TrialResult, Path]:
     result = run_trial(
         runtime,
         TrialRequest(
-            task=load_task(task), trials_dir=trials, policy=SandboxPolicy(package_cache=service)
+            task=load_task(task),
+            trials_dir=trials,
+            policy=SandboxPolicy(package_cache=service, egress=_egress(mirror), **policy),
         ),
     )
     return result, trials / result.trial_name
@@ -263,14 +275,14 @@ def test_second_trial_fetches_nothing_the_first_did(
         # A line of the key's base64 body: what the scan looks for.
         needle = key_pem.splitlines()[2]
         task = _task(tmp_path, upstream, needle)
-        first, first_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+        first, first_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
         assert first.exception_info is None, first.exception_info
         assert first.reward == 1.0, (first_dir / "verifier" / "test-stdout.txt").read_text()[-3000:]
         artifacts = (WHEEL, TARBALL, DEB)
         after_first = {p: upstream.content_fetches(p) for p in (*artifacts, INDEX, PACKAGES)}
         assert all(after_first[p] == 1 for p in artifacts), after_first
 
-        second, second_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+        second, second_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
         assert second.reward == first.reward == 1.0
         # No content the first trial fetched came from the upstream again (indexes were
         # revalidated: 304s).
@@ -291,7 +303,10 @@ def test_second_trial_fetches_nothing_the_first_did(
 
         # A new release upstream shows in the next trial's index.
         upstream.https.set(INDEX, _index(["1.0", "2.0"], upstream.wheels), headers=HTML)
-        third, third_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+        # (In a separate verifier container this time: it goes through the cache too.)
+        third, third_dir = _run(
+            docker_runtime, task, tmp_path / "trials", service, upstream, verifier_mode="separate"
+        )
         assert third.reward == 1.0
         assert b"demo-2.0" in (third_dir / "verifier" / "index.html").read_bytes()
         assert b"demo-2.0" not in (second_dir / "verifier" / "index.html").read_bytes()
@@ -323,7 +338,7 @@ def test_a_task_can_opt_out_and_no_network_gets_nothing(
             toml='[environment]\nnetwork_mode = "no-network"\n[verifier]\ntimeout_sec = 30.0\n',
         )
         for task in (out, none):
-            result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+            result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
             assert result.reward == 1.0
             assert not (trial_dir / RESULT_FILE).exists()
     finally:
@@ -337,12 +352,14 @@ def test_prewarm_with_the_verifier_fills_the_cache(
     service = _service(tmp_path, upstream, upstream_ca)
     try:
         task = _task(tmp_path, upstream, b"no-needle")
-        outcome = prewarm_one(docker_runtime, load_task(task), package_cache=service)
+        outcome = prewarm_one(
+            docker_runtime, load_task(task), package_cache=service, egress=_egress(upstream)
+        )
         assert outcome.status in ("built", "cached"), outcome.reason
         assert "verifier ran, reward 1.0" in outcome.reason
         fetched = {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)}
         assert set(fetched.values()) == {1}, fetched
-        result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service)
+        result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
         assert result.reward == 1.0
         assert json.loads((trial_dir / RESULT_FILE).read_text())["misses"] == 0
         assert {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)} == fetched

@@ -28,6 +28,7 @@ EXTRA_OF = {
     "harbor_exec/executors/ray/": "ray",
     "harbor_exec/executors/relay.py": "server",
     "harbor_exec/sandbox/egress/": "server",
+    "harbor_exec/sandbox/http11.py": "server",
     "harbor_exec/trial/native_env.py": "native",
     "bundler/": "bundler",
 }

@@ -104,11 +104,9 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -155,6 +153,11 @@ from harbor_exec.container.exchange import (
     SampleFile,
     frame_sample,
     load_exchange_json,
+)
+from harbor_exec.container.forward import (
+    ForwarderThread,
+    RelayForwarder,
+    run_forward,
 )
 from harbor_exec.container.redaction import redact
 from harbor_exec.protocol import categorize_exception
@@ -352,140 +355,7 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> NoReturn:
     raise _Terminated
 
 
-# --------------------------------------------------------------------------- relay forwarder
-
-_PIPE_CHUNK = 64 * 1024
-# How long a finished connection may take to deliver its last bytes to the workflow.
-_CLOSE_GRACE_SEC = 2.0
-
-
-async def abort_connections(
-    writers: Iterable[asyncio.StreamWriter], handlers: Iterable[asyncio.Task[Any]]
-) -> None:
-    """Cut every connection (no flush) and wait for their handler tasks to end."""
-    for writer in list(writers):
-        writer.transport.abort()
-    tasks = list(handlers)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class RelayForwarder:
-    """A loopback TCP port whose connections are piped, byte for byte, to a unix socket.
-
-    The host's relay speaks HTTP on the socket; this end only copies bytes, so it
-    adds no parsing and works in a container without any network.
-    """
-
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
-        self.port = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self, sock: socket.socket | None = None) -> int:
-        """Listen on 127.0.0.1 (a free port; or on ``sock``, bound and listening
-        already) and return the port."""
-        if sock is not None:
-            self._server = await asyncio.start_server(self._on_connection, sock=sock)
-        else:
-            self._server = await asyncio.start_server(self._on_connection, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
-
-    async def aclose(self) -> None:
-        """Stop listening and cut every open connection."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        await abort_connections(self._writers, self._tasks)
-
-    async def _on_connection(
-        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        self._writers.add(client_writer)
-        try:
-            try:
-                relay_reader, relay_writer = await asyncio.open_unix_connection(self.socket_path)
-            except OSError as exc:
-                logger.warning("model relay %s is unreachable: %s", self.socket_path, exc)
-                return
-            self._writers.add(relay_writer)
-            try:
-                await asyncio.gather(
-                    self._pipe(client_reader, relay_writer, client_writer),
-                    self._pipe(relay_reader, client_writer, relay_writer),
-                )
-            finally:
-                self._writers.discard(relay_writer)
-                relay_writer.transport.abort()
-        except asyncio.CancelledError:
-            # Only aclose() cancels; ending normally keeps asyncio's stream callback
-            # (3.12.0/3.12.1) from logging the cancellation as an error.
-            pass
-        finally:
-            # Close, not abort: bytes still buffered for the client are delivered.
-            client_writer.close()
-            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
-                async with asyncio.timeout(_CLOSE_GRACE_SEC):
-                    await client_writer.wait_closed()
-            self._writers.discard(client_writer)
-            client_writer.transport.abort()
-            if task is not None:
-                self._tasks.discard(task)
-
-    @staticmethod
-    async def _pipe(
-        source: asyncio.StreamReader, sink: asyncio.StreamWriter, other: asyncio.StreamWriter
-    ) -> None:
-        try:
-            while data := await source.read(_PIPE_CHUNK):
-                sink.write(data)
-                await sink.drain()
-            # Pass the half-close on: an HTTP peer may still be answering.
-            if sink.can_write_eof() and not sink.is_closing():
-                sink.write_eof()
-        except OSError:
-            # One side broke: the other cannot finish its exchange either, but what
-            # was already read is still delivered (close flushes, abort would not).
-            sink.close()
-            other.transport.abort()
-
-
 # --------------------------------------------------------------------------- agent
-
-
-class ForwarderThread:
-    """A ``RelayForwarder`` on its own event loop in a daemon thread.
-
-    Workflows may block their own loop (a synchronous HTTP client, ``requests``,
-    the sync ``openai`` client); the forwarder must keep piping bytes meanwhile.
-    """
-
-    def __init__(self, socket_path: str) -> None:
-        self.forwarder = RelayForwarder(socket_path)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="harbor-exec-relay", daemon=True
-        )
-
-    def start(self) -> int:
-        self._thread.start()
-        return asyncio.run_coroutine_threadsafe(self.forwarder.start(), self._loop).result(10)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.forwarder.aclose(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self._loop.close()
 
 
 async def _run_workflow(
@@ -667,39 +537,6 @@ def run_grade(paths: RunnerPaths) -> int:
         return EXIT_SETUP if phase == "setup" else EXIT_FAILED
     print(f"harbor-exec runner: reward {reward} written to {paths.reward}")
     return EXIT_OK
-
-
-# --------------------------------------------------------------------------- forward
-
-
-async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
-    forwarder = RelayForwarder(socket_path)
-    await forwarder.start(sock)
-    await asyncio.Event().wait()  # until killed
-
-
-def run_forward(socket_path: str) -> int:
-    """``forward``: bind 127.0.0.1 first (so the port printed accepts at once), then
-    leave the exec behind: the child serves in a session of its own, stdio closed."""
-    if not os.path.exists(socket_path):
-        print(f"the model relay socket {socket_path} is missing", file=sys.stderr)
-        return EXIT_SETUP
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = int(sock.getsockname()[1])
-    if os.fork() != 0:
-        sock.close()
-        print(port, flush=True)
-        return EXIT_OK
-    try:
-        os.setsid()
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)
-        asyncio.run(_forward_forever(sock, socket_path))
-    finally:
-        os._exit(0)
 
 
 # --------------------------------------------------------------------------- entry point

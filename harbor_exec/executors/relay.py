@@ -69,8 +69,15 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.container.runner import abort_connections
+from harbor_exec.container.forward import abort_connections
 from harbor_exec.executors.base import ModelUsage
+from harbor_exec.sandbox.http11 import (
+    HOP_BY_HOP,
+    MAX_HEAD_BYTES,
+    READ_SIZE,
+    lingering_close,
+    next_event,
+)
 
 __all__ = [
     "CHAT_COMPLETIONS_ROUTE",
@@ -90,27 +97,9 @@ logger = logging.getLogger("harbor_exec.executors.relay")
 SOCKET_NAME: Final = "relay.sock"
 # sockaddr_un.sun_path is 108 bytes on Linux, NUL included.
 _MAX_SOCKET_PATH: Final = 107
-_READ_SIZE: Final = 64 * 1024
-# Request line plus headers; a chat call's headers are a few hundred bytes.
-_MAX_HEAD_BYTES: Final = 64 * 1024
 # An SSE event larger than this is not parsed for usage (it is still forwarded).
 _MAX_SSE_EVENT: Final = 1 * 2**20
-# How long a finished connection may take to deliver its last bytes and close.
-_LINGER_SEC: Final = 2.0
 
-_HOP_BY_HOP: Final = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
 # The only client headers forwarded upstream: what a chat call needs to be parsed
 # (content-type) and answered as JSON or SSE (accept), and the SDK's name for the
 # model server's logs (user-agent). Anything else (cookies, x-forwarded-*,
@@ -118,7 +107,7 @@ _HOP_BY_HOP: Final = frozenset(
 # bill another account, so it is dropped. The relay adds authorization and
 # accept-encoding itself; httpx adds host and content-length.
 FORWARDED_REQUEST_HEADERS: Final = frozenset({b"content-type", b"accept", b"user-agent"})
-_RESPONSE_DROP: Final = _HOP_BY_HOP | {b"content-length"}
+_RESPONSE_DROP: Final = HOP_BY_HOP | {b"content-length"}
 #: The route every relay forwards, relative to the upstream URL's path.
 CHAT_COMPLETIONS_ROUTE: Final = "/chat/completions"
 # What an operator's extra route may be made of: plain segments, nothing to decode.
@@ -493,7 +482,7 @@ class ModelRelay:
             # Explicit chmods: the umask must not decide who in the container may connect.
             os.chmod(self.directory, 0o755)
             self._server = await asyncio.start_unix_server(
-                self._on_connection, path=self.socket_path, limit=_READ_SIZE
+                self._on_connection, path=self.socket_path, limit=READ_SIZE
             )
             os.chmod(self.socket_path, 0o666)
             if self._transport is None:
@@ -588,7 +577,7 @@ class ModelRelay:
         self._writers.add(writer)
         try:
             await self._serve(reader, writer)
-            await self._lingering_close(reader, writer)
+            await lingering_close(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         except asyncio.CancelledError:
@@ -602,22 +591,6 @@ class ModelRelay:
             self._writers.discard(writer)
             self._connections.discard(task)
             writer.transport.abort()
-
-    @staticmethod
-    async def _lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Flush, half-close, and drain what the client still sends, for a bounded time.
-
-        Closing a socket with unread input resets the connection, and a reset can
-        destroy an answer (a 413, the start of a cut stream) before the client reads it.
-        """
-        async with asyncio.timeout(_LINGER_SEC):
-            await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-            while await reader.read(_READ_SIZE):
-                pass
-            writer.close()
-            await writer.wait_closed()
 
     @property
     def refusals_spent(self) -> bool:
@@ -635,10 +608,10 @@ class ModelRelay:
             )
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         while True:
             try:
-                event = await self._next_event(conn, reader)
+                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
             except h11.RemoteProtocolError:
                 self._refuse()
                 await self._send_error(conn, writer, 400, "bad_request", "malformed HTTP request")
@@ -676,16 +649,6 @@ class ModelRelay:
                 return
             conn.start_next_cycle()
 
-    async def _next_event(self, conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            # TimeoutError ends the connection without an answer (see _on_connection).
-            async with asyncio.timeout(self.limits.idle_timeout_sec):
-                data = await reader.read(_READ_SIZE)
-            conn.receive_data(data)
-
     async def _admit(
         self,
         conn: h11.Connection,
@@ -718,7 +681,7 @@ class ModelRelay:
         body = bytearray()
         while True:
             try:
-                event = await self._next_event(conn, reader)
+                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
             except h11.RemoteProtocolError:
                 raise _Reject(400, "bad_request", "malformed request body") from None
             if isinstance(event, h11.Data):

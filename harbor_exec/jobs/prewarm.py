@@ -23,13 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.trial.egress import EgressSettings
 from harbor_exec.trial.native import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
@@ -83,6 +84,7 @@ def prewarm_one(
     agent_layer: AgentLayer | None = None,
     *,
     package_cache: PackageCacheService | None = None,
+    egress: EgressSettings | None = None,
 ) -> PrewarmOutcome:
     """Build (or find) one task's image, install ``agent_layer`` when given, and with
     ``package_cache`` run the task's oracle and verifier once through it; any error
@@ -94,7 +96,7 @@ def prewarm_one(
             _volume, layer_built = ensure_agent_layer(runtime, agent_layer, image)
             built = built or layer_built
         if package_cache is not None:
-            image = f"{image} ({_fill_cache(runtime, task, package_cache)})"
+            image = f"{image} ({_fill_cache(runtime, task, package_cache, egress)})"
     except Exception as exc:  # one broken task must never stop a dataset's prewarm
         return PrewarmOutcome(
             task.name, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
@@ -104,14 +106,20 @@ def prewarm_one(
     )
 
 
-def _fill_cache(runtime: ContainerRuntime, task: Task, cache: PackageCacheService) -> str:
+def _fill_cache(
+    runtime: ContainerRuntime,
+    task: Task,
+    cache: PackageCacheService,
+    egress: EgressSettings | None,
+) -> str:
     """One oracle trial through ``cache`` in a scratch dir; what it fetched, as text."""
+    policy = SandboxPolicy(package_cache=cache)
+    if egress is not None:
+        policy = replace(policy, egress=egress)
     with tempfile.TemporaryDirectory(prefix="hx-prewarm-") as scratch:
         result = run_trial(
             runtime,
-            TrialRequest(
-                task=task, trials_dir=Path(scratch), policy=SandboxPolicy(package_cache=cache)
-            ),
+            TrialRequest(task=task, trials_dir=Path(scratch), policy=policy),
         )
         stats_file = Path(scratch) / result.trial_name / "package-cache.json"
         fetched = stats_file.read_text() if stats_file.exists() else ""

@@ -47,8 +47,8 @@ from harbor_exec.container.exchange import (
     ErrorDetail,
     ErrorFile,
 )
+from harbor_exec.container.forward import ForwarderThread
 from harbor_exec.container.redaction import redact
-from harbor_exec.container.runner import ForwarderThread
 from harbor_exec.errors import (
     AgentSetupError,
     AgentSetupTimeoutError,

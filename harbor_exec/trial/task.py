@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harbor_exec.cache import SNAPSHOTS, cache_root
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
+from harbor_exec.sandbox.egress.policy import normalize_allowed_hosts
 
 ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _CANARY_LINE = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
@@ -79,6 +80,7 @@ class PackageInfo(_Model):
 def _check_allowlist(mode: NetworkMode | None, hosts: list[str] | None) -> None:
     if hosts and mode is not NetworkMode.ALLOWLIST:
         raise ValueError("allowed_hosts is only valid when network_mode='allowlist'")
+    normalize_allowed_hosts(hosts or [])  # Harbor's entry forms, or its message
 
 
 class _PhaseNetwork(_Model):

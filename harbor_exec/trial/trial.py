@@ -83,6 +83,7 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
+from harbor_exec.sandbox.egress.policy import EgressMode
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -92,12 +93,12 @@ from harbor_exec.sandbox.runtime import (
     ContainerRuntime,
     ContainerSpec,
     Mount,
-    NetworkKind,
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.diskwatch import DiskWatch
+from harbor_exec.trial.egress import ContainerKind, EgressSettings, TrialEgress, network_plan
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
@@ -108,7 +109,7 @@ from harbor_exec.trial.results import (
     parse_rewards,
     utcnow,
 )
-from harbor_exec.trial.task import EnvironmentConfig, NetworkMode, Task, resolve_env
+from harbor_exec.trial.task import EnvironmentConfig, Task, resolve_env
 
 if TYPE_CHECKING:
     from harbor_exec.sandbox.egress.service import PackageCacheService
@@ -191,6 +192,8 @@ class SandboxPolicy:
     package_cache: PackageCacheService | None = field(default=None, compare=False)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
+    #: Allowlisted networks' egress proxy (``harbor_exec.trial.egress``).
+    egress: EgressSettings = field(default_factory=EgressSettings)
 
 
 @dataclass(frozen=True)
@@ -314,7 +317,15 @@ class Trial:
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
-        self._package_cache: TrialPackageCache | None = None
+        self.network_plan = network_plan(
+            request.task.config, separate_verifier=self.verifier_mode == "separate"
+        )
+        #: This trial's use of the server's package cache (None: not through it).
+        self._package_cache = self._cache_session()
+        egress = request.policy.egress
+        if self._package_cache is not None:
+            egress = replace(egress, upstream=self._package_cache.upstream)
+        self._egress = TrialEgress(self.name, self.dir, egress)
 
     # ----------------------------------------------------------------- control
 
@@ -371,13 +382,6 @@ class Trial:
         )
         session: TrialSession | None = None
         try:
-            service = request.policy.package_cache
-            if service is not None:
-                # Imported here: the cache needs the server extra (httpx, h11, ...).
-                from harbor_exec.trial.package_cache import TrialPackageCache, wanted
-
-                if wanted(service, task):
-                    self._package_cache = TrialPackageCache(service, self.name)
             session = self._environment(result)
             self._healthcheck(session)
             if self._exception is None:
@@ -393,24 +397,28 @@ class Trial:
         except BaseException as exc:  # keep the container accounting right on Ctrl-C too
             self._record(CancelledError(f"interrupted: {type(exc).__name__}"))
             self._teardown(session)
-            self._close_package_cache()
             raise
         self._teardown(session)
-        self._close_package_cache()
         self._phase(TrialPhase.DONE)
         result.exception_info = self._exception
         result.finished_at = utcnow()
         self._write(result)
         return result
 
-    def _close_package_cache(self) -> None:
-        cache, self._package_cache = self._package_cache, None
-        if cache is not None:
-            cache.close(self.dir)
+    def _cache_session(self) -> TrialPackageCache | None:
+        service = self.request.policy.package_cache
+        if service is None:
+            return None
+        # Imported here: the cache needs the server extra (httpx, h11, cryptography).
+        from harbor_exec.trial.package_cache import TrialPackageCache, wanted
 
-    def _start_package_forwarder(self, container_id: str, phase: str) -> None:
-        if self._package_cache is not None:
-            self._package_cache.start_forwarder(self.runtime, container_id, phase)
+        return TrialPackageCache(service) if wanted(service, self.request.task) else None
+
+    def _cached(self, kind: ContainerKind) -> bool:
+        """Whether ``kind``'s container reaches the network through the package cache."""
+        if self._package_cache is None:
+            return False
+        return any(p.mode is not EgressMode.NO_NETWORK for p in self.network_plan.phases(kind))
 
     def _config_summary(self) -> dict[str, object]:
         request, config = self.request, self.request.task.config
@@ -439,16 +447,13 @@ class Trial:
             return "separate" if config.environment_mode == "separate" else "shared"
         return "separate" if config.environment is not None else "shared"
 
-    def _network(self) -> NetworkKind:
-        mode = self.request.task.config.environment.network_mode
-        if mode is NetworkMode.NO_NETWORK:
-            return "none"
-        if mode is NetworkMode.ALLOWLIST:
-            raise EnvironmentStartError(
-                "[environment].network_mode='allowlist' is not supported by harbor-exec's "
-                "Docker runtime; use 'public' or 'no-network'"
-            )
-        return "bridge"
+    def _enter_egress(self, phase: Literal["agent", "verifier"], container_id: str) -> None:
+        """The phase's network policy on the trial's proxy, when its container has one."""
+        shared = phase == "agent" or self.verifier_mode == "shared"
+        kind: ContainerKind = "trial" if shared else "verifier"
+        if self.network_plan.proxied(kind) or self._cached(kind):
+            policy = self.network_plan.agent if phase == "agent" else self.network_plan.verifier
+            self._egress.enter(phase, policy, self.runtime, container_id)
 
     def _spec(
         self,
@@ -467,9 +472,17 @@ class Trial:
         env = resolve_env(
             env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
         )
-        if self._package_cache is not None:
-            env = {**self._package_cache.env(), **env}  # the task's own settings win
-            mounts = [*mounts, *self._package_cache.mounts()]
+        network_kind: ContainerKind = "trial" if kind == "trial" else "verifier"
+        if self.network_plan.proxied(network_kind):
+            mounts = [*mounts, self._egress.mount()]
+            env = {**env, **self._egress.env()}
+        elif self._cached(network_kind):
+            # The task's own settings win over the cache's (not over a proxied policy's).
+            mounts = [*mounts, self._egress.mount()]
+            env = {**self._egress.env(), **env}
+        if self._package_cache is not None and self._cached(network_kind):
+            mounts = [*mounts, self._package_cache.trust_mount()]
+            env = {**self._package_cache.env(), **env}
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -486,7 +499,7 @@ class Trial:
             pids_limit=limits.pids_limit,
             shm_mb=limits.shm_mb,
             nofile_limit=limits.nofile_limit,
-            network=self._network(),
+            network=self.network_plan.network(network_kind),
             mounts=mounts,
             cap_add=sorted(wanted & set(DROPPED_CAPABILITIES)),
             syscalls_allowed=requested_syscalls(image_labels.get(SECCOMP_ALLOW_LABEL)),
@@ -597,7 +610,6 @@ class Trial:
                 pending = None
             self.runtime.start(container_id)
             self._check_cancelled()
-            self._start_package_forwarder(container_id, "agent")
         finally:
             timing.finished_at = utcnow()
         return TrialSession(
@@ -676,6 +688,7 @@ class Trial:
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
         limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
         watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
+        self._enter_egress("agent", session.container_id)
         try:
             with watch:
                 run = request.agent.run(session, timeout)
@@ -756,6 +769,7 @@ class Trial:
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
+        self._enter_egress("verifier", session.container_id)
         run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
         self._check_cancelled()
         if run.timed_out:
@@ -775,7 +789,6 @@ class Trial:
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
-            self._start_package_forwarder(session.container_id, "verifier")
             try:
                 self._run_verifier(session, result, started=timing.started_at)
             except (EnvironmentStartError, RewardFileNotFoundError):
@@ -834,7 +847,6 @@ class Trial:
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
                 self._check_cancelled()
-                self._start_package_forwarder(container_id, "verifier")
                 fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
@@ -1119,6 +1131,9 @@ class Trial:
             self.runtime.remove(container_id)
 
     def _teardown(self, session: TrialSession | None) -> None:
+        self._egress.close()
+        if self._package_cache is not None:
+            self._package_cache.write(self.dir)
         with self._container_lock:
             container_id, self._container_id = self._container_id, None
         if container_id is None:

@@ -54,13 +54,20 @@ from urllib.parse import urlsplit
 import h11
 import httpcore
 
-from harbor_exec.container.runner import abort_connections
+from harbor_exec.container.forward import abort_connections
 from harbor_exec.sandbox.egress.policy import (
     EgressMode,
     EgressPolicy,
     is_address,
     is_forbidden_address,
     normalize_host,
+)
+from harbor_exec.sandbox.http11 import (
+    HOP_BY_HOP,
+    MAX_HEAD_BYTES,
+    READ_SIZE,
+    lingering_close,
+    next_event,
 )
 
 __all__ = [
@@ -73,6 +80,7 @@ __all__ = [
     "EgressProxyThread",
     "EgressRefused",
     "EgressStats",
+    "GuardedBackend",
     "HttpRequest",
     "HttpResponse",
     "Upstream",
@@ -83,26 +91,10 @@ logger = logging.getLogger("harbor_exec.sandbox.egress")
 
 EGRESS_SOCKET_NAME: Final = "egress.sock"
 _MAX_SOCKET_PATH: Final = 107
-_READ_SIZE: Final = 64 * 1024
-_MAX_HEAD_BYTES: Final = 64 * 1024
 _MAX_HOST_IN_LOG: Final = 255
-_LINGER_SEC: Final = 2.0
 
-_HOP_BY_HOP: Final = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"expect",
-    }
-)
+# Not forwarded: hop-by-hop, and what the upstream request sets itself.
+_DROPPED: Final = HOP_BY_HOP | {b"host", b"expect"}
 
 
 @dataclass(frozen=True)
@@ -217,7 +209,7 @@ class Connector:
         for address, address_port in addresses:
             try:
                 async with asyncio.timeout(self.connect_timeout_sec):
-                    return await asyncio.open_connection(address, address_port, limit=_READ_SIZE)
+                    return await asyncio.open_connection(address, address_port, limit=READ_SIZE)
             except (OSError, TimeoutError) as exc:
                 error = exc if isinstance(exc, OSError) else OSError(str(exc))
         raise error or OSError("no address to connect to")
@@ -275,7 +267,7 @@ class _GuardedStream(httpcore.AsyncNetworkStream):
         return None
 
 
-class _GuardedBackend(httpcore.AsyncNetworkBackend):
+class GuardedBackend(httpcore.AsyncNetworkBackend):
     """httpcore's network backend over a ``Connector``: pooled HTTP obeys the guard."""
 
     def __init__(self, connector: Connector) -> None:
@@ -391,7 +383,7 @@ async def pipe_both_ways(
         while True:
             try:
                 async with asyncio.timeout(idle):
-                    data = await source.read(_READ_SIZE)
+                    data = await source.read(READ_SIZE)
             except TimeoutError:
                 if loop.time() - last[0] >= idle:
                     raise
@@ -486,7 +478,9 @@ class EgressProxy:
     ``directory`` must not exist: ``start()`` creates it (0755) with the socket
     (0666) in it; ``aclose()`` removes both. ``refused_log`` (a file in the trial
     dir) receives a JSON line per refusal, up to ``limits.max_log_records``.
-    The phase starts as ``no-network`` until ``set_phase``.
+    ``overrides``, ``dns`` and ``allow_private`` configure the ``Connector``;
+    ``upstream`` replaces ``DirectUpstream``. The phase starts as ``no-network``
+    until ``set_phase``.
     """
 
     def __init__(
@@ -523,7 +517,6 @@ class EgressProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._closed = False
         self._made_directory = False
-        self._budget_logged = False
 
     def __repr__(self) -> str:
         return f"EgressProxy(socket={str(self.socket_path)!r}, phase={self.phase!r})"
@@ -542,12 +535,12 @@ class EgressProxy:
         try:
             os.chmod(self.directory, 0o755)
             self._pool = httpcore.AsyncConnectionPool(
-                network_backend=_GuardedBackend(self.connector),
+                network_backend=GuardedBackend(self.connector),
                 max_connections=self.limits.max_connections,
                 keepalive_expiry=30.0,
             )
             self._server = await asyncio.start_unix_server(
-                self._on_connection, path=self.socket_path, limit=_READ_SIZE
+                self._on_connection, path=self.socket_path, limit=READ_SIZE
             )
             os.chmod(self.socket_path, 0o666)
         except BaseException:
@@ -654,7 +647,7 @@ class EgressProxy:
         self._writers.add(writer)
         try:
             await self._serve(reader, writer)
-            await self._lingering_close(reader, writer)
+            await lingering_close(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, _BudgetSpent):
             pass
         except asyncio.CancelledError:
@@ -666,29 +659,11 @@ class EgressProxy:
             self._connections.discard(task)
             writer.transport.abort()
 
-    @staticmethod
-    async def _lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async with asyncio.timeout(_LINGER_SEC):
-            await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-            while await reader.read(_READ_SIZE):
-                pass
-
-    async def _next_event(self, conn: h11.Connection, reader: asyncio.StreamReader) -> typing.Any:
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            async with asyncio.timeout(self.limits.idle_timeout_sec):
-                data = await reader.read(_READ_SIZE)
-            conn.receive_data(data)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         while True:
             try:
-                event = await self._next_event(conn, reader)
+                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
             except h11.RemoteProtocolError:
                 await self._answer(conn, writer, 400, "malformed HTTP request")
                 return
@@ -770,14 +745,14 @@ class EgressProxy:
                 length = int(value)
             elif name == b"transfer-encoding":
                 chunked = True
-            if name not in _HOP_BY_HOP:
+            if name not in _DROPPED:
                 headers.append((name, value))
         if conn.they_are_waiting_for_100_continue:
             writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
 
         async def body() -> AsyncIterator[bytes]:
             while True:
-                event = await self._next_event(conn, reader)
+                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
                 if isinstance(event, h11.Data):
                     self._count(len(event.data))
                     yield bytes(event.data)
@@ -817,7 +792,7 @@ class EgressProxy:
                 with contextlib.suppress(Exception):
                     async for _ in upstream_request.body:
                         pass
-            out = [(k, v) for k, v in response.headers if k.lower() not in _HOP_BY_HOP]
+            out = [(k, v) for k, v in response.headers if k.lower() not in _DROPPED]
             writer.write(
                 conn.send(
                     h11.Response(status_code=response.status, headers=out, reason=response.reason)

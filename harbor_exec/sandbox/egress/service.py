@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -54,11 +54,6 @@ class PackageCacheConfig:
     max_object_bytes: int | None = None  # None: a quarter of max_bytes
     #: Verify upstream TLS against this bundle instead of the public roots (tests).
     upstream_ca_bundle: Path | None = None
-    #: The egress proxies' resolver overrides (name or name:port -> host, port), e.g.
-    #: a local mirror; tests map names to servers on 127.0.0.1.
-    overrides: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-    #: False: names not in ``overrides`` are refused (nothing is looked up).
-    dns: bool = True
 
     def directory(self, name: str) -> Path:
         return (self.root or cache_root()) / name

@@ -27,8 +27,8 @@ __all__ = [
     "BUNDLE",
     "TASK_OPT_OUT_KEY",
     "TRUST_MOUNT",
-    "proxy_env",
     "task_opts_out",
+    "trust_env",
     "write_trust_dir",
 ]
 
@@ -72,19 +72,11 @@ def write_trust_dir(ca: LocalCA, directory: Path) -> Path:
     return directory
 
 
-def proxy_env(port: int, *, host: str = "127.0.0.1") -> dict[str, str]:
-    """The variables that send a container's HTTP(S) through the cache's in-container
-    forwarder on ``host:port`` and make its tools trust the cache's CA."""
-    proxy = f"http://{host}:{port}"
+def trust_env() -> dict[str, str]:
+    """The variables that make a container's tools trust the cache's CA (the proxy
+    variables come with the egress proxy: ``harbor_exec.sandbox.egress.proxy_env``)."""
     bundle = f"{TRUST_MOUNT}/{BUNDLE}"
-    no_proxy = "localhost,127.0.0.1,::1"
     return {
-        "HTTP_PROXY": proxy,
-        "HTTPS_PROXY": proxy,
-        "http_proxy": proxy,
-        "https_proxy": proxy,
-        "NO_PROXY": no_proxy,
-        "no_proxy": no_proxy,
         # OpenSSL (Python's ssl, curl with OpenSSL, uv, git with OpenSSL, Go on Linux)
         "SSL_CERT_FILE": bundle,
         "REQUESTS_CA_BUNDLE": bundle,

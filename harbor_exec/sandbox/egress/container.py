@@ -1,0 +1,57 @@
+"""How a container reaches its trial's egress proxy: mount point, port, variables.
+
+The proxy's directory is bind-mounted read-only at ``EGRESS_MOUNT``; the
+forwarder (``harbor_exec.container.forward``, run from its source on the
+read-only runtime's interpreter, so nothing in the image takes part) listens on
+``127.0.0.1:EGRESS_PORT`` inside the container and pipes to the socket; the
+standard proxy variables (``proxy_env``) point every program there that honours
+them (curl, wget, pip, uv, apt, git, npm, Python's urllib, requests, httpx, ...).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Final
+
+from harbor_exec.container import forward
+from harbor_exec.container.exchange import RUNTIME_PYTHON
+from harbor_exec.sandbox.egress.proxy import EGRESS_SOCKET_NAME
+
+__all__ = [
+    "EGRESS_MOUNT",
+    "EGRESS_PORT",
+    "EGRESS_PROXY_URL",
+    "EGRESS_SOCKET",
+    "forwarder_command",
+    "proxy_env",
+]
+
+EGRESS_MOUNT: Final = "/run/harbor-exec/egress"
+EGRESS_SOCKET: Final = f"{EGRESS_MOUNT}/{EGRESS_SOCKET_NAME}"
+#: The forwarder's port on the container's own loopback (network ``none``: nothing
+#: else listens there unless the task does); the standard proxy port.
+EGRESS_PORT: Final = 3128
+EGRESS_PROXY_URL: Final = f"http://127.0.0.1:{EGRESS_PORT}"
+_NO_PROXY: Final = "localhost,127.0.0.1,::1"
+
+
+def proxy_env(url: str = EGRESS_PROXY_URL) -> dict[str, str]:
+    """The proxy variables, both spellings (curl reads ``http_proxy`` only in lower
+    case; others read upper case), with loopback left direct (the model relay's
+    forwarder is on 127.0.0.1 too)."""
+    env: dict[str, str] = {}
+    for name in ("http_proxy", "https_proxy", "all_proxy"):
+        env[name] = env[name.upper()] = url
+    env["no_proxy"] = env["NO_PROXY"] = _NO_PROXY
+    return env
+
+
+@cache
+def _forward_source() -> str:
+    return Path(forward.__file__).read_text(encoding="utf-8")
+
+
+def forwarder_command(port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET) -> list[str]:
+    """The exec that starts the forwarder (it prints its port and detaches)."""
+    return [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket, "--port", str(port)]

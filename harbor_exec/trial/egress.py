@@ -1,0 +1,194 @@
+"""A trial's network plan (Harbor 0.26's per-phase policies) and its egress proxy.
+
+Harbor resolves one policy per phase (``harbor.trial.network_policy``): the agent's
+is ``[agent].network_mode``/``allowed_hosts`` when set, else ``[environment]``'s;
+the verifier's is ``[verifier]``'s when set, else the environment its container
+was made from (``[verifier].environment`` in separate mode, else ``[environment]``).
+
+A container whose phases are all ``public`` gets the bridge network, one whose
+phases are all ``no-network`` gets none, and any other gets network ``none`` plus
+the trial's egress proxy (``harbor_exec.sandbox.egress``): its socket mounted at
+``EGRESS_MOUNT``, the proxy variables in the container's environment, and, as
+each phase starts, the phase's policy on the proxy and a fresh forwarder in the
+container. Refusals go to ``egress-refused.jsonl`` in the trial dir.
+
+Differences from Harbor, which enforces policies with an in-namespace transparent
+proxy (an egress sidecar this kernel cannot run): here only programs that honour
+the proxy variables (or speak CONNECT to the forwarder) reach anything, a
+``public`` phase of a proxied container is public through the proxy (never the
+host's private or loopback addresses), and UDP (DNS included) reaches nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from harbor_exec.errors import EnvironmentStartError, HarborExecError
+from harbor_exec.sandbox.egress import (
+    EGRESS_MOUNT,
+    EgressLimits,
+    EgressMode,
+    EgressPolicy,
+    EgressProxy,
+    EgressProxyThread,
+    Upstream,
+    forwarder_command,
+    proxy_env,
+)
+from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
+from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_USER
+from harbor_exec.trial.task import EnvironmentConfig, TaskConfig
+
+__all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
+
+#: The trial dir's record of what its proxy refused (JSON lines).
+REFUSED_LOG = "egress-refused.jsonl"
+ContainerKind = Literal["trial", "verifier"]
+
+
+@dataclass(frozen=True)
+class EgressSettings:
+    """The operator's egress settings (``SandboxPolicy.egress``).
+
+    ``overrides``: name (or ``name:port``) -> ``(host, port)`` the proxy connects
+    to instead, without DNS or the private-address guard (a local mirror; how tests
+    reach servers on 127.0.0.1). ``dns=False``: names not in ``overrides`` are
+    refused. ``upstream``: where admitted traffic goes (one object for every trial,
+    e.g. a cache; it gets each request's trial and phase); None: directly."""
+
+    overrides: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    dns: bool = True
+    limits: EgressLimits = field(default_factory=EgressLimits)
+    upstream: Upstream | None = None
+
+
+def _policy(mode: object, hosts: list[str] | None) -> EgressPolicy:
+    return EgressPolicy(EgressMode(str(mode)), tuple(hosts or ()))
+
+
+def _baseline(env: EnvironmentConfig) -> EgressPolicy:
+    return _policy(env.network_mode, env.allowed_hosts)
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """Each phase's policy, and which of them run in which container."""
+
+    agent: EgressPolicy
+    verifier: EgressPolicy
+    separate_verifier: bool
+
+    def phases(self, kind: ContainerKind) -> list[EgressPolicy]:
+        if kind == "verifier" or self.separate_verifier:
+            return [self.agent] if kind == "trial" else [self.verifier]
+        return [self.agent, self.verifier]
+
+    def network(self, kind: ContainerKind) -> NetworkKind:
+        modes = {policy.mode for policy in self.phases(kind)}
+        return "bridge" if modes == {EgressMode.PUBLIC} else "none"
+
+    def proxied(self, kind: ContainerKind) -> bool:
+        modes = {policy.mode for policy in self.phases(kind)}
+        return modes not in ({EgressMode.PUBLIC}, {EgressMode.NO_NETWORK})
+
+
+def network_plan(config: TaskConfig, *, separate_verifier: bool) -> NetworkPlan:
+    """Harbor 0.26's ``resolve_trial_network_plan`` (without run-specific extra hosts)."""
+    baseline = _baseline(config.environment)
+    agent = config.agent
+    verifier = config.verifier
+    verifier_base = baseline
+    if separate_verifier:
+        verifier_base = _baseline(verifier.environment or config.environment)
+    return NetworkPlan(
+        agent=(
+            _policy(agent.network_mode, agent.allowed_hosts)
+            if agent.network_mode is not None
+            else baseline
+        ),
+        verifier=(
+            _policy(verifier.network_mode, verifier.allowed_hosts)
+            if verifier.network_mode is not None
+            else verifier_base
+        ),
+        separate_verifier=separate_verifier,
+    )
+
+
+class TrialEgress:
+    """One trial's proxy, started on first use (``mount``) and closed by ``close``."""
+
+    def __init__(self, trial: str, trial_dir: Path, settings: EgressSettings) -> None:
+        self.trial = trial
+        self.refused_log = trial_dir / REFUSED_LOG
+        self.settings = settings
+        self._scratch: Path | None = None
+        self._thread: EgressProxyThread | None = None
+
+    @property
+    def proxy(self) -> EgressProxy | None:
+        return None if self._thread is None else self._thread.proxy
+
+    def mount(self) -> Mount:
+        """The proxy's directory, to mount read-only at ``EGRESS_MOUNT``."""
+        if self._thread is None:
+            # Short and fresh: a unix socket path has 107 bytes; the trial dir may be long.
+            self._scratch = Path(tempfile.mkdtemp(prefix="hx-egress-"))
+            proxy = EgressProxy(
+                directory=self._scratch / "e",
+                trial=self.trial,
+                refused_log=self.refused_log,
+                limits=self.settings.limits,
+                overrides=self.settings.overrides,
+                dns=self.settings.dns,
+                upstream=self.settings.upstream,
+            )
+            thread = EgressProxyThread(proxy)
+            try:
+                thread.start()
+            except Exception as exc:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                raise EnvironmentStartError(f"the egress proxy did not start: {exc}") from None
+            self._thread = thread
+        assert self.proxy is not None
+        return Mount(str(self.proxy.directory), EGRESS_MOUNT, read_only=True)
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        return proxy_env()
+
+    def enter(
+        self, phase: str, policy: EgressPolicy, runtime: ContainerRuntime, container_id: str
+    ) -> None:
+        """Apply ``policy`` (cutting what the last phase opened) and start a fresh
+        forwarder in the container, as the runtime's own uid (an agent that is not
+        root cannot end it; one that ends it only cuts itself off)."""
+        assert self._thread is not None, "mount() first"
+        self._thread.set_phase(phase, policy)
+        try:
+            ran = runtime.exec(
+                container_id, forwarder_command(), user=KEEP_ALIVE_USER, timeout_sec=60
+            )
+        except HarborExecError as exc:
+            raise EnvironmentStartError(
+                f"the egress forwarder did not start for the {phase} phase: {exc}"
+            ) from None
+        if ran.exit_code != 0:
+            detail = ran.errors.decode("utf-8", errors="replace").strip()[-300:]
+            raise EnvironmentStartError(
+                f"the egress forwarder did not start for the {phase} phase "
+                f"(exit {ran.exit_code}): {detail or 'no output'}"
+            )
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None

@@ -1,0 +1,246 @@
+"""Allowlisted networks in real containers (issue 20 point 5), entirely on loopback.
+
+The task's container has network ``none``; its only way out is the trial's egress
+proxy on a unix socket. The allowed names resolve, in the proxy's override map, to
+HTTP servers on the host's 127.0.0.1; so does a name the task does not allow, whose
+server must hear nothing. Inside the container, curl, Python's urllib and a raw
+socket speaking CONNECT reach the allowed host and not the other; a raw socket to
+an address reaches nothing. The verifier's phase has a policy of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.trial.egress import REFUSED_LOG, EgressSettings
+from harbor_exec.trial.task import load_task
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from tests.task_factory import make_task
+from tests.test_egress import _cert, _Server
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+# The image's own glibc is used; curl's other libraries come from the host (both bookworm).
+_GLIBC = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux")
+
+
+def _curl_into(environment: Path) -> None:
+    """The host's curl and its libraries (not glibc's) under environment/curl/."""
+    curl = shutil.which("curl")
+    assert curl is not None, "these tests need curl on the host (to copy into the image)"
+    lib = environment / "curl" / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy(curl, environment / "curl" / "curl")
+    ldd = subprocess.run(["ldd", curl], capture_output=True, text=True, check=True).stdout
+    for line in ldd.splitlines():
+        parts = line.split("=>")
+        if len(parts) == 2 and parts[1].split():
+            path = parts[1].split()[0]
+            if not any(Path(path).name.startswith(g) for g in _GLIBC):
+                shutil.copy(path, lib / Path(path).name)
+
+
+_DOCKERFILE = """\
+FROM python:3.11-slim-bookworm
+COPY curl /opt/curl
+RUN printf '#!/bin/sh\\nLD_LIBRARY_PATH=/opt/curl/lib exec /opt/curl/curl "$@"\\n' \
+    > /usr/local/bin/curl && chmod 0755 /usr/local/bin/curl /opt/curl/curl
+COPY ca.pem checks.py /opt/checks/
+WORKDIR /app
+"""
+
+# Run in both phases: prints one "name=value" line per check.
+_CHECKS = r"""
+import json, os, socket, ssl, subprocess, sys, urllib.error, urllib.request
+
+allowed, refused = sys.argv[1], sys.argv[2]
+out = {}
+
+def run(*cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    return p.stdout.strip()
+
+out["env"] = os.environ.get("HTTPS_PROXY", "")
+out["curl_allowed"] = run("curl", "-s", f"http://{allowed}/curl")
+out["curl_refused"] = run("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://{refused}/")
+out["curl_tls"] = run("curl", "-s", "--cacert", "/opt/checks/ca.pem", "https://secure.test/tls")
+try:
+    out["urllib_allowed"] = urllib.request.urlopen(f"http://{allowed}/py", timeout=10).read().decode()
+except Exception as exc:
+    out["urllib_allowed"] = repr(exc)
+try:
+    urllib.request.urlopen(f"http://{refused}/py", timeout=10)
+    out["urllib_refused"] = "reached"
+except urllib.error.HTTPError as exc:
+    out["urllib_refused"] = str(exc.code)
+except Exception as exc:
+    out["urllib_refused"] = repr(exc)
+
+def connect(host):
+    with socket.create_connection(("127.0.0.1", 3128), timeout=10) as raw:
+        raw.sendall(f"CONNECT {host}:80 HTTP/1.1\r\nHost: {host}:80\r\n\r\n".encode())
+        head = raw.recv(4096)
+        if not head.startswith(b"HTTP/1.1 200"):
+            return head.split(b"\r\n")[0].decode()
+        raw.sendall(f"GET /raw HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := raw.recv(4096):
+            data += chunk
+        return data.rsplit(b"\r\n\r\n", 1)[-1].decode()
+
+out["connect_allowed"] = connect(allowed)
+out["connect_refused"] = connect(refused)
+for name, address in (("direct_host", ("127.0.0.1", int(sys.argv[3]))), ("direct_net", ("192.0.2.1", 80))):
+    try:
+        socket.create_connection(address, timeout=5).close()
+        out[name] = "reached"
+    except OSError as exc:
+        out[name] = type(exc).__name__
+try:
+    socket.getaddrinfo(allowed, 80)
+    out["dns"] = "resolved"
+except OSError as exc:
+    out["dns"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+_SOLVE = r"""
+python3 /opt/checks/checks.py allowed.test other.test {port} > /logs/agent/agent-checks.json
+# The forwarder runs as the runtime's uid: an unprivileged process cannot end it.
+pid=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | head -1 | cut -d/ -f3)
+python3 -c "import os, sys; os.setgid(65534); os.setuid(65534)
+try:
+    os.kill(int(sys.argv[1]), 9); print('killed')
+except PermissionError: print('denied')" "$pid" > /logs/agent/kill-as-nobody.txt
+# Root can end it: that only cuts the agent off ...
+kill -9 "$pid"
+curl -s -m 5 http://allowed.test/after-kill > /logs/agent/after-kill.txt; echo "exit=$?" >> /logs/agent/after-kill.txt
+# ... and a listener of its own on the port, left behind, must not reach the verifier.
+nohup python3 -c "
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header('Content-Length', '8'); self.end_headers(); self.wfile.write(b'hijacked')
+http.server.HTTPServer(('127.0.0.1', 3128), H).serve_forever()
+" > /dev/null 2>&1 &
+for i in $(seq 100); do
+    curl -s http://verifier.test/ > /logs/agent/fake.txt && [ -s /logs/agent/fake.txt ] && break
+    sleep 0.1
+done
+"""
+
+_TEST = r"""
+python3 /opt/checks/checks.py verifier.test allowed.test {port} > /logs/verifier/verifier-checks.json
+echo 1 > /logs/verifier/reward.txt
+"""
+
+_TOML = """
+[environment]
+network_mode = "allowlist"
+allowed_hosts = ["allowed.test", "*.secure.test", "secure.test"]
+
+[agent]
+timeout_sec = 60.0
+
+[verifier]
+timeout_sec = 60.0
+network_mode = "allowlist"
+allowed_hosts = ["verifier.test", "secure.test"]
+"""
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[dict[str, _Server]]:
+    cert = _cert(tmp_path, "secure.test")
+    made = {
+        "allowed": _Server("allowed"),
+        "other": _Server("other"),
+        "verifier": _Server("verifier"),
+        "secure": _Server("tls", tls=cert.server),
+    }
+    (tmp_path / "ca.pem").write_bytes(cert.ca_file.read_bytes())
+    for server in made.values():
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield made
+    for server in made.values():
+        server.shutdown()
+        server.server_close()
+
+
+def test_allowlisted_task_reaches_only_its_hosts(
+    docker_runtime: DockerRuntime, tmp_path: Path, servers: dict[str, _Server]
+) -> None:
+    port = servers["allowed"].port
+    task_dir = make_task(
+        tmp_path,
+        "allowlisted",
+        solve=_SOLVE.format(port=port),
+        test=_TEST.format(port=port),
+        toml=_TOML,
+        dockerfile=_DOCKERFILE,
+    )
+    environment = task_dir / "environment"
+    _curl_into(environment)
+    shutil.copy(tmp_path / "ca.pem", environment / "ca.pem")
+    (environment / "checks.py").write_text(_CHECKS)
+    overrides = {
+        "allowed.test": ("127.0.0.1", servers["allowed"].port),
+        "other.test": ("127.0.0.1", servers["other"].port),
+        "verifier.test": ("127.0.0.1", servers["verifier"].port),
+        "secure.test:443": ("127.0.0.1", servers["secure"].port),
+    }
+    policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
+    trials = tmp_path / "trials"
+    result = run_trial(
+        docker_runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
+    )
+    assert result.exception_info is None, result.exception_info
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
+    out = trials / result.trial_name
+    agent = json.loads((out / "agent" / "agent-checks.json").read_text())
+    verifier = json.loads((out / "verifier" / "verifier-checks.json").read_text())
+    expected_agent = {
+        "env": "http://127.0.0.1:3128",
+        "curl_allowed": "hello from allowed",
+        "curl_refused": "403",
+        "curl_tls": "hello from tls",
+        "urllib_allowed": "hello from allowed",
+        "urllib_refused": "403",
+        "connect_allowed": "hello from allowed",
+        "connect_refused": "HTTP/1.1 403 ",
+        "direct_host": "ConnectionRefusedError",  # the container's own loopback
+        "direct_net": "OSError",  # network unreachable: no route at all
+        "dns": "gaierror",
+    }
+    assert agent == expected_agent
+    # The verifier's phase: its own host in, the agent's out (the agent's listener gone).
+    assert verifier == {
+        **expected_agent,
+        "curl_allowed": "hello from verifier",
+        "urllib_allowed": "hello from verifier",
+        "connect_allowed": "hello from verifier",
+    }
+    assert (out / "agent" / "kill-as-nobody.txt").read_text() == "denied\n"
+    assert (out / "agent" / "after-kill.txt").read_text().strip().endswith("exit=7")
+    # The agent's listener answered the agent (loopback is its own) but nobody else.
+    assert (out / "agent" / "fake.txt").read_text() == "hijacked"
+    assert servers["other"].seen == []
+    assert {path for _, path, _ in servers["allowed"].seen} == {"/curl", "/py", "/raw"}
+    assert {path for _, path, _ in servers["verifier"].seen} == {"/curl", "/py", "/raw"}
+    records = [json.loads(line) for line in (out / REFUSED_LOG).read_text().splitlines()]
+    refused = sorted({(r["phase"], r["method"], r["host"], r["port"]) for r in records})
+    assert refused == [
+        ("agent", "CONNECT", "other.test", 80),
+        ("agent", "GET", "other.test", 80),
+        ("verifier", "CONNECT", "allowed.test", 80),
+        ("verifier", "GET", "allowed.test", 80),
+    ]
+    assert all("allowed_hosts" in r["reason"] for r in records)
