@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harbor_exec.container.runner import ForwarderThread
+from harbor_exec.container.forward import ForwarderThread
 from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy, EgressProxyThread
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.cache import (
@@ -46,7 +46,7 @@ def https_upstream(upstream_ca: LocalCA) -> Iterator[Upstream]:
     # (the SNI callback picks the name's own).
     context = upstream_ca.server_context("files.test")
 
-    def pick(sock: ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext) -> None:
+    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
         if name:
             sock.context = upstream_ca.server_context(name)
 
@@ -369,7 +369,8 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
         assert trust == ["apt.conf", "ca-bundle.pem"]
         assert b"PRIVATE" not in (service.trust_dir / "ca-bundle.pem").read_bytes()
         assert service.ca.directory != service.trust_dir
-        results = []
+        results: list[tuple[bytes, bytes, int]] = []
+        stats: list[dict[str, int]] = []
         for trial in ("t1", "t2"):
             session = service.session()
             proxy = EgressProxy(
@@ -400,10 +401,10 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
                 forwarder.close()
                 thread.close()
             session.write(tmp_path / f"{trial}.json")
-            results.append(session.stats.to_dict())
-        assert results[0][:2] == results[2][:2] == (b"W" * 200_000, b"D" * 5000)
-        assert results[0][2] == results[2][2] == 200
-        first, second = results[1], results[3]
+            stats.append(session.stats.to_dict())
+        assert results[0][:2] == results[1][:2] == (b"W" * 200_000, b"D" * 5000)
+        assert results[0][2] == results[1][2] == 200
+        first, second = stats
         assert (first["misses"], first["passthrough"]) == (2, 1)
         assert first["bytes_from_upstream"] == 205_000 + 200_000
         assert (second["hits"], second["misses"], second["passthrough"]) == (2, 0, 1)
@@ -428,3 +429,24 @@ def test_server_metrics_show_the_package_cache() -> None:
     assert f"harbor_exec_package_cache_hits_total {float(before + 3)}" in text
     assert 'harbor_exec_package_cache_bytes_total{source="cache"}' in text
     assert "harbor_exec_package_cache_bound_bytes" in text
+
+
+def test_serve_option_and_backend_build_one_service(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    import harbor_exec.cli.commands  # noqa: F401 - registers the commands
+    from harbor_exec.cli.app import app
+    from harbor_exec.cli.serve import ServeOptions, package_cache_config
+
+    assert package_cache_config(ServeOptions()) is None  # off by default
+    config = package_cache_config(
+        ServeOptions(package_cache=True, package_cache_max_gb=0.5, package_cache_dir=tmp_path)
+    )
+    assert config == PackageCacheConfig(root=tmp_path, max_bytes=512 * 1024**2)
+    for command in (["serve", "--help"], ["prewarm", "--help"]):
+        shown = CliRunner().invoke(app, command, env={"COLUMNS": "240"}).output
+        assert "--package-cache-max-gb" in shown
+    assert (
+        "--run-verifier"
+        in CliRunner().invoke(app, ["prewarm", "--help"], env={"COLUMNS": "240"}).output
+    )

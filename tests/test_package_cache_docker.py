@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import shutil
+import ssl
 import subprocess
 import zipfile
 from collections.abc import Iterator
@@ -191,7 +192,7 @@ def mirror(tmp_path: Path) -> Iterator[tuple[Mirror, LocalCA]]:
     upstream_ca = LocalCA(tmp_path / "public-ca")
     context = upstream_ca.server_context("files.test")
 
-    def pick(sock, name, _ctx):  # type: ignore[no-untyped-def]
+    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
         if name:
             sock.context = upstream_ca.server_context(name)
 

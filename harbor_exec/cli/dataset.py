@@ -422,9 +422,7 @@ def prewarm(
         from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
         package_cache = PackageCacheService(
-            PackageCacheConfig(
-                root=package_cache_dir, max_bytes=int(package_cache_max_gb * 1024**3)
-            )
+            PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
         )
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
     colours = {"built": "green", "cached": "cyan", "failed": "red"}

@@ -170,10 +170,7 @@ def package_cache_config(options: ServeOptions) -> Any:
         return None
     from harbor_exec.sandbox.egress.service import PackageCacheConfig
 
-    return PackageCacheConfig(
-        root=options.package_cache_dir,
-        max_bytes=int(options.package_cache_max_gb * 1024**3),
-    )
+    return PackageCacheConfig.from_options(options.package_cache_dir, options.package_cache_max_gb)
 
 
 def build_backend(options: ServeOptions) -> Any:

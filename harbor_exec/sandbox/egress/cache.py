@@ -58,6 +58,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from harbor_exec.sandbox.egress.proxy import Connector, EgressRefused
+from harbor_exec.sandbox.http11 import HOP_BY_HOP, READ_SIZE
 
 __all__ = [
     "CACHE_TOTALS",
@@ -92,22 +93,10 @@ def connector_resolver(connector: Connector) -> Resolver:
     return resolve
 
 
-_CHUNK: Final = 64 * 1024
+_CHUNK: Final = READ_SIZE
 USER_AGENT: Final = "harbor-exec-package-cache/1"
 # Hop-by-hop and proxy headers: never forwarded in either direction (RFC 9110 7.6.1).
-_HOP_BY_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
+_HOP_BY_HOP: Final = frozenset(name.decode() for name in HOP_BY_HOP)
 # Response headers kept with a stored body and sent back with it.
 _STORED_HEADERS: Final = frozenset(
     {

@@ -35,6 +35,7 @@ from harbor_exec.sandbox.egress.proxy import (
     HttpResponse,
     Upstream,
 )
+from harbor_exec.sandbox.http11 import MAX_HEAD_BYTES, READ_SIZE
 
 __all__ = [
     "CacheUpstream",
@@ -49,11 +50,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_READ: Final = 64 * 1024
+_READ: Final = READ_SIZE
 # A kept-alive connection with no request for this long is closed.
 IDLE_TIMEOUT_SEC: Final = 120.0
 _TLS_HANDSHAKE_SEC: Final = 30.0
-_MAX_HEADER_BYTES: Final = 64 * 1024
+_MAX_HEADER_BYTES: Final = MAX_HEAD_BYTES
 
 
 class _ClientGone(Exception):

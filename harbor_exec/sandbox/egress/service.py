@@ -55,6 +55,11 @@ class PackageCacheConfig:
     #: Verify upstream TLS against this bundle instead of the public roots (tests).
     upstream_ca_bundle: Path | None = None
 
+    @classmethod
+    def from_options(cls, root: Path | None, max_gb: float) -> PackageCacheConfig:
+        """What ``--package-cache-dir`` and ``--package-cache-max-gb`` say."""
+        return cls(root=root, max_bytes=int(max_gb * 1024**3))
+
     def directory(self, name: str) -> Path:
         return (self.root or cache_root()) / name
 
