@@ -288,6 +288,7 @@ async def test_concurrent_requests_for_one_url_fetch_it_once(
         answers = await asyncio.gather(*(fetch(f"t{i}") for i in range(8)))
         assert {a.content for a in answers} == {https_upstream.routes[WHEEL].body}
         assert https_upstream.count(WHEEL) == 1
+        assert front.cache._locks == {}  # nothing kept per URL once answered
 
 
 async def test_upstream_tls_is_verified(

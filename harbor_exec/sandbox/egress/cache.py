@@ -548,7 +548,8 @@ class PackageCache:
         self.upstream = upstream if upstream is not None else HttpxUpstream()
         self.stats = CacheStats()
         self._totals = totals
-        self._locks: dict[str, asyncio.Lock] = {}
+        # Per URL key: its lock and how many requests use it (dropped at none).
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._fills: dict[str, tuple[_Fill, Entry]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._evictions_seen = self.store.evictions
@@ -676,15 +677,19 @@ class PackageCache:
     ) -> CacheResponse:
         kind = classify(request.host, request.path)
         digest, url, accept = _key(request, kind)
-        lock = self._locks.setdefault(digest, asyncio.Lock())
+        lock, users = self._locks.get(digest) or (asyncio.Lock(), 0)
+        self._locks[digest] = (lock, users + 1)
         try:
             async with lock:
                 return await self._cached_locked(
                     request, stats, digest, url, accept, kind, head=head
                 )
         finally:
-            if not lock.locked():
-                self._locks.pop(digest, None)
+            lock, users = self._locks[digest]
+            if users <= 1:
+                del self._locks[digest]
+            else:
+                self._locks[digest] = (lock, users - 1)
 
     async def _cached_locked(
         self,
