@@ -8,9 +8,11 @@ import hashlib
 import http.server
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,6 +39,9 @@ class Upstream:
         self.seen: list[Seen] = []
         self.lock = threading.Lock()
         self.port = 0
+        # A distant mirror (benchmarks): seconds before each answer, bytes a second.
+        self.latency_sec = 0.0
+        self.bytes_per_sec: float | None = None
 
     def set(self, path: str, body: bytes, **kwargs: object) -> None:
         self.routes[path] = Resource(body, **kwargs)  # type: ignore[arg-type]
@@ -81,6 +86,8 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
                         status = 304
             with upstream.lock:
                 upstream.seen.append(Seen(self.command, self.path, headers, status))
+            if upstream.latency_sec:
+                time.sleep(upstream.latency_sec)
             self.send_response(status)
             for key, value in extra.items():
                 self.send_header(key, value)
@@ -88,7 +95,12 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if status != 304 and not head:
-                self.wfile.write(body)
+                rate = upstream.bytes_per_sec
+                step = len(body) if not rate else max(1, int(rate / 20))
+                for start in range(0, len(body), step):
+                    self.wfile.write(body[start : start + step])
+                    if rate:
+                        time.sleep(step / rate)
 
         def do_GET(self) -> None:
             self._answer(False)
@@ -119,3 +131,16 @@ def serve_upstream(context: ssl.SSLContext | None = None) -> Iterator[Upstream]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def sni_context(ca: Any) -> ssl.SSLContext:
+    """A server context presenting ``ca``'s leaf for whatever name the client asks
+    (``ca``: a ``LocalCA``, standing in for a public CA)."""
+    context: ssl.SSLContext = ca.server_context("files.test")
+
+    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
+        if name:
+            sock.context = ca.server_context(name)
+
+    context.sni_callback = pick
+    return context

@@ -29,7 +29,7 @@ from harbor_exec.sandbox.egress.cache import (
 )
 from harbor_exec.sandbox.egress.serve import CacheUpstream
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
-from tests.package_upstream import Upstream, serve_upstream
+from tests.package_upstream import Upstream, serve_upstream, sni_context
 
 NAMES = ("files.test", "pypi.test", "deb.test")
 
@@ -42,15 +42,7 @@ def upstream_ca(tmp_path: Path) -> LocalCA:
 
 @pytest.fixture
 def https_upstream(upstream_ca: LocalCA) -> Iterator[Upstream]:
-    # One certificate for every test name: serve_upstream presents files.test's leaf
-    # (the SNI callback picks the name's own).
-    context = upstream_ca.server_context("files.test")
-
-    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
-        if name:
-            sock.context = upstream_ca.server_context(name)
-
-    context.sni_callback = pick
+    context = sni_context(upstream_ca)
     with serve_upstream(context) as upstream:
         yield upstream
 

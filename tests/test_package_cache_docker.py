@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import shutil
-import ssl
 import subprocess
 import zipfile
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
-from tests.package_upstream import Upstream, serve_upstream
+from tests.package_upstream import Upstream, serve_upstream, sni_context
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -190,13 +189,7 @@ PY
 @pytest.fixture
 def mirror(tmp_path: Path) -> Iterator[tuple[Mirror, LocalCA]]:
     upstream_ca = LocalCA(tmp_path / "public-ca")
-    context = upstream_ca.server_context("files.test")
-
-    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
-        if name:
-            sock.context = upstream_ca.server_context(name)
-
-    context.sni_callback = pick
+    context = sni_context(upstream_ca)
     with serve_upstream(context) as https, serve_upstream() as http:
         yield Mirror(https, http, tmp_path), upstream_ca
 
