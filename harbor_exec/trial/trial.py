@@ -412,7 +412,12 @@ class Trial:
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
         from harbor_exec.trial.package_cache import TrialPackageCache, wanted
 
-        return TrialPackageCache(service) if wanted(service, self.request.task) else None
+        if not wanted(service, self.request.task):
+            return None
+        phases = (self.network_plan.agent, self.network_plan.verifier)
+        if all(p.mode is EgressMode.NO_NETWORK for p in phases):
+            return None  # nothing to fetch, nothing to record
+        return TrialPackageCache(service)
 
     def _cached(self, kind: ContainerKind) -> bool:
         """Whether ``kind``'s container reaches the network through the package cache."""
