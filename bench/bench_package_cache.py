@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.trial.results import TrialResult
 from tests.package_upstream import serve_upstream, sni_context
 from tests.test_package_cache_docker import (
     TARBALL,
     Mirror,
     _run,
-    _service,
     _task,
 )
 
@@ -63,7 +63,14 @@ def main() -> None:
             for upstream in (https, http):
                 upstream.latency_sec = args.latency_ms / 1000
                 upstream.bytes_per_sec = args.mbps * 1024 * 1024
-            service = _service(tmp, mirror, upstream_ca)
+            # Room for the download (one object may take a quarter of the bound).
+            service = PackageCacheService(
+                PackageCacheConfig(
+                    root=tmp / "server-cache",
+                    max_bytes=max(64, int(args.size_mb * 8)) * 1024 * 1024,
+                    upstream_ca_bundle=upstream_ca.cert_path,
+                )
+            )
             try:
                 task = _task(tmp, mirror, b"bench")
                 rows = []
