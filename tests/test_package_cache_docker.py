@@ -211,7 +211,9 @@ def _egress(mirror: Mirror) -> EgressSettings:
     return EgressSettings(overrides=overrides, dns=False)
 
 
-def _task(tmp_path: Path, mirror: Mirror, needle: bytes, name: str = "fetches") -> Path:
+def _task(
+    tmp_path: Path, mirror: Mirror, needle: bytes, name: str = "fetches", solve: str = SOLVE_SH
+) -> Path:
     toml = f"""
 [agent]
 timeout_sec = 120.0
@@ -225,7 +227,7 @@ HX_NEEDLE_HEX = "{needle.hex()}"
     task = make_task(
         tmp_path,
         name,
-        solve=SOLVE_SH,
+        solve=solve,
         test=TEST_SH,
         toml=toml,
         dockerfile="FROM python:3.11-slim-bookworm\nCOPY pip /usr/lib/python3/dist-packages/pip\n",
