@@ -497,6 +497,22 @@ def prewarm(
             "installed with the first task.",
         ),
     ] = None,
+    run_verifier: Annotated[
+        bool,
+        typer.Option(
+            "--run-verifier",
+            help="Also run each task's oracle and verifier once through the package cache, "
+            "so what solve.sh and test.sh fetch is cached before serving with "
+            "--package-cache (docs/package-cache.md). Not while a server uses the cache.",
+        ),
+    ] = False,
+    package_cache_max_gb: Annotated[
+        float, typer.Option(min=0.001, help="With --run-verifier: the package cache's bound (GB).")
+    ] = 20.0,
+    package_cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="With --run-verifier: the package cache's directory."),
+    ] = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed.
     With ``--agent mini-swe-agent`` (or ``opencode``), also that agent's layer (its
@@ -513,6 +529,13 @@ def prewarm(
             raise typer.Exit(2) from None
     runtime = open_runtime()
     n_jobs = jobs or runtime.engine_cpus()
+    package_cache = None
+    if run_verifier:
+        from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+
+        package_cache = PackageCacheService(
+            PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
+        )
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
     colours = {"built": "green", "cached": "cyan", "failed": "red"}
     progress = Progress(
@@ -542,10 +565,19 @@ def prewarm(
         progress.update(bar, counts=" ".join(f"{k} {v}" for k, v in counts.items()))
 
     started = time.monotonic()
-    with progress:
-        outcomes = prewarm_tasks(
-            runtime, discovery.tasks, jobs=n_jobs, on_event=on_event, agent_layer=agent_layer
-        )
+    try:
+        with progress:
+            outcomes = prewarm_tasks(
+                runtime,
+                discovery.tasks,
+                jobs=n_jobs,
+                on_event=on_event,
+                agent_layer=agent_layer,
+                package_cache=package_cache,
+            )
+    finally:
+        if package_cache is not None:
+            package_cache.close()
     wall = time.monotonic() - started
     table = Table(title=f"prewarm: {path}")
     for column in ("task", "status", "time", "image / reason"):

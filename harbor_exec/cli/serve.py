@@ -60,6 +60,10 @@ class ServeOptions:
     port: int | None = None  # where it listens (see resolve_port); keys the default data dir
     # POST routes a workflow's relay forwards besides /chat/completions (--relay-allow-route).
     relay_extra_routes: list[str] = field(default_factory=list)
+    # The package cache (--package-cache): off unless asked (docs/package-cache.md).
+    package_cache: bool = False
+    package_cache_max_gb: float = 20.0
+    package_cache_dir: Path | None = None
     # Harbor's own agents (--agent terminus-2): the model route, options and setup timeout.
     model_name: str | None = None
     agent_kwargs: list[str] = field(default_factory=list)
@@ -148,6 +152,7 @@ def build_harbor_backend(options: ServeOptions) -> Any:
             default_nofile=options.sandbox.default_nofile,
             output_limits=options.sandbox.output_limits,
             relay_extra_routes=options.relay_extra_routes,
+            package_cache=package_cache_config(options),
             **native,
         )
         # Build the bundle and open the engine now: their errors end `serve` before it binds.
@@ -161,6 +166,15 @@ def build_harbor_backend(options: ServeOptions) -> Any:
         raise typer.Exit(2) from None
     except (ImportError, ValueError, TypeError, PackageError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+def package_cache_config(options: ServeOptions) -> Any:
+    """The ``PackageCacheConfig`` ``--package-cache`` asks for, else None."""
+    if not options.package_cache:
+        return None
+    from harbor_exec.sandbox.egress.service import PackageCacheConfig
+
+    return PackageCacheConfig.from_options(options.package_cache_dir, options.package_cache_max_gb)
 
 
 def build_backend(options: ServeOptions) -> Any:
@@ -374,6 +388,26 @@ def serve(
             "only /chat/completions otherwise).",
         ),
     ] = None,
+    package_cache: Annotated[
+        bool,
+        typer.Option(
+            "--package-cache/--no-package-cache",
+            help="With --tasks-dir: public-network trials reach the internet through a "
+            "host-side package cache (apt, PyPI, npm, HTTPS files; a local CA only trial "
+            "containers trust); a task opts out with [metadata] harbor_exec_package_cache "
+            "= false (docs/package-cache.md).",
+        ),
+    ] = False,
+    package_cache_max_gb: Annotated[
+        float, typer.Option(min=0.001, help="The package cache's bound (GB, LRU eviction).")
+    ] = 20.0,
+    package_cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the package cache keeps its store and CA (default: the harbor-exec "
+            "cache dir)."
+        ),
+    ] = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -418,6 +452,9 @@ def serve(
         ray=ray,
         port=port,
         relay_extra_routes=list(relay_allow_route or []),
+        package_cache=package_cache,
+        package_cache_max_gb=package_cache_max_gb,
+        package_cache_dir=package_cache_dir,
         model_name=model_name,
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,

@@ -4,6 +4,11 @@ With an in-container native agent's layer (``prepare_prewarm_agent``: its wheels
 fetched once, the only network use), each task's prewarm also installs the layer's
 volume (once per engine: it is content-named, the first task installs it).
 
+With a package cache (``prewarm --run-verifier``, docs/package-cache.md), each task's
+oracle and verifier then run once through it, so what ``solve.sh`` and ``test.sh``
+fetch is cached before training starts (the trial is thrown away; its reward is only
+reported).
+
 A task that fails is reported with its reason and never stops the others. Each
 task keeps only a small ``PrewarmOutcome`` (its build log went to a file while it
 built), so memory stays flat over thousands of tasks. Identical environments share
@@ -12,19 +17,26 @@ a content-addressed tag; the runtime builds each tag once, whoever asks first.
 
 from __future__ import annotations
 
+import json
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.trial.egress import EgressSettings
 from harbor_exec.trial.native import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import ensure_task_image
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheService
 
 PrewarmStatus = Literal["built", "cached", "failed"]
 STATUSES: tuple[PrewarmStatus, ...] = ("built", "cached", "failed")
@@ -67,16 +79,24 @@ def prepare_prewarm_agent(agent: str) -> AgentLayer:
 
 
 def prewarm_one(
-    runtime: ContainerRuntime, task: Task, agent_layer: AgentLayer | None = None
+    runtime: ContainerRuntime,
+    task: Task,
+    agent_layer: AgentLayer | None = None,
+    *,
+    package_cache: PackageCacheService | None = None,
+    egress: EgressSettings | None = None,
 ) -> PrewarmOutcome:
-    """Build (or find) one task's image, and install ``agent_layer`` when given; any
-    error becomes a ``failed`` outcome."""
+    """Build (or find) one task's image, install ``agent_layer`` when given, and with
+    ``package_cache`` run the task's oracle and verifier once through it; any error
+    becomes a ``failed`` outcome."""
     started = time.monotonic()
     try:
         image, built = ensure_task_image(runtime, task)
         if agent_layer is not None:
             _volume, layer_built = ensure_agent_layer(runtime, agent_layer, image)
             built = built or layer_built
+        if package_cache is not None:
+            image = f"{image} ({_fill_cache(runtime, task, package_cache, egress)})"
     except Exception as exc:  # one broken task must never stop a dataset's prewarm
         return PrewarmOutcome(
             task.name, "failed", time.monotonic() - started, f"{type(exc).__name__}: {exc}"
@@ -86,6 +106,27 @@ def prewarm_one(
     )
 
 
+def _fill_cache(
+    runtime: ContainerRuntime,
+    task: Task,
+    cache: PackageCacheService,
+    egress: EgressSettings | None,
+) -> str:
+    """One oracle trial through ``cache`` in a scratch dir; what it fetched, as text."""
+    policy = SandboxPolicy(package_cache=cache)
+    if egress is not None:
+        policy = replace(policy, egress=egress)
+    with tempfile.TemporaryDirectory(prefix="hx-prewarm-") as scratch:
+        result = run_trial(
+            runtime,
+            TrialRequest(task=task, trials_dir=Path(scratch), policy=policy),
+        )
+        stats_file = Path(scratch) / result.trial_name / "package-cache.json"
+        fetched = stats_file.read_text() if stats_file.exists() else ""
+    misses = int(json.loads(fetched).get("misses", 0)) if fetched else 0
+    return f"verifier ran, reward {result.reward}, {misses} downloads cached"
+
+
 def prewarm_tasks(
     runtime: ContainerRuntime,
     tasks: Sequence[Task],
@@ -93,6 +134,7 @@ def prewarm_tasks(
     jobs: int,
     on_event: Callable[[PrewarmEvent], None] | None = None,
     agent_layer: AgentLayer | None = None,
+    package_cache: PackageCacheService | None = None,
 ) -> list[PrewarmOutcome]:
     """Prewarm ``tasks`` with up to ``jobs`` builds at once (and ``agent_layer``'s
     volume with them); outcomes in ``tasks`` order."""
@@ -102,7 +144,7 @@ def prewarm_tasks(
     def one(task: Task) -> PrewarmOutcome:
         with emit_lock:
             emit(PrewarmEvent("started", task.name))
-        outcome = prewarm_one(runtime, task, agent_layer)
+        outcome = prewarm_one(runtime, task, agent_layer, package_cache=package_cache)
         with emit_lock:
             emit(PrewarmEvent("finished", task.name, outcome))
         return outcome

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
@@ -83,6 +83,7 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
+from harbor_exec.sandbox.egress.policy import EgressMode
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -111,6 +112,10 @@ from harbor_exec.trial.results import (
 )
 from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
 from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheService
+    from harbor_exec.trial.package_cache import TrialPackageCache
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -185,6 +190,8 @@ class SandboxPolicy:
     deps_in_image: bool = False
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
+    #: The server's package cache (``harbor_exec.trial.package_cache``); None: off.
+    package_cache: PackageCacheService | None = field(default=None, compare=False)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
     #: Allowlisted networks' egress proxy (``harbor_exec.trial.egress``).
@@ -318,7 +325,12 @@ class Trial:
         self.network_plan = network_plan(
             request.task.config, separate_verifier=self.verifier_mode == "separate"
         )
-        self._egress = TrialEgress(self.name, self.dir, request.policy.egress)
+        #: This trial's use of the server's package cache (None: not through it).
+        self._package_cache = self._cache_session()
+        egress = request.policy.egress
+        if self._package_cache is not None:
+            egress = replace(egress, upstream=self._package_cache.upstream)
+        self._egress = TrialEgress(self.name, self.dir, egress)
         #: A compose task's sidecars, network and volumes (``harbor_exec.trial.compose``),
         #: one project per container that has them (a multi-step task's separate verifier
         #: gets its own while the agent's stays); the tracked container's is the last.
@@ -411,6 +423,26 @@ class Trial:
         self._write(result)
         return result
 
+    def _cache_session(self) -> TrialPackageCache | None:
+        service = self.request.policy.package_cache
+        if service is None:
+            return None
+        # Imported here: the cache needs the server extra (httpx, h11, cryptography).
+        from harbor_exec.trial.package_cache import TrialPackageCache, wanted
+
+        if not wanted(service, self.request.task):
+            return None
+        phases = (self.network_plan.agent, self.network_plan.verifier)
+        if all(p.mode is EgressMode.NO_NETWORK for p in phases):
+            return None  # nothing to fetch, nothing to record
+        return TrialPackageCache(service)
+
+    def _cached(self, kind: ContainerKind) -> bool:
+        """Whether ``kind``'s container reaches the network through the package cache."""
+        if self._package_cache is None:
+            return False
+        return any(p.mode is not EgressMode.NO_NETWORK for p in self.network_plan.phases(kind))
+
     def _config_summary(self) -> dict[str, object]:
         request, config = self.request, self.request.task.config
         return {
@@ -441,7 +473,8 @@ class Trial:
     def _enter_egress(self, phase: Literal["agent", "verifier"], container_id: str) -> None:
         """The phase's network policy on the trial's proxy, when its container has one."""
         shared = phase == "agent" or self.verifier_mode == "shared"
-        if self.network_plan.proxied("trial" if shared else "verifier"):
+        kind: ContainerKind = "trial" if shared else "verifier"
+        if self.network_plan.proxied(kind) or self._cached(kind):
             policy = self.network_plan.agent if phase == "agent" else self.network_plan.verifier
             self._egress.enter(phase, policy, self.runtime, container_id)
 
@@ -463,10 +496,18 @@ class Trial:
             env_config.env, task=task.name, field="[environment].env", allowed=task.env_allow
         )
         network_kind: ContainerKind = "trial" if kind == "trial" else "verifier"
-        # A sidecar has no forwarder to the proxy: it keeps its compose network only.
-        if kind != "sidecar" and self.network_plan.proxied(network_kind):
+        if kind == "sidecar":
+            pass  # no forwarder to the proxy runs there: it keeps its compose network only
+        elif self.network_plan.proxied(network_kind):
             mounts = [*mounts, self._egress.mount()]
             env = {**env, **self._egress.env()}
+        elif self._cached(network_kind):
+            # The task's own settings win over the cache's (not over a proxied policy's).
+            mounts = [*mounts, self._egress.mount()]
+            env = {**self._egress.env(), **env}
+        if kind != "sidecar" and self._package_cache is not None and self._cached(network_kind):
+            mounts = [*mounts, self._package_cache.trust_mount()]
+            env = {**self._package_cache.env(), **env}
         return ContainerSpec(
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
@@ -1179,6 +1220,8 @@ class Trial:
 
     def _teardown(self, session: TrialSession | None) -> None:
         self._egress.close()
+        if self._package_cache is not None:
+            self._package_cache.write(self.dir)
         with self._container_lock:
             container_id, self._container_id = self._container_id, None
         if container_id is None:

@@ -94,6 +94,7 @@ from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 if TYPE_CHECKING:
     from harbor_exec.bundler import Bundle  # the bundler extra: workflows only
+    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class HarborBackend(ExecutionBackend):
         pids_limit: int | None = None,
         output_limits: OutputLimits | None = None,
         relay_extra_routes: Sequence[str] = (),
+        package_cache: PackageCacheConfig | None = None,
         native_agent_kwargs: Mapping[str, Any] | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
         agent_setup_timeout_sec: float | None = None,
@@ -243,6 +245,7 @@ class HarborBackend(ExecutionBackend):
         (a Harbor package) comes from: a directory laid out as Harbor's package cache or
         a mirror URL (``harbor_exec.sources.packages``); none by default, when packages
         are refused as a path outside the served roots is.
+        ``package_cache``: the server's package cache (docs/package-cache.md); None: off.
 
         ``relay_extra_routes``: POST routes under the model URL's path (e.g.
         ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
@@ -385,6 +388,8 @@ class HarborBackend(ExecutionBackend):
         ):
             if value is not None:
                 self._policy_args[key] = value
+        self._package_cache_config = package_cache
+        self.package_cache: PackageCacheService | None = None
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
         self.bundle: PreparedBundle | None = None
         self.planner: TrialPlanner | None = None
@@ -435,6 +440,11 @@ class HarborBackend(ExecutionBackend):
                 self.agent_name = self.bundle.name
                 self.resolver.require_tests = not self.bundle.has_grader
             args = dict(self._policy_args)
+            if self._package_cache_config is not None and self.package_cache is None:
+                from harbor_exec.sandbox.egress.service import PackageCacheService
+
+                self.package_cache = PackageCacheService(self._package_cache_config)
+            args["package_cache"] = self.package_cache
             if args["pids_limit"] is None:
                 args["pids_limit"] = default_pids_limit(
                     self.max_concurrent_trials, self.executor.pid_max()
@@ -804,6 +814,9 @@ class HarborBackend(ExecutionBackend):
         if running:
             await asyncio.wait(running, timeout=30)
         await self.executor.aclose()
+        cache, self.package_cache = self.package_cache, None
+        if cache is not None:
+            await asyncio.to_thread(cache.close)
 
 
 __all__ = ["HarborBackend", "HarborHealth", "RolloutRejected"]

@@ -1,0 +1,915 @@
+"""The package cache: a bounded, host-side store of what trial containers and builds
+download (apt, PyPI, npm, release files), filled only from the upstream.
+
+What is stored, and how a request is answered (docs/package-cache.md):
+
+* Only a ``GET`` without credentials (no ``Authorization``, no ``Cookie``) is
+  cacheable. Its upstream request is built by the cache from the URL alone (plus
+  the client's ``Accept``, which is part of the key, because PyPI's simple pages
+  vary on it): no other client header reaches the upstream, so a client cannot
+  change what is stored for a URL, and one rollout cannot poison another.
+* A response is stored only when it is a ``200`` with a ``Content-Length`` (or a
+  body that ends) within the object bound, without ``Cache-Control: no-store`` or
+  ``private``, without ``Set-Cookie`` and without a ``Vary`` beyond ``Accept`` and
+  ``Accept-Encoding`` (the cache always asks for ``identity``).
+* **Indexes** (apt ``dists/``, PyPI ``/simple/`` and JSON API, npm package
+  documents) are revalidated on every request (``If-None-Match`` /
+  ``If-Modified-Since``), so a new upstream release appears at once; an index
+  without validators is not stored.
+* **Artifacts** (``.deb``, wheels, sdists, tarballs, apt ``pool/`` and ``by-hash/``,
+  ``files.pythonhosted.org/packages/``, npm ``/-/`` tarballs) are named by content
+  and served from the cache without asking the upstream.
+* **Other** files (installer scripts, release binaries) follow their freshness
+  (``max-age``/``Expires``); when stale they are revalidated, and without
+  validators or freshness they are not stored.
+* Everything else (other methods, credentials, non-200 answers) passes through
+  unchanged and is never stored.
+
+The store is a directory of body files and JSON metadata, bounded in bytes with
+least-recently-used eviction. Concurrent requests for one URL share one upstream
+download (the first starts it; everyone tails the file as it grows), so twenty
+builds fetch a shared package once. The download runs on its own, so a slow or
+stalled client delays nobody else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import httpx
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from harbor_exec.sandbox.egress.proxy import Connector, EgressRefused
+from harbor_exec.sandbox.http11 import HOP_BY_HOP, READ_SIZE
+
+__all__ = [
+    "CACHE_TOTALS",
+    "Answering",
+    "CacheRequest",
+    "CacheResponse",
+    "CacheSession",
+    "CacheStats",
+    "HttpxUpstream",
+    "Kind",
+    "PackageCache",
+    "Resolver",
+    "classify",
+    "connector_resolver",
+]
+
+logger = logging.getLogger(__name__)
+
+Headers = list[tuple[str, str]]
+# host, port -> the address to connect to: the trial's egress ``Connector`` (the
+# operator's overrides, else DNS with non-public addresses refused).
+Resolver = Callable[[str, int], Awaitable[tuple[str, int]]]
+
+
+def connector_resolver(connector: Connector) -> Resolver:
+    """The first address ``connector`` allows (EgressRefused when none)."""
+
+    async def resolve(host: str, port: int) -> tuple[str, int]:
+        addresses = await connector.resolve(host, port)
+        return addresses[0]
+
+    return resolve
+
+
+_CHUNK: Final = READ_SIZE
+USER_AGENT: Final = "harbor-exec-package-cache/1"
+# Hop-by-hop and proxy headers: never forwarded in either direction (RFC 9110 7.6.1).
+_HOP_BY_HOP: Final = frozenset(name.decode() for name in HOP_BY_HOP)
+# Response headers kept with a stored body and sent back with it.
+_STORED_HEADERS: Final = frozenset(
+    {
+        "content-type",
+        "etag",
+        "last-modified",
+        "cache-control",
+        "expires",
+        "content-disposition",
+        "x-pypi-last-serial",
+    }
+)
+_VARY_OK: Final = frozenset({"accept", "accept-encoding"})
+
+
+class Kind(StrEnum):
+    INDEX = "index"
+    ARTIFACT = "artifact"
+    OTHER = "other"
+
+
+_ARTIFACT_SUFFIXES: Final = (
+    ".deb",
+    ".udeb",
+    ".whl",
+    ".tar.gz",
+    ".tgz",
+    ".tar.bz2",
+    ".tar.xz",
+    ".tar.zst",
+    ".zip",
+    ".gem",
+    ".jar",
+    ".crate",
+    ".dsc",
+    ".diff.gz",
+    ".metadata",  # PEP 658 metadata files beside wheels (same content URL)
+)
+_APT_INDEX: Final = re.compile(r"/dists/[^?]*$")
+_PYPI_JSON: Final = re.compile(r"^/pypi/[^/]+(/[^/]+)?/json/?$")
+
+
+def classify(host: str, path: str) -> Kind:
+    """Which rule a URL (``host`` and ``path`` without the query) falls under."""
+    host = host.lower()
+    lower = path.lower()
+    if "/by-hash/" in lower:  # apt's content-addressed indexes
+        return Kind.ARTIFACT
+    if _APT_INDEX.search(lower) or "/simple/" in lower or lower.endswith("/simple"):
+        return Kind.INDEX
+    if _PYPI_JSON.match(lower):
+        return Kind.INDEX
+    if "/-/" in lower and lower.endswith(".tgz"):  # npm tarballs
+        return Kind.ARTIFACT
+    if lower.endswith(_ARTIFACT_SUFFIXES) or "/pool/" in lower:
+        return Kind.ARTIFACT
+    if host.startswith("files.pythonhosted.org") and lower.startswith("/packages/"):
+        return Kind.ARTIFACT
+    if host.startswith("registry.npmjs.org") or host.startswith("registry.yarnpkg.com"):
+        return Kind.INDEX  # package documents (tarballs matched above)
+    return Kind.OTHER
+
+
+# --------------------------------------------------------------------------- request / response
+
+
+@dataclass
+class CacheRequest:
+    """One request as the proxy received it, with its absolute target."""
+
+    method: str
+    scheme: str  # "http" or "https"
+    host: str
+    port: int
+    target: str  # path and query, starting with "/"
+    headers: Headers = field(default_factory=list)
+    body: AsyncIterator[bytes] | None = None
+    # How to reach the upstream (the trial's egress connector); never part of the key.
+    resolve: Resolver | None = None
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+@dataclass
+class CacheResponse:
+    """What to send back: status, headers (no hop-by-hop ones; ``Content-Length``
+    when known) and the body, which the writer must drain or ``aclose``."""
+
+    status: int
+    reason: str
+    headers: Headers
+    body: AsyncIterator[bytes]
+    source: str  # "hit", "revalidated", "miss", "pass"
+
+    async def aclose(self) -> None:
+        close = getattr(self.body, "aclose", None)
+        if close is not None:
+            await close()
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class CacheStats:
+    """Hits, misses and bytes: one trial's (``package-cache.json``) or a server's."""
+
+    requests: int = 0
+    hits: int = 0
+    revalidated: int = 0  # served from the cache after a 304 from the upstream
+    misses: int = 0  # fetched from the upstream and stored
+    passthrough: int = 0  # not cacheable: fetched and not stored
+    upstream_requests: int = 0
+    upstream_errors: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_upstream: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def add(self, other: CacheStats) -> None:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+
+@dataclass
+class CacheTotals(CacheStats):
+    """Process-wide sums (every cache and session), for ``/metrics``."""
+
+    evictions: int = 0
+    stored_bytes: int = 0
+    stored_entries: int = 0
+    bound_bytes: int = 0
+
+
+class CacheTotalsCollector(Collector):
+    """``harbor_exec_package_cache_*``, read at scrape time."""
+
+    def __init__(self, totals: CacheTotals) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterable[Metric]:
+        t = self.totals
+        counters = (
+            ("requests", "Requests the package cache answered.", t.requests),
+            ("hits", "Requests served from the cache without asking the upstream.", t.hits),
+            ("revalidated", "Requests served from the cache after a 304.", t.revalidated),
+            ("misses", "Cacheable requests fetched from the upstream and stored.", t.misses),
+            ("passthrough", "Requests passed to the upstream, not cacheable.", t.passthrough),
+            ("upstream_requests", "Requests the cache sent upstream.", t.upstream_requests),
+            ("upstream_errors", "Upstream requests that failed.", t.upstream_errors),
+            ("evictions", "Entries evicted to stay within the bound.", t.evictions),
+        )
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(f"harbor_exec_package_cache_{name}", help_text, value=value)
+        data = CounterMetricFamily(
+            "harbor_exec_package_cache_bytes",
+            "Body bytes sent to clients, by source.",
+            labels=["source"],
+        )
+        data.add_metric(["cache"], t.bytes_from_cache)
+        data.add_metric(["upstream"], t.bytes_from_upstream)
+        yield data
+        yield GaugeMetricFamily(
+            "harbor_exec_package_cache_stored_bytes", "Bytes stored now.", value=t.stored_bytes
+        )
+        yield GaugeMetricFamily(
+            "harbor_exec_package_cache_stored_entries",
+            "Entries stored now.",
+            value=t.stored_entries,
+        )
+        yield GaugeMetricFamily(
+            "harbor_exec_package_cache_bound_bytes", "The cache's bound.", value=t.bound_bytes
+        )
+
+
+CACHE_TOTALS: Final = CacheTotals()
+REGISTRY.register(CacheTotalsCollector(CACHE_TOTALS))
+
+
+# --------------------------------------------------------------------------- upstream
+
+
+class HttpxUpstream:
+    """Upstream fetches through ``httpx``: TLS always verified (against ``ca_bundle``
+    when given, else the system/certifi roots), redirects passed back to the client."""
+
+    def __init__(
+        self,
+        *,
+        ca_bundle: str | os.PathLike[str] | None = None,
+        timeout_sec: float = 60.0,
+        max_connections: int = 64,
+    ) -> None:
+        verify: ssl.SSLContext | bool
+        if ca_bundle is not None:
+            verify = ssl.create_default_context(cafile=os.fspath(ca_bundle))
+        else:
+            verify = True
+        self._default_resolver = connector_resolver(Connector())
+        self._client = httpx.AsyncClient(
+            verify=verify,
+            follow_redirects=False,
+            trust_env=False,
+            timeout=httpx.Timeout(timeout_sec, connect=min(timeout_sec, 15.0)),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
+
+    async def send(
+        self,
+        request: CacheRequest,
+        headers: Headers,
+        body: AsyncIterator[bytes] | None = None,
+        resolve: Resolver | None = None,
+    ) -> httpx.Response:
+        """Send and return the response with its body unread (the caller closes it)."""
+        host, port = request.host, request.port
+        default = 443 if request.scheme == "https" else 80
+        host_header = host if port == default else f"{host}:{port}"
+        extensions: dict[str, Any] = {}
+        # Connect to the address resolved (and checked) here; TLS still verifies the name.
+        address, port = await (resolve or self._default_resolver)(host, port)
+        if request.scheme == "https":
+            extensions["sni_hostname"] = host
+        host = address
+        url = httpx.URL(scheme=request.scheme, host=host, port=port).join(request.target)
+        # join() normalises; keep the client's exact path and query.
+        url = url.copy_with(raw_path=request.target.encode())
+        upstream = self._client.build_request(
+            request.method,
+            url,
+            headers=[("Host", host_header), *headers],
+            content=body,
+            extensions=extensions,
+        )
+        return await self._client.send(upstream, stream=True)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# --------------------------------------------------------------------------- store
+
+
+@dataclass
+class Entry:
+    """A stored body's metadata (``<digest>.json`` beside ``<digest>.body``)."""
+
+    url: str
+    accept: str
+    kind: str
+    size: int
+    headers: Headers
+    stored_at: float
+    fresh_until: float  # 0: always revalidate
+
+
+def _key(request: CacheRequest, kind: Kind) -> tuple[str, str, str]:
+    """(digest, url, accept): the URL's scheme, host, port, path and query and, but for
+    an artifact (its bytes are named by its URL), the client's Accept; nothing else."""
+    url = f"{request.scheme}://{request.host.lower()}:{request.port}{request.target}"
+    accept = "" if kind is Kind.ARTIFACT else " ".join((request.header("accept") or "").split())
+    digest = hashlib.sha256(f"{url}\n{accept}".encode()).hexdigest()
+    return digest, url, accept
+
+
+class CacheStore:
+    """Bodies on disk with LRU eviction by bytes."""
+
+    def __init__(self, root: Path, *, max_bytes: int, max_object_bytes: int | None = None) -> None:
+        if max_bytes <= 0:
+            raise ValueError("the package cache's max_bytes must be positive")
+        self.root = root
+        self.max_bytes = max_bytes
+        self.max_object_bytes = min(max_object_bytes or max_bytes, max_bytes)
+        self._tmp = root / "tmp"
+        self._objects = root / "objects"
+        for directory in (root, self._tmp, self._objects):
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lru: OrderedDict[str, Entry] = OrderedDict()
+        self.size = 0
+        self.evictions = 0
+        self._load()
+
+    def _load(self) -> None:
+        for stale in self._tmp.iterdir():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        found: list[tuple[float, str, Entry]] = []
+        for meta in self._objects.glob("*.json"):
+            digest = meta.stem
+            body = self._objects / f"{digest}.body"
+            try:
+                raw = json.loads(meta.read_text(encoding="utf-8"))
+                entry = Entry(**{**raw, "headers": [tuple(h) for h in raw["headers"]]})
+                if body.stat().st_size != entry.size:
+                    raise ValueError("size mismatch")
+                found.append((body.stat().st_atime, digest, entry))
+            except (OSError, ValueError, TypeError, KeyError):
+                self._remove_files(digest)
+        for _atime, digest, entry in sorted(found, key=lambda item: item[0]):
+            self._lru[digest] = entry
+            self.size += entry.size
+        self._evict(0)
+
+    def body_path(self, digest: str) -> Path:
+        return self._objects / f"{digest}.body"
+
+    def get(self, digest: str) -> Entry | None:
+        entry = self._lru.get(digest)
+        if entry is not None:
+            self._lru.move_to_end(digest)
+        return entry
+
+    def temp_path(self) -> Path:
+        return self._tmp / secrets.token_hex(12)
+
+    def put(self, digest: str, entry: Entry, temp: Path) -> bool:
+        """Move ``temp`` in as ``digest``'s body (replacing any), evicting to fit."""
+        if entry.size > self.max_object_bytes:
+            temp.unlink(missing_ok=True)
+            return False
+        self.discard(digest)
+        self._evict(entry.size)
+        meta = self._objects / f"{digest}.json"
+        meta_tmp = self.temp_path()
+        meta_tmp.write_text(json.dumps(asdict(entry)), encoding="utf-8")
+        os.replace(temp, self.body_path(digest))
+        os.replace(meta_tmp, meta)
+        self._lru[digest] = entry
+        self.size += entry.size
+        return True
+
+    def update(self, digest: str, entry: Entry) -> None:
+        """Rewrite ``digest``'s metadata (after a 304)."""
+        if digest not in self._lru:
+            return
+        meta_tmp = self.temp_path()
+        meta_tmp.write_text(json.dumps(asdict(entry)), encoding="utf-8")
+        os.replace(meta_tmp, self._objects / f"{digest}.json")
+        self._lru[digest] = entry
+
+    def discard(self, digest: str) -> None:
+        entry = self._lru.pop(digest, None)
+        if entry is not None:
+            self.size -= entry.size
+            self._remove_files(digest)
+
+    def _remove_files(self, digest: str) -> None:
+        # An open reader keeps its file: unlinking only drops the name.
+        for suffix in (".body", ".json"):
+            with contextlib.suppress(OSError):
+                (self._objects / f"{digest}{suffix}").unlink()
+
+    def _evict(self, incoming: int) -> None:
+        while self._lru and self.size + incoming > self.max_bytes:
+            digest, entry = self._lru.popitem(last=False)
+            self.size -= entry.size
+            self.evictions += 1
+            self._remove_files(digest)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _freshness(headers: Headers, now: float) -> float:
+    """Until when a response is fresh by its own headers (0: not fresh at all)."""
+    values = {k.lower(): v for k, v in headers}
+    cache_control = values.get("cache-control", "").lower()
+    if "no-cache" in cache_control:
+        return 0.0
+    match = re.search(r"(?:^|[,\s])(?:s-maxage|max-age)\s*=\s*(\d+)", cache_control)
+    if match:
+        return now + int(match.group(1))
+    expires = values.get("expires")
+    if expires:
+        with contextlib.suppress(TypeError, ValueError):
+            parsed = email.utils.parsedate_to_datetime(expires)
+            return parsed.timestamp()
+    return 0.0
+
+
+def _storable(response: httpx.Response) -> bool:
+    if response.status_code != 200:
+        return False
+    cache_control = response.headers.get("cache-control", "").lower()
+    if re.search(r"\b(no-store|private)\b", cache_control):
+        return False
+    if "set-cookie" in response.headers:
+        return False
+    if response.headers.get("content-encoding", "identity").lower() not in ("", "identity"):
+        return False
+    vary = {v.strip().lower() for v in response.headers.get("vary", "").split(",") if v.strip()}
+    return vary <= _VARY_OK
+
+
+def _validators(headers: Headers) -> Headers:
+    values = {k.lower(): v for k, v in headers}
+    out: Headers = []
+    if "etag" in values:
+        out.append(("If-None-Match", values["etag"]))
+    if "last-modified" in values:
+        out.append(("If-Modified-Since", values["last-modified"]))
+    return out
+
+
+class _Fill:
+    """One upstream download into a temporary file, tailed by every reader."""
+
+    def __init__(self, path: Path, length: int | None) -> None:
+        self.path = path
+        self.length = length
+        self.written = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.changed = asyncio.Condition()
+
+    async def wait_beyond(self, offset: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.done or self.written > offset)
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+class PackageCache:
+    """The host-side cache (one a server): a ``CacheStore`` filled from an upstream."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int,
+        max_object_bytes: int | None = None,
+        upstream: HttpxUpstream | None = None,
+        totals: CacheTotals | None = CACHE_TOTALS,
+    ) -> None:
+        self.store = CacheStore(root, max_bytes=max_bytes, max_object_bytes=max_object_bytes)
+        self.upstream = upstream if upstream is not None else HttpxUpstream()
+        self.stats = CacheStats()
+        self._totals = totals
+        # Per URL key: its lock and how many requests use it (dropped at none).
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._fills: dict[str, tuple[_Fill, Entry]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._evictions_seen = self.store.evictions
+        self._publish()
+
+    def session(self) -> CacheSession:
+        """A per-trial view: its own ``CacheStats``, summed into the cache's."""
+        return CacheSession(self)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.upstream.aclose()
+
+    def _publish(self) -> None:
+        totals = self._totals
+        if totals is None:
+            return
+        totals.evictions += self.store.evictions - self._evictions_seen
+        self._evictions_seen = self.store.evictions
+        totals.stored_bytes = self.store.size
+        totals.stored_entries = len(self.store._lru)
+        totals.bound_bytes = self.store.max_bytes
+
+    def _count(self, session: CacheStats, **deltas: int) -> None:
+        targets: list[CacheStats] = [session, self.stats]
+        if self._totals is not None:
+            targets.append(self._totals)
+        for stats in targets:
+            for name, delta in deltas.items():
+                setattr(stats, name, getattr(stats, name) + delta)
+
+    # ------------------------------------------------------------------ answering
+
+    async def handle(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
+        """Answer ``request`` from the cache or the upstream (an upstream failure is
+        a 502)."""
+        self._count(stats, requests=1)
+        method = request.method.upper()
+        cacheable = (
+            method in ("GET", "HEAD")
+            and request.header("authorization") is None
+            and request.header("cookie") is None
+        )
+        try:
+            if cacheable:
+                return await self._cached(request, stats, head=method == "HEAD")
+            return await self._passthrough(request, stats)
+        except EgressRefused as exc:
+            self._count(stats, upstream_errors=1)
+            message = f"harbor-exec package cache: {request.host}: {exc.reason}\n"
+            return _bytes_response(403, "Forbidden", message.encode(), "pass")
+        except httpx.HTTPError as exc:
+            self._count(stats, upstream_errors=1)
+            logger.info(
+                "package cache: %s %s://%s%s failed: %s",
+                method,
+                request.scheme,
+                request.host,
+                request.target,
+                exc,
+            )
+            failed = f"upstream request failed: {type(exc).__name__}: {exc}\n"
+            return _bytes_response(502, "Bad Gateway", failed.encode(), "pass")
+
+    async def _passthrough(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
+        headers = [
+            (k, v)
+            for k, v in request.headers
+            if k.lower() not in _HOP_BY_HOP and k.lower() not in ("host", "content-length")
+        ]
+        if request.body is not None:
+            length = request.header("content-length")
+            if length is not None:
+                headers.append(("Content-Length", length))
+        response = await self._send(request, headers, stats, request.body)
+        self._count(stats, passthrough=1)
+        return self._stream_upstream(response, stats, head=request.method.upper() == "HEAD")
+
+    async def _send(
+        self,
+        request: CacheRequest,
+        headers: Headers,
+        stats: CacheStats,
+        body: AsyncIterator[bytes] | None = None,
+    ) -> httpx.Response:
+        """One upstream request, counted once it leaves (a refused one never does)."""
+        try:
+            response = await self.upstream.send(request, headers, body, request.resolve)
+        except httpx.HTTPError:
+            self._count(stats, upstream_requests=1)
+            raise
+        self._count(stats, upstream_requests=1)
+        return response
+
+    def _stream_upstream(
+        self, response: httpx.Response, stats: CacheStats, *, head: bool, source: str = "pass"
+    ) -> CacheResponse:
+        headers = [
+            (k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP
+        ]
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if head:
+                    return
+                async for chunk in response.aiter_raw(_CHUNK):
+                    self._count(stats, bytes_from_upstream=len(chunk))
+                    yield chunk
+            finally:
+                await response.aclose()
+
+        return CacheResponse(response.status_code, response.reason_phrase, headers, body(), source)
+
+    def _upstream_headers(self, request: CacheRequest, accept: str) -> Headers:
+        headers: Headers = [("User-Agent", USER_AGENT), ("Accept-Encoding", "identity")]
+        if accept:
+            headers.append(("Accept", accept))
+        return headers
+
+    async def _cached(
+        self, request: CacheRequest, stats: CacheStats, *, head: bool
+    ) -> CacheResponse:
+        kind = classify(request.host, request.path)
+        digest, url, accept = _key(request, kind)
+        lock, users = self._locks.get(digest) or (asyncio.Lock(), 0)
+        self._locks[digest] = (lock, users + 1)
+        try:
+            async with lock:
+                return await self._cached_locked(
+                    request, stats, digest, url, accept, kind, head=head
+                )
+        finally:
+            lock, users = self._locks[digest]
+            if users <= 1:
+                del self._locks[digest]
+            else:
+                self._locks[digest] = (lock, users - 1)
+
+    async def _cached_locked(
+        self,
+        request: CacheRequest,
+        stats: CacheStats,
+        digest: str,
+        url: str,
+        accept: str,
+        kind: Kind,
+        *,
+        head: bool,
+    ) -> CacheResponse:
+        filling = self._fills.get(digest)
+        if filling is not None:
+            fill, filling_entry = filling
+            self._count(stats, hits=1)
+            return self._from_fill(fill, filling_entry, stats, head=head)
+        entry = self.store.get(digest)
+        now = time.time()
+        headers = self._upstream_headers(request, accept)
+        if entry is not None:
+            if entry.kind == Kind.ARTIFACT or (entry.fresh_until and now < entry.fresh_until):
+                self._count(stats, hits=1)
+                return self._from_store(digest, entry, stats, head=head, source="hit")
+            headers += _validators(entry.headers)
+        response = await self._send(
+            CacheRequest(
+                "GET",
+                request.scheme,
+                request.host,
+                request.port,
+                request.target,
+                resolve=request.resolve,
+            ),
+            headers,
+            stats,
+        )
+        if response.status_code == 304 and entry is not None:
+            await response.aclose()
+            refreshed = _merge_304(entry, response, now)
+            self.store.update(digest, refreshed)
+            self._count(stats, revalidated=1)
+            return self._from_store(digest, refreshed, stats, head=head, source="revalidated")
+        if not self._worth_storing(response, kind):
+            self._count(stats, passthrough=1)
+            if entry is not None:
+                self.store.discard(digest)
+                self._publish()
+            return self._stream_upstream(response, stats, head=head)
+        length_header = response.headers.get("content-length")
+        length = int(length_header) if length_header and length_header.isdigit() else None
+        if length is not None and length > self.store.max_object_bytes:
+            self._count(stats, passthrough=1)
+            return self._stream_upstream(response, stats, head=head)
+        stored_headers = [
+            (k, v) for k, v in response.headers.multi_items() if k.lower() in _STORED_HEADERS
+        ]
+        new_entry = Entry(
+            url=url,
+            accept=accept,
+            kind=kind.value,
+            size=length or 0,
+            headers=stored_headers,
+            stored_at=now,
+            fresh_until=0.0 if kind == Kind.INDEX else _freshness(stored_headers, now),
+        )
+        fill = _Fill(self.store.temp_path(), length)
+        out = fill.path.open("wb")  # exists before any reader opens it
+        self._fills[digest] = (fill, new_entry)
+        task = asyncio.create_task(self._download(digest, response, fill, new_entry, out))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._count(stats, misses=1)
+        return self._from_fill(fill, new_entry, stats, head=head, upstream=True)
+
+    def _worth_storing(self, response: httpx.Response, kind: Kind) -> bool:
+        if not _storable(response):
+            return False
+        headers = list(response.headers.multi_items())
+        has_validators = bool(_validators(headers))
+        if kind == Kind.ARTIFACT:
+            return True
+        if kind == Kind.INDEX:
+            return has_validators
+        return has_validators or _freshness(headers, time.time()) > time.time()
+
+    async def _download(
+        self, digest: str, response: httpx.Response, fill: _Fill, entry: Entry, out: Any
+    ) -> None:
+        try:
+            with out:
+                async for chunk in response.aiter_raw(_CHUNK):
+                    out.write(chunk)
+                    out.flush()
+                    fill.written += len(chunk)
+                    if fill.written > self.store.max_object_bytes:
+                        raise ValueError("larger than the cache's object bound")
+                    await fill.notify()
+            if fill.length is not None and fill.written != fill.length:
+                raise ValueError(f"body of {fill.written} bytes, expected {fill.length}")
+            entry.size = fill.written
+            self.store.put(digest, entry, fill.path)
+        except BaseException as exc:  # readers must learn of every end
+            fill.error = exc
+            fill.path.unlink(missing_ok=True)
+            if not isinstance(exc, asyncio.CancelledError | ValueError | httpx.HTTPError | OSError):
+                raise
+            logger.info("package cache: download of %s failed: %s", entry.url, exc)
+        finally:
+            await response.aclose()
+            fill.done = True
+            self._fills.pop(digest, None)
+            self._publish()
+            await fill.notify()
+
+    def _entry_headers(self, entry: Entry, length: int | None, source: str) -> Headers:
+        headers = list(entry.headers)
+        if length is not None:
+            headers.append(("Content-Length", str(length)))
+        headers.append(("X-Cache", source.upper()))
+        return headers
+
+    def _from_store(
+        self, digest: str, entry: Entry, stats: CacheStats, *, head: bool, source: str
+    ) -> CacheResponse:
+        handle = self.store.body_path(digest).open("rb")  # open now: eviction only unlinks
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if head:
+                    return
+                while chunk := handle.read(_CHUNK):
+                    self._count(stats, bytes_from_cache=len(chunk))
+                    yield chunk
+            finally:
+                handle.close()
+
+        headers = self._entry_headers(entry, entry.size, source)
+        return CacheResponse(200, "OK", headers, body(), source)
+
+    def _from_fill(
+        self, fill: _Fill, entry: Entry, stats: CacheStats, *, head: bool, upstream: bool = False
+    ) -> CacheResponse:
+        counter = "bytes_from_upstream" if upstream else "bytes_from_cache"
+
+        handle = fill.path.open("rb")  # open now: the finished file is renamed away
+
+        async def body() -> AsyncIterator[bytes]:
+            if head:
+                handle.close()
+                return
+            offset = 0
+            with handle:
+                while True:
+                    chunk = handle.read(_CHUNK)
+                    if chunk:
+                        offset += len(chunk)
+                        self._count(stats, **{counter: len(chunk)})
+                        yield chunk
+                        continue
+                    if fill.done:
+                        if fill.error is not None:
+                            raise ConnectionError(f"upstream download failed: {fill.error}")
+                        return
+                    await fill.wait_beyond(offset)
+
+        source = "miss" if upstream else "hit"
+        headers = self._entry_headers(entry, fill.length, source)
+        return CacheResponse(200, "OK", headers, body(), source)
+
+
+def _merge_304(entry: Entry, response: httpx.Response, now: float) -> Entry:
+    updated = {k.lower(): (k, v) for k, v in entry.headers}
+    for key, value in response.headers.multi_items():
+        if key.lower() in _STORED_HEADERS and key.lower() != "content-type":
+            updated[key.lower()] = (key, value)
+    headers = list(updated.values())
+    fresh = 0.0 if entry.kind == Kind.INDEX else _freshness(headers, now)
+    return Entry(
+        url=entry.url,
+        accept=entry.accept,
+        kind=entry.kind,
+        size=entry.size,
+        headers=headers,
+        stored_at=entry.stored_at,
+        fresh_until=fresh,
+    )
+
+
+def _bytes_response(status: int, reason: str, data: bytes, source: str) -> CacheResponse:
+    async def body() -> AsyncIterator[bytes]:
+        yield data
+
+    headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+    return CacheResponse(status, reason, headers, body(), source)
+
+
+class Answering(Protocol):
+    """What serves a connection's requests: a ``CacheSession`` or a bridge to one."""
+
+    async def handle(self, request: CacheRequest) -> CacheResponse: ...
+
+
+class CacheSession:
+    """One trial's use of the cache: what it asked, and from where it came."""
+
+    def __init__(self, cache: PackageCache) -> None:
+        self.cache = cache
+        self.stats = CacheStats()
+
+    async def handle(self, request: CacheRequest) -> CacheResponse:
+        return await self.cache.handle(request, self.stats)
+
+    def write(self, path: Path) -> None:
+        """``package-cache.json`` in a trial's result directory."""
+        path.write_text(json.dumps(self.stats.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def header_list(raw: Sequence[tuple[bytes, bytes]] | Mapping[str, str]) -> Headers:
+    """h11's (bytes, bytes) pairs (or a mapping) as str pairs."""
+    if isinstance(raw, Mapping):
+        return list(raw.items())
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]

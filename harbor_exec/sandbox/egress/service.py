@@ -1,0 +1,201 @@
+"""The server's package cache as a service: one ``PackageCache`` on an event loop
+thread of its own, shared by every trial's egress proxy (each on its own loop).
+
+``PackageCacheService.upstream(trial)`` is what a trial hands its ``EgressProxy`` as
+``upstream``; requests cross from the proxy's loop to the cache's and bodies stream
+back chunk by chunk (``_bridge``), so single downloads, locks and the upstream client
+live on one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from harbor_exec.cache import cache_root
+from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.sandbox.egress.cache import (
+    CacheRequest,
+    CacheResponse,
+    CacheSession,
+    CacheStats,
+    HttpxUpstream,
+    PackageCache,
+)
+from harbor_exec.sandbox.egress.serve import CacheUpstream
+from harbor_exec.sandbox.egress.trust import write_trust_dir
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "PackageCacheConfig",
+    "PackageCacheService",
+    "TrialCache",
+]
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BYTES: Final = 20 * 1024**3
+#: Below the harbor-exec cache dir (``harbor_exec.cache``).
+STORE_DIR: Final = "package-cache"
+CA_DIR: Final = "package-cache-ca"
+TRUST_DIR: Final = "package-cache-trust"
+
+
+@dataclass(frozen=True)
+class PackageCacheConfig:
+    """The operator's settings (``serve --package-cache``, docs/package-cache.md)."""
+
+    root: Path | None = None  # None: <harbor-exec cache dir>
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_object_bytes: int | None = None  # None: a quarter of max_bytes
+    #: Verify upstream TLS against this bundle instead of the public roots (tests).
+    upstream_ca_bundle: Path | None = None
+
+    @classmethod
+    def from_options(cls, root: Path | None, max_gb: float) -> PackageCacheConfig:
+        """What ``--package-cache-dir`` and ``--package-cache-max-gb`` say."""
+        return cls(root=root, max_bytes=int(max_gb * 1024**3))
+
+    def directory(self, name: str) -> Path:
+        return (self.root or cache_root()) / name
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="package-cache", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this loop, awaited from another."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+async def _next(iterator: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _bridge(
+    iterator: AsyncIterator[bytes], loop: asyncio.AbstractEventLoop
+) -> AsyncIterator[bytes]:
+    """``iterator`` (driven on ``loop``) consumed from the running loop."""
+    while True:
+        chunk = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_next(iterator), loop))
+        if chunk is None:
+            return
+        yield chunk
+
+
+class TrialCache:
+    """One trial's session, usable from the trial's proxy loop (``CacheUpstream``'s
+    session)."""
+
+    def __init__(self, service: PackageCacheService, session: CacheSession) -> None:
+        self._service = service
+        self._session = session
+
+    @property
+    def stats(self) -> CacheStats:
+        return self._session.stats
+
+    async def handle(self, request: CacheRequest) -> CacheResponse:
+        caller = asyncio.get_running_loop()
+        if request.body is not None:
+            request.body = _bridge(request.body, caller)
+        if request.resolve is not None:
+            resolve = request.resolve
+
+            async def resolve_there(host: str, port: int) -> tuple[str, int]:
+                # The connector's lookups run on the proxy's own loop.
+                future = asyncio.run_coroutine_threadsafe(_await(resolve(host, port)), caller)
+                return await asyncio.wrap_future(future)
+
+            request.resolve = resolve_there
+        loop = self._service.thread.loop
+        answer = await self._service.thread.call(self._session.handle(request))
+        body = answer.body
+
+        async def aclose() -> None:
+            close = getattr(body, "aclose", None)
+            if close is not None:
+                await self._service.thread.call(close())
+
+        bridged = _bridge(body, loop)
+        return _Bridged(
+            answer.status, answer.reason, answer.headers, bridged, answer.source, aclose
+        )
+
+    def write(self, path: Path) -> None:
+        self._session.write(path)
+
+
+async def _await(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+class _Bridged(CacheResponse):
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        body: AsyncIterator[bytes],
+        source: str,
+        close: Any,
+    ) -> None:
+        super().__init__(status, reason, headers, body, source)
+        self._close = close
+
+    async def aclose(self) -> None:
+        await self._close()
+
+
+class PackageCacheService:
+    """The server's cache, CA and trust directory; start once, share across trials."""
+
+    def __init__(self, config: PackageCacheConfig) -> None:
+        self.config = config
+        self.ca = LocalCA(config.directory(CA_DIR))
+        self.trust_dir = write_trust_dir(self.ca, config.directory(TRUST_DIR))
+        self.thread = _LoopThread()
+        max_object = config.max_object_bytes or max(config.max_bytes // 4, 1)
+
+        async def make() -> PackageCache:
+            return PackageCache(
+                config.directory(STORE_DIR),
+                max_bytes=config.max_bytes,
+                max_object_bytes=max_object,
+                upstream=HttpxUpstream(ca_bundle=config.upstream_ca_bundle),
+            )
+
+        self.cache = self.thread.run(make())
+
+    def session(self) -> TrialCache:
+        return TrialCache(self, self.cache.session())
+
+    def upstream(self, session: TrialCache) -> CacheUpstream:
+        """The ``Upstream`` a trial's egress proxy hands admitted traffic to."""
+        return CacheUpstream(session, self.ca)
+
+    def close(self) -> None:
+        try:
+            self.thread.run(self.cache.aclose())
+        finally:
+            self.thread.stop()

@@ -1,0 +1,59 @@
+"""A trial through the server's package cache (docs/package-cache.md).
+
+When the operator turns the cache on (``SandboxPolicy.package_cache``) and the task
+does not opt out, every container of the trial that has any network reaches it
+through the trial's egress proxy (``harbor_exec.trial.egress``) whose upstream is the
+cache: a ``public`` container keeps its bridge network (a program that ignores the
+proxy variables still reaches the internet, uncached) and gets the proxy socket, the
+proxy variables and the forwarder per phase as an allowlisted one does; both also get
+the public trust directory and the trust variables. ``package-cache.json`` in the
+trial dir records what the trial got from where.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Final
+
+from harbor_exec.sandbox.egress.serve import CacheUpstream
+from harbor_exec.sandbox.egress.service import PackageCacheService, TrialCache
+from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, task_opts_out, trust_env
+from harbor_exec.sandbox.runtime import Mount
+from harbor_exec.trial.task import Task
+
+__all__ = ["RESULT_FILE", "TrialPackageCache", "wanted"]
+
+logger = logging.getLogger(__name__)
+
+RESULT_FILE: Final = "package-cache.json"
+
+
+def wanted(service: PackageCacheService | None, task: Task) -> bool:
+    """Whether ``task``'s trial goes through the cache: the server has one and the task
+    does not opt out (a container without network gets nothing either way)."""
+    if service is None:
+        return False
+    return not task_opts_out(task.config.metadata, task.config.environment.env)
+
+
+class TrialPackageCache:
+    """One trial's session with the cache and what its containers need for it."""
+
+    def __init__(self, service: PackageCacheService) -> None:
+        self.service = service
+        self.session: TrialCache = service.session()
+        self.upstream: CacheUpstream = service.upstream(self.session)
+
+    def trust_mount(self) -> Mount:
+        return Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True)
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        return trust_env()
+
+    def write(self, trial_dir: Path) -> None:
+        try:
+            self.session.write(trial_dir / RESULT_FILE)
+        except OSError as exc:
+            logger.warning("package cache: %s not written: %s", RESULT_FILE, exc)

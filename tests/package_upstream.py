@@ -1,0 +1,146 @@
+"""A local upstream for the package cache's tests: an HTTP(S) file host on 127.0.0.1
+that counts what it is asked, standing in for a mirror, a package index and a
+release-file host."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Resource:
+    body: bytes
+    status: int = 200
+    etag: bool = True
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    status: int
+
+
+class Upstream:
+    """Routes (path with query -> Resource) and every request seen."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Resource] = {}
+        self.seen: list[Seen] = []
+        self.lock = threading.Lock()
+        self.port = 0
+        # A distant mirror (benchmarks): seconds before each answer, bytes a second.
+        self.latency_sec = 0.0
+        self.bytes_per_sec: float | None = None
+
+    def set(self, path: str, body: bytes, **kwargs: object) -> None:
+        self.routes[path] = Resource(body, **kwargs)  # type: ignore[arg-type]
+
+    def count(self, path: str, status: int | None = None, method: str | None = None) -> int:
+        with self.lock:
+            return sum(
+                1
+                for s in self.seen
+                if s.path == path
+                and (status is None or s.status == status)
+                and (method is None or s.method == method)
+            )
+
+    def content_fetches(self) -> int:
+        """Requests answered with a body (200s)."""
+        with self.lock:
+            return sum(1 for s in self.seen if s.status == 200 and s.method == "GET")
+
+
+def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _answer(self, head: bool) -> None:
+            resource = upstream.routes.get(self.path)
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            if self.command not in ("GET", "HEAD"):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+            if resource is None:
+                status, body, extra = 404, b"not found\n", {}
+            else:
+                status, body, extra = resource.status, resource.body, dict(resource.headers)
+                if resource.etag:
+                    tag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+                    extra["ETag"] = tag
+                    if status == 200 and headers.get("if-none-match") == tag:
+                        status = 304
+            with upstream.lock:
+                upstream.seen.append(Seen(self.command, self.path, headers, status))
+            if upstream.latency_sec:
+                time.sleep(upstream.latency_sec)
+            self.send_response(status)
+            for key, value in extra.items():
+                self.send_header(key, value)
+            if status != 304:
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if status != 304 and not head:
+                rate = upstream.bytes_per_sec
+                step = len(body) if not rate else max(1, int(rate / 20))
+                for start in range(0, len(body), step):
+                    self.wfile.write(body[start : start + step])
+                    if rate:
+                        time.sleep(step / rate)
+
+        def do_GET(self) -> None:
+            self._answer(False)
+
+        def do_HEAD(self) -> None:
+            self._answer(True)
+
+        def do_POST(self) -> None:
+            self._answer(False)
+
+    return Handler
+
+
+@contextmanager
+def serve_upstream(context: ssl.SSLContext | None = None) -> Iterator[Upstream]:
+    """An ``Upstream`` listening on 127.0.0.1 (TLS with ``context``) in a thread."""
+    upstream = Upstream()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream))
+    server.daemon_threads = True
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    upstream.port = int(server.server_address[1])
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield upstream
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def sni_context(ca: Any) -> ssl.SSLContext:
+    """A server context presenting ``ca``'s leaf for whatever name the client asks
+    (``ca``: a ``LocalCA``, standing in for a public CA)."""
+    context: ssl.SSLContext = ca.server_context("files.test")
+
+    def pick(sock: ssl.SSLObject, name: str, _ctx: ssl.SSLContext) -> None:
+        if name:
+            sock.context = ca.server_context(name)
+
+    context.sni_callback = pick
+    return context

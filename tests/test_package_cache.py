@@ -1,0 +1,445 @@
+"""The package cache on loopback: a real TLS-terminating tunnel in front of real local
+upstreams (HTTP and HTTPS on 127.0.0.1), a real httpx client through it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import stat
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harbor_exec.container.forward import ForwarderThread
+from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy, EgressProxyThread
+from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
+from harbor_exec.sandbox.egress.cache import (
+    CacheSession,
+    CacheStats,
+    CacheTotals,
+    HttpxUpstream,
+    Kind,
+    PackageCache,
+    classify,
+)
+from harbor_exec.sandbox.egress.serve import CacheUpstream
+from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from tests.package_upstream import Upstream, serve_upstream, sni_context
+
+NAMES = ("files.test", "pypi.test", "deb.test")
+
+
+@pytest.fixture
+def upstream_ca(tmp_path: Path) -> LocalCA:
+    """The upstreams' own CA (a different one from the cache's)."""
+    return LocalCA(tmp_path / "upstream-ca")
+
+
+@pytest.fixture
+def https_upstream(upstream_ca: LocalCA) -> Iterator[Upstream]:
+    context = sni_context(upstream_ca)
+    with serve_upstream(context) as upstream:
+        yield upstream
+
+
+@pytest.fixture
+def http_upstream() -> Iterator[Upstream]:
+    with serve_upstream() as upstream:
+        yield upstream
+
+
+class Trials:
+    """The production path on loopback, one egress proxy (and session) per trial:
+    client -> 127.0.0.1 forwarder (the runtime's) -> unix socket -> EgressProxy ->
+    CacheUpstream -> the shared PackageCache -> a local upstream (TLS verified)."""
+
+    def __init__(
+        self, cache: PackageCache, ca: LocalCA, root: Path, overrides: dict[str, tuple[str, int]]
+    ) -> None:
+        self.cache = cache
+        self.ca = ca
+        self.root = root
+        self.overrides = overrides
+        self.trials: dict[str, tuple[EgressProxy, ForwarderThread, int, CacheSession]] = {}
+
+    async def port(self, trial: str) -> int:
+        if trial not in self.trials:
+            session = self.cache.session()
+            proxy = EgressProxy(
+                directory=self.root / f"egress-{trial}",
+                trial=trial,
+                overrides=self.overrides,
+                dns=False,
+                upstream=CacheUpstream(session, self.ca),
+            )
+            await proxy.start()
+            await proxy.set_phase("verifier", EgressPolicy(EgressMode.PUBLIC))
+            forwarder = ForwarderThread(str(proxy.socket_path))
+            self.trials[trial] = (proxy, forwarder, forwarder.start(), session)
+        return self.trials[trial][2]
+
+    def stats(self, trial: str = "default") -> CacheStats:
+        return self.trials[trial][3].stats
+
+    async def aclose(self) -> None:
+        for proxy, forwarder, _port, _session in self.trials.values():
+            forwarder.close()
+            await proxy.aclose()
+        await self.cache.aclose()
+
+
+@asynccontextmanager
+async def harness(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    *upstreams: Upstream,
+    max_bytes: int = 10_000_000,
+    ca_bundle: Path | None = None,
+) -> AsyncIterator[Trials]:
+    """Every test name -> the first (HTTPS) upstream; port 80 -> the last (HTTP) one."""
+    https, http = upstreams[0], upstreams[-1]
+    overrides = {name: ("127.0.0.1", https.port) for name in NAMES}
+    overrides |= {f"{name}:80": ("127.0.0.1", http.port) for name in NAMES}
+    cache = PackageCache(
+        tmp_path / "store",
+        max_bytes=max_bytes,
+        upstream=HttpxUpstream(ca_bundle=ca_bundle or upstream_ca.cert_path),
+        totals=CacheTotals(),
+    )
+    trials = Trials(cache, LocalCA(tmp_path / "cache-ca"), tmp_path, overrides)
+    try:
+        yield trials
+    finally:
+        await trials.aclose()
+
+
+@asynccontextmanager
+async def client(front: Trials, trial: str = "default") -> AsyncIterator[httpx.AsyncClient]:
+    context = ssl.create_default_context(cafile=str(front.ca.cert_path))
+    port = await front.port(trial)
+    async with httpx.AsyncClient(
+        proxy=f"http://127.0.0.1:{port}", verify=context, trust_env=False
+    ) as http_client:
+        yield http_client
+
+
+WHEEL = "/packages/aa/bb/demo-1.0-py3-none-any.whl"
+
+
+async def test_artifact_miss_then_hit_serves_the_upstreams_bytes(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"wheel-bytes" * 1000)
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "t1") as c1, client(front, "t2") as c2:
+            first = await c1.get(f"https://files.test{WHEEL}")
+            # An artifact is named by its URL: another Accept gets the same bytes.
+            second = await c2.get(f"https://files.test{WHEEL}", headers={"Accept": "*/*"})
+            head = await c2.head(f"https://files.test{WHEEL}")
+        assert first.status_code == second.status_code == 200
+        assert first.content == second.content == b"wheel-bytes" * 1000
+        assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
+        assert head.status_code == 200 and head.headers["content-length"] == "11000"
+        assert https_upstream.count(WHEEL) == 1
+        assert front.stats("t1").misses == 1 and front.stats("t1").bytes_from_upstream == 11000
+        t2 = front.stats("t2")
+        assert (t2.hits, t2.misses, t2.upstream_requests, t2.bytes_from_cache) == (2, 0, 0, 11000)
+
+
+async def test_a_client_cannot_change_what_is_stored_for_a_url(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"genuine")
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "attacker") as attacker:
+            poisoned = await attacker.get(
+                f"https://files.test{WHEEL}",
+                headers={
+                    "Host": "evil.test",
+                    "X-Forwarded-Host": "evil.test",
+                    "Range": "bytes=0-2",
+                    "If-None-Match": '"x"',
+                    "Cache-Control": "max-age=999999",
+                    "User-Agent": "attacker",
+                },
+            )
+            # Requests with a body or credentials pass through and are not stored.
+            await attacker.post(f"https://files.test{WHEEL}", content=b"fake wheel")
+            await attacker.get(
+                f"https://files.test{WHEEL}?x=1", headers={"Authorization": "Bearer t"}
+            )
+        async with client(front, "victim") as victim:
+            got = await victim.get(f"https://files.test{WHEEL}")
+        assert poisoned.content == b"genuine"  # whole body from the upstream, Range ignored
+        assert got.content == b"genuine" and got.headers["x-cache"] == "HIT"
+        (fetch,) = [s for s in https_upstream.seen if s.method == "GET" and s.path == WHEEL]
+        # Nothing the client sent reached the upstream's cacheable request.
+        assert fetch.headers["host"] == "files.test"
+        for name in ("x-forwarded-host", "range", "if-none-match", "cache-control"):
+            assert name not in fetch.headers
+        assert fetch.headers["user-agent"].startswith("harbor-exec-package-cache")
+        assert front.stats("attacker").passthrough == 2
+        assert https_upstream.count(f"{WHEEL}?x=1") == 1
+        assert front.cache.store.size == len(b"genuine")
+
+
+async def test_an_index_is_revalidated_and_a_new_release_appears(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    index = "/simple/demo/"
+    https_upstream.set(index, b"<a>demo-1.0</a>", headers={"Cache-Control": "max-age=600"})
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front) as c:
+            first = await c.get(f"https://pypi.test{index}")
+            same = await c.get(f"https://pypi.test{index}")
+            https_upstream.set(index, b"<a>demo-1.0</a><a>demo-2.0</a>")
+            changed = await c.get(f"https://pypi.test{index}")
+        assert first.headers["x-cache"] == "MISS"
+        assert same.headers["x-cache"] == "REVALIDATED" and same.content == first.content
+        assert changed.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
+        assert https_upstream.count(index, 304) == 1 and https_upstream.count(index, 200) == 2
+        assert front.stats().revalidated == 1
+
+
+async def test_an_index_without_validators_is_not_stored(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    lists = "/debian/dists/stable/InRelease"
+    http_upstream.set(lists, b"Origin: Debian", etag=False)
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            for _ in range(2):
+                got = await c.get(f"http://deb.test{lists}")
+                assert got.content == b"Origin: Debian" and got.headers.get("x-cache") is None
+        assert http_upstream.count(lists) == 2 and front.cache.store.size == 0
+
+
+async def test_only_successful_cacheable_gets_are_stored(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    http_upstream.set("/pool/a.deb", b"gone", status=404)
+    http_upstream.set("/pool/b.deb", b"", status=302, headers={"Location": "/pool/c.deb"})
+    http_upstream.set("/pool/c.deb", b"secret", headers={"Cache-Control": "private"})
+    http_upstream.set("/pool/d.deb", b"session", headers={"Set-Cookie": "s=1"})
+    http_upstream.set("/pool/e.deb", b"nostore", headers={"Cache-Control": "no-store"})
+    http_upstream.set("/pool/f.deb", b"varies", headers={"Vary": "Cookie"})
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            for name in "abcdef":
+                for _ in range(2):
+                    got = await c.get(f"http://deb.test/pool/{name}.deb")
+                    assert got.headers.get("x-cache") is None
+            assert (await c.get("http://deb.test/pool/b.deb")).status_code == 302
+        for name in "acdef":
+            assert http_upstream.count(f"/pool/{name}.deb") == 2
+        assert front.cache.store.size == 0 and front.stats().passthrough == 13
+
+
+async def test_the_cache_stays_within_its_bound_evicting_least_recently_used(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    for i in range(6):
+        http_upstream.set(f"/pool/{i}.deb", bytes([65 + i]) * 1000)
+    async with harness(tmp_path, upstream_ca, http_upstream, max_bytes=3000) as front:
+        async with client(front) as c:
+            for i in range(3):
+                await c.get(f"http://deb.test/pool/{i}.deb")
+            await c.get("http://deb.test/pool/0.deb")  # 0 is now the most recent
+            for i in range(3, 5):
+                await c.get(f"http://deb.test/pool/{i}.deb")
+                assert front.cache.store.size <= 3000
+            kept = {e.url.rsplit("/", 1)[1] for e in front.cache.store._lru.values()}
+            assert kept == {"0.deb", "3.deb", "4.deb"}
+            assert (await c.get("http://deb.test/pool/0.deb")).headers["x-cache"] == "HIT"
+            assert (await c.get("http://deb.test/pool/1.deb")).headers["x-cache"] == "MISS"
+        assert front.cache.store.evictions == 3
+        assert len(list((tmp_path / "store" / "objects").glob("*.body"))) == 3
+    # What is on disk survives a restart, still within the bound.
+    reopened = PackageCache(tmp_path / "store", max_bytes=2000, totals=None)
+    assert reopened.store.size <= 2000 and len(reopened.store._lru) == 2
+    await reopened.aclose()
+
+
+async def test_concurrent_requests_for_one_url_fetch_it_once(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, os.urandom(3_000_000))
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+
+        async def fetch(trial: str) -> httpx.Response:
+            async with client(front, trial) as c:
+                return await c.get(f"https://files.test{WHEEL}")
+
+        for i in range(8):
+            await front.port(f"t{i}")
+        answers = await asyncio.gather(*(fetch(f"t{i}") for i in range(8)))
+        assert {a.content for a in answers} == {https_upstream.routes[WHEEL].body}
+        assert https_upstream.count(WHEEL) == 1
+        assert front.cache._locks == {}  # nothing kept per URL once answered
+
+
+async def test_upstream_tls_is_verified(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    https_upstream.set(WHEEL, b"from an unverified host")
+    other = LocalCA(tmp_path / "not-the-upstreams-ca")
+    async with harness(tmp_path, upstream_ca, https_upstream, ca_bundle=other.cert_path) as front:
+        async with client(front) as c:
+            got = await c.get(f"https://files.test{WHEEL}")
+        assert got.status_code == 502 and b"CERTIFICATE_VERIFY_FAILED" in got.content
+        assert front.cache.store.size == 0 and front.stats().upstream_errors == 1
+
+
+async def test_a_non_public_destination_is_refused_by_the_cache(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    async with harness(tmp_path, upstream_ca, http_upstream) as front:
+        async with client(front) as c:
+            got = await c.get("http://10.1.2.3/pool/x.deb")
+        assert got.status_code == 403 and b"not public" in got.content
+        assert front.stats().upstream_requests == 0 and front.cache.store.size == 0
+
+
+def test_the_ca_key_is_private_and_leaves_verify(tmp_path: Path) -> None:
+    ca = LocalCA(tmp_path / "ca")
+    key = tmp_path / "ca" / CA_KEY
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "ca").stat().st_mode) == 0o700
+    assert b"PRIVATE KEY" not in ca.cert_pem and b"PRIVATE KEY" not in ca.cert_path.read_bytes()
+    # No leaf key or leaf file is left behind.
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca-cert.pem", "ca-key.pem"]
+    ca.server_context("pypi.org")
+    assert sorted(p.name for p in (tmp_path / "ca").iterdir()) == ["ca-cert.pem", "ca-key.pem"]
+    # The same CA is loaded again; a key others can read is refused.
+    assert LocalCA(tmp_path / "ca").cert_pem == ca.cert_pem
+    os.chmod(key, 0o644)
+    with pytest.raises(PermissionError, match="0600"):
+        LocalCA(tmp_path / "ca")
+
+
+@pytest.mark.parametrize(
+    ("host", "path", "kind"),
+    [
+        ("deb.debian.org", "/debian/dists/bookworm/InRelease", Kind.INDEX),
+        ("deb.debian.org", "/debian/dists/bookworm/main/binary-amd64/Packages.xz", Kind.INDEX),
+        (
+            "deb.debian.org",
+            "/debian/dists/bookworm/main/binary-amd64/by-hash/SHA256/ab",
+            Kind.ARTIFACT,
+        ),
+        ("deb.debian.org", "/debian/pool/main/c/curl/curl_7.88.1-10_amd64.deb", Kind.ARTIFACT),
+        ("pypi.org", "/simple/pytest/", Kind.INDEX),
+        ("pypi.org", "/pypi/pytest/json", Kind.INDEX),
+        ("files.pythonhosted.org", "/packages/ab/cd/pytest-8.4.1-py3-none-any.whl", Kind.ARTIFACT),
+        ("registry.npmjs.org", "/left-pad", Kind.INDEX),
+        ("registry.npmjs.org", "/left-pad/-/left-pad-1.3.0.tgz", Kind.ARTIFACT),
+        ("astral.sh", "/uv/0.8.0/install.sh", Kind.OTHER),
+    ],
+)
+def test_classification(host: str, path: str, kind: Kind) -> None:
+    assert classify(host, path) is kind
+
+
+def test_the_service_serves_trials_on_their_own_proxy_loops(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream, http_upstream: Upstream
+) -> None:
+    """The server's shape: one cache on its loop, each trial's proxy on another."""
+    https_upstream.set(WHEEL, b"W" * 200_000)
+    http_upstream.set("/debian/pool/main/c/curl.deb", b"D" * 5000)
+    service = PackageCacheService(
+        PackageCacheConfig(root=tmp_path / "cache", upstream_ca_bundle=upstream_ca.cert_path)
+    )
+    overrides = {"files.test": ("127.0.0.1", https_upstream.port)}
+    overrides["deb.test:80"] = ("127.0.0.1", http_upstream.port)
+    try:
+        # The trust directory holds public material only; the key stays in the CA's.
+        trust = sorted(p.name for p in service.trust_dir.iterdir())
+        assert trust == ["apt.conf", "ca-bundle.pem"]
+        assert b"PRIVATE" not in (service.trust_dir / "ca-bundle.pem").read_bytes()
+        assert service.ca.directory != service.trust_dir
+        results: list[tuple[bytes, bytes, int]] = []
+        stats: list[dict[str, int]] = []
+        for trial in ("t1", "t2"):
+            session = service.session()
+            proxy = EgressProxy(
+                directory=tmp_path / f"e-{trial}",
+                trial=trial,
+                overrides=overrides,
+                dns=False,
+                upstream=service.upstream(session),
+            )
+            thread = EgressProxyThread(proxy)
+            thread.start()
+            thread.set_phase("verifier", EgressPolicy(EgressMode.PUBLIC))
+            forwarder = ForwarderThread(str(proxy.socket_path))
+            port = forwarder.start()
+            try:
+                with httpx.Client(
+                    proxy=f"http://127.0.0.1:{port}",
+                    verify=ssl.create_default_context(
+                        cafile=str(service.trust_dir / "ca-bundle.pem")
+                    ),
+                    trust_env=False,
+                ) as c:
+                    wheel = c.get(f"https://files.test{WHEEL}")
+                    deb = c.get("http://deb.test/debian/pool/main/c/curl.deb")
+                    posted = c.post(f"https://files.test{WHEEL}", content=b"x" * 10)
+                results.append((wheel.content, deb.content, posted.status_code))
+            finally:
+                forwarder.close()
+                thread.close()
+            session.write(tmp_path / f"{trial}.json")
+            stats.append(session.stats.to_dict())
+        assert results[0][:2] == results[1][:2] == (b"W" * 200_000, b"D" * 5000)
+        assert results[0][2] == results[1][2] == 200
+        first, second = stats
+        assert (first["misses"], first["passthrough"]) == (2, 1)
+        assert first["bytes_from_upstream"] == 205_000 + 200_000
+        assert (second["hits"], second["misses"], second["passthrough"]) == (2, 0, 1)
+        assert second["bytes_from_cache"] == 205_000
+        # One GET filled the cache; each POST passed through.
+        assert https_upstream.count(WHEEL) == 3
+        assert json.loads((tmp_path / "t2.json").read_text())["hits"] == 2
+    finally:
+        service.close()
+
+
+def test_server_metrics_show_the_package_cache() -> None:
+    from harbor_exec.sandbox.egress.cache import CACHE_TOTALS
+    from harbor_exec.server.metrics import ServerMetrics
+
+    before = CACHE_TOTALS.hits
+    CACHE_TOTALS.hits += 3
+    try:
+        text = ServerMetrics().render({})
+    finally:
+        CACHE_TOTALS.hits = before
+    assert f"harbor_exec_package_cache_hits_total {float(before + 3)}" in text
+    assert 'harbor_exec_package_cache_bytes_total{source="cache"}' in text
+    assert "harbor_exec_package_cache_bound_bytes" in text
+
+
+def test_serve_option_and_backend_build_one_service(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    import harbor_exec.cli.commands  # noqa: F401 - registers the commands
+    from harbor_exec.cli.app import app
+    from harbor_exec.cli.serve import ServeOptions, package_cache_config
+
+    assert package_cache_config(ServeOptions()) is None  # off by default
+    config = package_cache_config(
+        ServeOptions(package_cache=True, package_cache_max_gb=0.5, package_cache_dir=tmp_path)
+    )
+    assert config == PackageCacheConfig(root=tmp_path, max_bytes=512 * 1024**2)
+    for command in (["serve", "--help"], ["prewarm", "--help"]):
+        shown = CliRunner().invoke(app, command, env={"COLUMNS": "240"}).output
+        assert "--package-cache-max-gb" in shown
+    assert (
+        "--run-verifier"
+        in CliRunner().invoke(app, ["prewarm", "--help"], env={"COLUMNS": "240"}).output
+    )
