@@ -51,10 +51,8 @@ import hmac
 import json
 import logging
 import math
-import os
 import re
 import secrets
-import shutil
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,12 +67,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.container.forward import abort_connections
 from harbor_exec.executors.base import ModelUsage
 from harbor_exec.sandbox.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
-    READ_SIZE,
+    UnixListener,
     lingering_close,
     next_event,
 )
@@ -95,8 +92,6 @@ __all__ = [
 logger = logging.getLogger("harbor_exec.executors.relay")
 
 SOCKET_NAME: Final = "relay.sock"
-# sockaddr_un.sun_path is 108 bytes on Linux, NUL included.
-_MAX_SOCKET_PATH: Final = 107
 # An SSE event larger than this is not parsed for usage (it is still forwarded).
 _MAX_SSE_EVENT: Final = 1 * 2**20
 
@@ -454,11 +449,10 @@ class ModelRelay:
         # cookies or auth flows, and skipping them is a good part of its overhead.
         self._owned_transport: httpx.AsyncHTTPTransport | None = None
         self._timeout = httpx.Timeout(limits.upstream_timeout_sec).as_dict()
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._listener = UnixListener(self.socket_path, what="relay")
+        self._connections = self._listener.connections
+        self._writers = self._listener.writers
         self._closed = False
-        self._made_directory = False
         self._refused = 0
 
     def __repr__(self) -> str:
@@ -469,22 +463,10 @@ class ModelRelay:
 
     async def start(self) -> None:
         """Create the directory (0755; it must not exist), bind the socket (0666) and listen."""
-        if self._server is not None or self._closed:
+        if self._listener.listening or self._closed:
             raise RuntimeError("a ModelRelay starts once")
-        if len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH:
-            raise ValueError(
-                f"relay socket path {self.socket_path} is longer than {_MAX_SOCKET_PATH} "
-                "bytes; use a shorter directory"
-            )
-        self.directory.mkdir(mode=0o755)
-        self._made_directory = True
         try:
-            # Explicit chmods: the umask must not decide who in the container may connect.
-            os.chmod(self.directory, 0o755)
-            self._server = await asyncio.start_unix_server(
-                self._on_connection, path=self.socket_path, limit=READ_SIZE
-            )
-            os.chmod(self.socket_path, 0o666)
+            await self._listener.listen(self._on_connection)
             if self._transport is None:
                 self._owned_transport = httpx.AsyncHTTPTransport(
                     verify=_ssl_context(), trust_env=False
@@ -501,31 +483,17 @@ class ModelRelay:
         if self._closed:
             return
         self._closed = True
-        started = self._server is not None
+        started = self._listener.listening
         await self._teardown()
         if started and self._totals is not None:
             self._totals.relays_active -= 1
 
     async def _teardown(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        # Removing the path first means no new connect can even reach the listener.
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
-        await abort_connections(self._writers, self._connections)
-        if server is not None:
-            # Bounded: a connection accepted in this very moment closes itself on its first step.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await server.wait_closed()
+        await self._listener.stop()
         owned, self._owned_transport = self._owned_transport, None
         if owned is not None:
             await owned.aclose()
-        # Ours alone (start() made it fresh): anything else in it goes with the socket.
-        if self._made_directory:
-            self._made_directory = False
-            shutil.rmtree(self.directory, ignore_errors=True)
+        self._listener.remove_directory()
 
     async def __aenter__(self) -> ModelRelay:
         await self.start()

@@ -40,8 +40,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import shutil
 import socket
 import threading
 import typing
@@ -66,6 +64,7 @@ from harbor_exec.sandbox.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
     READ_SIZE,
+    UnixListener,
     lingering_close,
     next_event,
 )
@@ -90,7 +89,6 @@ __all__ = [
 logger = logging.getLogger("harbor_exec.sandbox.egress")
 
 EGRESS_SOCKET_NAME: Final = "egress.sock"
-_MAX_SOCKET_PATH: Final = 107
 _MAX_HOST_IN_LOG: Final = 255
 
 # Not forwarded: hop-by-hop, and what the upstream request sets itself.
@@ -512,11 +510,10 @@ class EgressProxy:
         )
         self.upstream: Upstream = upstream or DirectUpstream()
         self._pool: httpcore.AsyncConnectionPool | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._listener = UnixListener(self.socket_path, what="egress")
+        self._connections = self._listener.connections
+        self._writers = self._listener.writers
         self._closed = False
-        self._made_directory = False
 
     def __repr__(self) -> str:
         return f"EgressProxy(socket={str(self.socket_path)!r}, phase={self.phase!r})"
@@ -524,25 +521,15 @@ class EgressProxy:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self._server is not None or self._closed:
+        if self._listener.listening or self._closed:
             raise RuntimeError("an EgressProxy starts once")
-        if len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH:
-            raise ValueError(
-                f"egress socket path {self.socket_path} is longer than {_MAX_SOCKET_PATH} bytes"
-            )
-        self.directory.mkdir(mode=0o755)
-        self._made_directory = True
         try:
-            os.chmod(self.directory, 0o755)
             self._pool = httpcore.AsyncConnectionPool(
                 network_backend=GuardedBackend(self.connector),
                 max_connections=self.limits.max_connections,
                 keepalive_expiry=30.0,
             )
-            self._server = await asyncio.start_unix_server(
-                self._on_connection, path=self.socket_path, limit=READ_SIZE
-            )
-            os.chmod(self.socket_path, 0o666)
+            await self._listener.listen(self._on_connection)
         except BaseException:
             await self._teardown()
             raise
@@ -554,23 +541,12 @@ class EgressProxy:
         await self._teardown()
 
     async def _teardown(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
-        await abort_connections(self._writers, self._connections)
-        if server is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await server.wait_closed()
+        await self._listener.stop()
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):
                 await pool.aclose()
-        if self._made_directory:
-            self._made_directory = False
-            shutil.rmtree(self.directory, ignore_errors=True)
+        self._listener.remove_directory()
 
     async def set_phase(self, phase: str, policy: EgressPolicy) -> None:
         """Apply ``policy`` from now on, labelled ``phase`` in the log; cuts every open
