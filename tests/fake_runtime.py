@@ -375,6 +375,10 @@ class FakeRuntime:
         health = self.health(container) if container.spec.healthcheck is not None else None
         return ContainerStatus(True, container.running, None, health)
 
+    def bridge_address(self, container_id: str) -> str:
+        self._call("bridge_address")
+        return "192.0.2.10"  # TEST-NET-1: a fake runtime's containers are never reached
+
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
         self._call("create_network")
         self.networks[name] = {**labels, "internal": str(internal)}

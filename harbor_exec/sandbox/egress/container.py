@@ -52,6 +52,9 @@ def _forward_source() -> str:
     return Path(forward.__file__).read_text(encoding="utf-8")
 
 
-def forwarder_command(port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET) -> list[str]:
+def forwarder_command(
+    port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET, host: str = "127.0.0.1"
+) -> list[str]:
     """The exec that starts the forwarder (it prints its port and detaches)."""
-    return [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket, "--port", str(port)]
+    command = [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket]
+    return [*command, "--port", str(port), "--host", host]
