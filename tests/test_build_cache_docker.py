@@ -31,7 +31,7 @@ from tests.test_package_cache_docker import (  # the mirror fixture and its help
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
-__all__ = ["mirror"]  # a fixture, used by name
+__all__ = ["build_tasks", "mirror"]  # mirror: a fixture, used by name
 
 TASKS = 20
 APT = (
@@ -44,11 +44,11 @@ APT = (
 )
 
 
-def _tasks(tmp_path: Path, nonce: str) -> list[Task]:
-    """``TASKS`` tasks sharing a base and an apt package; each RUN differs (no shared
-    layer), so every build runs apt itself."""
+def build_tasks(tmp_path: Path, nonce: str, count: int = TASKS) -> list[Task]:
+    """``count`` tasks sharing a base and an apt package; each RUN differs (no shared
+    layer), so every build runs apt itself (bench/bench_package_cache.py too)."""
     tasks = []
-    for n in range(TASKS):
+    for n in range(count):
         dockerfile = (
             "FROM debian:bookworm-slim\n"
             f'RUN echo "{nonce}-{n}" > /task-id && test -n "$HTTP_PROXY" && {APT}\n'
@@ -86,7 +86,7 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
     upstream, upstream_ca = mirror
     service = _service(tmp_path, upstream, upstream_ca)
     nonce = uuid.uuid4().hex
-    tasks = _tasks(tmp_path, nonce)
+    tasks = build_tasks(tmp_path, nonce)
     opted_out = load_task(
         make_task(
             tmp_path,
@@ -159,15 +159,27 @@ def test_a_build_cannot_reach_the_host_through_the_gateway(
     )
     (task_dir / "environment" / "probe.py").write_text(probe)
     task = load_task(task_dir)
-    tag = image_tag_for(task)
+    tags = [image_tag_for(task)]
     try:
         [outcome] = prewarm_tasks(
             docker_runtime, [task], jobs=1, package_cache=service, egress=_egress(upstream)
         )
         assert outcome.status == "built", outcome.reason
         assert upstream.http.count(DEB) == 1  # only the mapped name reached the upstream
+        # A gateway that went away (an engine restart) is replaced at the next build.
+        [gone] = _gateways()
+        docker_runtime.remove(gone)
+        [again] = build_tasks(tmp_path / "again", uuid.uuid4().hex, 1)
+        tags.append(image_tag_for(again))
+        [outcome] = prewarm_tasks(
+            docker_runtime, [again], jobs=1, package_cache=service, egress=_egress(upstream)
+        )
+        assert outcome.status == "built", outcome.reason
+        assert len(_gateways()) == 1 and _gateways() != [gone]
+        assert upstream.content_fetches(DEB) == 1  # from the cache, through the new one
     finally:
         service.close()
-        if docker_runtime.image_exists(tag):
-            docker_runtime.remove_image(tag)
+        for tag in tags:
+            if docker_runtime.image_exists(tag):
+                docker_runtime.remove_image(tag)
     assert _gateways() == []

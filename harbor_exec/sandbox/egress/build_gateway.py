@@ -139,6 +139,15 @@ class BuildGateway:
             )
         return self.runtime.bridge_address(self.container_id)
 
+    def running(self) -> bool:
+        """Whether the gateway container is still up (checked before each build)."""
+        if self.container_id is None:
+            return False
+        try:
+            return self.runtime.container_status(self.container_id).running
+        except HarborExecError:
+            return False
+
     def close(self) -> None:
         """Remove the container, stop the proxy, remove its directory (idempotent)."""
         container, self.container_id = self.container_id, None

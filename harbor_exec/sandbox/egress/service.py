@@ -205,6 +205,10 @@ class PackageCacheService:
         ``close``. ``overrides``/``dns``: the operator's egress settings (the first
         call's are kept)."""
         with self._gateway_lock:
+            if self._gateway is not None and not self._gateway.running():
+                # The engine restarted (or someone removed it): a new one, a new address.
+                self._gateway.close()
+                self._gateway = None
             if self._gateway is None:
                 session = self.build_session = self.session()
                 # CONNECT passes through: a build does not trust our CA.
