@@ -16,6 +16,7 @@ from harbor_exec.jobs.prewarm import prewarm_tasks
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.build_gateway import KIND
 from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.sandbox.egress.service import PackageCacheService
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import image_tag_for
@@ -80,6 +81,13 @@ def _proxy_traces(tag: str, url: str) -> list[str]:
     return found + [line for line in [*env, *history] if url in line]
 
 
+def _close(runtime: DockerRuntime, service: PackageCacheService, tags: list[str]) -> None:
+    service.close()
+    for tag in tags:
+        if runtime.image_exists(tag):
+            runtime.remove_image(tag)
+
+
 def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
     docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
 ) -> None:
@@ -121,10 +129,7 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
         for tag in tags:
             assert _proxy_traces(tag, url) == [], tag
     finally:
-        service.close()
-        for tag in tags:
-            if docker_runtime.image_exists(tag):
-                docker_runtime.remove_image(tag)
+        _close(docker_runtime, service, tags)
     assert _gateways() == []
 
 
@@ -178,8 +183,5 @@ def test_a_build_cannot_reach_the_host_through_the_gateway(
         assert len(_gateways()) == 1 and _gateways() != [gone]
         assert upstream.content_fetches(DEB) == 1  # from the cache, through the new one
     finally:
-        service.close()
-        for tag in tags:
-            if docker_runtime.image_exists(tag):
-                docker_runtime.remove_image(tag)
+        _close(docker_runtime, service, tags)
     assert _gateways() == []

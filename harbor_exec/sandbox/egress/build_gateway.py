@@ -34,12 +34,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from harbor_exec.errors import EnvironmentStartError, HarborExecError
+from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.egress.container import (
     EGRESS_MOUNT,
     EGRESS_PORT,
-    forwarder_command,
     proxy_env,
+    start_forwarder,
 )
 from harbor_exec.sandbox.egress.policy import EgressMode, EgressPolicy
 from harbor_exec.sandbox.egress.proxy import (
@@ -49,7 +49,6 @@ from harbor_exec.sandbox.egress.proxy import (
     Upstream,
 )
 from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, ContainerSpec, Mount
-from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_USER
 
 __all__ = ["BUILD_GATEWAY_IMAGE", "BuildGateway", "build_proxy_args"]
 
@@ -120,23 +119,9 @@ class BuildGateway:
         )
         self.container_id = self.runtime.create(spec)
         self.runtime.start(self.container_id)
-        try:
-            ran = self.runtime.exec(
-                self.container_id,
-                forwarder_command(host="0.0.0.0"),
-                user=KEEP_ALIVE_USER,
-                timeout_sec=60,
-            )
-        except HarborExecError as exc:
-            raise EnvironmentStartError(
-                f"the build gateway's forwarder did not start: {exc}"
-            ) from None
-        if ran.exit_code != 0:
-            detail = ran.errors.decode("utf-8", errors="replace").strip()[-300:]
-            raise EnvironmentStartError(
-                f"the build gateway's forwarder did not start (exit {ran.exit_code}): "
-                f"{detail or 'no output'}"
-            )
+        start_forwarder(
+            self.runtime, self.container_id, "the build gateway's forwarder", host="0.0.0.0"
+        )
         return self.runtime.bridge_address(self.container_id)
 
     def running(self) -> bool:
