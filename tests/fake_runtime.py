@@ -162,6 +162,7 @@ class FakeRuntime:
     volumes: dict[str, VolumeFill] = field(default_factory=dict)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
+    build_args: dict[str, dict[str, str]] = field(default_factory=dict)  # tag -> its args
     calls: list[str] = field(default_factory=list)
     execs: list[FakeExec] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
@@ -239,6 +240,7 @@ class FakeRuntime:
         if tag in self.fail_builds:
             raise SandboxBuildFailedError(f"docker build of {context_dir} failed: exit code 42")
         self.builds.append(tag)
+        self.build_args[tag] = dict(build_args or {})
         self.images.add(tag)
         return BuildResult(tag, built=True, duration_sec=0.0, log_path=None)
 
