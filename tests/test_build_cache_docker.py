@@ -17,7 +17,7 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.build_gateway import KIND
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheService
-from harbor_exec.sandbox.runtime import LABEL_KIND
+from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import image_tag_for
 from tests.task_factory import make_task
@@ -58,10 +58,12 @@ def build_tasks(tmp_path: Path, nonce: str, count: int = TASKS) -> list[Task]:
     return tasks
 
 
-def _gateways() -> list[str]:
+def _gateways(runtime: DockerRuntime) -> list[str]:
+    """This process's build gateways (another process on the engine may have its own)."""
     client = docker.from_env()
     try:
-        found = client.api.containers(all=True, filters={"label": f"{LABEL_KIND}={KIND}"})
+        labels = [f"{LABEL_KIND}={KIND}", f"{LABEL_OWNER}={runtime.owner}"]
+        found = client.api.containers(all=True, filters={"label": labels})
         return [str(c["Id"]) for c in found]
     finally:
         client.close()
@@ -123,14 +125,14 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
         assert service.build_session is not None
         stats = service.build_session.stats.to_dict()
         assert stats["hits"] + stats["revalidated"] >= TASKS - 1, stats
-        assert len(_gateways()) == 1  # one gateway for the whole prewarm
+        assert len(_gateways(docker_runtime)) == 1  # one gateway for the whole prewarm
         url = service.build_args(docker_runtime)["HTTP_PROXY"]  # the running gateway's
         assert url.startswith("http://") and url.endswith(":3128")
         for tag in tags:
             assert _proxy_traces(tag, url) == [], tag
     finally:
         _close(docker_runtime, service, tags)
-    assert _gateways() == []
+    assert _gateways(docker_runtime) == []
 
 
 def test_a_build_cannot_reach_the_host_through_the_gateway(
@@ -172,7 +174,7 @@ def test_a_build_cannot_reach_the_host_through_the_gateway(
         assert outcome.status == "built", outcome.reason
         assert upstream.http.count(DEB) == 1  # only the mapped name reached the upstream
         # A gateway that went away (an engine restart) is replaced at the next build.
-        [gone] = _gateways()
+        [gone] = _gateways(docker_runtime)
         docker_runtime.remove(gone)
         [again] = build_tasks(tmp_path / "again", uuid.uuid4().hex, 1)
         tags.append(image_tag_for(again))
@@ -180,8 +182,8 @@ def test_a_build_cannot_reach_the_host_through_the_gateway(
             docker_runtime, [again], jobs=1, package_cache=service, egress=_egress(upstream)
         )
         assert outcome.status == "built", outcome.reason
-        assert len(_gateways()) == 1 and _gateways() != [gone]
+        assert len(_gateways(docker_runtime)) == 1 and _gateways(docker_runtime) != [gone]
         assert upstream.content_fetches(DEB) == 1  # from the cache, through the new one
     finally:
         _close(docker_runtime, service, tags)
-    assert _gateways() == []
+    assert _gateways(docker_runtime) == []

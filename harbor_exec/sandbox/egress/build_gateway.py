@@ -122,7 +122,9 @@ class BuildGateway:
         start_forwarder(
             self.runtime, self.container_id, "the build gateway's forwarder", host="0.0.0.0"
         )
-        return self.runtime.bridge_address(self.container_id)
+        address = self.runtime.bridge_address(self.container_id)
+        logger.info("build gateway %s at %s:%d", self.container_id[:12], address, EGRESS_PORT)
+        return address
 
     def running(self) -> bool:
         """Whether the gateway container is still up (checked before each build)."""
