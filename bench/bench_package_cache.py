@@ -63,6 +63,18 @@ def _seconds(result: TrialResult) -> tuple[float, float]:
     return total, verifier
 
 
+def _service(tmp: Path, upstream_ca: LocalCA, object_mb: float) -> PackageCacheService:
+    """A cold cache with room for an object of ``object_mb`` (one object may take a
+    quarter of the bound)."""
+    return PackageCacheService(
+        PackageCacheConfig(
+            root=tmp / "server-cache",
+            max_bytes=max(64, int(object_mb * 8)) * 1024 * 1024,
+            upstream_ca_bundle=upstream_ca.cert_path,
+        )
+    )
+
+
 def _distant(upstreams: tuple[Upstream, ...], args: argparse.Namespace) -> None:
     for upstream in upstreams:
         upstream.latency_sec = args.latency_ms / 1000
@@ -90,13 +102,7 @@ def _cold_prewarm(runtime: DockerRuntime, args: argparse.Namespace) -> None:
                 started = time.monotonic()
                 try:
                     if mode == "with":
-                        service = PackageCacheService(
-                            PackageCacheConfig(
-                                root=tmp / "server-cache",
-                                max_bytes=max(64, int(args.deb_mb * 8)) * 1024 * 1024,
-                                upstream_ca_bundle=upstream_ca.cert_path,
-                            )
-                        )
+                        service = _service(tmp, upstream_ca, args.deb_mb)
                         try:
                             outcomes = prewarm_tasks(
                                 runtime, tasks, jobs=args.jobs, package_cache=service, egress=egress
@@ -161,14 +167,7 @@ def main() -> None:
             mirror.tarball = os.urandom(int(args.size_mb * 1024 * 1024))
             https.set(TARBALL, mirror.tarball, headers={"Cache-Control": "max-age=3600"})
             _distant((https, http), args)
-            # Room for the download (one object may take a quarter of the bound).
-            service = PackageCacheService(
-                PackageCacheConfig(
-                    root=tmp / "server-cache",
-                    max_bytes=max(64, int(args.size_mb * 8)) * 1024 * 1024,
-                    upstream_ca_bundle=upstream_ca.cert_path,
-                )
-            )
+            service = _service(tmp, upstream_ca, args.size_mb)
             try:
                 # The oracle does nothing: every download is the verifier's (test.sh).
                 task = _task(tmp, mirror, b"bench", solve="true")
