@@ -210,9 +210,10 @@ class PackageCacheService:
                 self._gateway.close()
                 self._gateway = None
             if self._gateway is None:
-                session = self.build_session = self.session()
+                if self.build_session is None:
+                    self.build_session = self.session()
                 # CONNECT passes through: a build does not trust our CA.
-                upstream = CacheUpstream(session, self.ca, intercept_ports=())
+                upstream = CacheUpstream(self.build_session, self.ca, intercept_ports=())
                 self._gateway = BuildGateway(runtime, upstream, overrides=overrides, dns=dns)
             return dict(self._gateway.build_args)
 
