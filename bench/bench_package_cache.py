@@ -11,6 +11,15 @@ HTTPS download, against local upstreams on 127.0.0.1 made to look distant
 without a cache); later ones are served from it. Prints each trial's seconds, its
 verifier phase, and both as ratios to the first (targets: <= 0.4 per trial, <= 0.3
 for the verifier).
+
+    flock /tmp/docker-tests.lock .venv/bin/python bench/bench_package_cache.py --prewarm 20
+
+Cold prewarm of ``--prewarm`` tasks sharing a base (debian:bookworm-slim) and an apt
+package of ``--deb-mb`` (tests/test_build_cache_docker.py's tasks: each build runs
+``apt-get update && apt-get install`` against the local mirror), once through the
+package cache and once without it (the same build gateway and proxy, straight to the
+upstream), each cold (new images, empty cache); prints both and the ratio (target
+<= 0.6).
 """
 
 from __future__ import annotations
@@ -19,18 +28,28 @@ import argparse
 import os
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harbor_exec.jobs.prewarm import prewarm_tasks
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.egress import DirectUpstream
+from harbor_exec.sandbox.egress.build_gateway import BuildGateway
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.trial.results import TrialResult
-from tests.package_upstream import serve_upstream, sni_context
+from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import image_tag_for
+from tests.package_upstream import Upstream, serve_upstream, sni_context
+from tests.test_build_cache_docker import build_tasks
 from tests.test_package_cache_docker import (
     TARBALL,
     Mirror,
+    _egress,
     _run,
     _task,
 )
@@ -44,14 +63,101 @@ def _seconds(result: TrialResult) -> tuple[float, float]:
     return total, verifier
 
 
+def _service(tmp: Path, upstream_ca: LocalCA, object_mb: float) -> PackageCacheService:
+    """A cold cache with room for an object of ``object_mb`` (one object may take a
+    quarter of the bound)."""
+    return PackageCacheService(
+        PackageCacheConfig(
+            root=tmp / "server-cache",
+            max_bytes=max(64, int(object_mb * 8)) * 1024 * 1024,
+            upstream_ca_bundle=upstream_ca.cert_path,
+        )
+    )
+
+
+def _distant(upstreams: tuple[Upstream, ...], args: argparse.Namespace) -> None:
+    for upstream in upstreams:
+        upstream.latency_sec = args.latency_ms / 1000
+        upstream.bytes_per_sec = args.mbps * 1024 * 1024
+
+
+def _remove_images(runtime: DockerRuntime, tasks: list[Task]) -> None:
+    for task in tasks:
+        if runtime.image_exists(image_tag_for(task)):
+            runtime.remove_image(image_tag_for(task))
+
+
+def _cold_prewarm(runtime: DockerRuntime, args: argparse.Namespace) -> None:
+    """Cold prewarm of ``args.prewarm`` tasks, with and without the cache."""
+    with tempfile.TemporaryDirectory(prefix="hx-bench-pcb-") as scratch:
+        tmp = Path(scratch)
+        upstream_ca = LocalCA(tmp / "public-ca")
+        with serve_upstream(sni_context(upstream_ca)) as https, serve_upstream() as http:
+            mirror = Mirror(https, http, tmp, deb_padding=int(args.deb_mb * 1024 * 1024))
+            _distant((https, http), args)
+            egress = _egress(mirror)
+            seconds: dict[str, float] = {}
+            for mode in ("without", "with"):
+                tasks = build_tasks(tmp / mode, uuid.uuid4().hex, args.prewarm)
+                started = time.monotonic()
+                try:
+                    if mode == "with":
+                        service = _service(tmp, upstream_ca, args.deb_mb)
+                        try:
+                            outcomes = prewarm_tasks(
+                                runtime, tasks, jobs=args.jobs, package_cache=service, egress=egress
+                            )
+                        finally:
+                            service.close()
+                        failed = [o.reason for o in outcomes if o.status != "built"]
+                        if failed:
+                            raise SystemExit(f"prewarm through the cache: {failed[0]}")
+                    else:
+                        gateway = BuildGateway(
+                            runtime, DirectUpstream(), overrides=egress.overrides, dns=False
+                        )
+                        try:
+                            for task in tasks:
+                                runtime.ensure_image(
+                                    context_dir=task.environment_dir,
+                                    tag=image_tag_for(task),
+                                    timeout_sec=600,
+                                    labels={LABEL_KIND: "task-env"},
+                                    build_args=gateway.build_args,
+                                )
+                        finally:
+                            gateway.close()
+                    seconds[mode] = time.monotonic() - started
+                finally:
+                    _remove_images(runtime, tasks)
+            debs = http.count("/debian/pool/main/h/hxdemo/hxdemo_1.0_all.deb", 200, "GET")
+    print(f"cold prewarm of {args.prewarm} tasks, a {args.deb_mb:g} MB package each")
+    print(f"without the cache: {seconds['without']:7.2f} s")
+    print(f"with the cache:    {seconds['with']:7.2f} s")
+    print(f"package downloads from the upstream: {debs} ({args.prewarm} without + 1 with)")
+    ratio = seconds["with"] / seconds["without"]
+    print(f"ratio: {ratio:.2f}x (target <= 0.6)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--latency-ms", type=float, default=150.0)
     parser.add_argument("--mbps", type=float, default=4.0, help="megabytes a second")
     parser.add_argument("--size-mb", type=float, default=8.0, help="the HTTPS download's size")
+    parser.add_argument(
+        "--prewarm", type=int, default=0, help="cold prewarm of this many tasks, +/- cache"
+    )
+    parser.add_argument("--deb-mb", type=float, default=8.0, help="with --prewarm")
+    parser.add_argument("--jobs", type=int, default=2, help="with --prewarm: builds at once")
     args = parser.parse_args()
     runtime = DockerRuntime()
+    if args.prewarm:
+        try:
+            _cold_prewarm(runtime, args)
+        finally:
+            runtime.remove_owned()
+        return
     with tempfile.TemporaryDirectory(prefix="hx-bench-pc-") as scratch:
         tmp = Path(scratch)
         upstream_ca = LocalCA(tmp / "public-ca")
@@ -60,17 +166,8 @@ def main() -> None:
             mirror = Mirror(https, http, tmp)
             mirror.tarball = os.urandom(int(args.size_mb * 1024 * 1024))
             https.set(TARBALL, mirror.tarball, headers={"Cache-Control": "max-age=3600"})
-            for upstream in (https, http):
-                upstream.latency_sec = args.latency_ms / 1000
-                upstream.bytes_per_sec = args.mbps * 1024 * 1024
-            # Room for the download (one object may take a quarter of the bound).
-            service = PackageCacheService(
-                PackageCacheConfig(
-                    root=tmp / "server-cache",
-                    max_bytes=max(64, int(args.size_mb * 8)) * 1024 * 1024,
-                    upstream_ca_bundle=upstream_ca.cert_path,
-                )
-            )
+            _distant((https, http), args)
+            service = _service(tmp, upstream_ca, args.size_mb)
             try:
                 # The oracle does nothing: every download is the verifier's (test.sh).
                 task = _task(tmp, mirror, b"bench", solve="true")

@@ -9,6 +9,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import zipfile
@@ -62,11 +63,14 @@ def _wheel(version: str) -> bytes:
     return out.getvalue()
 
 
-def _deb(tmp: Path) -> bytes:
+def _deb(tmp: Path, padding: int = 0) -> bytes:
+    """The ``hxdemo`` package (``padding`` random bytes in it: a bigger download)."""
     root = tmp / "deb"
     (root / "DEBIAN").mkdir(parents=True)
     (root / "usr/share/hxdemo").mkdir(parents=True)
     (root / "usr/share/hxdemo/ok").write_text("from the mirror\n")
+    if padding:
+        (root / "usr/share/hxdemo/padding").write_bytes(os.urandom(padding))
     (root / "DEBIAN/control").write_text(
         "Package: hxdemo\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\n"
         "Description: test package\n"
@@ -89,7 +93,7 @@ def _index(versions: list[str], wheels: dict[str, bytes]) -> bytes:
 
 
 class Mirror:
-    def __init__(self, https: Upstream, http: Upstream, tmp: Path) -> None:
+    def __init__(self, https: Upstream, http: Upstream, tmp: Path, deb_padding: int = 0) -> None:
         self.https, self.http = https, http
         self.wheels = {"1.0": _wheel("1.0"), "2.0": _wheel("2.0")}
         https.set(WHEEL, self.wheels["1.0"])
@@ -97,7 +101,7 @@ class Mirror:
         https.set(INDEX, _index(["1.0"], self.wheels), headers=HTML)
         self.tarball = b"tool-1.0 release\n" * 4096
         https.set(TARBALL, self.tarball, headers={"Cache-Control": "max-age=3600"})
-        deb = _deb(tmp)
+        deb = _deb(tmp, deb_padding)
         http.set(DEB, deb)
         md5 = hashlib.md5(deb).hexdigest()
         sha = hashlib.sha256(deb).hexdigest()

@@ -506,12 +506,21 @@ def prewarm(
             "--package-cache (docs/package-cache.md). Not while a server uses the cache.",
         ),
     ] = False,
+    package_cache: Annotated[
+        bool,
+        typer.Option(
+            "--package-cache",
+            help="Build the images through the package cache (plain-HTTP apt and other "
+            "HTTP downloads of RUN steps are fetched once; docs/package-cache.md). "
+            "Implied by --run-verifier. Not while a server uses the cache.",
+        ),
+    ] = False,
     package_cache_max_gb: Annotated[
-        float, typer.Option(min=0.001, help="With --run-verifier: the package cache's bound (GB).")
+        float, typer.Option(min=0.001, help="With --package-cache: the package cache's bound (GB).")
     ] = 20.0,
     package_cache_dir: Annotated[
         Path | None,
-        typer.Option(help="With --run-verifier: the package cache's directory."),
+        typer.Option(help="With --package-cache: the package cache's directory."),
     ] = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed.
@@ -529,11 +538,11 @@ def prewarm(
             raise typer.Exit(2) from None
     runtime = open_runtime()
     n_jobs = jobs or runtime.engine_cpus()
-    package_cache = None
-    if run_verifier:
+    cache = None
+    if run_verifier or package_cache:
         from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
-        package_cache = PackageCacheService(
+        cache = PackageCacheService(
             PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
         )
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
@@ -573,11 +582,12 @@ def prewarm(
                 jobs=n_jobs,
                 on_event=on_event,
                 agent_layer=agent_layer,
-                package_cache=package_cache,
+                package_cache=cache,
+                run_verifier=run_verifier,
             )
     finally:
-        if package_cache is not None:
-            package_cache.close()
+        if cache is not None:
+            cache.close()
     wall = time.monotonic() - started
     table = Table(title=f"prewarm: {path}")
     for column in ("task", "status", "time", "image / reason"):

@@ -167,10 +167,12 @@ async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
     await asyncio.Event().wait()  # until killed
 
 
-def run_forward(socket_path: str, port: int = 0) -> int:
-    """``forward``: bind 127.0.0.1 (``port``, or a free one) first, so the port printed
-    accepts at once, then leave the exec behind: the child serves in a session of its
-    own, stdio closed. Exit 2 when the socket is missing or the port is taken."""
+def run_forward(socket_path: str, port: int = 0, host: str = "127.0.0.1") -> int:
+    """``forward``: bind ``host`` (127.0.0.1 unless the container is a build gateway,
+    ``harbor_exec.sandbox.egress.build_gateway``) on ``port`` (or a free one) first, so
+    the port printed accepts at once, then leave the exec behind: the child serves in a
+    session of its own, stdio closed. Exit 2 when the socket is missing or the port is
+    taken."""
     if not os.path.exists(socket_path):
         print(f"the socket {socket_path} is missing", file=sys.stderr)
         return EXIT_SETUP
@@ -179,10 +181,10 @@ def run_forward(socket_path: str, port: int = 0) -> int:
     # connections' TIME_WAIT must not keep it.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        print(f"cannot listen on 127.0.0.1:{port}: {exc}", file=sys.stderr)
+        print(f"cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return EXIT_SETUP
     sock.listen(128)
     port = int(sock.getsockname()[1])
@@ -205,9 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="forward", description="Pipe a loopback TCP port to a unix socket (detached)."
     )
     parser.add_argument("--socket", required=True, help="the host service's unix socket")
-    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+    )
     args = parser.parse_args(argv)
-    return run_forward(args.socket, args.port)
+    return run_forward(args.socket, args.port, args.host)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ With an in-container native agent's layer (``prepare_prewarm_agent``: its wheels
 fetched once, the only network use), each task's prewarm also installs the layer's
 volume (once per engine: it is content-named, the first task installs it).
 
-With a package cache (``prewarm --run-verifier``, docs/package-cache.md), each task's
-oracle and verifier then run once through it, so what ``solve.sh`` and ``test.sh``
-fetch is cached before training starts (the trial is thrown away; its reward is only
-reported).
+With a package cache (``prewarm --package-cache``, docs/package-cache.md), each image
+is built through it (``harbor_exec.sandbox.egress.build_gateway``); with
+``--run-verifier`` too, each task's oracle and verifier then run once through it, so
+what ``solve.sh`` and ``test.sh`` fetch is cached before training starts (the trial is
+thrown away; its reward is only reported).
 
 A task that fails is reported with its reason and never stops the others. Each
 task keeps only a small ``PrewarmOutcome`` (its build log went to a file while it
@@ -85,17 +86,22 @@ def prewarm_one(
     *,
     package_cache: PackageCacheService | None = None,
     egress: EgressSettings | None = None,
+    run_verifier: bool = True,
 ) -> PrewarmOutcome:
-    """Build (or find) one task's image, install ``agent_layer`` when given, and with
-    ``package_cache`` run the task's oracle and verifier once through it; any error
-    becomes a ``failed`` outcome."""
+    """Build (or find) one task's image (through ``package_cache`` when given), install
+    ``agent_layer`` when given, and with ``package_cache`` and ``run_verifier`` run the
+    task's oracle and verifier once through it; any error becomes a ``failed``
+    outcome."""
     started = time.monotonic()
     try:
-        image, built = ensure_task_image(runtime, task)
+        policy = SandboxPolicy(package_cache=package_cache)
+        if egress is not None:
+            policy = replace(policy, egress=egress)
+        image, built = ensure_task_image(runtime, task, policy)
         if agent_layer is not None:
             _volume, layer_built = ensure_agent_layer(runtime, agent_layer, image)
             built = built or layer_built
-        if package_cache is not None:
+        if package_cache is not None and run_verifier:
             image = f"{image} ({_fill_cache(runtime, task, package_cache, egress)})"
     except Exception as exc:  # one broken task must never stop a dataset's prewarm
         return PrewarmOutcome(
@@ -135,16 +141,26 @@ def prewarm_tasks(
     on_event: Callable[[PrewarmEvent], None] | None = None,
     agent_layer: AgentLayer | None = None,
     package_cache: PackageCacheService | None = None,
+    run_verifier: bool = False,
+    egress: EgressSettings | None = None,
 ) -> list[PrewarmOutcome]:
     """Prewarm ``tasks`` with up to ``jobs`` builds at once (and ``agent_layer``'s
-    volume with them); outcomes in ``tasks`` order."""
+    volume with them), through ``package_cache`` when given (``run_verifier``: each
+    task's verifier too); outcomes in ``tasks`` order."""
     emit = on_event or (lambda event: None)
     emit_lock = threading.Lock()  # display callbacks need not be thread-safe
 
     def one(task: Task) -> PrewarmOutcome:
         with emit_lock:
             emit(PrewarmEvent("started", task.name))
-        outcome = prewarm_one(runtime, task, agent_layer, package_cache=package_cache)
+        outcome = prewarm_one(
+            runtime,
+            task,
+            agent_layer,
+            package_cache=package_cache,
+            egress=egress,
+            run_verifier=run_verifier,
+        )
         with emit_lock:
             emit(PrewarmEvent("finished", task.name, outcome))
         return outcome

@@ -782,6 +782,17 @@ class DockerRuntime:
         return ContainerStatus(True, running, exit_code, str(health) if health else None)
 
     @_engine_boundary
+    def bridge_address(self, container_id: str) -> str:
+        settings = self._api.inspect_container(container_id)["NetworkSettings"]
+        bridge = (settings.get("Networks") or {}).get("bridge") or {}
+        address = str(bridge.get("IPAddress") or settings.get("IPAddress") or "")
+        if not address:
+            raise EnvironmentStartError(
+                f"the container {container_id[:12]} has no address on the default bridge"
+            )
+        return address
+
+    @_engine_boundary
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
         try:
             created = self._api.create_network(

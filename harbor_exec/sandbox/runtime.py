@@ -304,6 +304,11 @@ class ContainerRuntime(Protocol):
         """Whether the container exists and runs, its exit code and health."""
         ...
 
+    def bridge_address(self, container_id: str) -> str:
+        """The container's address on the engine's default bridge network (what other
+        containers on that bridge, e.g. a build's steps, reach it at)."""
+        ...
+
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
         """Create a bridge network of ours (``internal``: no route out); returns its id."""
         ...

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from harbor_exec.errors import EnvironmentStartError, HarborExecError
+from harbor_exec.errors import EnvironmentStartError
 from harbor_exec.sandbox.egress import (
     EGRESS_MOUNT,
     EgressLimits,
@@ -37,11 +37,10 @@ from harbor_exec.sandbox.egress import (
     EgressProxy,
     EgressProxyThread,
     Upstream,
-    forwarder_command,
     proxy_env,
 )
+from harbor_exec.sandbox.egress.container import start_forwarder
 from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
-from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_USER
 from harbor_exec.trial.task import EnvironmentConfig, TaskConfig
 
 __all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
@@ -170,20 +169,7 @@ class TrialEgress:
         root cannot end it; one that ends it only cuts itself off)."""
         assert self._thread is not None, "mount() first"
         self._thread.set_phase(phase, policy)
-        try:
-            ran = runtime.exec(
-                container_id, forwarder_command(), user=KEEP_ALIVE_USER, timeout_sec=60
-            )
-        except HarborExecError as exc:
-            raise EnvironmentStartError(
-                f"the egress forwarder did not start for the {phase} phase: {exc}"
-            ) from None
-        if ran.exit_code != 0:
-            detail = ran.errors.decode("utf-8", errors="replace").strip()[-300:]
-            raise EnvironmentStartError(
-                f"the egress forwarder did not start for the {phase} phase "
-                f"(exit {ran.exit_code}): {detail or 'no output'}"
-            )
+        start_forwarder(runtime, container_id, f"the egress forwarder for the {phase} phase")
 
     def close(self) -> None:
         thread, self._thread = self._thread, None

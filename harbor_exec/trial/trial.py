@@ -237,8 +237,12 @@ def new_trial_name(task_name: str) -> str:
     return f"{stem}__{secrets_module.token_hex(4)[:7]}"
 
 
-def ensure_task_image(runtime: ContainerRuntime, task: Task) -> tuple[str, bool]:
-    """Build (or reuse) the task's image; returns ``(image, built_now)``."""
+def ensure_task_image(
+    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None = None
+) -> tuple[str, bool]:
+    """Build (or reuse) the task's image; returns ``(image, built_now)``. With
+    ``policy.package_cache`` (and a task that does not opt out) the build reaches the
+    internet through the cache (``harbor_exec.sandbox.egress.build_gateway``)."""
     env = task.config.environment
     if is_compose_task(task):  # every service's image (prewarm builds them all)
         _project, images, built = prepare_images(runtime, task)
@@ -252,8 +256,22 @@ def ensure_task_image(runtime: ContainerRuntime, task: Task) -> tuple[str, bool]
         tag=image_tag_for(task),
         timeout_sec=env.build_timeout_sec,
         labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
+        build_args=_cache_build_args(runtime, task, policy),
     )
     return result.tag, result.built
+
+
+def _cache_build_args(
+    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None
+) -> dict[str, str] | None:
+    if policy is None or policy.package_cache is None:
+        return None
+    from harbor_exec.trial.package_cache import wanted
+
+    if not wanted(policy.package_cache, task) or runtime.image_exists(image_tag_for(task)):
+        return None  # a warm image needs no gateway started
+    egress = policy.egress
+    return policy.package_cache.build_args(runtime, overrides=egress.overrides, dns=egress.dns)
 
 
 @dataclass
@@ -639,7 +657,7 @@ class Trial:
             self._check_environment_fields()
             gpus = self._check_gpus()
             if request.image is None:
-                self.image, built = ensure_task_image(self.runtime, task)
+                self.image, built = ensure_task_image(self.runtime, task, request.policy)
                 self.images_built += built
             if request.deps is not None:
                 self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)

@@ -16,7 +16,10 @@ from typing import Final
 
 from harbor_exec.container import forward
 from harbor_exec.container.exchange import RUNTIME_PYTHON
+from harbor_exec.errors import EnvironmentStartError, HarborExecError
 from harbor_exec.sandbox.egress.proxy import EGRESS_SOCKET_NAME
+from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_USER
 
 __all__ = [
     "EGRESS_MOUNT",
@@ -25,6 +28,7 @@ __all__ = [
     "EGRESS_SOCKET",
     "forwarder_command",
     "proxy_env",
+    "start_forwarder",
 ]
 
 EGRESS_MOUNT: Final = "/run/harbor-exec/egress"
@@ -52,6 +56,27 @@ def _forward_source() -> str:
     return Path(forward.__file__).read_text(encoding="utf-8")
 
 
-def forwarder_command(port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET) -> list[str]:
+def forwarder_command(
+    port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET, host: str = "127.0.0.1"
+) -> list[str]:
     """The exec that starts the forwarder (it prints its port and detaches)."""
-    return [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket, "--port", str(port)]
+    command = [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket]
+    return [*command, "--port", str(port), "--host", host]
+
+
+def start_forwarder(
+    runtime: ContainerRuntime, container_id: str, what: str, *, host: str = "127.0.0.1"
+) -> None:
+    """Start the forwarder in the container as the runtime's own uid (an agent that is
+    not root cannot end it); ``EnvironmentStartError`` naming ``what`` when it fails."""
+    try:
+        ran = runtime.exec(
+            container_id, forwarder_command(host=host), user=KEEP_ALIVE_USER, timeout_sec=60
+        )
+    except HarborExecError as exc:
+        raise EnvironmentStartError(f"{what} did not start: {exc}") from None
+    if ran.exit_code != 0:
+        detail = ran.errors.decode("utf-8", errors="replace").strip()[-300:]
+        raise EnvironmentStartError(
+            f"{what} did not start (exit {ran.exit_code}): {detail or 'no output'}"
+        )

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from harbor_exec.cache import cache_root
+from harbor_exec.sandbox.egress.build_gateway import BuildGateway
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.cache import (
     CacheRequest,
@@ -28,6 +29,7 @@ from harbor_exec.sandbox.egress.cache import (
 )
 from harbor_exec.sandbox.egress.serve import CacheUpstream
 from harbor_exec.sandbox.egress.trust import write_trust_dir
+from harbor_exec.sandbox.runtime import ContainerRuntime
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -186,6 +188,34 @@ class PackageCacheService:
             )
 
         self.cache = self.thread.run(make())
+        self._gateway: BuildGateway | None = None
+        self._gateway_lock = threading.Lock()
+        #: What image builds got through the cache (one session for every build).
+        self.build_session: TrialCache | None = None
+
+    def build_args(
+        self,
+        runtime: ContainerRuntime,
+        *,
+        overrides: Mapping[str, tuple[str, int]] | None = None,
+        dns: bool = True,
+    ) -> dict[str, str]:
+        """The proxy build arguments that send a build through the cache; the build
+        gateway (``build_gateway``) starts with the first call and stays until
+        ``close``. ``overrides``/``dns``: the operator's egress settings (the first
+        call's are kept)."""
+        with self._gateway_lock:
+            if self._gateway is not None and not self._gateway.running():
+                # The engine restarted (or someone removed it): a new one, a new address.
+                self._gateway.close()
+                self._gateway = None
+            if self._gateway is None:
+                if self.build_session is None:
+                    self.build_session = self.session()
+                # CONNECT passes through: a build does not trust our CA.
+                upstream = CacheUpstream(self.build_session, self.ca, intercept_ports=())
+                self._gateway = BuildGateway(runtime, upstream, overrides=overrides, dns=dns)
+            return dict(self._gateway.build_args)
 
     def session(self) -> TrialCache:
         return TrialCache(self, self.cache.session())
@@ -195,7 +225,11 @@ class PackageCacheService:
         return CacheUpstream(session, self.ca)
 
     def close(self) -> None:
+        with self._gateway_lock:
+            gateway, self._gateway = self._gateway, None
         try:
+            if gateway is not None:
+                gateway.close()
             self.thread.run(self.cache.aclose())
         finally:
             self.thread.stop()

@@ -1,0 +1,189 @@
+"""Image builds through the package cache with a real Docker engine: the build gateway
+container (``harbor_exec.sandbox.egress.build_gateway``) on the default bridge, the
+predefined proxy build arguments, and the local test apt mirror of
+``test_package_cache_docker`` on 127.0.0.1 (the gateway's proxy resolves only the
+test names, DNS off; nothing leaves loopback and the engine's bridge)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import docker
+import pytest
+
+from harbor_exec.jobs.prewarm import prewarm_tasks
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.egress.build_gateway import KIND
+from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.sandbox.egress.service import PackageCacheService
+from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
+from harbor_exec.trial.task import Task, load_task
+from harbor_exec.trial.trial import image_tag_for
+from tests.task_factory import make_task
+from tests.test_package_cache_docker import (  # the mirror fixture and its helpers
+    DEB,
+    PACKAGES,
+    Mirror,
+    _egress,
+    _service,
+    mirror,
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+
+__all__ = ["build_tasks", "mirror"]  # mirror: a fixture, used by name
+
+TASKS = 20
+APT = (
+    "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && "
+    "echo 'deb [trusted=yes] http://deb.test/debian stable main' "
+    "> /etc/apt/sources.list.d/test.list && "
+    "apt-get update -o Acquire::Languages=none && "
+    "apt-get install -y --no-install-recommends hxdemo && "
+    "grep -q 'from the mirror' /usr/share/hxdemo/ok"
+)
+
+
+def build_tasks(tmp_path: Path, nonce: str, count: int = TASKS) -> list[Task]:
+    """``count`` tasks sharing a base and an apt package; each RUN differs (no shared
+    layer), so every build runs apt itself (bench/bench_package_cache.py too)."""
+    tasks = []
+    for n in range(count):
+        dockerfile = (
+            "FROM debian:bookworm-slim\n"
+            f'RUN echo "{nonce}-{n}" > /task-id && test -n "$HTTP_PROXY" && {APT}\n'
+        )
+        tasks.append(load_task(make_task(tmp_path, f"apt-{n:02d}", dockerfile=dockerfile)))
+    return tasks
+
+
+def _gateways(runtime: DockerRuntime) -> list[str]:
+    """This process's build gateways (another process on the engine may have its own)."""
+    client = docker.from_env()
+    try:
+        labels = [f"{LABEL_KIND}={KIND}", f"{LABEL_OWNER}={runtime.owner}"]
+        found = client.api.containers(all=True, filters={"label": labels})
+        return [str(c["Id"]) for c in found]
+    finally:
+        client.close()
+
+
+def _proxy_traces(tag: str, url: str) -> list[str]:
+    """Anything of the proxy in the image: a proxy variable in its config's env, the
+    gateway's URL in its env or its history's commands."""
+    client = docker.from_env()
+    try:
+        image = client.images.get(tag)
+        env = image.attrs["Config"].get("Env") or []
+        history = [str(step.get("CreatedBy", "")) for step in image.history()]
+    finally:
+        client.close()
+    found = [line for line in env if "proxy" in line.split("=", 1)[0].lower()]
+    return found + [line for line in [*env, *history] if url in line]
+
+
+def _close(runtime: DockerRuntime, service: PackageCacheService, tags: list[str]) -> None:
+    service.close()
+    for tag in tags:
+        if runtime.image_exists(tag):
+            runtime.remove_image(tag)
+
+
+def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    upstream, upstream_ca = mirror
+    service = _service(tmp_path, upstream, upstream_ca)
+    nonce = uuid.uuid4().hex
+    tasks = build_tasks(tmp_path, nonce)
+    opted_out = load_task(
+        make_task(
+            tmp_path,
+            "opted-out",
+            toml="[metadata]\nharbor_exec_package_cache = false\n",
+            dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -z "$HTTP_PROXY"\n',
+        )
+    )
+    tags = [image_tag_for(task) for task in [*tasks, opted_out]]
+    try:
+        outcomes = prewarm_tasks(
+            docker_runtime,
+            [*tasks, opted_out],
+            jobs=1,
+            package_cache=service,
+            egress=_egress(upstream),
+        )
+        assert [o.status for o in outcomes] == ["built"] * (TASKS + 1), [
+            o.reason for o in outcomes if o.status == "failed"
+        ]
+        # Each package once from the upstream for all twenty builds; the index is
+        # revalidated, never fetched in full more often than the builds asked.
+        assert upstream.content_fetches(DEB) == 1
+        assert upstream.http.count(DEB) == 1
+        assert 1 <= upstream.content_fetches(PACKAGES) <= TASKS
+        assert service.build_session is not None
+        stats = service.build_session.stats.to_dict()
+        assert stats["hits"] + stats["revalidated"] >= TASKS - 1, stats
+        assert len(_gateways(docker_runtime)) == 1  # one gateway for the whole prewarm
+        url = service.build_args(docker_runtime)["HTTP_PROXY"]  # the running gateway's
+        assert url.startswith("http://") and url.endswith(":3128")
+        for tag in tags:
+            assert _proxy_traces(tag, url) == [], tag
+    finally:
+        _close(docker_runtime, service, tags)
+    assert _gateways(docker_runtime) == []
+
+
+def test_a_build_cannot_reach_the_host_through_the_gateway(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """A RUN step asking the gateway's proxy for a host address (the mirror's own port
+    on 127.0.0.1) is refused; the public name the operator mapped is served."""
+    upstream, upstream_ca = mirror
+    service = _service(tmp_path, upstream, upstream_ca)
+    port = upstream.http.port
+    # Straight to the gateway (urllib would honour NO_PROXY for loopback names).
+    probe = (
+        "import http.client, os, urllib.parse\n"
+        "gateway = urllib.parse.urlsplit(os.environ['HTTP_PROXY'])\n"
+        "def get(url):\n"
+        "    connection = http.client.HTTPConnection(gateway.hostname, gateway.port, timeout=30)\n"
+        "    connection.request('GET', url)\n"
+        "    status = connection.getresponse().status\n"
+        "    connection.close()\n"
+        "    print(url, status)\n"
+        "    return status\n"
+        f"assert get('http://127.0.0.1:{port}{DEB}') == 403\n"
+        f"assert get('http://localhost:{port}{DEB}') == 403\n"
+        f"assert get('http://deb.test{DEB}') == 200\n"
+    )
+    task_dir = make_task(
+        tmp_path,
+        "probe",
+        dockerfile=f"FROM python:3.11-slim-bookworm\nCOPY probe.py /\n"
+        f"RUN echo {uuid.uuid4().hex} && python3 /probe.py\n",
+    )
+    (task_dir / "environment" / "probe.py").write_text(probe)
+    task = load_task(task_dir)
+    tags = [image_tag_for(task)]
+    try:
+        [outcome] = prewarm_tasks(
+            docker_runtime, [task], jobs=1, package_cache=service, egress=_egress(upstream)
+        )
+        assert outcome.status == "built", outcome.reason
+        assert upstream.http.count(DEB) == 1  # only the mapped name reached the upstream
+        # A gateway that went away (an engine restart) is replaced at the next build.
+        [gone] = _gateways(docker_runtime)
+        docker_runtime.remove(gone)
+        [again] = build_tasks(tmp_path / "again", uuid.uuid4().hex, 1)
+        tags.append(image_tag_for(again))
+        [outcome] = prewarm_tasks(
+            docker_runtime, [again], jobs=1, package_cache=service, egress=_egress(upstream)
+        )
+        assert outcome.status == "built", outcome.reason
+        assert len(_gateways(docker_runtime)) == 1 and _gateways(docker_runtime) != [gone]
+        assert upstream.content_fetches(DEB) == 1  # from the cache, through the new one
+    finally:
+        _close(docker_runtime, service, tags)
+    assert _gateways(docker_runtime) == []
