@@ -96,7 +96,7 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             if status != 304 and not head:
                 rate = upstream.bytes_per_sec
-                step = len(body) if not rate else max(1, int(rate / 20))
+                step = max(1, len(body) if not rate else int(rate / 20))
                 for start in range(0, len(body), step):
                     self.wfile.write(body[start : start + step])
                     if rate:

@@ -87,7 +87,13 @@ def test_agent_floods_leave_the_verifiers_zero_standing(
         assert result.exception_type == "AgentOutputLimitError", result.exception_info
         assert notes["agent"]["exceeded"] == OVER_BUDGET[attack]
     else:  # nothing over budget: the path the host cannot hold is skipped and noted
-        assert result.exception_info is None, result.exception_info
+        # The disk watch fails closed on a path too deep for the host to measure, if
+        # one of its walks lands while the agent still runs: nothing else may go wrong.
+        info = result.exception_info
+        assert info is None or (
+            info.exception_type == "DiskBudgetExceededError"
+            and "paths too deep to measure" in info.exception_message
+        ), info
         assert notes["agent"]["skipped_count"] >= 1
         assert any("longer than" in line for line in notes["agent"]["skipped"])
     assert disk_usage(out) < BUDGET + SLACK

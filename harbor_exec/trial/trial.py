@@ -930,14 +930,16 @@ class Trial:
         agent_id: str | None = None
         with tempfile.TemporaryFile(dir=self.dir) as handover:
             self._pack_handover(session.container_id, handover)
+            if not keep_agent:
+                # Before the clock too: removing a layer the agent filled (100,000
+                # directories take the engine tens of seconds) is the agent's cost.
+                self._remove_container()
             self._phase(TrialPhase.VERIFIER)
             timing = result.verifier = TimingInfo(started_at=utcnow())
             try:
                 if keep_agent:
                     with self._container_lock:  # the verifier's is the one tracked now
                         agent_id, self._container_id = self._container_id, None
-                else:
-                    self._remove_container()
                 image, upload_tests = self._verifier_image()
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
