@@ -12,10 +12,12 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,10 +35,28 @@ from harbor_exec.authoring import (
     set_sample_source,
 )
 from harbor_exec.backends.local import LocalBackend
+from harbor_exec.client import RolloutClient
 from harbor_exec.server import create_rollout_server
 
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 CHAT_URL = "http://127.0.0.1:9/v1/chat/completions"
+
+
+def task_rollout(url: str, metadata: dict[str, str], *, timeout_sec: float = 300) -> Any:
+    """One rollout with no prompt (an oracle's: the task named by ``metadata``) at
+    ``url``, through our RolloutClient; its result."""
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(timeout=timeout_sec) as http:
+            client = RolloutClient(url=url, http_client=http)
+            return await client.run_rollout(
+                initial_messages=[],
+                chat_completions_url="http://127.0.0.1:9/v1",
+                rollout_id=uuid.uuid4().hex,
+                metadata=metadata,
+            )
+
+    return asyncio.run(run())
 
 
 # Rollout ids whose workflow saw its cancellation (the server runs in another thread).

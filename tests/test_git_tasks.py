@@ -4,24 +4,20 @@ host's git configuration run; refused URLs and unpinned refs get the roots' mess
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
-import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskResolver
-from harbor_exec.client import RolloutClient
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.sources.git import GitTaskError, GitTaskRefused, GitTaskSource
-from tests.server_utils import serve
+from tests.server_utils import serve, task_rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 HELLO = ROOT / "tasks_examples" / "dataset" / "hello-shell"
@@ -204,21 +200,11 @@ def test_a_git_task_runs_end_to_end_and_its_result_names_it(tmp_path: Path) -> N
     )
     metadata = {"harbor_task": "tasks/hello", "git_url": f"file://{repo}", "git_commit_id": commit}
 
-    async def run(url: str) -> object:
-        async with httpx.AsyncClient(timeout=120) as http:
-            client = RolloutClient(url=url, http_client=http)
-            return await client.run_rollout(
-                initial_messages=[],
-                chat_completions_url="http://127.0.0.1:9/v1",
-                rollout_id=uuid.uuid4().hex,
-                metadata=metadata,
-            )
-
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     with serve(app) as url:
-        result = asyncio.run(run(url))
-    assert result.status.value == "success", result.err_message  # type: ignore[attr-defined]
-    assert result.sample.reward == 1.0  # type: ignore[attr-defined]
+        result = task_rollout(url, metadata, timeout_sec=120)
+    assert result.status.value == "success", result.err_message
+    assert result.sample.reward == 1.0
     (trial_dir,) = (tmp_path / "trials").iterdir()
     recorded = json.loads((trial_dir / "result.json").read_text())
     assert recorded["task_id"] == {

@@ -4,7 +4,6 @@ whose content does not match its digest is refused before any image or container
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -15,14 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import docker
-import httpx
 import pytest
 
 from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
-from harbor_exec.client import RolloutClient
 from harbor_exec.server.app import create_rollout_server
 from tests.package_utils import HELLO, add_dataset, add_task
-from tests.server_utils import serve
+from tests.server_utils import serve, task_rollout
 
 CLI = [sys.executable, "-m", "harbor_exec.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,22 +147,12 @@ def test_a_rollout_runs_a_package_named_by_harbor_task(tmp_path: Path) -> None:
     backend = build_harbor_backend(options)
     backend.cleanup_successful_trials = False  # keep the trial's result.json to read
 
-    async def run(url: str, metadata: dict[str, str]) -> Any:
-        async with httpx.AsyncClient(timeout=300) as http:
-            client = RolloutClient(url=url, http_client=http)
-            return await client.run_rollout(
-                initial_messages=[],
-                chat_completions_url="http://127.0.0.1:9/v1",
-                rollout_id=uuid.uuid4().hex,
-                metadata=metadata,
-            )
-
     app = create_rollout_server(backend=backend, artifact_root=tmp_path / "server-artifacts")
     with serve(app) as url:
-        result = asyncio.run(run(url, {"harbor_task": "acme/hello@stable"}))
+        result = task_rollout(url, {"harbor_task": "acme/hello@stable"})
         assert result.status.value == "success", result.err_message
         assert result.sample.reward == 1.0
-        refused = asyncio.run(run(url, {"harbor_task": "acme/hello@9"}))
+        refused = task_rollout(url, {"harbor_task": "acme/hello@9"})
     assert refused.status.value != "success"
     assert "no such revision" in str(refused.err_message)
     recorded = [json.loads(p.read_text()) for p in (tmp_path / "trials").glob("*/result.json")]
