@@ -163,6 +163,7 @@ class FakeRuntime:
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     builds: list[str] = field(default_factory=list)
     build_args: dict[str, dict[str, str]] = field(default_factory=dict)  # tag -> its args
+    build_networks: dict[str, str | None] = field(default_factory=dict)  # tag -> RUN network
     calls: list[str] = field(default_factory=list)
     execs: list[FakeExec] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
@@ -233,6 +234,7 @@ class FakeRuntime:
         build_args: Mapping[str, str] | None = None,
         dockerfile: str | None = None,
         target: str | None = None,
+        network: str | None = None,
     ) -> BuildResult:
         self._call("ensure_image")
         if tag in self.images:
@@ -241,6 +243,7 @@ class FakeRuntime:
             raise SandboxBuildFailedError(f"docker build of {context_dir} failed: exit code 42")
         self.builds.append(tag)
         self.build_args[tag] = dict(build_args or {})
+        self.build_networks[tag] = network
         self.images.add(tag)
         return BuildResult(tag, built=True, duration_sec=0.0, log_path=None)
 
@@ -376,10 +379,6 @@ class FakeRuntime:
             return ContainerStatus(exists=False, running=False)
         health = self.health(container) if container.spec.healthcheck is not None else None
         return ContainerStatus(True, container.running, None, health)
-
-    def bridge_address(self, container_id: str) -> str:
-        self._call("bridge_address")
-        return "192.0.2.10"  # TEST-NET-1: a fake runtime's containers are never reached
 
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:
         self._call("create_network")

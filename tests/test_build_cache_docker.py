@@ -1,8 +1,9 @@
 """Image builds through the package cache with a real Docker engine: the build gateway
-container (``harbor_exec.sandbox.egress.build_gateway``) on the default bridge, the
-predefined proxy build arguments, and the local test apt mirror of
-``test_package_cache_docker`` on 127.0.0.1 (the gateway's proxy resolves only the
-test names, DNS off; nothing leaves loopback and the engine's bridge)."""
+container (``harbor_exec.sandbox.egress.build_gateway``, network ``none``) whose network
+namespace the builds' RUN steps join, the predefined proxy build arguments, and the
+local test apt mirror of ``test_package_cache_docker`` on 127.0.0.1 (the gateway's
+proxy resolves only the test names, DNS off; a step has loopback and nothing else, so
+nothing leaves loopback and the unix socket)."""
 
 from __future__ import annotations
 
@@ -105,16 +106,25 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
             dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -z "$HTTP_PROXY"\n',
         )
     )
-    tags = [image_tag_for(task) for task in [*tasks, opted_out]]
+    # BuildKit-only syntax: built by BuildKit, outside the cache, instead of failing.
+    buildkit = load_task(
+        make_task(
+            tmp_path,
+            "buildkit-only",
+            dockerfile="FROM debian:bookworm-slim\n"
+            f'RUN --mount=type=tmpfs,target=/scratch echo {nonce} && test -z "$HTTP_PROXY"\n',
+        )
+    )
+    tags = [image_tag_for(task) for task in [*tasks, opted_out, buildkit]]
     try:
         outcomes = prewarm_tasks(
             docker_runtime,
-            [*tasks, opted_out],
+            [*tasks, opted_out, buildkit],
             jobs=1,
             package_cache=service,
             egress=_egress(upstream),
         )
-        assert [o.status for o in outcomes] == ["built"] * (TASKS + 1), [
+        assert [o.status for o in outcomes] == ["built"] * (TASKS + 2), [
             o.reason for o in outcomes if o.status == "failed"
         ]
         # Each package once from the upstream for all twenty builds; the index is
@@ -126,8 +136,9 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
         stats = service.build_session.stats.to_dict()
         assert stats["hits"] + stats["revalidated"] >= TASKS - 1, stats
         assert len(_gateways(docker_runtime)) == 1  # one gateway for the whole prewarm
-        url = service.build_args(docker_runtime)["HTTP_PROXY"]  # the running gateway's
-        assert url.startswith("http://") and url.endswith(":3128")
+        route = service.build_route(docker_runtime)  # the running gateway's
+        url = route.build_args["HTTP_PROXY"]
+        assert url == "http://127.0.0.1:3128" and route.network.startswith("container:")
         for tag in tags:
             assert _proxy_traces(tag, url) == [], tag
     finally:
@@ -138,14 +149,19 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
 def test_a_build_cannot_reach_the_host_through_the_gateway(
     docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
 ) -> None:
-    """A RUN step asking the gateway's proxy for a host address (the mirror's own port
-    on 127.0.0.1) is refused; the public name the operator mapped is served."""
+    """A RUN step has loopback only (the gateway's namespace, no bridge address); asking
+    the proxy for a host address (the mirror's own port on 127.0.0.1) is refused; the
+    public name the operator mapped is served."""
     upstream, upstream_ca = mirror
     service = _service(tmp_path, upstream, upstream_ca)
     port = upstream.http.port
     # Straight to the gateway (urllib would honour NO_PROXY for loopback names).
     probe = (
-        "import http.client, os, urllib.parse\n"
+        "import http.client, os, socket, urllib.parse\n"
+        "assert os.listdir('/sys/class/net') == ['lo'], os.listdir('/sys/class/net')\n"
+        "assert urllib.parse.urlsplit(os.environ['HTTP_PROXY']).hostname == '127.0.0.1'\n"
+        "probe = socket.socket()\n"
+        f"assert probe.connect_ex(('127.0.0.1', {port})) != 0  # the host's port: not here\n"
         "gateway = urllib.parse.urlsplit(os.environ['HTTP_PROXY'])\n"
         "def get(url):\n"
         "    connection = http.client.HTTPConnection(gateway.hostname, gateway.port, timeout=30)\n"

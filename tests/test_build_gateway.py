@@ -1,12 +1,16 @@
 """Builds through the package cache, on the fake runtime: which builds get the proxy
-build arguments, and the build gateway container's shape and life (the real engine:
+build arguments and the gateway's network, the build gateway container's shape and
+life, and which Dockerfiles stay with BuildKit (the real engine:
 tests/test_build_cache_docker.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from harbor_exec.container.forward import main as forward_main
+from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
 from harbor_exec.sandbox.egress.container import EGRESS_MOUNT
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
@@ -18,8 +22,8 @@ from tests.task_factory import make_task
 
 
 def test_the_proxy_build_args_are_dockers_predefined_ones() -> None:
-    url = "http://192.0.2.10:3128"
-    assert build_proxy_args("192.0.2.10") == {
+    url = "http://127.0.0.1:3128"
+    assert build_proxy_args() == {
         "HTTP_PROXY": url,
         "http_proxy": url,
         "HTTPS_PROXY": url,
@@ -44,14 +48,16 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
     cached = load_task(make_task(tmp_path, "in", dockerfile="FROM debian:bookworm-slim\nRUN x\n"))
     try:
         tag, built = ensure_task_image(runtime, out, policy)
-        assert built and runtime.build_args[tag] == {}
+        assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.containers == {}  # no gateway for a build that does not use it
         tag, built = ensure_task_image(runtime, cached, policy)
-        assert built and runtime.build_args[tag] == build_proxy_args("192.0.2.10")
+        assert built and runtime.build_args[tag] == build_proxy_args()
         assert ensure_task_image(runtime, cached, policy) == (tag, False)
         [(gateway_id, gateway)] = runtime.containers.items()
+        # The build's RUN steps share the gateway's namespace: loopback and the proxy.
+        assert runtime.build_networks[tag] == f"container:{gateway_id}"
         spec = gateway.spec
-        assert spec.labels[LABEL_KIND] == KIND and spec.network == "bridge"
+        assert spec.labels[LABEL_KIND] == KIND and spec.network == "none"
         assert [(m.target, m.read_only) for m in spec.mounts] == [(EGRESS_MOUNT, True)]
         assert Path(spec.mounts[0].source, "egress.sock").exists()
         assert any(e.container_id == gateway_id for e in runtime.execs)  # the forwarder
@@ -60,3 +66,46 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
         service.close()
     assert gateway.removed
     assert not Path(spec.mounts[0].source).exists()
+
+
+def test_a_buildkit_only_dockerfile_builds_outside_the_cache(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+    mounts = "FROM debian:bookworm-slim\nRUN --mount=type=cache,target=/var/cache/apt true\n"
+    task = load_task(make_task(tmp_path, "mounts", dockerfile=mounts))
+    try:
+        tag, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
+        assert runtime.containers == {}
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "found"),
+    [
+        ("# syntax=docker/dockerfile:1\nFROM x\n", "the '# syntax=docker/dockerfile:1'"),
+        ("FROM x\nRUN --mount=type=secret,id=a cat /run/secrets/a\n", "line 2: RUN --mount"),
+        ("FROM x\nRUN \\\n  --network=none true\n", "line 2: RUN --network"),
+        ("FROM x AS a\nFROM y\nCOPY --link --from=a /a /a\n", "line 3: COPY --link"),
+        ("FROM x\nADD --chmod=644 a /a\n", "line 2: ADD --chmod"),
+        ("FROM x\nRUN <<EOF\napt-get update\nEOF\n", "line 2: a heredoc in RUN"),
+        ("FROM x\nCOPY <<-'END' /etc/a\nhi\nEND\n", "line 2: a heredoc in COPY"),
+    ],
+)
+def test_buildkit_only_syntax_is_named(dockerfile: str, found: str) -> None:
+    reason = buildkit_only_syntax(dockerfile)
+    assert reason is not None and reason.startswith(found), reason
+
+
+@pytest.mark.parametrize(
+    "dockerfile",
+    [
+        "FROM --platform=linux/amd64 debian:bookworm-slim\nRUN apt-get update\n",
+        "FROM x\n# RUN --mount=type=cache in a comment\nRUN cat <<< 'here-string'\n",
+        "FROM x\nCOPY --from=builder --chown=1:1 /a /a\nRUN echo --mount\n",
+        "FROM x\nRUN a \\\n  # comment inside\n  && b --network\n",
+    ],
+)
+def test_legacy_buildable_dockerfiles_pass(dockerfile: str) -> None:
+    assert buildkit_only_syntax(dockerfile) is None

@@ -427,7 +427,8 @@ class DockerRuntime:
         return "legacy"
 
     def _build(self, build: ImageBuild, log_path: Path) -> None:
-        builder = self.builder
+        # A build in another container's network namespace is the legacy builder's.
+        builder: BuilderKind = "legacy" if build.get("network") else self.builder
         with self._locks_guard:
             self.build_counts[build["tag"]] += 1
         try:
@@ -457,6 +458,8 @@ class DockerRuntime:
             params["dockerfile"] = build.get("dockerfile")
         if build.get("target"):
             params["target"] = build.get("target")
+        if build.get("network"):
+            params["networkmode"] = build.get("network")
         progress: BuildkitProgress | None = None
         if builder == "buildkit":
             # version=2 selects BuildKit; the tar context travels in the body, no session.
@@ -780,17 +783,6 @@ class DockerRuntime:
         health = (state.get("Health") or {}).get("Status")
         exit_code = None if running else state.get("ExitCode")
         return ContainerStatus(True, running, exit_code, str(health) if health else None)
-
-    @_engine_boundary
-    def bridge_address(self, container_id: str) -> str:
-        settings = self._api.inspect_container(container_id)["NetworkSettings"]
-        bridge = (settings.get("Networks") or {}).get("bridge") or {}
-        address = str(bridge.get("IPAddress") or settings.get("IPAddress") or "")
-        if not address:
-            raise EnvironmentStartError(
-                f"the container {container_id[:12]} has no address on the default bridge"
-            )
-        return address
 
     @_engine_boundary
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:

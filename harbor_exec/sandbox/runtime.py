@@ -196,6 +196,10 @@ class ImageBuild(TypedDict):
     build_args: NotRequired[Mapping[str, str] | None]
     dockerfile: NotRequired[str | None]  # relative to context_dir; None: Dockerfile
     target: NotRequired[str | None]  # a multi-stage build's stage
+    #: The RUN steps' network: None, the engine's default; ``container:<id>``, that
+    #: container's network namespace (the package cache's build gateway). Only the
+    #: legacy builder has it (BuildKit takes none/host/default), so it selects that.
+    network: NotRequired[str | None]
 
 
 class ExecOptions(TypedDict, total=False):
@@ -302,11 +306,6 @@ class ContainerRuntime(Protocol):
 
     def container_status(self, container_id: str) -> ContainerStatus:
         """Whether the container exists and runs, its exit code and health."""
-        ...
-
-    def bridge_address(self, container_id: str) -> str:
-        """The container's address on the engine's default bridge network (what other
-        containers on that bridge, e.g. a build's steps, reach it at)."""
         ...
 
     def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool) -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import re
 import secrets as secrets_module
 import shutil
@@ -83,6 +84,7 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
+from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.egress.policy import EgressMode
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -122,6 +124,8 @@ PhaseCallback = Callable[[TrialPhase], None]
 VerifierMode = Literal["shared", "separate"]
 #: "image": the image's USER, as an exec without a user runs (Harbor's healthcheck).
 UserRole = Literal["agent", "verifier", "image"]
+logger = logging.getLogger(__name__)
+
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 #: What a grader finds when the agent handed over no sample: the runner's error form.
 _NOTHING_HANDED_OVER = (
@@ -247,7 +251,8 @@ def ensure_task_image(
     if is_compose_task(task):  # every service's image (prewarm builds them all)
         _project, images, built = prepare_images(runtime, task)
         return images["main"], built > 0
-    if task.dockerfile is None:
+    dockerfile = task.dockerfile
+    if dockerfile is None:
         assert env.docker_image is not None  # load_task guarantees one of the two
         runtime.ensure_present(env.docker_image)
         return env.docker_image, False
@@ -256,22 +261,39 @@ def ensure_task_image(
         tag=image_tag_for(task),
         timeout_sec=env.build_timeout_sec,
         labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
-        build_args=_cache_build_args(runtime, task, policy),
+        **cache_build_options(runtime, task, policy, dockerfile, image_tag_for(task)),
     )
     return result.tag, result.built
 
 
-def _cache_build_args(
-    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None
-) -> dict[str, str] | None:
+def cache_build_options(
+    runtime: ContainerRuntime,
+    task: Task,
+    policy: SandboxPolicy | None,
+    dockerfile: Path,
+    tag: str,
+) -> dict[str, Any]:
+    """``ensure_image``'s ``build_args``/``network`` for building ``tag`` from
+    ``dockerfile`` through the package cache, or nothing: no cache, a task that opts
+    out, an image already built, or a Dockerfile only BuildKit builds."""
     if policy is None or policy.package_cache is None:
-        return None
+        return {}
     from harbor_exec.trial.package_cache import wanted
 
-    if not wanted(policy.package_cache, task) or runtime.image_exists(image_tag_for(task)):
-        return None  # a warm image needs no gateway started
+    if not wanted(policy.package_cache, task) or runtime.image_exists(tag):
+        return {}  # a warm image needs no gateway started
+    needs_buildkit = buildkit_only_syntax(dockerfile.read_text(encoding="utf-8", errors="replace"))
+    if needs_buildkit is not None:
+        logger.info(
+            "%s builds outside the package cache: %s needs BuildKit (%s)",
+            task.name,
+            dockerfile,
+            needs_buildkit,
+        )
+        return {}
     egress = policy.egress
-    return policy.package_cache.build_args(runtime, overrides=egress.overrides, dns=egress.dns)
+    route = policy.package_cache.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
+    return route.build_options()
 
 
 @dataclass

@@ -1,27 +1,32 @@
 """Image builds through the package cache: a build gateway container.
 
-A BuildKit ``RUN`` step runs on the engine's default bridge network and cannot reach
-a host unix socket, so the cache reaches builds through a small container of ours on
-that bridge: it gets the build proxy's socket directory mounted read-only (as a trial
-container gets its egress proxy's), and the read-only runtime's forwarder
-(``harbor_exec.container.forward``) listens on ``0.0.0.0:EGRESS_PORT`` in the
-gateway's own network namespace and pipes every connection to the socket. Builds get
-the predefined proxy build arguments (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY`` and
-their lower-case spellings) pointing at the gateway's bridge address; BuildKit does
-not persist predefined arguments in the image, so nothing of the proxy lands in it.
+A build step cannot reach a host unix socket, and nothing of ours may be reached on a
+host or bridge address, so builds through the cache take the route a trial container's
+egress does, with one container in between: the gateway, a small container of ours
+with network ``none``, the build proxy's socket directory mounted read-only (as a
+trial container gets its egress proxy's) and the read-only runtime's forwarder
+(``harbor_exec.container.forward``) on ``127.0.0.1:EGRESS_PORT`` in its network
+namespace. The build's RUN steps join that namespace (``ImageBuild.network`` =
+``container:<gateway>``, a legacy-builder feature: BuildKit has no such mode, see
+``harbor_exec.sandbox.dockerfile_syntax`` for the Dockerfiles that keep BuildKit and
+build outside the cache), so a step has loopback and the proxy, nothing else: every
+byte of a cached build goes step -> 127.0.0.1 -> forwarder -> unix socket -> host
+proxy. Builds get the predefined proxy build arguments (``HTTP_PROXY``, ``HTTPS_PROXY``,
+``NO_PROXY`` and their lower-case spellings); the builder does not persist predefined
+arguments in the image, so nothing of the proxy lands in it.
 
-Traffic from a build step to the gateway is container to container on the engine's
-bridge (as a compose sidecar's); it never goes to a host port. The host-side proxy
-behind the socket admits public destinations only (the egress SSRF guard refuses
-private and host addresses, except the operator's explicit overrides) and hands plain
-HTTP to the cache; HTTPS ``CONNECT`` tunnels are passed through untouched (a build
-cannot be made to trust the cache's CA without its Dockerfile taking part), so in
-builds only what is fetched over plain HTTP is cached: Debian and Ubuntu apt mirrors
-(``deb.debian.org``, ``archive.ubuntu.com``, ...), which is where builds spend.
+The host-side proxy behind the socket admits public destinations only (the egress
+SSRF guard refuses private and host addresses, except the operator's explicit
+overrides) and hands plain HTTP to the cache; HTTPS ``CONNECT`` tunnels are passed
+through untouched (a build cannot be made to trust the cache's CA without its
+Dockerfile taking part), so in builds only what is fetched over plain HTTP is cached:
+Debian and Ubuntu apt mirrors (``deb.debian.org``, ``archive.ubuntu.com``, ...), which
+is where builds spend.
 
-One gateway per process (``PackageCacheService.build_args``), started with the first
-build through the cache and removed when the service closes; it is labelled and owned
-like every container of ours, so the reaper removes it if the process dies.
+One gateway per process (``PackageCacheService.build_route``), started with the first
+build through the cache and removed when the service closes; concurrent cached builds
+share its loopback. It is labelled and owned like every container of ours, so the
+reaper removes it if the process dies.
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.egress.container import (
     EGRESS_MOUNT,
     EGRESS_PORT,
+    EGRESS_PROXY_URL,
     proxy_env,
     start_forwarder,
 )
@@ -50,7 +57,7 @@ from harbor_exec.sandbox.egress.proxy import (
 )
 from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, ContainerSpec, Mount
 
-__all__ = ["BUILD_GATEWAY_IMAGE", "BuildGateway", "build_proxy_args"]
+__all__ = ["BUILD_GATEWAY_IMAGE", "BuildGateway", "BuildRoute", "build_proxy_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +72,22 @@ GATEWAY_LIMITS: Final = EgressLimits(
 )
 
 
-def build_proxy_args(address: str, port: int = EGRESS_PORT) -> dict[str, str]:
-    """The predefined proxy build arguments for a gateway at ``address:port``
+def build_proxy_args(url: str = EGRESS_PROXY_URL) -> dict[str, str]:
+    """The predefined proxy build arguments for the gateway's forwarder at ``url``
     (``ALL_PROXY`` is not one of Docker's predefined arguments and is left out)."""
-    env = proxy_env(f"http://{address}:{port}")
+    env = proxy_env(url)
     return {name: value for name, value in env.items() if "all_proxy" not in name.lower()}
+
+
+@dataclass(frozen=True)
+class BuildRoute:
+    """How one build reaches the cache: ``ImageBuild``'s ``build_args`` and ``network``."""
+
+    build_args: dict[str, str]
+    network: str
+
+    def build_options(self) -> dict[str, Any]:
+        return {"build_args": dict(self.build_args), "network": self.network}
 
 
 class BuildGateway:
@@ -100,11 +118,11 @@ class BuildGateway:
         try:
             self._thread.start()
             self._thread.set_phase("build", EgressPolicy(EgressMode.PUBLIC))
-            self.address = self._start_container(image)
+            container_id = self._start_container(image)
         except BaseException:
             self.close()
             raise
-        self.build_args = build_proxy_args(self.address)
+        self.route = BuildRoute(build_proxy_args(), f"container:{container_id}")
 
     def _start_container(self, image: str) -> str:
         spec = ContainerSpec(
@@ -114,17 +132,14 @@ class BuildGateway:
             cpus=1.0,
             memory_mb=256,
             pids_limit=64,
-            network="bridge",
+            network="none",
             mounts=[Mount(str(self._scratch / "egress"), EGRESS_MOUNT, read_only=True)],
         )
-        self.container_id = self.runtime.create(spec)
-        self.runtime.start(self.container_id)
-        start_forwarder(
-            self.runtime, self.container_id, "the build gateway's forwarder", host="0.0.0.0"
-        )
-        address = self.runtime.bridge_address(self.container_id)
-        logger.info("build gateway %s at %s:%d", self.container_id[:12], address, EGRESS_PORT)
-        return address
+        container_id = self.container_id = self.runtime.create(spec)
+        self.runtime.start(container_id)
+        start_forwarder(self.runtime, container_id, "the build gateway's forwarder")
+        logger.info("build gateway %s, proxy on its 127.0.0.1:%d", container_id[:12], EGRESS_PORT)
+        return container_id
 
     def running(self) -> bool:
         """Whether the gateway container is still up (checked before each build)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from harbor_exec.cache import cache_root
-from harbor_exec.sandbox.egress.build_gateway import BuildGateway
+from harbor_exec.sandbox.egress.build_gateway import BuildGateway, BuildRoute
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.cache import (
     CacheRequest,
@@ -193,20 +193,20 @@ class PackageCacheService:
         #: What image builds got through the cache (one session for every build).
         self.build_session: TrialCache | None = None
 
-    def build_args(
+    def build_route(
         self,
         runtime: ContainerRuntime,
         *,
         overrides: Mapping[str, tuple[str, int]] | None = None,
         dns: bool = True,
-    ) -> dict[str, str]:
-        """The proxy build arguments that send a build through the cache; the build
-        gateway (``build_gateway``) starts with the first call and stays until
+    ) -> BuildRoute:
+        """The build arguments and RUN network that send a build through the cache; the
+        build gateway (``build_gateway``) starts with the first call and stays until
         ``close``. ``overrides``/``dns``: the operator's egress settings (the first
         call's are kept)."""
         with self._gateway_lock:
             if self._gateway is not None and not self._gateway.running():
-                # The engine restarted (or someone removed it): a new one, a new address.
+                # The engine restarted (or someone removed it): a new one.
                 self._gateway.close()
                 self._gateway = None
             if self._gateway is None:
@@ -215,7 +215,7 @@ class PackageCacheService:
                 # CONNECT passes through: a build does not trust our CA.
                 upstream = CacheUpstream(self.build_session, self.ca, intercept_ports=())
                 self._gateway = BuildGateway(runtime, upstream, overrides=overrides, dns=dns)
-            return dict(self._gateway.build_args)
+            return self._gateway.route
 
     def session(self) -> TrialCache:
         return TrialCache(self, self.cache.session())
