@@ -123,7 +123,7 @@ def _cold_prewarm(runtime: DockerRuntime, args: argparse.Namespace) -> None:
                                     tag=image_tag_for(task),
                                     timeout_sec=600,
                                     labels={LABEL_KIND: "task-env"},
-                                    build_args=gateway.build_args,
+                                    **gateway.route.build_options(),
                                 )
                         finally:
                             gateway.close()
