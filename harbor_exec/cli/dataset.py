@@ -528,7 +528,20 @@ def prewarm(
     wheels and binaries, then its volume)."""
     discovery = load_dataset(path)
     if ray:
-        _prewarm_ray(ray, discovery.tasks, node or None, broken=len(discovery.broken))
+        if run_verifier:
+            console.print(
+                "[red]error:[/] --run-verifier runs the verifiers on this machine, not with "
+                "--ray; use --ray --package-cache to build through each node's cache"
+            )
+            raise typer.Exit(2)
+        config = None
+        if package_cache:
+            from harbor_exec.sandbox.egress.service import PackageCacheConfig
+
+            config = PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
+        _prewarm_ray(
+            ray, discovery.tasks, node or None, broken=len(discovery.broken), package_cache=config
+        )
     agent_layer = None
     if agent is not None:
         try:
@@ -610,14 +623,23 @@ def prewarm(
     raise typer.Exit(1 if counted["failed"] else 0)
 
 
-def _prewarm_ray(address: str, tasks: list[Task], nodes: list[str] | None, *, broken: int) -> None:
+def _prewarm_ray(
+    address: str,
+    tasks: list[Task],
+    nodes: list[str] | None,
+    *,
+    broken: int,
+    package_cache: Any = None,
+) -> None:
     """``prewarm --ray``: build every task image on every trial node (or those named),
-    one line per task and node; exit 1 if any failed."""
+    through each node's own package cache with ``package_cache`` (a
+    ``PackageCacheConfig``), one line per task and node; exit 1 if any failed."""
     import asyncio
 
     from harbor_exec.cli.serve import open_ray_executor
 
     executor = open_ray_executor(address)
+    executor.package_cache = package_cache
     failed = broken
 
     async def run() -> None:

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from harbor_exec.executors.spec import (
     ModelEndpoint,
@@ -37,7 +37,10 @@ from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback
+from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 
 @dataclass
@@ -185,9 +188,19 @@ class TrialExecutor(Protocol):
         """How many images to build at once by default."""
         ...
 
-    async def prewarm(self, task: Task, deps: DepsLayer | None) -> int:
+    async def prewarm(
+        self, task: Task, deps: DepsLayer | None, policy: SandboxPolicy | None = None
+    ) -> int:
         """Build the task's image (and ``deps`` on top) where trials run; returns how
-        many images were built."""
+        many images were built. With ``policy``'s package cache (or the one
+        ``package_cache_service`` turned on) the build goes through it."""
+        ...
+
+    def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
+        """Turn the package cache on for this executor's trials and builds: the
+        service in this process (the caller puts it into ``SandboxPolicy`` and closes
+        it), or None when trials run elsewhere and each node runs one of its own from
+        ``config`` (Ray)."""
         ...
 
     async def aclose(self) -> None:
@@ -267,6 +280,13 @@ class AsyncTrialExecutor(ABC, Generic[H]):
 
     @abstractmethod
     async def _background(self) -> None: ...
+
+    def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
+        """This process's service (trials run here); see ``TrialExecutor``."""
+        # Imported here: the cache needs the server extra (httpx, h11, cryptography).
+        from harbor_exec.sandbox.egress.service import PackageCacheService
+
+        return PackageCacheService(config)
 
     def _start_background(self) -> None:
         if self._background_task is not None or self._closed:

@@ -43,7 +43,7 @@ from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
+from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,11 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
     def default_prewarm_jobs(self) -> int:
         return self.runtime.engine_cpus()
 
-    async def prewarm(self, task: Task, deps: DepsLayer | None) -> int:
+    async def prewarm(
+        self, task: Task, deps: DepsLayer | None, policy: SandboxPolicy | None = None
+    ) -> int:
         def build() -> int:
-            image, built = ensure_task_image(self.runtime, task)
+            image, built = ensure_task_image(self.runtime, task, policy)
             if deps is None:
                 return int(built)
             _volume, deps_built = ensure_deps_env(self.runtime, deps, image)
@@ -217,12 +219,14 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
 
         return await anyio.to_thread.run_sync(build, limiter=self._threads)
 
-    async def prewarm_agent_layer(self, task: Task, layer: AgentLayer) -> int:
+    async def prewarm_agent_layer(
+        self, task: Task, layer: AgentLayer, policy: SandboxPolicy | None = None
+    ) -> int:
         """Install an in-container agent's layer on this engine (on ``task``'s image,
         which only hosts the install); 1 when installed now."""
 
         def build() -> int:
-            image, built = ensure_task_image(self.runtime, task)
+            image, built = ensure_task_image(self.runtime, task, policy)
             _volume, layer_built = ensure_agent_layer(self.runtime, layer, image)
             return int(built) + int(layer_built)
 

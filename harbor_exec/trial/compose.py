@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harbor_exec.cache import cache_root
 from harbor_exec.errors import (
@@ -64,7 +64,11 @@ from harbor_exec.sandbox.runtime import (
     ServiceProcess,
     VolumeMount,
 )
+from harbor_exec.trial.build_route import cache_build_options, merge_build_args
 from harbor_exec.trial.task import Task, resolve_env
+
+if TYPE_CHECKING:
+    from harbor_exec.trial.trial import SandboxPolicy
 
 COMPOSE_FILE = "docker-compose.yaml"
 MAIN = "main"
@@ -495,42 +499,55 @@ def _build_tag(task: Task, service: ComposeService) -> str:
 
 
 def service_image(
-    runtime: ContainerRuntime, task: Task, project: ComposeProject, name: str
+    runtime: ContainerRuntime,
+    task: Task,
+    project: ComposeProject,
+    name: str,
+    policy: SandboxPolicy | None = None,
 ) -> tuple[str, bool]:
-    """Build (content-addressed, cached) or find the image ``name`` runs; ``(tag, built)``."""
+    """Build (content-addressed, cached) or find the image ``name`` runs; ``(tag, built)``.
+    With ``policy.package_cache`` a build goes through the cache as a task image's does
+    (``build_route``); the service's own build args win over the proxy's."""
     service = project.services[name]
     if service.build is None:
         assert service.image is not None
         if service.image == main_image_tag(task) and name != MAIN:
-            return service_image(runtime, task, project, MAIN)
+            return service_image(runtime, task, project, MAIN, policy)
         for other in project.services.values():
             # An image another service builds under that name (Compose shares it).
             if other.build is not None and other.image == service.image:
-                return service_image(runtime, task, project, other.name)
+                return service_image(runtime, task, project, other.name, policy)
         runtime.ensure_present(service.image)
         return service.image, False
     context = Path(str(service.build.get("context") or project.environment_dir))
     args = {str(k): str(v) for k, v in (service.build.get("args") or {}).items() if v is not None}
+    dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
+    tag = _build_tag(task, service)
+    route = cache_build_options(runtime, task, policy, context / dockerfile, tag)
     result = runtime.ensure_image(
         context_dir=context,
-        tag=_build_tag(task, service),
+        tag=tag,
         timeout_sec=task.config.environment.build_timeout_sec,
         labels={LABEL_KIND: "task-env" if name == MAIN else "service-env", LABEL_TASK: task.name},
-        build_args=args or None,
-        dockerfile=str(service.build.get("dockerfile") or "Dockerfile"),
+        dockerfile=dockerfile,
         target=str(service.build["target"]) if service.build.get("target") else None,
+        **merge_build_args(args, route),
     )
     return result.tag, result.built
 
 
 def ensure_service_images(
-    runtime: ContainerRuntime, task: Task, project: ComposeProject
+    runtime: ContainerRuntime,
+    task: Task,
+    project: ComposeProject,
+    policy: SandboxPolicy | None = None,
 ) -> tuple[dict[str, str], int]:
-    """Every service's image (prewarm builds them all): ``({service: image}, built)``."""
+    """Every service's image (prewarm builds them all): ``({service: image}, built)``;
+    builds through ``policy``'s package cache when it has one."""
     images: dict[str, str] = {}
     built = 0
     for name in sorted(project.services, key=lambda n: (n != MAIN, n)):
-        images[name], now = service_image(runtime, task, project, name)
+        images[name], now = service_image(runtime, task, project, name, policy)
         built += now
     return images, built
 
@@ -542,11 +559,12 @@ def harbor_limits(task: Task) -> dict[str, Any]:
 
 
 def prepare_images(
-    runtime: ContainerRuntime, task: Task
+    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None = None
 ) -> tuple[ComposeProject, dict[str, str], int]:
-    """The task's model and every service's image, built when missing."""
+    """The task's model and every service's image, built when missing (through
+    ``policy``'s package cache when it has one)."""
     project = load_project(task, **harbor_limits(task))
-    images, built = ensure_service_images(runtime, task, project)
+    images, built = ensure_service_images(runtime, task, project, policy)
     return project, images, built
 
 

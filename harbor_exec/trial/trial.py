@@ -84,7 +84,6 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
-from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.egress.policy import EgressMode
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -99,6 +98,7 @@ from harbor_exec.sandbox.runtime import (
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
+from harbor_exec.trial.build_route import cache_build_options
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.egress import ContainerKind, EgressSettings, TrialEgress, network_plan
@@ -249,7 +249,7 @@ def ensure_task_image(
     internet through the cache (``harbor_exec.sandbox.egress.build_gateway``)."""
     env = task.config.environment
     if is_compose_task(task):  # every service's image (prewarm builds them all)
-        _project, images, built = prepare_images(runtime, task)
+        _project, images, built = prepare_images(runtime, task, policy)
         return images["main"], built > 0
     dockerfile = task.dockerfile
     if dockerfile is None:
@@ -264,36 +264,6 @@ def ensure_task_image(
         **cache_build_options(runtime, task, policy, dockerfile, image_tag_for(task)),
     )
     return result.tag, result.built
-
-
-def cache_build_options(
-    runtime: ContainerRuntime,
-    task: Task,
-    policy: SandboxPolicy | None,
-    dockerfile: Path,
-    tag: str,
-) -> dict[str, Any]:
-    """``ensure_image``'s ``build_args``/``network`` for building ``tag`` from
-    ``dockerfile`` through the package cache, or nothing: no cache, a task that opts
-    out, an image already built, or a Dockerfile only BuildKit builds."""
-    if policy is None or policy.package_cache is None:
-        return {}
-    from harbor_exec.trial.package_cache import wanted
-
-    if not wanted(policy.package_cache, task) or runtime.image_exists(tag):
-        return {}  # a warm image needs no gateway started
-    needs_buildkit = buildkit_only_syntax(dockerfile.read_text(encoding="utf-8", errors="replace"))
-    if needs_buildkit is not None:
-        logger.info(
-            "%s builds outside the package cache: %s needs BuildKit (%s)",
-            task.name,
-            dockerfile,
-            needs_buildkit,
-        )
-        return {}
-    egress = policy.egress
-    route = policy.package_cache.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
-    return route.build_options()
 
 
 @dataclass
@@ -596,7 +566,7 @@ class Trial:
             )
         ):
             return spec
-        project, images, built = prepare_images(self.runtime, task)
+        project, images, built = prepare_images(self.runtime, task, self.request.policy)
         self.images_built += built
         compose = ComposeEnvironment(
             self.runtime,

@@ -441,9 +441,8 @@ class HarborBackend(ExecutionBackend):
                 self.resolver.require_tests = not self.bundle.has_grader
             args = dict(self._policy_args)
             if self._package_cache_config is not None and self.package_cache is None:
-                from harbor_exec.sandbox.egress.service import PackageCacheService
-
-                self.package_cache = PackageCacheService(self._package_cache_config)
+                # None on Ray: each node runs a cache of its own from the config.
+                self.package_cache = self.executor.package_cache_service(self._package_cache_config)
             args["package_cache"] = self.package_cache
             if args["pids_limit"] is None:
                 args["pids_limit"] = default_pids_limit(
@@ -759,9 +758,12 @@ class HarborBackend(ExecutionBackend):
             try:
                 async with limiter:
                     task = await anyio.to_thread.run_sync(self.resolver.load, path)
-                    built = await self.executor.prewarm(task, deps)
+                    # The trials' policy: builds go through the package cache when on.
+                    built = await self.executor.prewarm(task, deps, self.policy)
                     if self.agent_layer is not None and isinstance(self.executor, LocalExecutor):
-                        built += await self.executor.prewarm_agent_layer(task, self.agent_layer)
+                        built += await self.executor.prewarm_agent_layer(
+                            task, self.agent_layer, self.policy
+                        )
             except (HarborExecError, OSError, ValueError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 summary.failed += 1

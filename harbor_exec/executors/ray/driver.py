@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -53,7 +53,10 @@ from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback, image_tag_for, new_trial_name
+from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +118,13 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         namespace: str = NAMESPACE,
         reap_interval_sec: float = 5.0,
         connect_timeout_sec: float = 10.0,
+        package_cache: PackageCacheConfig | None = None,
     ) -> None:
         super().__init__()
         self.address = address
+        #: The package cache's settings: each node runs a service of its own from
+        #: them (``NodePackageCache``) for its trials and builds; None: off.
+        self.package_cache = package_cache
         self.cache_dir = cache_dir or str(Path(tempfile.gettempdir()) / "harbor-exec-ray")
         self.namespace = namespace
         self.reap_interval_sec = reap_interval_sec
@@ -290,6 +297,23 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         threading.Thread(target=work, name="hx-ray-refresh", daemon=True).start()
         return future
 
+    def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
+        """None: trials and builds run on the nodes, each with a cache of its own."""
+        self.package_cache = config
+        return None
+
+    def _for_nodes(
+        self, policy: SandboxPolicy | None
+    ) -> tuple[SandboxPolicy, PackageCacheConfig | None]:
+        """``policy`` as it travels (without a service of this process, which neither
+        pickles nor serves a node) and the cache settings the node makes its own from."""
+        policy = policy or SandboxPolicy()
+        config = self.package_cache
+        if policy.package_cache is not None:
+            config = config or policy.package_cache.config
+            policy = replace(policy, package_cache=None)
+        return policy, config
+
     def live_nodes(self) -> list[_Node]:
         with self._lock:
             return [n for n in self._nodes.values() if n.alive]
@@ -382,8 +406,10 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         node.trials += 1
         placed = time.perf_counter()
         try:
+            policy, package_cache = self._for_nodes(spec.policy)
             call = NodeCall(
-                spec=spec,
+                spec=replace(spec, policy=policy),
+                package_cache=package_cache,
                 task_blob=task_blob,
                 deps_blob=deps_blob,
                 bundle_blob=bundle_blob,
@@ -550,18 +576,27 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         self.connect()
         return max((n.cpus for n in self.live_nodes()), default=1)
 
-    async def prewarm(self, task: Task, deps: DepsLayer | None) -> int:
-        report = await self.prewarm_nodes(task, deps)
+    async def prewarm(
+        self, task: Task, deps: DepsLayer | None, policy: SandboxPolicy | None = None
+    ) -> int:
+        report = await self.prewarm_nodes(task, deps, policy=policy)
         errors = [v for v in report.values() if isinstance(v, str)]
         if errors:
             raise HarborExecError("; ".join(errors))
         return sum(v for v in report.values() if isinstance(v, int))
 
     async def prewarm_nodes(
-        self, task: Task, deps: DepsLayer | None, nodes: Sequence[str] | None = None
+        self,
+        task: Task,
+        deps: DepsLayer | None,
+        nodes: Sequence[str] | None = None,
+        *,
+        policy: SandboxPolicy | None = None,
     ) -> dict[str, int | str]:
         """Build the task's image (and ``deps``) on every trial node, or on those named
-        (by id prefix or address); returns images built per node, or the error."""
+        (by id prefix or address), through each node's package cache when it is on
+        (``package_cache``, or ``policy``'s); returns images built per node, or the error."""
+        node_policy, package_cache = self._for_nodes(policy)
         if not self._connected:
             await anyio.to_thread.run_sync(self.connect)
         task_blob = await self._task_blob(task, task.root)
@@ -574,7 +609,9 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
 
         async def one(node: _Node) -> int | str:
             try:
-                out = await node.actor.prewarm.remote(task, task_blob, deps, deps_blob)
+                out = await node.actor.prewarm.remote(
+                    task, task_blob, deps, deps_blob, node_policy, package_cache
+                )
                 assert isinstance(out, NodePrewarm)
             except Exception as exc:
                 return f"node {node.short}: {type(exc).__name__}: {exc}"

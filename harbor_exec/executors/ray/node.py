@@ -18,15 +18,17 @@ import pickle
 import secrets as secrets_module
 import shutil
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 
+from harbor_exec.cache import cache_root
 from harbor_exec.errors import TrialPhase
 from harbor_exec.executors.base import ExecutorHealth, ModelUsage, TrialHandle
 from harbor_exec.executors.local import LocalExecutor
@@ -38,6 +40,10 @@ from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task
+from harbor_exec.trial.trial import SandboxPolicy
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 #: The most a trial directory may weigh on its way back: its parts are bounded by
 #: ``SandboxPolicy.output`` (the agent's) and ``verifier_output``; this bounds their
@@ -62,6 +68,9 @@ class NodeCall:
     bundle_blob: list[Any] = field(default_factory=list)  # the bundle's agent part
     sealed: bytes = b""  # pickle(TrialSecrets), sealed
     grader_blob: list[Any] = field(default_factory=list)  # its grader part, when that verifies
+    #: The package cache's settings: the node's own service (``NodePackageCache``)
+    #: goes into the spec's policy there; None: off.
+    package_cache: PackageCacheConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -95,26 +104,86 @@ class NodePrewarm:
     images: list[str]
 
 
+def node_package_cache_config(config: PackageCacheConfig, node_name: str) -> PackageCacheConfig:
+    """Where node ``node_name`` keeps its package cache: ``ray-nodes/<name>`` below the
+    configured root (else the node's harbor-exec cache dir), so nodes sharing a
+    machine (or a filesystem) never share a store, and a node that returns under its
+    name finds its cache again."""
+    return replace(config, root=(config.root or cache_root()) / "ray-nodes" / node_name)
+
+
+class NodePackageCache:
+    """One node process's package cache service, made on first use from the
+    ``PackageCacheConfig`` that came with the work (the service itself, with its
+    threads and its CA, never crosses the wire), shared by the node's trials and
+    builds, closed with the node's actor."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self.service: PackageCacheService | None = None
+        self._lock = threading.Lock()
+
+    def get(self, config: PackageCacheConfig) -> PackageCacheService:
+        """The node's service (the first config's settings are kept). Blocking."""
+        with self._lock:
+            if self.service is None:
+                # Imported here: the cache needs the server extra (httpx, cryptography).
+                from harbor_exec.sandbox.egress.service import PackageCacheService
+
+                self.service = PackageCacheService(
+                    node_package_cache_config(config, self.node_name)
+                )
+            return self.service
+
+    async def policy(
+        self, policy: SandboxPolicy, config: PackageCacheConfig | None
+    ) -> SandboxPolicy:
+        """``policy`` with the node's service as its package cache (``config`` None:
+        unchanged, the cache is off)."""
+        if config is None:
+            return policy
+        service = await anyio.to_thread.run_sync(self.get, config)
+        return replace(policy, package_cache=service)
+
+    def close(self) -> None:
+        with self._lock:
+            service, self.service = self.service, None
+        if service is not None:
+            service.close()
+
+
 class NodeAgent:
     """The long-lived actor on one node (see module doc)."""
 
     def __init__(self, cache_dir: str, reap_interval_sec: float = 5.0) -> None:
         import ray
 
-        self.node_id: str = ray.get_runtime_context().get_node_id()
-        self.cache = Path(cache_dir) / self.node_id[:16]
-        self.cache.mkdir(parents=True, exist_ok=True)
-        self._opener = Opener()
+        node_id: str = ray.get_runtime_context().get_node_id()
         from harbor_exec.sandbox.docker import DockerRuntime, current_owner
 
         # Owner labels name the node, so only this node's actors (this one, or a
         # later one once the node returns) reap what a dead actor here left; other
         # nodes sharing an engine leave those containers alone.
-        self.name = (os.environ.get(NODE_NAME_ENV) or socket.gethostname()).replace("/", "_")
-        runtime = DockerRuntime(owner=current_owner(f"ray-node:{self.name}"))
+        name = (os.environ.get(NODE_NAME_ENV) or socket.gethostname()).replace("/", "_")
+        runtime = DockerRuntime(owner=current_owner(f"ray-node:{name}"))
         with contextlib.suppress(Exception):
             runtime.reap_orphans()
-        self.local = LocalExecutor(runtime, reap_interval_sec=reap_interval_sec)
+        self._setup(
+            node_id,
+            name,
+            Path(cache_dir) / node_id[:16],
+            LocalExecutor(runtime, reap_interval_sec=reap_interval_sec),
+        )
+
+    def _setup(self, node_id: str, name: str, cache: Path, local: LocalExecutor) -> None:
+        """What the actor holds, Ray and Docker aside (tests build one on a fake runtime)."""
+        self.node_id = node_id
+        self.name = name
+        self.cache = cache
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self._opener = Opener()
+        self.local = local
+        self.package_cache = NodePackageCache(name)
         self._handles: dict[str, TrialHandle] = {}
         self._cancelled: set[str] = set()
         self._bundles: dict[str, list[ArchiveEntry]] = {}
@@ -191,7 +260,10 @@ class NodeAgent:
         def on_phase(phase: TrialPhase) -> None:
             loop.call_soon_threadsafe(phases.put_nowait, phase)
 
-        handle = self.local.submit(call.spec, secrets=secrets, content=content, on_phase=on_phase)
+        spec = replace(
+            call.spec, policy=await self.package_cache.policy(call.spec.policy, call.package_cache)
+        )
+        handle = self.local.submit(spec, secrets=secrets, content=content, on_phase=on_phase)
         self._handles[name] = handle
         if name in self._cancelled:
             self.local.cancel(handle)
@@ -248,17 +320,29 @@ class NodeAgent:
         return True
 
     async def prewarm(
-        self, task: Task, task_blob: list[Any], deps: DepsLayer | None, deps_blob: list[Any]
+        self,
+        task: Task,
+        task_blob: list[Any],
+        deps: DepsLayer | None,
+        deps_blob: list[Any],
+        policy: SandboxPolicy | None = None,
+        package_cache: PackageCacheConfig | None = None,
     ) -> NodePrewarm:
+        """Build the task's image (and ``deps``) on this node; through the node's
+        package cache when ``package_cache`` is given."""
         local_task = replace(task, files=await self._unpacked("tasks", task_key(task), task_blob))
         if deps is not None and deps_blob:
             wheelhouse = await self._unpacked("deps", deps_key(deps), deps_blob)
             deps = replace(deps, wheelhouse=wheelhouse)
-        built = await self.local.prewarm(local_task, deps)
+        if package_cache is not None:
+            policy = await self.package_cache.policy(policy or SandboxPolicy(), package_cache)
+        built = await self.local.prewarm(local_task, deps, policy)
         return NodePrewarm(built=built, images=await self._images())
 
     async def close(self) -> int:
         await self.local.aclose()
+        # After the trials: their proxies hand traffic to it until they end.
+        await anyio.to_thread.run_sync(self.package_cache.close)
         return 0
 
 
@@ -276,6 +360,8 @@ __all__ = [
     "NodeAgent",
     "NodeCall",
     "NodeInfo",
+    "NodePackageCache",
     "NodePrewarm",
     "NodeTrialRun",
+    "node_package_cache_config",
 ]
