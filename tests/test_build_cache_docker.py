@@ -19,9 +19,10 @@ from harbor_exec.sandbox.egress.build_gateway import KIND
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheService
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
+from harbor_exec.trial import compose
 from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import image_tag_for
-from tests.task_factory import make_task
+from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from tests.task_factory import make_compose_task, make_task
 from tests.test_package_cache_docker import (  # the mirror fixture and its helpers
     DEB,
     PACKAGES,
@@ -200,6 +201,48 @@ def test_a_build_cannot_reach_the_host_through_the_gateway(
         assert outcome.status == "built", outcome.reason
         assert len(_gateways(docker_runtime)) == 1 and _gateways(docker_runtime) != [gone]
         assert upstream.content_fetches(DEB) == 1  # from the cache, through the new one
+    finally:
+        _close(docker_runtime, service, tags)
+    assert _gateways(docker_runtime) == []
+
+
+def test_a_compose_tasks_sidecar_image_builds_through_the_cache(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """A compose task whose ``build:`` sidecar apt-installs from the test mirror (a name
+    only the cache's proxy resolves): its trial builds the sidecar through the cache,
+    with the service's own build argument kept, and earns its reward."""
+    upstream, upstream_ca = mirror
+    service = _service(tmp_path, upstream, upstream_ca)
+    nonce = uuid.uuid4().hex
+    root = make_compose_task(tmp_path, "compose-apt")
+    env = root / "environment"
+    compose_yaml = env / "docker-compose.yaml"
+    compose_yaml.write_text(
+        compose_yaml.read_text().replace(
+            "    build: ./db\n",
+            f"    build:\n      context: ./db\n      args:\n        HX_NONCE: {nonce}\n",
+        )
+    )
+    (env / "db" / "Dockerfile").write_text(
+        "FROM python:3.11-slim-bookworm\nARG HX_NONCE\n"
+        f'RUN test "$HX_NONCE" = "{nonce}" && test -n "$HTTP_PROXY" && {APT}\n'
+    )
+    task = load_task(root)
+    project = compose.load_project(task, **compose.harbor_limits(task))
+    tags = [compose._build_tag(task, s) for s in project.services.values() if s.build]
+    assert len(tags) == 2  # main and db
+    try:
+        policy = SandboxPolicy(package_cache=service, egress=_egress(upstream))
+        result = run_trial(
+            docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials", policy=policy)
+        )
+        assert result.exception_info is None, result.exception_info
+        assert result.reward == 1.0
+        # The sidecar's apt went through the cache: the package once from the mirror.
+        assert upstream.content_fetches(DEB) == 1
+        assert service.build_session is not None
+        assert service.build_session.stats.to_dict()["misses"] >= 1
     finally:
         _close(docker_runtime, service, tags)
     assert _gateways(docker_runtime) == []

@@ -1,0 +1,290 @@
+"""The package cache's other build and trial paths, on the fake runtime: a compose
+task's service images, the server's ``POST /prewarm`` (a real HTTP server on
+loopback), and the Ray node side (its own service made from the config that came
+with the work, handed to its trials and builds). The real engine:
+tests/test_build_cache_docker.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.executors.local import LocalExecutor
+from harbor_exec.executors.ray.driver import RayExecutor
+from harbor_exec.executors.ray.node import NodeAgent, NodeCall, node_package_cache_config
+from harbor_exec.executors.ray.sealing import seal
+from harbor_exec.executors.ray.transfer import tar_dir
+from harbor_exec.executors.spec import TrialSecrets, TrialSpec
+from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
+from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.sandbox.runtime import LABEL_KIND
+from harbor_exec.server.app import create_rollout_server
+from harbor_exec.trial import compose
+from harbor_exec.trial.package_cache import RESULT_FILE
+from harbor_exec.trial.task import Task, load_task
+from harbor_exec.trial.trial import (
+    SandboxPolicy,
+    TrialRequest,
+    ensure_task_image,
+    image_tag_for,
+    run_trial,
+)
+from tests.fake_runtime import FakeRuntime
+from tests.server_utils import serve
+from tests.task_factory import make_task
+
+OWN_PROXY = "http://proxy.example:8080"
+
+
+def gateway_network(runtime: FakeRuntime) -> str:
+    """The RUN network of a cached build: the one build gateway's namespace."""
+    [gateway_id] = [
+        cid for cid, c in runtime.containers.items() if c.spec.labels.get(LABEL_KIND) == KIND
+    ]
+    return f"container:{gateway_id}"
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def compose_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str = "") -> Task:
+    """main (built) plus a built ``db`` service with build args of its own (one of
+    them ``HTTP_PROXY``) and a prebuilt ``cache`` service."""
+    root = make_task(tmp_path, "compose-cached", toml=toml or "[agent]\ntimeout_sec = 30.0\n")
+    env = root / "environment"
+    (env / "db").mkdir()
+    (env / "db" / "Dockerfile").write_text("FROM debian:bookworm-slim\nRUN apt-get update\n")
+    (env / "docker-compose.yaml").write_text("services:\n  db:\n    build: ./db\n")
+    task = load_task(root)
+    env = task.environment_dir.resolve()
+    raw = {
+        "services": {
+            "main": {"build": {"context": str(env), "dockerfile": "Dockerfile"}},
+            "db": {
+                "build": {
+                    "context": str(env / "db"),
+                    "dockerfile": "Dockerfile",
+                    "args": {"HTTP_PROXY": OWN_PROXY, "FLAVOUR": "mint", "UNSET": None},
+                },
+                "command": ["sleep", "infinity"],
+            },
+            "cache": {"image": "redis:7"},
+        }
+    }
+    monkeypatch.setattr(compose, "_config", lambda *args: raw)
+    return task
+
+
+def service_tag(runtime: FakeRuntime) -> str:
+    [tag] = [t for t in runtime.builds if t.startswith("harbor-exec/service:")]
+    return tag
+
+
+def test_compose_service_images_build_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = compose_task(tmp_path, monkeypatch)
+    runtime = FakeRuntime()
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+    try:
+        image, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        assert built and image == compose.main_image_tag(task)
+        network = gateway_network(runtime)
+        db = service_tag(runtime)
+        assert runtime.build_args[image] == build_proxy_args()
+        # The service's own args are kept; its explicit HTTP_PROXY wins over ours.
+        assert runtime.build_args[db] == {
+            **build_proxy_args(),
+            "HTTP_PROXY": OWN_PROXY,
+            "FLAVOUR": "mint",
+        }
+        assert runtime.build_networks[image] == runtime.build_networks[db] == network
+        assert "redis:7" in runtime.images and "redis:7" not in runtime.build_args
+    finally:
+        service.close()
+
+
+def test_compose_service_images_without_the_cache_keep_their_own_args(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for policy_cache, toml in (
+        (False, ""),
+        (True, "[metadata]\nharbor_exec_package_cache = false\n"),
+    ):
+        task = compose_task(tmp_path / str(policy_cache), monkeypatch, toml)
+        runtime = FakeRuntime()
+        service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+        try:
+            policy = SandboxPolicy(package_cache=service if policy_cache else None)
+            ensure_task_image(runtime, task, policy)
+            db = service_tag(runtime)
+            assert runtime.build_args[db] == {"HTTP_PROXY": OWN_PROXY, "FLAVOUR": "mint"}
+            assert runtime.build_args[compose.main_image_tag(task)] == {}
+            assert set(runtime.build_networks.values()) == {None}
+            assert runtime.containers == {}  # no gateway started
+        finally:
+            service.close()
+
+
+def test_a_compose_trial_builds_its_services_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = compose_task(tmp_path, monkeypatch)
+    runtime = FakeRuntime()
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+    try:
+        policy = SandboxPolicy(package_cache=service)
+        request = TrialRequest(task=task, trials_dir=tmp_path / "trials", policy=policy)
+        result = run_trial(runtime, request)
+        assert result.exception_info is None, result.exception_info
+        db = service_tag(runtime)
+        assert runtime.build_args[db]["FLAVOUR"] == "mint"
+        assert runtime.build_args[db]["https_proxy"] == build_proxy_args()["https_proxy"]
+        assert runtime.build_networks[db] == gateway_network(runtime)
+    finally:
+        service.close()
+
+
+# --------------------------------------------------------------------------- POST /prewarm
+
+
+def test_the_servers_prewarm_builds_through_the_cache(tmp_path: Path) -> None:
+    task_dir = make_task(tmp_path / "tasks", "prewarmed")
+    tag = image_tag_for(load_task(task_dir))
+    runtime = FakeRuntime()
+    backend = HarborBackend(
+        tasks_dir=task_dir,
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        package_cache=PackageCacheConfig(root=tmp_path / "cache"),
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+
+    async def prewarm(url: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            response = await http.post(f"{url}/prewarm", json={"all": True})
+            assert response.status_code == 200, response.text
+            return dict(response.json())
+
+    with serve(app) as url:
+        summary = asyncio.run(prewarm(url))
+        assert summary["built"] == 1 and summary["failed"] == 0, summary
+        assert runtime.build_args[tag] == build_proxy_args()
+        network = gateway_network(runtime)
+        assert runtime.build_networks[tag] == network
+        [gateway] = [c for c in runtime.containers.values() if c.spec.labels[LABEL_KIND] == KIND]
+        assert not gateway.removed
+    # The server's shutdown closed the cache, and with it the gateway.
+    assert gateway.removed and backend.package_cache is None
+
+
+# --------------------------------------------------------------------------- Ray nodes
+
+
+def node_agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:
+    """A ``NodeAgent`` as Ray would hold it, on the fake runtime."""
+    agent = NodeAgent.__new__(NodeAgent)
+    agent._setup("a" * 32, "w0", tmp_path / "node", LocalExecutor(runtime))
+    return agent
+
+
+def blob(data: bytes) -> list[Any]:
+    """An ``[ObjectRef]`` stand-in: awaiting it gives the bytes."""
+
+    async def get() -> bytes:
+        return data
+
+    return [asyncio.ensure_future(get())]
+
+
+def test_a_ray_node_makes_its_own_cache_for_its_prewarm_and_trials(tmp_path: Path) -> None:
+    task = load_task(make_task(tmp_path / "tasks", "on-ray", toml="[agent]\ntimeout_sec = 30\n"))
+    tag = image_tag_for(task)
+    runtime = FakeRuntime()
+    agent = node_agent(tmp_path, runtime)
+    config = PackageCacheConfig(root=tmp_path / "cache")
+    # What the driver sends: picklable, and no service of the driver's process.
+    driver = RayExecutor("127.0.0.1:1", package_cache=config)
+    with_service = PackageCacheService(PackageCacheConfig(root=tmp_path / "driver-cache"))
+    try:
+        policy, sent = driver._for_nodes(SandboxPolicy(package_cache=with_service))
+        assert policy.package_cache is None and sent == config
+        assert driver._for_nodes(None) == (SandboxPolicy(), config)
+    finally:
+        with_service.close()
+    spec = TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy)
+
+    async def scenario() -> tuple[Any, Any]:
+        task_blob = blob(tar_dir(task.root))
+        built = await agent.prewarm(
+            task, task_blob, None, [], policy, pickle.loads(pickle.dumps(sent))
+        )
+        call = NodeCall(
+            spec=spec,
+            task_blob=task_blob,
+            sealed=seal(agent.public_key(), pickle.dumps(TrialSecrets())),
+            package_cache=sent,
+        )
+        pickle.dumps(replace(call, task_blob=[]))  # crosses the wire (refs aside) as is
+        runs = [item async for item in agent.run(call)]
+        service = agent.package_cache.service
+        await agent.close()
+        return built, (runs[-1], service)
+
+    try:
+        built, (run, service) = asyncio.run(scenario())
+    finally:
+        agent.package_cache.close()
+    assert built.built == 1
+    # The build went through the node's service: its gateway's namespace, our args.
+    assert runtime.build_args[tag] == build_proxy_args()
+    assert runtime.build_networks[tag] is not None
+    assert runtime.build_networks[tag].startswith("container:")
+    # One service per node process, under the node's own directory, closed with it.
+    assert isinstance(service, PackageCacheService)
+    assert service.config == node_package_cache_config(config, "w0")
+    assert service.config.root == tmp_path / "cache" / "ray-nodes" / "w0"
+    assert (service.config.root / "package-cache-ca").is_dir()
+    assert agent.package_cache.service is None
+    assert all(c.removed for c in runtime.containers.values())
+    # The trial on the node used it: its record came back in the trial's files.
+    assert run.result.exception_info is None, run.result.exception_info
+    names = _tar_names(run.archive)
+    assert RESULT_FILE in names, names
+    stats = json.loads(_tar_member(run.archive, RESULT_FILE))
+    assert "requests" in stats and "misses" in stats
+
+
+def _tar_names(data: bytes) -> list[str]:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        return [m.name.removeprefix("./") for m in archive.getmembers()]
+
+
+def _tar_member(data: bytes, name: str) -> bytes:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        for member in archive.getmembers():
+            if member.name.removeprefix("./") == name:
+                extracted = archive.extractfile(member)
+                assert extracted is not None
+                return extracted.read()
+    raise AssertionError(f"{name} not in the archive")
