@@ -580,3 +580,93 @@ def test_cluster_unreachable_after_start_then_back(ray_cluster: RayCluster, tmp_
     out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "hello-shell"}}])
     assert [r["status"] for r in out["results"]] == ["success"], out["results"]
     assert server.poll() is None
+
+
+def _ray_gateways(runtime: DockerRuntime) -> list[dict[str, Any]]:
+    """Build gateways (the package cache's) whose owner is a test cluster node."""
+    from harbor_exec.sandbox.egress.build_gateway import KIND
+    from harbor_exec.sandbox.runtime import LABEL_KIND
+
+    return [
+        c
+        for c in runtime.our_containers()
+        if (c.get("Labels") or {}).get(LABEL_KIND) == KIND
+        and "/ray-node:w" in (c.get("Labels") or {}).get(LABEL_OWNER, "")
+    ]
+
+
+def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """``prewarm --ray --package-cache`` builds on every node through that node's own
+    cache (the Dockerfile fails without the proxy arguments), and ``serve --ray
+    --package-cache`` trials use the node's cache (``package-cache.json`` comes back);
+    the server runs none of its own; every node's gateway is gone at the end."""
+    from harbor_exec.trial.package_cache import RESULT_FILE
+    from harbor_exec.trial.task import load_task
+    from harbor_exec.trial.trial import image_tag_for
+    from tests.task_factory import make_task
+
+    nonce = uuid.uuid4().hex
+    dataset = tmp_path / "tasks"
+    task_dir = make_task(
+        dataset,
+        "ray-cached",
+        dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -n "$HTTP_PROXY"\n',
+    )
+    tag = image_tag_for(load_task(task_dir))
+    root = tmp_path / "pc"
+    runtime = DockerRuntime()
+    try:
+        prewarm = subprocess.run(
+            ray_cluster.run(
+                sys.executable,
+                "-m",
+                "harbor_exec.cli",
+                "prewarm",
+                str(dataset),
+                "--ray",
+                ray_cluster.address,
+                "--package-cache",
+                "--package-cache-dir",
+                str(root),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert prewarm.returncode == 0, prewarm.stdout + prewarm.stderr
+        # Both nodes share this engine: one built it, through its cache; the other found it.
+        assert prewarm.stdout.count("ray-cached on node") == 2, prewarm.stdout
+        assert "built ray-cached" in prewarm.stdout, prewarm.stdout
+        built_by = [n for n in ("w0", "w1") if (root / "ray-nodes" / n / "package-cache").is_dir()]
+        assert built_by, list(root.rglob("*"))
+        assert (root / "ray-nodes" / built_by[0] / "package-cache-ca").is_dir()
+        assert not (root / "package-cache").exists()  # the driver ran no cache
+        assert _ray_gateways(runtime) == []  # closed with the nodes' actors
+        runtime.remove_image(tag)  # the trials build it again, through the cache
+        url = ray_cluster.serve(
+            tmp_path / "serve",
+            "--tasks-dir",
+            str(dataset),
+            "--task-mode",
+            "dataset",
+            "--agent",
+            "oracle",
+            "--package-cache",
+            "--package-cache-dir",
+            str(root),
+        )
+        out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "ray-cached"}}] * 2)
+        assert [(r["status"], r["reward"]) for r in out["results"]] == [("success", 1.0)] * 2, [
+            r["err_message"] for r in out["results"]
+        ]
+        trials = sorted((tmp_path / "serve" / "trials").glob(f"*/{RESULT_FILE}"))
+        assert len(trials) == 2, list((tmp_path / "serve" / "trials").iterdir())
+        for stats in trials:
+            assert "requests" in json.loads(stats.read_text())
+        ray_cluster.stop_servers()
+        assert not (root / "package-cache").exists()
+        assert _ray_gateways(runtime) == []
+    finally:
+        ray_cluster.stop_servers()
+        if runtime.image_exists(tag):
+            runtime.remove_image(tag)
