@@ -612,7 +612,14 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         "ray-cached",
         dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -n "$HTTP_PROXY"\n',
     )
-    tag = image_tag_for(load_task(task_dir))
+    # Its verifier writes no reward: a failed trial, whose directory the server keeps.
+    kept = make_task(
+        dataset,
+        "ray-kept",
+        test="true",
+        dockerfile=(task_dir / "environment" / "Dockerfile").read_text(),
+    )
+    tags = {image_tag_for(load_task(task_dir)), image_tag_for(load_task(kept))}
     root = tmp_path / "pc"
     runtime = DockerRuntime()
     try:
@@ -636,13 +643,15 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         assert prewarm.returncode == 0, prewarm.stdout + prewarm.stderr
         # Both nodes share this engine: one built it, through its cache; the other found it.
         assert prewarm.stdout.count("ray-cached on node") == 2, prewarm.stdout
+        assert prewarm.stdout.count("ray-kept on node") == 2, prewarm.stdout
         assert "built ray-cached" in prewarm.stdout, prewarm.stdout
         built_by = [n for n in ("w0", "w1") if (root / "ray-nodes" / n / "package-cache").is_dir()]
         assert built_by, list(root.rglob("*"))
         assert (root / "ray-nodes" / built_by[0] / "package-cache-ca").is_dir()
         assert not (root / "package-cache").exists()  # the driver ran no cache
         assert _ray_gateways(runtime) == []  # closed with the nodes' actors
-        runtime.remove_image(tag)  # the trials build it again, through the cache
+        for tag in tags:
+            runtime.remove_image(tag)  # the trials build them again, through the cache
         url = ray_cluster.serve(
             tmp_path / "serve",
             "--tasks-dir",
@@ -655,18 +664,22 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
             "--package-cache-dir",
             str(root),
         )
-        out = ray_cluster.client(url, [{"metadata": {"harbor_task_id": "ray-cached"}}] * 2)
-        assert [(r["status"], r["reward"]) for r in out["results"]] == [("success", 1.0)] * 2, [
-            r["err_message"] for r in out["results"]
+        rollouts = [
+            {"metadata": {"harbor_task_id": t}} for t in ("ray-cached",) * 2 + ("ray-kept",)
         ]
-        trials = sorted((tmp_path / "serve" / "trials").glob(f"*/{RESULT_FILE}"))
-        assert len(trials) == 2, list((tmp_path / "serve" / "trials").iterdir())
-        for stats in trials:
-            assert "requests" in json.loads(stats.read_text())
+        out = ray_cluster.client(url, rollouts)
+        # The images built again in the trials, on the nodes: through their caches.
+        assert [(r["status"], r["reward"]) for r in out["results"]] == [("success", 1.0)] * 2 + [
+            ("failure", None)
+        ], [r["err_message"] for r in out["results"]]
+        [result] = (tmp_path / "serve" / "trials").glob("*/result.json")  # the failed one's
+        stats = json.loads((result.parent / RESULT_FILE).read_text())
+        assert stats["requests"] == 0 and stats["upstream_errors"] == 0, stats
         ray_cluster.stop_servers()
         assert not (root / "package-cache").exists()
         assert _ray_gateways(runtime) == []
     finally:
         ray_cluster.stop_servers()
-        if runtime.image_exists(tag):
-            runtime.remove_image(tag)
+        for tag in tags:
+            if runtime.image_exists(tag):
+                runtime.remove_image(tag)

@@ -511,8 +511,9 @@ def prewarm(
         typer.Option(
             "--package-cache",
             help="Build the images through the package cache (plain-HTTP apt and other "
-            "HTTP downloads of RUN steps are fetched once; docs/package-cache.md). "
-            "Implied by --run-verifier. Not while a server uses the cache.",
+            "HTTP downloads of RUN steps are fetched once; docs/package-cache.md); with "
+            "--ray, each node's own. Implied by --run-verifier. Not while a server uses "
+            "the cache.",
         ),
     ] = False,
     package_cache_max_gb: Annotated[
