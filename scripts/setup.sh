@@ -15,7 +15,10 @@
 #      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
 #   3. makes the base images and the read-only container runtime
 #      (`harbor-exec images bootstrap`);
-#   4. runs `harbor-exec validate tasks_examples/dataset`.
+#   4. fetches the files the package cache's engine test serves from its local upstreams
+#      into .cache/test-packages/ (Debian bookworm's curl and the libraries the test
+#      image lacks, the uv wheel) and installs gnupg (the test signs its Debian repo);
+#   5. runs `harbor-exec validate tasks_examples/dataset`.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +28,7 @@ VALIDATE=1
 for arg in "$@"; do
   case "$arg" in
     --no-validate) VALIDATE=0 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -198,12 +201,62 @@ ensure_venvs() {
   fi
 }
 
+# tests/test_package_cache_docker.py serves real packages from its local upstreams, so
+# the trial's test.sh runs `apt-get install curl` and `pip install uv` as real tasks do:
+# Debian bookworm's curl with the libraries python:3.11-slim-bookworm lacks (fetched from
+# the mirror the base images come from, through a private apt state so the machine's
+# sources stay as they are) and uv's manylinux wheel, pinned. The test fails under CI
+# when they are missing (tests/package_utils.py: test_packages_dir).
+TEST_PACKAGES_DIR="$ROOT/.cache/test-packages"
+TEST_UV_VERSION=0.13.8
+TEST_DEB_ROOTS=(curl)
+ensure_test_packages() {
+  command -v gpg >/dev/null || { say "installing gnupg (the package cache test signs its Debian repo)"; apt_install gnupg; }
+  local stamp="$TEST_PACKAGES_DIR/complete" want
+  want="uv=$TEST_UV_VERSION debs=${TEST_DEB_ROOTS[*]}"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    say "test packages present ($TEST_PACKAGES_DIR)"
+    return 0
+  fi
+  say "fetching the package cache test's packages into $TEST_PACKAGES_DIR"
+  rm -rf "$TEST_PACKAGES_DIR"
+  mkdir -p "$TEST_PACKAGES_DIR/debian" "$TEST_PACKAGES_DIR/pypi"
+  local mirror tmp apt_opts installed missing
+  mirror="${HARBOR_EXEC_DEBIAN_MIRROR:-$(.venv/bin/python -c \
+    'from harbor_exec.sandbox.images import debian_mirror; print(debian_mirror()[0])')}"
+  tmp="$(mktemp -d)"
+  chmod 755 "$tmp"  # apt downloads as _apt
+  mkdir -p "$tmp/lists/partial"
+  printf 'Types: deb\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$mirror" >"$tmp/test.sources"
+  apt_opts=(-o "Dir::Etc::SourceList=$tmp/test.sources" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$tmp/lists" -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=
+    -o APT::Architecture=amd64 -o APT::Architectures=amd64 -o APT::Sandbox::User=root)
+  apt-get "${apt_opts[@]}" update -qq || die "cannot read Debian bookworm's package list from $mirror"
+  # What the test image already has is not served (apt would not fetch it anyway).
+  installed="$(docker run --rm --network none python:3.11-slim-bookworm dpkg-query -W -f '${Package}\n')" \
+    || die "cannot list the packages of python:3.11-slim-bookworm"
+  missing="$(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests \
+      --no-conflicts --no-breaks --no-replaces --no-enhances "${TEST_DEB_ROOTS[@]}" \
+    | grep -E '^[a-z0-9]' | sort -u | grep -vxF -f <(printf '%s\n' "$installed"))"
+  # shellcheck disable=SC2086  # one package name a word
+  (cd "$tmp" && apt-get "${apt_opts[@]}" download -qq $missing) \
+    || die "cannot download $missing from Debian bookworm"
+  mv "$tmp"/*.deb "$TEST_PACKAGES_DIR/debian/"
+  rm -rf "$tmp"
+  .venv/bin/python -m pip download -q "uv==$TEST_UV_VERSION" --only-binary :all: --no-deps \
+    --platform manylinux2014_x86_64 --python-version 3.11 -d "$TEST_PACKAGES_DIR/pypi" \
+    || die "cannot download the uv $TEST_UV_VERSION wheel"
+  echo "$want" >"$stamp"
+}
+
 ensure_docker
 ensure_compose_v2
 ensure_sandbox_sources
 ensure_venvs
 say "making base images"
 .venv/bin/harbor-exec images bootstrap
+ensure_test_packages
 if [ "$VALIDATE" = 1 ]; then
   say "validating the example dataset with the oracle"
   .venv/bin/harbor-exec validate tasks_examples/dataset --jobs-dir "$ROOT/jobs"
