@@ -532,8 +532,10 @@ def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
     assert without.exception_info is None, without.exception_info
     assert without.reward == 1.0, _stdout(without_dir)
     assert not (without_dir / RESULT_FILE).exists()
-    # Everything came from the upstream itself.
-    assert set(upstream.fetched().values()) == {1}, upstream.fetched()
+    # Everything came from the upstream itself (some twice: test.sh fetches the tarball
+    # with curl and Python, uv reads a wheel's metadata before downloading it).
+    direct = upstream.fetched()
+    assert min(direct.values()) >= 1, direct
 
     service = _service(tmp_path, upstream, upstream_ca)
     try:
@@ -541,7 +543,8 @@ def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
         assert cached.reward == without.reward == 1.0, _stdout(cached_dir)
         stats = json.loads((cached_dir / RESULT_FILE).read_text())
         assert stats["misses"] >= len(upstream.artifacts()), stats
-        assert set(upstream.fetched().values()) == {2}, upstream.fetched()  # a cold cache
+        # A cold cache: each package once more from the upstream, however often asked.
+        assert upstream.fetched() == {p: n + 1 for p, n in direct.items()}, upstream.fetched()
 
         # apt's signatures still check out through the cache: the repo is signed
         # (signed-by=, no [trusted=yes]) and both trials verified it. Now the upstream's
@@ -555,7 +558,9 @@ def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
             ),
         )
         for cache in (service, None):
+            before = upstream.content_fetches(PACKAGES)
             bad, bad_dir = _run(docker_runtime, task, trials, cache, upstream)
+            assert upstream.content_fetches(PACKAGES) == before + 1  # the new bytes, fetched
             out = _stdout(bad_dir)
             assert bad.reward == 0.0 and "FAIL: apt-get update" in out, out
             assert "Hash Sum mismatch" in out or "File has unexpected size" in out, out
