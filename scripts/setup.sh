@@ -16,8 +16,9 @@
 #   3. makes the base images and the read-only container runtime
 #      (`harbor-exec images bootstrap`);
 #   4. fetches the files the package cache's engine test serves from its local upstreams
-#      into .cache/test-packages/ (Debian bookworm's curl and the libraries the test
-#      image lacks, the uv wheel) and installs gnupg (the test signs its Debian repo);
+#      into .cache/test-packages/ (Debian bookworm's curl and nodejs with the libraries
+#      the test image lacks, the uv wheel, npm's tarball) and installs gnupg (the test
+#      signs its Debian repo);
 #   5. runs `harbor-exec validate tasks_examples/dataset`.
 set -euo pipefail
 
@@ -203,29 +204,30 @@ ensure_venvs() {
 
 # tests/test_package_cache_docker.py serves real packages from its local upstreams, so
 # the trial's test.sh runs `apt-get install curl` and `pip install uv` as real tasks do:
-# Debian bookworm's curl with the libraries python:3.11-slim-bookworm lacks (fetched from
+# Debian bookworm's curl and nodejs with the libraries python:3.11-slim-bookworm lacks (from
 # the mirror the base images come from, through a private apt state so the machine's
-# sources stay as they are) and uv's manylinux wheel, pinned. The test fails under CI
-# when they are missing (tests/package_utils.py: test_packages_dir).
+# sources stay as they are), uv's manylinux wheel and npm's tarball, pinned. The test
+# fails under CI when they are missing (tests/setup_files.py).
 TEST_PACKAGES_DIR="$ROOT/.cache/test-packages"
 TEST_UV_VERSION=0.13.8
-TEST_DEB_ROOTS=(curl)
+TEST_NPM_VERSION=10.9.9
 ensure_test_packages() {
   command -v gpg >/dev/null || { say "installing gnupg (the package cache test signs its Debian repo)"; apt_install gnupg; }
   local stamp="$TEST_PACKAGES_DIR/complete" want
-  want="uv=$TEST_UV_VERSION debs=${TEST_DEB_ROOTS[*]}"
+  want="uv=$TEST_UV_VERSION npm=$TEST_NPM_VERSION debs=curl,nodejs"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     say "test packages present ($TEST_PACKAGES_DIR)"
     return 0
   fi
   say "fetching the package cache test's packages into $TEST_PACKAGES_DIR"
   rm -rf "$TEST_PACKAGES_DIR"
-  mkdir -p "$TEST_PACKAGES_DIR/debian" "$TEST_PACKAGES_DIR/pypi"
-  local mirror tmp apt_opts installed missing
+  mkdir -p "$TEST_PACKAGES_DIR/debian" "$TEST_PACKAGES_DIR/debian-node" \
+    "$TEST_PACKAGES_DIR/pypi" "$TEST_PACKAGES_DIR/npm"
+  local mirror tmp apt_opts curl_set node_set
   mirror="${HARBOR_EXEC_DEBIAN_MIRROR:-$(.venv/bin/python -c \
     'from harbor_exec.sandbox.images import debian_mirror; print(debian_mirror()[0])')}"
   tmp="$(mktemp -d)"
-  chmod 755 "$tmp"  # apt downloads as _apt
+  chmod 755 "$tmp"
   mkdir -p "$tmp/lists/partial"
   printf 'Types: deb\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
     "$mirror" >"$tmp/test.sources"
@@ -233,20 +235,35 @@ ensure_test_packages() {
     -o "Dir::State::Lists=$tmp/lists" -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=
     -o APT::Architecture=amd64 -o APT::Architectures=amd64 -o APT::Sandbox::User=root)
   apt-get "${apt_opts[@]}" update -qq || die "cannot read Debian bookworm's package list from $mirror"
-  # What the test image already has is not served (apt would not fetch it anyway).
-  installed="$(docker run --rm --network none python:3.11-slim-bookworm dpkg-query -W -f '${Package}\n')" \
-    || die "cannot list the packages of python:3.11-slim-bookworm"
-  missing="$(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests \
-      --no-conflicts --no-breaks --no-replaces --no-enhances "${TEST_DEB_ROOTS[@]}" \
-    | grep -E '^[a-z0-9]' | sort -u | grep -vxF -f <(printf '%s\n' "$installed"))"
+  # Exactly what apt in the test image installs (simulated against the image's dpkg
+  # status): what the image has already is not served.
+  docker run --rm --network none python:3.11-slim-bookworm cat /var/lib/dpkg/status \
+    >"$tmp/status" || die "cannot read python:3.11-slim-bookworm's dpkg status"
+  apt_opts+=(-o "Dir::State::status=$tmp/status")
+  closure() {
+    apt-get "${apt_opts[@]}" -s install --no-install-recommends "$@" \
+      | awk '$1 == "Inst" { print $2 }' | sort -u
+  }
+  curl_set="$(closure curl)"
+  # nodejs's packages beyond curl's (the npm test installs both).
+  node_set="$(closure curl nodejs | grep -vxF -f <(printf '%s\n' "$curl_set"))"
   # shellcheck disable=SC2086  # one package name a word
-  (cd "$tmp" && apt-get "${apt_opts[@]}" download -qq $missing) \
-    || die "cannot download $missing from Debian bookworm"
-  mv "$tmp"/*.deb "$TEST_PACKAGES_DIR/debian/"
+  (cd "$TEST_PACKAGES_DIR/debian" && apt-get "${apt_opts[@]}" download -qq $curl_set) \
+    || die "cannot download $curl_set from Debian bookworm"
+  # shellcheck disable=SC2086
+  (cd "$TEST_PACKAGES_DIR/debian-node" && apt-get "${apt_opts[@]}" download -qq $node_set) \
+    || die "cannot download $node_set from Debian bookworm"
   rm -rf "$tmp"
   .venv/bin/python -m pip download -q "uv==$TEST_UV_VERSION" --only-binary :all: --no-deps \
     --platform manylinux2014_x86_64 --python-version 3.11 -d "$TEST_PACKAGES_DIR/pypi" \
     || die "cannot download the uv $TEST_UV_VERSION wheel"
+  # npm's own tarball bundles its dependencies: the test runs it with Debian's node.
+  if ! command -v npm >/dev/null; then
+    say "installing npm (to fetch the npm CLI's tarball for the package cache test)"
+    apt_install npm
+  fi
+  (cd "$TEST_PACKAGES_DIR/npm" && npm pack -q "npm@$TEST_NPM_VERSION" >/dev/null) \
+    || die "cannot fetch npm $TEST_NPM_VERSION's tarball"
   echo "$want" >"$stamp"
 }
 

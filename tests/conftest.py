@@ -21,7 +21,7 @@ from harbor_exec.sandbox.images import bootstrap
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from tests.fake_chat import FakeChat
 from tests.package_upstream import AptSigner
-from tests.setup_files import TEST_PACKAGES, require_setup_files
+from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
 
 if TYPE_CHECKING:
     from harbor_exec.sandbox.egress.ca import LocalCA
@@ -64,8 +64,8 @@ def base_images(docker_runtime: DockerRuntime) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def test_packages() -> dict[str, list[Path]]:
     """The real packages the package cache's engine test serves (scripts/setup.sh):
-    ``"debian/*.deb"`` (curl and the libraries the test image lacks), ``"pypi/uv-*.whl"``."""
-    return require_setup_files(TEST_PACKAGES, "debian/curl_*.deb", "debian/*.deb", "pypi/uv-*.whl")
+    ``tests.setup_files.TEST_PACKAGE_PATTERNS`` -> the files."""
+    return require_setup_files(TEST_PACKAGES, *TEST_PACKAGE_PATTERNS)
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: ``ensure_test_packages`` in scripts/setup.sh: Debian bookworm's curl and the libraries
-#: python:3.11-slim-bookworm lacks (``debian/*.deb``), uv's wheel (``pypi/uv-*.whl``).
+#: python:3.11-slim-bookworm lacks (``debian/*.deb``), nodejs's beyond those
+#: (``debian-node/*.deb``), uv's wheel (``pypi/uv-*.whl``), npm's tarball (``npm/``).
 TEST_PACKAGES = ROOT / ".cache" / "test-packages"
+TEST_PACKAGE_PATTERNS = (
+    "debian/curl_*.deb",
+    "debian/*.deb",
+    "debian-node/nodejs_*.deb",
+    "debian-node/*.deb",
+    "pypi/uv-*.whl",
+    "npm/npm-*.tgz",
+)
 
 
 def require_setup_files(directory: Path, *patterns: str) -> dict[str, list[Path]]:

@@ -16,8 +16,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
+import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -44,7 +46,7 @@ from tests.package_upstream import (
     serve_upstream,
     sni_context,
 )
-from tests.setup_files import TEST_PACKAGES, require_setup_files
+from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -59,6 +61,9 @@ PACKAGES = "/debian/dists/stable/main/binary-amd64/Packages"
 RELEASE = "/debian/dists/stable/Release"
 INRELEASE = "/debian/dists/stable/InRelease"
 KEYRING = "/usr/share/keyrings/hx-test-repo.gpg"
+# npm's own registry name, mapped to the local upstream like every test name (DNS off):
+# its package documents take the cache's npm index rule.
+NPM_REGISTRY = "registry.npmjs.org"
 # Room for the uv wheel (~17 MB; one object may take a quarter of the bound).
 BOUND = 128 * 1024 * 1024
 HTML = {"Content-Type": "text/html"}
@@ -119,6 +124,37 @@ def _links(files: dict[str, bytes]) -> bytes:
     return f"<html><body>\n{links}</body></html>\n".encode()
 
 
+def _npm_package(https: Upstream, name: str, version: str) -> str:
+    """A package on the npm registry stand-in: its document and its tarball's path."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as archive:
+        for member, data in (
+            ("package/package.json", json.dumps({"name": name, "version": version}).encode()),
+            ("package/index.js", f"module.exports = {json.dumps(version)};\n".encode()),
+        ):
+            info = tarfile.TarInfo(member)
+            info.size, info.mode = len(data), 0o644
+            archive.addfile(info, io.BytesIO(data))
+    tgz = out.getvalue()
+    path = f"/{name}/-/{name}-{version}.tgz"
+    https.set(path, tgz)
+    integrity = "sha512-" + base64.b64encode(hashlib.sha512(tgz).digest()).decode()
+    dist = {
+        "tarball": f"https://{NPM_REGISTRY}{path}",
+        "integrity": integrity,
+        "shasum": hashlib.sha1(tgz).hexdigest(),
+    }
+    document = {
+        "name": name,
+        "dist-tags": {"latest": version},
+        "versions": {version: {"name": name, "version": version, "dist": dist}},
+    }
+    https.set(
+        f"/{name}", json.dumps(document).encode(), headers={"Content-Type": "application/json"}
+    )
+    return path
+
+
 class Mirror:
     """What the upstreams serve: a signed Debian repo (hxdemo, and the real curl debs
     from ``packages``), a PyPI index (demo for pip, uvdemo for uv, the real uv wheel) and
@@ -142,9 +178,7 @@ class Mirror:
             signer = AptSigner(home)
         self.signer = signer
         if packages is None:
-            packages = require_setup_files(
-                TEST_PACKAGES, "debian/curl_*.deb", "debian/*.deb", "pypi/uv-*.whl"
-            )
+            packages = require_setup_files(TEST_PACKAGES, *TEST_PACKAGE_PATTERNS)
         self.wheels = {"1.0": _wheel("1.0"), "2.0": _wheel("2.0")}
         https.set(WHEEL, self.wheels["1.0"])
         https.set("/packages/demo-2.0-py3-none-any.whl", self.wheels["2.0"])
@@ -157,6 +191,11 @@ class Mirror:
         self.uv_wheel = f"/packages/{uv.name}"
         https.set(self.uv_wheel, uv.read_bytes())
         https.set("/simple/uv/", _links({uv.name: uv.read_bytes()}), headers=HTML)
+        npm = packages["npm/npm-*.tgz"][-1]
+        self.npm_version = npm.name.removeprefix("npm-").removesuffix(".tgz")
+        self.npm_cli = f"/npm/-/{npm.name}"
+        https.set(self.npm_cli, npm.read_bytes())
+        self.npm_demo = _npm_package(https, "hxnpmdemo", "1.0.0")
         self.tarball = b"tool-1.0 release\n" * 4096
         https.set(TARBALL, self.tarball, headers={"Cache-Control": "max-age=3600"})
         deb = _deb(tmp, deb_padding)
@@ -171,12 +210,19 @@ class Mirror:
         ]
         #: The real debs' paths on the mirror (curl's first).
         self.debs: list[str] = []
-        for path in packages["debian/*.deb"]:
-            # Without "+" (apt asks for it as "%2b"; the upstream matches paths as sent).
-            served = f"/debian/pool/main/{path.name.replace('+', '_')}"
-            http.set(served, path.read_bytes())
-            stanzas.append(deb_stanza(path, served.removeprefix("/debian/")))
-            self.debs.append(served)
+        #: nodejs's beyond curl's (the npm test's).
+        self.node_debs: list[str] = []
+        for group, found in (
+            (self.debs, packages["debian/*.deb"]),
+            (self.node_debs, packages["debian-node/*.deb"]),
+        ):
+            for path in found:
+                # Only unreserved characters ("+" and "~" come as "%2b", "%7e": the
+                # upstream matches paths as sent).
+                served = f"/debian/pool/main/{re.sub(r'[^A-Za-z0-9._-]', '_', path.name)}"
+                http.set(served, path.read_bytes())
+                stanzas.append(deb_stanza(path, served.removeprefix("/debian/")))
+                group.append(served)
         self.debs.sort(key=lambda d: not Path(d).name.startswith("curl_"))
         self.packages = b"".join(stanzas)
         self.publish()
@@ -305,7 +351,8 @@ def _service(tmp_path: Path, mirror: Mirror, upstream_ca: LocalCA) -> PackageCac
 
 def _egress(mirror: Mirror) -> EgressSettings:
     """The test names -> the local upstreams; nothing else resolves (DNS off)."""
-    overrides = {name: ("127.0.0.1", mirror.https.port) for name in ("files.test", "pypi.test")}
+    names = ("files.test", "pypi.test", NPM_REGISTRY)
+    overrides = {name: ("127.0.0.1", mirror.https.port) for name in names}
     overrides["deb.test:80"] = ("127.0.0.1", mirror.http.port)
     return EgressSettings(overrides=overrides, dns=False)
 
@@ -337,6 +384,7 @@ def _task(
     *,
     upstream_ca: LocalCA | None = None,
     environment: str = "",
+    test: str = TEST_SH,
 ) -> Path:
     """The task; ``upstream_ca``: the image trusts it (needed without the cache)."""
     toml = f"""
@@ -356,7 +404,7 @@ HX_NEEDLE_HEX = "{needle.hex()}"
         tmp_path,
         name,
         solve=solve,
-        test=TEST_SH,
+        test=test,
         toml=toml,
         dockerfile=DOCKERFILE if upstream_ca is not None else CACHE_ONLY_DOCKERFILE,
     )
@@ -371,6 +419,7 @@ HX_NEEDLE_HEX = "{needle.hex()}"
     (task / "tests" / "wheel.sha256").write_text(hashlib.sha256(mirror.wheels["1.0"]).hexdigest())
     (task / "tests" / "tarball.sha256").write_text(hashlib.sha256(mirror.tarball).hexdigest())
     (task / "tests" / "uv.version").write_text(mirror.uv_version)
+    (task / "tests" / "npm.version").write_text(mirror.npm_version)
     return task
 
 
@@ -571,5 +620,52 @@ def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
         out = _stdout(bad_dir)
         assert bad.reward == 0.0 and "FAIL: apt-get update" in out, out
         assert "NO_PUBKEY" in out or "not signed" in out, out
+    finally:
+        service.close()
+
+
+NPM_TEST_SH = f"""
+set -eu
+fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
+rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
+echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
+    > /etc/apt/sources.list.d/test.list
+apt-get update -o Acquire::Languages=none || fail apt-get update
+apt-get install -y --no-install-recommends curl nodejs || fail apt-get install
+mkdir -p /tmp/npm /tmp/app
+curl -fsSL "https://{NPM_REGISTRY}/npm/-/npm-$(cat /tests/npm.version).tgz" \\
+    | tar -xz -C /tmp/npm || fail fetch npm
+cd /tmp/app
+node /tmp/npm/package/bin/npm-cli.js install --no-audit --no-fund --no-update-notifier \\
+    hxnpmdemo@1.0.0 || fail npm install
+node -e 'if (require("hxnpmdemo") !== "1.0.0") process.exit(1)' || fail require
+echo 1 > /logs/verifier/reward.txt
+"""
+
+
+def test_npm_install_through_the_cache(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """Debian's nodejs from the signed repo, npm's own tarball with curl, then
+    ``npm install`` from the registry: the second trial fetches none of it again."""
+    upstream, upstream_ca = mirror
+    task = _task(
+        tmp_path, upstream, b"no-needle", "npm", "true", upstream_ca=upstream_ca, test=NPM_TEST_SH
+    )
+    service = _service(tmp_path, upstream, upstream_ca)
+    document = f"/{Path(upstream.npm_demo).parts[1]}"
+    try:
+        artifacts = [*upstream.node_debs, upstream.npm_cli, upstream.npm_demo]
+        first, first_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
+        assert first.reward == 1.0, _stdout(first_dir)
+        after_first = {p: upstream.content_fetches(p) for p in artifacts}
+        assert set(after_first.values()) == {1}, after_first
+        second, second_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
+        assert second.reward == 1.0, _stdout(second_dir)
+        assert {p: upstream.content_fetches(p) for p in artifacts} == after_first
+        # The package document is an index: revalidated, not fetched again.
+        assert upstream.content_fetches(document) == 1
+        assert upstream.https.count(document, 304) >= 1
+        assert json.loads((second_dir / RESULT_FILE).read_text())["misses"] == 0
     finally:
         service.close()
