@@ -4,7 +4,7 @@ k-th trial's time and verifier phase against the first's (ratios).
     flock /tmp/docker-tests.lock .venv/bin/python bench/bench_package_cache.py [--trials 4]
 
 The task is the real-Docker test's (tests/test_package_cache_docker.py): its test.sh
-runs ``apt-get update && apt-get install``, ``pip install --require-hashes`` and an
+runs ``apt-get update && apt-get install`` (curl too), ``pip install``, ``uv`` and an
 HTTPS download, against local upstreams on 127.0.0.1 made to look distant
 (``--latency-ms`` before each answer, ``--mbps`` of bandwidth) and artifacts of
 ``--size-mb``. The first trial fills the cache (every byte from the upstream, as

@@ -15,7 +15,11 @@
 #      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
 #   3. makes the base images and the read-only container runtime
 #      (`harbor-exec images bootstrap`);
-#   4. runs `harbor-exec validate tasks_examples/dataset`.
+#   4. fetches the files the package cache's engine test serves from its local upstreams
+#      into .cache/test-packages/ (Debian bookworm's curl and nodejs with the libraries
+#      the test image lacks, the uv wheel, npm's tarball) and installs gnupg (the test
+#      signs its Debian repo);
+#   5. runs `harbor-exec validate tasks_examples/dataset`.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +29,7 @@ VALIDATE=1
 for arg in "$@"; do
   case "$arg" in
     --no-validate) VALIDATE=0 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -198,12 +202,78 @@ ensure_venvs() {
   fi
 }
 
+# tests/test_package_cache_docker.py serves real packages from its local upstreams, so
+# the trial's test.sh runs `apt-get install curl` and `pip install uv` as real tasks do:
+# Debian bookworm's curl and nodejs with the libraries python:3.11-slim-bookworm lacks (from
+# the mirror the base images come from, through a private apt state so the machine's
+# sources stay as they are), uv's manylinux wheel and npm's tarball, pinned. The test
+# fails under CI when they are missing (tests/setup_files.py).
+TEST_PACKAGES_DIR="$ROOT/.cache/test-packages"
+TEST_UV_VERSION=0.13.8
+TEST_NPM_VERSION=10.9.9
+ensure_test_packages() {
+  command -v gpg >/dev/null || { say "installing gnupg (the package cache test signs its Debian repo)"; apt_install gnupg; }
+  local stamp="$TEST_PACKAGES_DIR/complete" want
+  want="uv=$TEST_UV_VERSION npm=$TEST_NPM_VERSION debs=curl,nodejs"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    say "test packages present ($TEST_PACKAGES_DIR)"
+    return 0
+  fi
+  say "fetching the package cache test's packages into $TEST_PACKAGES_DIR"
+  rm -rf "$TEST_PACKAGES_DIR"
+  mkdir -p "$TEST_PACKAGES_DIR/debian" "$TEST_PACKAGES_DIR/debian-node" \
+    "$TEST_PACKAGES_DIR/pypi" "$TEST_PACKAGES_DIR/npm"
+  local mirror tmp apt_opts curl_set node_set
+  mirror="${HARBOR_EXEC_DEBIAN_MIRROR:-$(.venv/bin/python -c \
+    'from harbor_exec.sandbox.images import debian_mirror; print(debian_mirror()[0])')}"
+  tmp="$(mktemp -d)"
+  chmod 755 "$tmp"
+  mkdir -p "$tmp/lists/partial"
+  printf 'Types: deb\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$mirror" >"$tmp/test.sources"
+  apt_opts=(-o "Dir::Etc::SourceList=$tmp/test.sources" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$tmp/lists" -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=
+    -o APT::Architecture=amd64 -o APT::Architectures=amd64 -o APT::Sandbox::User=root)
+  apt-get "${apt_opts[@]}" update -qq || die "cannot read Debian bookworm's package list from $mirror"
+  # Exactly what apt in the test image installs (simulated against the image's dpkg
+  # status): what the image has already is not served.
+  docker run --rm --network none python:3.11-slim-bookworm cat /var/lib/dpkg/status \
+    >"$tmp/status" || die "cannot read python:3.11-slim-bookworm's dpkg status"
+  apt_opts+=(-o "Dir::State::status=$tmp/status")
+  closure() {
+    apt-get "${apt_opts[@]}" -s install --no-install-recommends "$@" \
+      | awk '$1 == "Inst" { print $2 }' | sort -u
+  }
+  curl_set="$(closure curl)"
+  # nodejs's packages beyond curl's (the npm test installs both).
+  node_set="$(closure curl nodejs | grep -vxF -f <(printf '%s\n' "$curl_set"))"
+  # shellcheck disable=SC2086  # one package name a word
+  (cd "$TEST_PACKAGES_DIR/debian" && apt-get "${apt_opts[@]}" download -qq $curl_set) \
+    || die "cannot download $curl_set from Debian bookworm"
+  # shellcheck disable=SC2086
+  (cd "$TEST_PACKAGES_DIR/debian-node" && apt-get "${apt_opts[@]}" download -qq $node_set) \
+    || die "cannot download $node_set from Debian bookworm"
+  rm -rf "$tmp"
+  .venv/bin/python -m pip download -q "uv==$TEST_UV_VERSION" --only-binary :all: --no-deps \
+    --platform manylinux2014_x86_64 --python-version 3.11 -d "$TEST_PACKAGES_DIR/pypi" \
+    || die "cannot download the uv $TEST_UV_VERSION wheel"
+  # npm's own tarball bundles its dependencies: the test runs it with Debian's node.
+  if ! command -v npm >/dev/null; then
+    say "installing npm (to fetch the npm CLI's tarball for the package cache test)"
+    apt_install npm
+  fi
+  (cd "$TEST_PACKAGES_DIR/npm" && npm pack -q "npm@$TEST_NPM_VERSION" >/dev/null) \
+    || die "cannot fetch npm $TEST_NPM_VERSION's tarball"
+  echo "$want" >"$stamp"
+}
+
 ensure_docker
 ensure_compose_v2
 ensure_sandbox_sources
 ensure_venvs
 say "making base images"
 .venv/bin/harbor-exec images bootstrap
+ensure_test_packages
 if [ "$VALIDATE" = 1 ]; then
   say "validating the example dataset with the oracle"
   .venv/bin/harbor-exec validate tasks_examples/dataset --jobs-dir "$ROOT/jobs"

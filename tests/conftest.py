@@ -10,6 +10,8 @@ engine tests no container, network or volume of ours may remain;
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +20,11 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import bootstrap
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from tests.fake_chat import FakeChat
+from tests.package_upstream import AptSigner
+from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
+
+if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.ca import LocalCA
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +59,30 @@ def docker_runtime() -> Iterator[DockerRuntime]:
 def base_images(docker_runtime: DockerRuntime) -> dict[str, str]:
     """The base images the example tasks build on (bootstrapped when missing)."""
     return bootstrap(docker_runtime, log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def test_packages() -> dict[str, list[Path]]:
+    """The real packages the package cache's engine test serves (scripts/setup.sh):
+    ``tests.setup_files.TEST_PACKAGE_PATTERNS`` -> the files."""
+    return require_setup_files(TEST_PACKAGES, *TEST_PACKAGE_PATTERNS)
+
+
+@pytest.fixture(scope="session")
+def apt_signer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AptSigner]:
+    """A throwaway GPG key signing the tests' Debian repos (one a session: the task
+    image that trusts it is built once)."""
+    with AptSigner.throwaway() as signer:
+        yield signer
+
+
+@pytest.fixture(scope="session")
+def upstream_ca(tmp_path_factory: pytest.TempPathFactory) -> LocalCA:
+    """A CA standing in for a public one: the tests' local HTTPS upstreams present its
+    certificates (one a session, like ``apt_signer``)."""
+    from harbor_exec.sandbox.egress.ca import LocalCA  # the server extra (cryptography)
+
+    return LocalCA(tmp_path_factory.mktemp("public-ca") / "ca")
 
 
 def leftovers() -> list[str]:

@@ -4,14 +4,19 @@ release-file host."""
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.server
+import shutil
 import ssl
+import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -144,3 +149,64 @@ def sni_context(ca: Any) -> ssl.SSLContext:
 
     context.sni_callback = pick
     return context
+
+
+class AptSigner:
+    """A throwaway GPG key (the host's ``gpg``) signing a Debian repo's ``Release``, as
+    an archive's key does; ``keyring``: its public key, for apt's ``signed-by=``."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self._gpg("--quick-gen-key", "hx test repo <repo@hx.test>", "ed25519", "sign", "never")
+        self.keyring: bytes = self._gpg("--export").stdout
+
+    @classmethod
+    @contextmanager
+    def throwaway(cls) -> Iterator[AptSigner]:
+        # Short: gpg-agent's socket lives in the home dir (a unix socket path has 107 bytes).
+        home = Path(tempfile.mkdtemp(prefix="hx-gpg-"))
+        home.chmod(0o700)
+        try:
+            yield cls(home)
+        finally:
+            subprocess.run(
+                ["gpgconf", "--homedir", str(home), "--kill", "all"], capture_output=True
+            )
+            shutil.rmtree(home, ignore_errors=True)
+
+    def _gpg(self, *args: str, data: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+        command = ["gpg", "--homedir", str(self.home), "--batch", "--yes", "--pinentry-mode"]
+        command += ["loopback", "--passphrase", "", *args]
+        return subprocess.run(command, input=data, capture_output=True, check=True)
+
+    def inrelease(self, release: bytes) -> bytes:
+        return self._gpg("--clearsign", data=release).stdout
+
+    def detached(self, release: bytes) -> bytes:
+        return self._gpg("--armor", "--detach-sign", data=release).stdout
+
+
+def deb_stanza(deb: Path | bytes, filename: str, control: str | None = None) -> bytes:
+    """A ``Packages`` stanza for ``deb`` (a file, or its bytes with ``control``)."""
+    data = deb if isinstance(deb, bytes) else deb.read_bytes()
+    if control is None:
+        assert isinstance(deb, Path)
+        control = subprocess.run(
+            ["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True
+        ).stdout
+    return (
+        control.rstrip("\n")
+        + f"\nFilename: {filename}\nSize: {len(data)}\nMD5sum: {hashlib.md5(data).hexdigest()}"
+        f"\nSHA256: {hashlib.sha256(data).hexdigest()}\n\n"
+    ).encode()
+
+
+def release_file(suite: str, indexes: Sequence[tuple[str, bytes]]) -> bytes:
+    """A ``Release`` listing ``indexes`` (path under ``dists/<suite>/``, body)."""
+    md5 = "".join(f" {hashlib.md5(b).hexdigest()} {len(b)} {p}\n" for p, b in indexes)
+    sha = "".join(f" {hashlib.sha256(b).hexdigest()} {len(b)} {p}\n" for p, b in indexes)
+    return (
+        f"Origin: hx-test\nLabel: hx-test\nSuite: {suite}\nCodename: {suite}\n"
+        f"Date: {email.utils.formatdate(usegmt=True)}\nArchitectures: amd64\n"
+        f"Components: main\nMD5Sum:\n{md5}SHA256:\n{sha}"
+    ).encode()

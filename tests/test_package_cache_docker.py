@@ -1,7 +1,13 @@
-"""The package cache with a real Docker engine: trials whose tests run apt-get, pip and
-an HTTPS download through the cache, against local upstreams on 127.0.0.1 standing in
-for a Debian mirror, a package index and a file host (nothing leaves loopback: the
-egress proxies resolve only the test names, DNS off)."""
+"""The package cache with a real Docker engine: trials whose tests run ``apt-get update
+&& apt-get install`` (a signed repo), ``pip install``, ``uv`` and ``curl https://...``
+through the cache, against local upstreams on 127.0.0.1 standing in for a Debian
+mirror, a package index and a file host (nothing leaves loopback: the egress proxies
+resolve only the test names, DNS off).
+
+The mirror serves real packages: Debian bookworm's curl with the libraries the image
+lacks and uv's wheel, which scripts/setup.sh fetched from the registries
+(``test_packages``; under CI the tests fail without them), so test.sh installs curl
+and uv exactly as a real task does."""
 
 from __future__ import annotations
 
@@ -10,8 +16,11 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
+import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,27 +38,45 @@ from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
-from tests.package_upstream import Upstream, serve_upstream, sni_context
+from tests.package_upstream import (
+    AptSigner,
+    Upstream,
+    deb_stanza,
+    release_file,
+    serve_upstream,
+    sni_context,
+)
+from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 WHEEL = "/packages/demo-1.0-py3-none-any.whl"
 INDEX = "/simple/demo/"
+#: Installed by uv only (the demo wheel above is pip's).
+UV_WHEEL = "/packages/uvdemo-1.0-py3-none-any.whl"
 TARBALL = "/releases/tool-1.0.tar.gz"
 DEB = "/debian/pool/main/h/hxdemo/hxdemo_1.0_all.deb"
-PACKAGES = "/debian/dists/stable/main/binary-all/Packages"
+PACKAGES = "/debian/dists/stable/main/binary-amd64/Packages"
 RELEASE = "/debian/dists/stable/Release"
-BOUND = 64 * 1024 * 1024
+INRELEASE = "/debian/dists/stable/InRelease"
+KEYRING = "/usr/share/keyrings/hx-test-repo.gpg"
+# npm's own registry name, mapped to the local upstream like every test name (DNS off):
+# its package documents take the cache's npm index rule.
+NPM_REGISTRY = "registry.npmjs.org"
+# Room for the uv wheel (~17 MB; one object may take a quarter of the bound).
+BOUND = 128 * 1024 * 1024
 HTML = {"Content-Type": "text/html"}
 
 
-def _wheel(version: str) -> bytes:
+def _wheel(version: str, project: str = "demo") -> bytes:
     out = io.BytesIO()
-    name = f"demo-{version}"
+    name = f"{project}-{version}"
     files = {
-        "demo/__init__.py": f"VALUE = {version!r}\n".encode(),
-        f"{name}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: demo\nVersion: {version}\n".encode(),
+        f"{project}/__init__.py": f"VALUE = {version!r}\n".encode(),
+        f"{name}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode()
+        ),
         f"{name}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = []
@@ -84,57 +111,167 @@ def _deb(tmp: Path, padding: int = 0) -> bytes:
 
 
 def _index(versions: list[str], wheels: dict[str, bytes]) -> bytes:
+    return _links({f"demo-{v}-py3-none-any.whl": wheels[v] for v in versions})
+
+
+def _links(files: dict[str, bytes]) -> bytes:
+    """A PEP 503 project page: each file on the file host, with its sha256."""
     links = "".join(
-        f'<a href="https://files.test/packages/demo-{v}-py3-none-any.whl#sha256='
-        f'{hashlib.sha256(wheels[v]).hexdigest()}">demo-{v}-py3-none-any.whl</a>\n'
-        for v in versions
+        f'<a href="https://files.test/packages/{name}#sha256='
+        f'{hashlib.sha256(data).hexdigest()}">{name}</a>\n'
+        for name, data in files.items()
     )
     return f"<html><body>\n{links}</body></html>\n".encode()
 
 
+def _npm_package(https: Upstream, name: str, version: str) -> str:
+    """A package on the npm registry stand-in: its document and its tarball's path."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as archive:
+        for member, data in (
+            ("package/package.json", json.dumps({"name": name, "version": version}).encode()),
+            ("package/index.js", f"module.exports = {json.dumps(version)};\n".encode()),
+        ):
+            info = tarfile.TarInfo(member)
+            info.size, info.mode = len(data), 0o644
+            archive.addfile(info, io.BytesIO(data))
+    tgz = out.getvalue()
+    path = f"/{name}/-/{name}-{version}.tgz"
+    https.set(path, tgz)
+    integrity = "sha512-" + base64.b64encode(hashlib.sha512(tgz).digest()).decode()
+    dist = {
+        "tarball": f"https://{NPM_REGISTRY}{path}",
+        "integrity": integrity,
+        "shasum": hashlib.sha1(tgz).hexdigest(),
+    }
+    document = {
+        "name": name,
+        "dist-tags": {"latest": version},
+        "versions": {version: {"name": name, "version": version, "dist": dist}},
+    }
+    https.set(
+        f"/{name}", json.dumps(document).encode(), headers={"Content-Type": "application/json"}
+    )
+    return path
+
+
 class Mirror:
-    def __init__(self, https: Upstream, http: Upstream, tmp: Path, deb_padding: int = 0) -> None:
+    """What the upstreams serve: a signed Debian repo (hxdemo, and the real curl debs
+    from ``packages``), a PyPI index (demo for pip, uvdemo for uv, the real uv wheel) and
+    a release tarball. ``signer``/``packages`` default to a throwaway key and
+    scripts/setup.sh's files (the bench makes its mirror this way)."""
+
+    def __init__(
+        self,
+        https: Upstream,
+        http: Upstream,
+        tmp: Path,
+        deb_padding: int = 0,
+        *,
+        signer: AptSigner | None = None,
+        packages: dict[str, list[Path]] | None = None,
+    ) -> None:
         self.https, self.http = https, http
+        if signer is None:
+            home = Path(tempfile.mkdtemp(prefix="hx-gpg-"))
+            home.chmod(0o700)
+            signer = AptSigner(home)
+        self.signer = signer
+        if packages is None:
+            packages = require_setup_files(TEST_PACKAGES, *TEST_PACKAGE_PATTERNS)
         self.wheels = {"1.0": _wheel("1.0"), "2.0": _wheel("2.0")}
         https.set(WHEEL, self.wheels["1.0"])
         https.set("/packages/demo-2.0-py3-none-any.whl", self.wheels["2.0"])
         https.set(INDEX, _index(["1.0"], self.wheels), headers=HTML)
+        uvdemo = _wheel("1.0", "uvdemo")
+        https.set(UV_WHEEL, uvdemo)
+        https.set("/simple/uvdemo/", _links({Path(UV_WHEEL).name: uvdemo}), headers=HTML)
+        uv = packages["pypi/uv-*.whl"][-1]
+        self.uv_version = uv.name.split("-")[1]
+        self.uv_wheel = f"/packages/{uv.name}"
+        https.set(self.uv_wheel, uv.read_bytes())
+        https.set("/simple/uv/", _links({uv.name: uv.read_bytes()}), headers=HTML)
+        npm = packages["npm/npm-*.tgz"][-1]
+        self.npm_version = npm.name.removeprefix("npm-").removesuffix(".tgz")
+        self.npm_cli = f"/npm/-/{npm.name}"
+        https.set(self.npm_cli, npm.read_bytes())
+        self.npm_demo = _npm_package(https, "hxnpmdemo", "1.0.0")
         self.tarball = b"tool-1.0 release\n" * 4096
         https.set(TARBALL, self.tarball, headers={"Cache-Control": "max-age=3600"})
         deb = _deb(tmp, deb_padding)
         http.set(DEB, deb)
-        md5 = hashlib.md5(deb).hexdigest()
-        sha = hashlib.sha256(deb).hexdigest()
-        packages = (
-            "Package: hxdemo\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\n"
-            f"Filename: pool/main/h/hxdemo/hxdemo_1.0_all.deb\nSize: {len(deb)}\n"
-            f"MD5sum: {md5}\nSHA256: {sha}\nDescription: test package\n\n"
-        ).encode()
-        http.set(PACKAGES, packages)
-        release = (
-            "Origin: test\nLabel: test\nSuite: stable\nCodename: stable\n"
-            "Architectures: all amd64 arm64\nComponents: main\nSHA256:\n"
-            f" {hashlib.sha256(packages).hexdigest()} {len(packages)} main/binary-all/Packages\n"
-        ).encode()
-        http.set(RELEASE, release)
+        stanzas = [
+            deb_stanza(
+                deb,
+                DEB.removeprefix("/debian/"),
+                control="Package: hxdemo\nVersion: 1.0\nArchitecture: all\n"
+                "Maintainer: t <t@t>\nDescription: test package",
+            )
+        ]
+        #: The real debs' paths on the mirror (curl's first).
+        self.debs: list[str] = []
+        #: nodejs's beyond curl's (the npm test's).
+        self.node_debs: list[str] = []
+        for group, found in (
+            (self.debs, packages["debian/*.deb"]),
+            (self.node_debs, packages["debian-node/*.deb"]),
+        ):
+            for path in found:
+                # Only unreserved characters ("+" and "~" come as "%2b", "%7e": the
+                # upstream matches paths as sent).
+                served = f"/debian/pool/main/{re.sub(r'[^A-Za-z0-9._-]', '_', path.name)}"
+                http.set(served, path.read_bytes())
+                stanzas.append(deb_stanza(path, served.removeprefix("/debian/")))
+                group.append(served)
+        self.debs.sort(key=lambda d: not Path(d).name.startswith("curl_"))
+        self.packages = b"".join(stanzas)
+        self.publish()
+
+    def publish(self, signer: AptSigner | None = None) -> None:
+        """``Packages`` and its ``Release``, signed (``InRelease``, ``Release.gpg``) by
+        ``signer`` (default: the key the image trusts)."""
+        signer = signer or self.signer
+        self.http.set(PACKAGES, self.packages)
+        release = release_file("stable", [("main/binary-amd64/Packages", self.packages)])
+        self.http.set(RELEASE, release)
+        self.http.set(INRELEASE, signer.inrelease(release))
+        self.http.set(RELEASE + ".gpg", signer.detached(release))
+
+    def artifacts(self) -> list[str]:
+        """Every package a trial's test.sh downloads (named by content)."""
+        return [WHEEL, UV_WHEEL, self.uv_wheel, TARBALL, DEB, *self.debs]
 
     def content_fetches(self, path: str) -> int:
         upstream = self.http if path.startswith("/debian") else self.https
         return upstream.count(path, 200, "GET")
+
+    def fetched(self) -> dict[str, int]:
+        return {p: self.content_fetches(p) for p in self.artifacts()}
 
 
 TEST_SH = f"""
 set -eu
 fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
 rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
-echo 'deb [trusted=yes] http://deb.test/debian stable main' > /etc/apt/sources.list.d/test.list
+echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
+    > /etc/apt/sources.list.d/test.list
 apt-get update -o Acquire::Languages=none || fail apt-get update
-apt-get install -y --no-install-recommends hxdemo || fail apt-get install
+apt-get install -y --no-install-recommends hxdemo curl || fail apt-get install
 grep -q 'from the mirror' /usr/share/hxdemo/ok || fail deb content
+curl -fsSL https://files.test{TARBALL} -o /tmp/tool.tar.gz || fail curl
+[ "$(sha256sum < /tmp/tool.tar.gz | cut -d' ' -f1)" = "$(cat /tests/tarball.sha256)" ] \\
+    || fail curl content
 echo "demo==1.0 --hash=sha256:$(cat /tests/wheel.sha256)" > /tmp/req.txt
 python3 -m pip install --no-cache-dir --disable-pip-version-check --target /tmp/site \\
     --require-hashes --index-url https://pypi.test/simple/ -r /tmp/req.txt || fail pip
 PYTHONPATH=/tmp/site python3 -c "import demo; assert demo.VALUE == '1.0'" || fail import
+python3 -m pip install --no-cache-dir --disable-pip-version-check --target /tmp/uv \\
+    --index-url https://pypi.test/simple/ "uv==$(cat /tests/uv.version)" || fail pip install uv
+export UV_PYTHON_DOWNLOADS=never
+/tmp/uv/bin/uv venv /tmp/venv || fail uv venv
+/tmp/uv/bin/uv pip install --python /tmp/venv/bin/python --index-url https://pypi.test/simple/ \\
+    uvdemo==1.0 || fail uv pip install
+/tmp/venv/bin/python -c "import uvdemo; assert uvdemo.VALUE == '1.0'" || fail uv import
 python3 - <<'PY' || fail https download
 import hashlib, urllib.request
 data = urllib.request.urlopen("https://files.test{TARBALL}").read()
@@ -191,11 +328,15 @@ PY
 
 
 @pytest.fixture
-def mirror(tmp_path: Path) -> Iterator[tuple[Mirror, LocalCA]]:
-    upstream_ca = LocalCA(tmp_path / "public-ca")
+def mirror(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    apt_signer: AptSigner,
+    test_packages: dict[str, list[Path]],
+) -> Iterator[tuple[Mirror, LocalCA]]:
     context = sni_context(upstream_ca)
     with serve_upstream(context) as https, serve_upstream() as http:
-        yield Mirror(https, http, tmp_path), upstream_ca
+        yield Mirror(https, http, tmp_path, signer=apt_signer, packages=test_packages), upstream_ca
 
 
 def _service(tmp_path: Path, mirror: Mirror, upstream_ca: LocalCA) -> PackageCacheService:
@@ -210,20 +351,51 @@ def _service(tmp_path: Path, mirror: Mirror, upstream_ca: LocalCA) -> PackageCac
 
 def _egress(mirror: Mirror) -> EgressSettings:
     """The test names -> the local upstreams; nothing else resolves (DNS off)."""
-    overrides = {name: ("127.0.0.1", mirror.https.port) for name in ("files.test", "pypi.test")}
+    names = ("files.test", "pypi.test", NPM_REGISTRY)
+    overrides = {name: ("127.0.0.1", mirror.https.port) for name in names}
     overrides["deb.test:80"] = ("127.0.0.1", mirror.http.port)
     return EgressSettings(overrides=overrides, dns=False)
 
 
+# The image trusts the repo's key (signed-by=, no [trusted=yes]) and, for a trial
+# without the cache, the test upstreams' CA: it stands in for a public root, which
+# the system store (OpenSSL: Python, pip, curl) has and uv's bundled Mozilla roots have
+# too; uv is pointed at the system store with SSL_CERT_FILE for that. With the cache
+# the trial's own SSL_CERT_FILE (the cache's bundle) replaces the image's.
+DOCKERFILE = f"""FROM python:3.11-slim-bookworm
+COPY pip /usr/lib/python3/dist-packages/pip
+COPY hx-test-repo.gpg {KEYRING}
+COPY upstream-ca.crt /usr/local/share/ca-certificates/hx-test-upstream.crt
+RUN update-ca-certificates
+ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+"""
+CACHE_ONLY_DOCKERFILE = f"""FROM python:3.11-slim-bookworm
+COPY pip /usr/lib/python3/dist-packages/pip
+COPY hx-test-repo.gpg {KEYRING}
+"""
+
+
 def _task(
-    tmp_path: Path, mirror: Mirror, needle: bytes, name: str = "fetches", solve: str = SOLVE_SH
+    tmp_path: Path,
+    mirror: Mirror,
+    needle: bytes,
+    name: str = "fetches",
+    solve: str = SOLVE_SH,
+    *,
+    upstream_ca: LocalCA | None = None,
+    environment: str = "",
+    test: str = TEST_SH,
 ) -> Path:
+    """The task; ``upstream_ca``: the image trusts it (needed without the cache)."""
     toml = f"""
 [agent]
 timeout_sec = 120.0
 
 [verifier]
 timeout_sec = 240.0
+
+[environment]
+{environment}
 
 [environment.env]
 HX_NEEDLE_HEX = "{needle.hex()}"
@@ -232,17 +404,22 @@ HX_NEEDLE_HEX = "{needle.hex()}"
         tmp_path,
         name,
         solve=solve,
-        test=TEST_SH,
+        test=test,
         toml=toml,
-        dockerfile="FROM python:3.11-slim-bookworm\nCOPY pip /usr/lib/python3/dist-packages/pip\n",
+        dockerfile=DOCKERFILE if upstream_ca is not None else CACHE_ONLY_DOCKERFILE,
     )
     shutil.copytree(
         Path(pip.__file__).parent,
         task / "environment" / "pip",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    (task / "environment" / "hx-test-repo.gpg").write_bytes(mirror.signer.keyring)
+    if upstream_ca is not None:
+        (task / "environment" / "upstream-ca.crt").write_bytes(upstream_ca.cert_pem)
     (task / "tests" / "wheel.sha256").write_text(hashlib.sha256(mirror.wheels["1.0"]).hexdigest())
     (task / "tests" / "tarball.sha256").write_text(hashlib.sha256(mirror.tarball).hexdigest())
+    (task / "tests" / "uv.version").write_text(mirror.uv_version)
+    (task / "tests" / "npm.version").write_text(mirror.npm_version)
     return task
 
 
@@ -250,10 +427,11 @@ def _run(
     runtime: DockerRuntime,
     task: Path,
     trials: Path,
-    service: PackageCacheService,
+    service: PackageCacheService | None,
     mirror: Mirror,
     **policy: Any,
 ) -> tuple[TrialResult, Path]:
+    """One trial (``service`` None: without the cache)."""
     result = run_trial(
         runtime,
         TrialRequest(
@@ -265,6 +443,11 @@ def _run(
     return result, trials / result.trial_name
 
 
+def _stdout(trial_dir: Path) -> str:
+    path = trial_dir / "verifier" / "test-stdout.txt"
+    return path.read_text()[-3000:] if path.exists() else f"(no {path})"
+
+
 def test_second_trial_fetches_nothing_the_first_did(
     docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
 ) -> None:
@@ -274,16 +457,18 @@ def test_second_trial_fetches_nothing_the_first_did(
         key_pem = (service.ca.directory / CA_KEY).read_bytes()
         # A line of the key's base64 body: what the scan looks for.
         needle = key_pem.splitlines()[2]
-        task = _task(tmp_path, upstream, needle)
+        task = _task(tmp_path, upstream, needle, upstream_ca=upstream_ca)
         first, first_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
         assert first.exception_info is None, first.exception_info
-        assert first.reward == 1.0, (first_dir / "verifier" / "test-stdout.txt").read_text()[-3000:]
-        artifacts = (WHEEL, TARBALL, DEB)
+        assert first.reward == 1.0, _stdout(first_dir)
+        # Every package (the real curl debs, the uv wheel, pip's and uv's demo wheels,
+        # curl's tarball) came from the upstream once.
+        artifacts = tuple(upstream.artifacts())
         after_first = {p: upstream.content_fetches(p) for p in (*artifacts, INDEX, PACKAGES)}
         assert all(after_first[p] == 1 for p in artifacts), after_first
 
         second, second_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
-        assert second.reward == first.reward == 1.0
+        assert second.reward == first.reward == 1.0, _stdout(second_dir)
         # No content the first trial fetched came from the upstream again (indexes were
         # revalidated: 304s).
         for path in (*artifacts, INDEX, PACKAGES):
@@ -351,17 +536,136 @@ def test_prewarm_with_the_verifier_fills_the_cache(
     upstream, upstream_ca = mirror
     service = _service(tmp_path, upstream, upstream_ca)
     try:
-        task = _task(tmp_path, upstream, b"no-needle")
+        task = _task(tmp_path, upstream, b"no-needle", upstream_ca=upstream_ca)
         outcome = prewarm_one(
             docker_runtime, load_task(task), package_cache=service, egress=_egress(upstream)
         )
         assert outcome.status in ("built", "cached"), outcome.reason
         assert "verifier ran, reward 1.0" in outcome.reason
-        fetched = {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)}
+        fetched = upstream.fetched()
         assert set(fetched.values()) == {1}, fetched
         result, trial_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
         assert result.reward == 1.0
         assert json.loads((trial_dir / RESULT_FILE).read_text())["misses"] == 0
-        assert {p: upstream.content_fetches(p) for p in (WHEEL, TARBALL, DEB)} == fetched
+        assert upstream.fetched() == fetched
+    finally:
+        service.close()
+
+
+ALLOWLIST = 'network_mode = "allowlist"\nallowed_hosts = ["deb.test", "pypi.test", "files.test"]'
+
+
+def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """One task, one test.sh, with the cache and without it.
+
+    "Without the cache" is the same task under an allowlist network policy (issue 20's
+    egress proxy) with the cache off: a public container cannot reach a mirror on the
+    host's loopback, the allowlist proxy can (the operator's overrides). There, plain
+    HTTP (apt) is forwarded and HTTPS is a CONNECT tunnel to the upstream, so the
+    container verifies the upstream's own certificates (its CA is in the image's store,
+    as a public root is) and nothing of the cache is in the container."""
+    upstream, upstream_ca = mirror
+    task = _task(
+        tmp_path,
+        upstream,
+        b"no-needle",
+        "allowlisted",
+        "true",
+        upstream_ca=upstream_ca,
+        environment=ALLOWLIST,
+    )
+    trials = tmp_path / "trials"
+    without, without_dir = _run(docker_runtime, task, trials, None, upstream)
+    assert without.exception_info is None, without.exception_info
+    assert without.reward == 1.0, _stdout(without_dir)
+    assert not (without_dir / RESULT_FILE).exists()
+    # Everything came from the upstream itself (some twice: test.sh fetches the tarball
+    # with curl and Python, uv reads a wheel's metadata before downloading it).
+    direct = upstream.fetched()
+    assert min(direct.values()) >= 1, direct
+
+    service = _service(tmp_path, upstream, upstream_ca)
+    try:
+        cached, cached_dir = _run(docker_runtime, task, trials, service, upstream)
+        assert cached.reward == without.reward == 1.0, _stdout(cached_dir)
+        stats = json.loads((cached_dir / RESULT_FILE).read_text())
+        assert stats["misses"] >= len(upstream.artifacts()), stats
+        # A cold cache: each package once more from the upstream, however often asked.
+        assert upstream.fetched() == {p: n + 1 for p, n in direct.items()}, upstream.fetched()
+
+        # apt's signatures still check out through the cache: the repo is signed
+        # (signed-by=, no [trusted=yes]) and both trials verified it. Now the upstream's
+        # Packages changes without a new signature: the cache revalidates it, serves
+        # the new bytes, and apt refuses them as without the cache.
+        upstream.http.set(
+            PACKAGES,
+            upstream.packages
+            + deb_stanza(
+                b"x", "pool/x.deb", "Package: x\nVersion: 1\nArchitecture: all\nDescription: x"
+            ),
+        )
+        for cache in (service, None):
+            before = upstream.content_fetches(PACKAGES)
+            bad, bad_dir = _run(docker_runtime, task, trials, cache, upstream)
+            assert upstream.content_fetches(PACKAGES) == before + 1  # the new bytes, fetched
+            out = _stdout(bad_dir)
+            assert bad.reward == 0.0 and "FAIL: apt-get update" in out, out
+            assert "Hash Sum mismatch" in out or "File has unexpected size" in out, out
+        # Signed by a key the image does not trust: refused, through the cache too.
+        with AptSigner.throwaway() as stranger:
+            upstream.publish(signer=stranger)
+            bad, bad_dir = _run(docker_runtime, task, trials, service, upstream)
+        out = _stdout(bad_dir)
+        assert bad.reward == 0.0 and "FAIL: apt-get update" in out, out
+        assert "NO_PUBKEY" in out or "not signed" in out, out
+    finally:
+        service.close()
+
+
+NPM_TEST_SH = f"""
+set -eu
+fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
+rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
+echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
+    > /etc/apt/sources.list.d/test.list
+apt-get update -o Acquire::Languages=none || fail apt-get update
+apt-get install -y --no-install-recommends curl nodejs || fail apt-get install
+mkdir -p /tmp/npm /tmp/app
+curl -fsSL "https://{NPM_REGISTRY}/npm/-/npm-$(cat /tests/npm.version).tgz" \\
+    | tar -xz -C /tmp/npm || fail fetch npm
+cd /tmp/app
+node /tmp/npm/package/bin/npm-cli.js install --no-audit --no-fund --no-update-notifier \\
+    hxnpmdemo@1.0.0 || fail npm install
+node -e 'if (require("hxnpmdemo") !== "1.0.0") process.exit(1)' || fail require
+echo 1 > /logs/verifier/reward.txt
+"""
+
+
+def test_npm_install_through_the_cache(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """Debian's nodejs from the signed repo, npm's own tarball with curl, then
+    ``npm install`` from the registry: the second trial fetches none of it again."""
+    upstream, upstream_ca = mirror
+    task = _task(
+        tmp_path, upstream, b"no-needle", "npm", "true", upstream_ca=upstream_ca, test=NPM_TEST_SH
+    )
+    service = _service(tmp_path, upstream, upstream_ca)
+    document = f"/{Path(upstream.npm_demo).parts[1]}"
+    try:
+        artifacts = [*upstream.node_debs, upstream.npm_cli, upstream.npm_demo]
+        first, first_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
+        assert first.reward == 1.0, _stdout(first_dir)
+        after_first = {p: upstream.content_fetches(p) for p in artifacts}
+        assert set(after_first.values()) == {1}, after_first
+        second, second_dir = _run(docker_runtime, task, tmp_path / "trials", service, upstream)
+        assert second.reward == 1.0, _stdout(second_dir)
+        assert {p: upstream.content_fetches(p) for p in artifacts} == after_first
+        # The package document is an index: revalidated, not fetched again.
+        assert upstream.content_fetches(document) == 1
+        assert upstream.https.count(document, 304) >= 1
+        assert json.loads((second_dir / RESULT_FILE).read_text())["misses"] == 0
     finally:
         service.close()
