@@ -26,13 +26,13 @@ store's writes, not faster.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pip
@@ -92,9 +92,21 @@ def _profile_report(log: Path, top: int = 8) -> str:
         parts = line.split(" ", 2)
         if len(parts) == 3 and parts[0].startswith("+") and parts[1].replace(".", "").isdigit():
             marks.append((float(parts[1]), parts[2][:70]))
-    spans = [(b[0] - a[0], a[1]) for a, b in zip(marks, marks[1:], strict=False)]
+    spans = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(marks)]
     spans.sort(reverse=True)
     return "\n".join(f"    {sec:6.2f} s  {cmd}" for sec, cmd in spans[:top])
+
+
+SEEN_KEYS = ("host", "path", "status", "bytes", "source", "method", "sec")
+
+
+def _log(
+    log: Path, task: str, trial: int, seen: list[tuple[str, str, int, int, str, str, float]]
+) -> None:
+    with log.open("a") as out:
+        for request in seen:
+            record = {"task": task, "trial": trial, **dict(zip(SEEN_KEYS, request, strict=True))}
+            out.write(json.dumps(record) + "\n")
 
 
 def _egress(https_port: int, http_port: int) -> EgressSettings:
@@ -126,7 +138,11 @@ def _build(runtime: DockerRuntime, task: Task) -> None:
 
 
 def _trial(
-    runtime: DockerRuntime, task: Task, trials: Path, service: PackageCacheService, egress: EgressSettings
+    runtime: DockerRuntime,
+    task: Task,
+    trials: Path,
+    service: PackageCacheService,
+    egress: EgressSettings,
 ) -> tuple[TrialResult, dict[str, int]]:
     result = run_trial(
         runtime,
@@ -140,7 +156,9 @@ def _trial(
     if not _passed(result):
         log = trial_dir / "verifier" / "test-stdout.txt"
         tail = log.read_text()[-2500:] if log.exists() else ""
-        raise SystemExit(f"{task.name}: rewards {result.verifier_result}\n{result.exception_info}\n{tail}")
+        raise SystemExit(
+            f"{task.name}: rewards {result.verifier_result}\n{result.exception_info}\n{tail}"
+        )
     stats = json.loads((trial_dir / RESULT_FILE).read_text())
     return result, stats
 
@@ -153,6 +171,9 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=150.0)
     parser.add_argument("--mbps", type=float, default=4.0, help="megabytes a second")
     parser.add_argument("--tasks", nargs="*", help="corpus task names (default: all)")
+    parser.add_argument(
+        "--index-fresh-sec", type=float, default=0.0, help="PackageCacheConfig.index_fresh_sec"
+    )
     parser.add_argument("--profile", action="store_true", help="time test.sh's commands")
     parser.add_argument("--log", type=Path, help="append every upstream request (JSON lines)")
     args = parser.parse_args()
@@ -181,6 +202,7 @@ def main() -> None:
                             root=tmp / "cache" / path.name,
                             max_bytes=4 * 1024**3,
                             upstream_ca_bundle=public_ca.cert_path,
+                            index_fresh_sec=args.index_fresh_sec,
                         )
                     )
                     try:
@@ -191,14 +213,16 @@ def main() -> None:
                             upstream = sum(s[3] for s in corpus.seen[before:])
                             stats["upstream_bytes_sent"] = upstream
                             if args.profile:
-                                log = tmp / "trials" / result.trial_name / "verifier" / "test-stdout.txt"
+                                log = (
+                                    tmp
+                                    / "trials"
+                                    / result.trial_name
+                                    / "verifier"
+                                    / "test-stdout.txt"
+                                )
                                 print(_profile_report(log), flush=True)
                             if args.log:
-                                with args.log.open("a") as log:
-                                    for seen in corpus.seen[before:]:
-                                        record = {"task": path.name, "trial": index + 1}
-                                        keys = ("host", "path", "status", "bytes", "source", "method", "sec")
-                                        log.write(json.dumps({**record, **dict(zip(keys, seen))}) + "\n")
+                                _log(args.log, path.name, index + 1, corpus.seen[before:])
                             rows.setdefault(path.name, []).append((total, verifier, stats))
                             print(
                                 f"{path.name} trial {index + 1}: {total:6.2f} s, verifier "
@@ -220,12 +244,18 @@ def main() -> None:
     _report(rows, args)
 
 
-def _report(rows: dict[str, list[tuple[float, float, dict[str, int]]]], args: argparse.Namespace) -> None:
+def _report(
+    rows: dict[str, list[tuple[float, float, dict[str, int]]]], args: argparse.Namespace
+) -> None:
     print(
         f"\nlatency {args.latency_ms:g} ms a request, {args.mbps:g} MB/s a connection; "
-        f"{args.trials} trials a task, a new cache per task"
+        f"{args.trials} trials a task, a new cache per task, index_fresh_sec "
+        f"{args.index_fresh_sec:g}"
     )
-    print(f"{'task':28} {'first s':>8} {'later s':>8} {'ratio':>6} {'verif 1st':>9} {'later':>7} {'ratio':>6}")
+    print(
+        f"{'task':28} {'first s':>8} {'later s':>8} {'ratio':>6} "
+        f"{'verif 1st':>9} {'later':>7} {'ratio':>6}"
+    )
     totals = []
     verifiers = []
     firsts, laters, vfirsts, vlaters = [], [], [], []
@@ -247,9 +277,10 @@ def _report(rows: dict[str, list[tuple[float, float, dict[str, int]]]], args: ar
         f"{'all (sums)':28} {sum(firsts):8.2f} {sum(laters):8.2f} {sum(laters) / sum(firsts):6.2f} "
         f"{sum(vfirsts):9.2f} {sum(vlaters):7.2f} {sum(vlaters) / sum(vfirsts):6.2f}"
     )
-    print(f"worst task: trial {max(totals):.2f}x the first (target <= 0.4), "
-          f"verifier {max(verifiers):.2f}x (target <= 0.3)")
-    _ = time
+    print(
+        f"worst task: trial {max(totals):.2f}x the first (target <= 0.4), "
+        f"verifier {max(verifiers):.2f}x (target <= 0.3)"
+    )
 
 
 if __name__ == "__main__":

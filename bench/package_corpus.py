@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from email.message import Message
 from pathlib import Path
-from typing import Any
 
 #: Hosts whose content is fetched for real in recording mode (package registries).
 REGISTRIES = {"deb.debian.org": "http", "pypi.org": "https", "files.pythonhosted.org": "https"}
@@ -110,8 +110,8 @@ class Corpus:
         key = self._key(host, path, accept)
         key.parent.mkdir(parents=True, exist_ok=True)
         key.with_suffix(".body").write_bytes(answer.body)
-        meta = {"host": host, "path": path, "accept": accept, "status": answer.status}
-        meta["headers"] = answer.headers  # type: ignore[assignment]
+        meta: dict[str, object] = {"host": host, "path": path, "accept": accept}
+        meta.update(status=answer.status, headers=answer.headers)
         key.with_suffix(".json").write_text(json.dumps(meta))
 
     def fetch(self, host: str, path: str, accept: str) -> Stored:
@@ -181,7 +181,7 @@ def _public_tls() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or None)
 
 
-def _validator_match(stored: Stored, headers: Any) -> bool:
+def _validator_match(stored: Stored, headers: Message) -> bool:
     values = {k.lower(): v for k, v in stored.headers}
     tag = headers.get("If-None-Match")
     if tag and "etag" in values:
@@ -236,7 +236,15 @@ def _handler(corpus: Corpus) -> type[http.server.BaseHTTPRequestHandler]:
                         time.sleep(step / rate)
             with corpus.lock:
                 corpus.seen.append(
-                    (host, self.path, status, sent, source, self.command, time.monotonic() - started)
+                    (
+                        host,
+                        self.path,
+                        status,
+                        sent,
+                        source,
+                        self.command,
+                        time.monotonic() - started,
+                    )
                 )
 
         def do_GET(self) -> None:
