@@ -2,7 +2,7 @@
 the package cache, against local upstreams serving the real packages: per task, the
 k-th trial's time and verifier phase against the first (cold cache) trial's.
 
-    .venv/bin/python bench/bench_package_corpus.py --prepare      # once; reaches registries
+    flock /tmp/docker-tests.lock .venv/bin/python bench/bench_package_corpus.py --prepare  # once
     flock /tmp/docker-tests.lock .venv/bin/python bench/bench_package_corpus.py [--trials 3]
 
 The corpus is ``bench/corpus/`` (sources and every change in its README). Preparation
