@@ -100,6 +100,7 @@ async def harness(
     *upstreams: Upstream,
     max_bytes: int = 10_000_000,
     ca_bundle: Path | None = None,
+    index_fresh_sec: float = 0.0,
 ) -> AsyncIterator[Trials]:
     """Every test name -> the first (HTTPS) upstream; port 80 -> the last (HTTP) one."""
     https, http = upstreams[0], upstreams[-1]
@@ -110,6 +111,7 @@ async def harness(
         max_bytes=max_bytes,
         upstream=HttpxUpstream(ca_bundle=ca_bundle or upstream_ca.cert_path),
         totals=CacheTotals(),
+        index_fresh_sec=index_fresh_sec,
     )
     trials = Trials(cache, LocalCA(tmp_path / "cache-ca"), tmp_path, overrides)
     try:
@@ -204,6 +206,29 @@ async def test_an_index_is_revalidated_and_a_new_release_appears(
         assert changed.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
         assert https_upstream.count(index, 304) == 1 and https_upstream.count(index, 200) == 2
         assert front.stats().revalidated == 1
+
+
+async def test_an_index_fresh_window_serves_without_asking_then_revalidates(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    index = "/simple/demo/"
+    https_upstream.set(index, b"<a>demo-1.0</a>")
+    async with harness(tmp_path, upstream_ca, https_upstream, index_fresh_sec=0.5) as front:
+        async with client(front) as c:
+            first = await c.get(f"https://pypi.test{index}")
+            https_upstream.set(index, b"<a>demo-1.0</a><a>demo-2.0</a>")
+            within = await c.get(f"https://pypi.test{index}")
+            assert https_upstream.count(index) == 1  # not asked within the window
+            await asyncio.gather(*front.cache._tasks)  # the fill is stored
+            (stored,) = front.cache.store._lru.values()
+            assert stored.fresh_until > 0
+            # Past the window (moved there, not slept): asked again, the new release.
+            stored.fresh_until = 1.0
+            after = await c.get(f"https://pypi.test{index}")
+        assert first.headers["x-cache"] == "MISS" and within.headers["x-cache"] == "HIT"
+        assert within.content == b"<a>demo-1.0</a>"
+        assert after.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
+        assert https_upstream.count(index) == 2
 
 
 async def test_an_index_without_validators_is_not_stored(

@@ -14,8 +14,9 @@ What is stored, and how a request is answered (docs/package-cache.md):
   ``Accept-Encoding`` (the cache always asks for ``identity``).
 * **Indexes** (apt ``dists/``, PyPI ``/simple/`` and JSON API, npm package
   documents) are revalidated on every request (``If-None-Match`` /
-  ``If-Modified-Since``), so a new upstream release appears at once; an index
-  without validators is not stored.
+  ``If-Modified-Since``), so a new upstream release appears at once (or, with
+  ``index_fresh_sec``, within that window); an index without validators is not
+  stored.
 * **Artifacts** (``.deb``, wheels, sdists, tarballs, apt ``pool/`` and ``by-hash/``,
   ``files.pythonhosted.org/packages/``, npm ``/-/`` tarballs) are named by content
   and served from the cache without asking the upstream.
@@ -543,7 +544,11 @@ class PackageCache:
         max_object_bytes: int | None = None,
         upstream: HttpxUpstream | None = None,
         totals: CacheTotals | None = CACHE_TOTALS,
+        index_fresh_sec: float = 0.0,
     ) -> None:
+        #: How long an index answer (stored or just revalidated) is served without
+        #: asking the upstream; 0: revalidated on every request.
+        self.index_fresh_sec = index_fresh_sec
         self.store = CacheStore(root, max_bytes=max_bytes, max_object_bytes=max_object_bytes)
         self.upstream = upstream if upstream is not None else HttpxUpstream()
         self.stats = CacheStats()
@@ -729,7 +734,7 @@ class PackageCache:
         )
         if response.status_code == 304 and entry is not None:
             await response.aclose()
-            refreshed = _merge_304(entry, response, now)
+            refreshed = _merge_304(entry, response, now, self._index_fresh_until(now))
             self.store.update(digest, refreshed)
             self._count(stats, revalidated=1)
             return self._from_store(digest, refreshed, stats, head=head, source="revalidated")
@@ -754,7 +759,11 @@ class PackageCache:
             size=length or 0,
             headers=stored_headers,
             stored_at=now,
-            fresh_until=0.0 if kind == Kind.INDEX else _freshness(stored_headers, now),
+            fresh_until=(
+                self._index_fresh_until(now)
+                if kind == Kind.INDEX
+                else _freshness(stored_headers, now)
+            ),
         )
         fill = _Fill(self.store.temp_path(), length)
         out = fill.path.open("wb")  # exists before any reader opens it
@@ -764,6 +773,9 @@ class PackageCache:
         task.add_done_callback(self._tasks.discard)
         self._count(stats, misses=1)
         return self._from_fill(fill, new_entry, stats, head=head, upstream=True)
+
+    def _index_fresh_until(self, now: float) -> float:
+        return now + self.index_fresh_sec if self.index_fresh_sec > 0 else 0.0
 
     def _worth_storing(self, response: httpx.Response, kind: Kind) -> bool:
         if not _storable(response):
@@ -861,13 +873,13 @@ class PackageCache:
         return CacheResponse(200, "OK", headers, body(), source)
 
 
-def _merge_304(entry: Entry, response: httpx.Response, now: float) -> Entry:
+def _merge_304(entry: Entry, response: httpx.Response, now: float, index_fresh: float) -> Entry:
     updated = {k.lower(): (k, v) for k, v in entry.headers}
     for key, value in response.headers.multi_items():
         if key.lower() in _STORED_HEADERS and key.lower() != "content-type":
             updated[key.lower()] = (key, value)
     headers = list(updated.values())
-    fresh = 0.0 if entry.kind == Kind.INDEX else _freshness(headers, now)
+    fresh = index_fresh if entry.kind == Kind.INDEX else _freshness(headers, now)
     return Entry(
         url=entry.url,
         accept=entry.accept,

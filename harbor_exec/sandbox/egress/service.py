@@ -56,6 +56,10 @@ class PackageCacheConfig:
     max_object_bytes: int | None = None  # None: a quarter of max_bytes
     #: Verify upstream TLS against this bundle instead of the public roots (tests).
     upstream_ca_bundle: Path | None = None
+    #: Serve an index (apt lists, PyPI pages) this long after it was fetched or
+    #: revalidated without asking the upstream again (0: revalidate every request;
+    #: a new upstream release then shows within this window).
+    index_fresh_sec: float = 0.0
 
     @classmethod
     def from_options(cls, root: Path | None, max_gb: float) -> PackageCacheConfig:
@@ -185,6 +189,7 @@ class PackageCacheService:
                 max_bytes=config.max_bytes,
                 max_object_bytes=max_object,
                 upstream=HttpxUpstream(ca_bundle=config.upstream_ca_bundle),
+                index_fresh_sec=config.index_fresh_sec,
             )
 
         self.cache = self.thread.run(make())
