@@ -7,8 +7,10 @@ tests/test_build_cache_docker.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pickle
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,16 @@ def compose_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str = ""
     return task
 
 
+@contextlib.contextmanager
+def cache_service(tmp_path: Path) -> Iterator[PackageCacheService]:
+    """A package cache under ``tmp_path``, closed (its gateway removed) at the end."""
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+    try:
+        yield service
+    finally:
+        service.close()
+
+
 def service_tag(runtime: FakeRuntime) -> str:
     [tag] = [t for t in runtime.builds if t.startswith("harbor-exec/service:")]
     return tag
@@ -93,8 +105,7 @@ def test_compose_service_images_build_through_the_cache(
 ) -> None:
     task = compose_task(tmp_path, monkeypatch)
     runtime = FakeRuntime()
-    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
-    try:
+    with cache_service(tmp_path) as service:
         image, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
         assert built and image == compose.main_image_tag(task)
         network = gateway_network(runtime)
@@ -108,8 +119,6 @@ def test_compose_service_images_build_through_the_cache(
         }
         assert runtime.build_networks[image] == runtime.build_networks[db] == network
         assert "redis:7" in runtime.images and "redis:7" not in runtime.build_args
-    finally:
-        service.close()
 
 
 def test_compose_service_images_without_the_cache_keep_their_own_args(
@@ -121,8 +130,7 @@ def test_compose_service_images_without_the_cache_keep_their_own_args(
     ):
         task = compose_task(tmp_path / str(policy_cache), monkeypatch, toml)
         runtime = FakeRuntime()
-        service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
-        try:
+        with cache_service(tmp_path) as service:
             policy = SandboxPolicy(package_cache=service if policy_cache else None)
             ensure_task_image(runtime, task, policy)
             db = service_tag(runtime)
@@ -130,8 +138,6 @@ def test_compose_service_images_without_the_cache_keep_their_own_args(
             assert runtime.build_args[compose.main_image_tag(task)] == {}
             assert set(runtime.build_networks.values()) == {None}
             assert runtime.containers == {}  # no gateway started
-        finally:
-            service.close()
 
 
 def test_a_compose_trial_builds_its_services_through_the_cache(
@@ -139,8 +145,7 @@ def test_a_compose_trial_builds_its_services_through_the_cache(
 ) -> None:
     task = compose_task(tmp_path, monkeypatch)
     runtime = FakeRuntime()
-    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
-    try:
+    with cache_service(tmp_path) as service:
         policy = SandboxPolicy(package_cache=service)
         request = TrialRequest(task=task, trials_dir=tmp_path / "trials", policy=policy)
         result = run_trial(runtime, request)
@@ -149,8 +154,6 @@ def test_a_compose_trial_builds_its_services_through_the_cache(
         assert runtime.build_args[db]["FLAVOUR"] == "mint"
         assert runtime.build_args[db]["https_proxy"] == build_proxy_args()["https_proxy"]
         assert runtime.build_networks[db] == gateway_network(runtime)
-    finally:
-        service.close()
 
 
 # --------------------------------------------------------------------------- POST /prewarm
