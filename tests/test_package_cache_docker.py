@@ -249,14 +249,19 @@ class Mirror:
         return {p: self.content_fetches(p) for p in self.artifacts()}
 
 
-TEST_SH = f"""
+#: What both test scripts start with: a reward of 0 on failure, and the signed test
+#: repo as apt's only source, its lists fetched.
+APT_PREAMBLE = f"""
 set -eu
 fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
 rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
 echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
     > /etc/apt/sources.list.d/test.list
 apt-get update -o Acquire::Languages=none || fail apt-get update
-apt-get install -y --no-install-recommends hxdemo curl || fail apt-get install
+"""
+
+
+TEST_SH = f"""{APT_PREAMBLE}apt-get install -y --no-install-recommends hxdemo curl || fail apt-get install
 grep -q 'from the mirror' /usr/share/hxdemo/ok || fail deb content
 curl -fsSL https://files.test{TARBALL} -o /tmp/tool.tar.gz || fail curl
 [ "$(sha256sum < /tmp/tool.tar.gz | cut -d' ' -f1)" = "$(cat /tests/tarball.sha256)" ] \\
@@ -624,14 +629,7 @@ def test_same_reward_without_the_cache_and_apt_signatures_still_checked(
         service.close()
 
 
-NPM_TEST_SH = f"""
-set -eu
-fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
-rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
-echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
-    > /etc/apt/sources.list.d/test.list
-apt-get update -o Acquire::Languages=none || fail apt-get update
-apt-get install -y --no-install-recommends curl nodejs || fail apt-get install
+NPM_TEST_SH = f"""{APT_PREAMBLE}apt-get install -y --no-install-recommends curl nodejs || fail apt-get install
 mkdir -p /tmp/npm /tmp/app
 curl -fsSL "https://{NPM_REGISTRY}/npm/-/npm-$(cat /tests/npm.version).tgz" \\
     | tar -xz -C /tmp/npm || fail fetch npm
