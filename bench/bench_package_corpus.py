@@ -39,6 +39,7 @@ import pip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_package_cache import trial_seconds
 from bench.package_corpus import Corpus, serve_corpus
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.egress.ca import LocalCA
@@ -113,14 +114,6 @@ def _egress(https_port: int, http_port: int) -> EgressSettings:
     overrides = {name: ("127.0.0.1", https_port) for name in HTTPS_NAMES}
     overrides["deb.debian.org:80"] = ("127.0.0.1", http_port)
     return EgressSettings(overrides=overrides, dns=False)
-
-
-def _seconds(result: TrialResult) -> tuple[float, float]:
-    assert result.started_at and result.finished_at and result.verifier
-    assert result.verifier.started_at and result.verifier.finished_at
-    total = (result.finished_at - result.started_at).total_seconds()
-    verifier = (result.verifier.finished_at - result.verifier.started_at).total_seconds()
-    return total, verifier
 
 
 def _passed(result: TrialResult) -> bool:
@@ -209,7 +202,7 @@ def main() -> None:
                         for index in range(1 if args.prepare else args.trials):
                             before = len(corpus.seen)
                             result, stats = _trial(runtime, task, tmp / "trials", service, egress)
-                            total, verifier = _seconds(result)
+                            total, verifier = trial_seconds(result)
                             upstream = sum(s[3] for s in corpus.seen[before:])
                             stats["upstream_bytes_sent"] = upstream
                             if args.profile:
