@@ -3,7 +3,8 @@
 ``bootstrap`` makes sure every base image the examples build on exists, and the
 read-only container runtime (``harbor_exec.sandbox.runtime_build``): found
 locally, else pulled, else built here (``debian:bookworm-slim`` and
-``debian:trixie-slim`` from Debian's own packages with ``debootstrap`` + import; the
+``debian:trixie-slim`` from Debian's own packages with ``debootstrap``, the official
+slim image's settings (``harbor_exec.sandbox.slim_rootfs``) and import; the
 others from ``images/<name>/Dockerfile`` on top of them). Idempotent: with the images
 present it only inspects them.
 
@@ -28,6 +29,7 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED
 from harbor_exec.sandbox.runtime_build import build_runtime, load_runtime_build
 from harbor_exec.sandbox.runtime_volume import RuntimeContent
+from harbor_exec.sandbox.slim_rootfs import make_slim
 
 DEBIAN_IMAGE = "debian:bookworm-slim"
 #: The environment variable behind ``images bootstrap --mirror``.
@@ -188,6 +190,7 @@ def _debootstrap_rootfs(
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
             raise BootstrapError(f"debootstrap failed (exit {done.returncode}):\n{tail}")
+        make_slim(root)
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(root / cache, ignore_errors=True)
             (root / cache).mkdir(parents=True, exist_ok=True)
