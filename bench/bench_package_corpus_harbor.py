@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -191,7 +192,9 @@ def main() -> None:
                     finally:
                         service.close()
                     for index in range(args.trials):
-                        service = cache_service(tmp / "harbor-cache" / f"{index}", public_ca)
+                        # A new directory each time: a store survives its service.
+                        root = tmp / "harbor-cache" / f"{path.name}-{index}"
+                        service = cache_service(root, public_ca)
                         overlay = tmp / "overlays" / f"{path.name}-{index}.json"
                         try:
                             with cache_route(
@@ -210,6 +213,7 @@ def main() -> None:
                             stats["upstream_bytes_sent"] = sum(s[3] for s in corpus.seen[before:])
                         finally:
                             service.close()
+                            shutil.rmtree(root, ignore_errors=True)
                         if not stats["upstream_bytes_sent"]:
                             raise SystemExit(f"{path.name} on Harbor: nothing from the upstreams")
                         row.harbor.append((wall, verifier))
