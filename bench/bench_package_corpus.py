@@ -33,6 +33,8 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pip
@@ -156,55 +158,111 @@ def _trial(
     return result, stats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prepare", action="store_true", help="record the real packages")
-    parser.add_argument("--store", type=Path, default=DEFAULT_STORE)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--latency-ms", type=float, default=150.0)
-    parser.add_argument("--mbps", type=float, default=4.0, help="megabytes a second")
-    parser.add_argument("--tasks", nargs="*", help="corpus task names (default: all)")
-    parser.add_argument(
-        "--index-fresh-sec", type=float, default=0.0, help="PackageCacheConfig.index_fresh_sec"
+def cache_service(
+    root: Path, public_ca: LocalCA, index_fresh_sec: float = 0.0
+) -> PackageCacheService:
+    """A new, empty cache under ``root`` whose upstream TLS is the local upstreams'."""
+    return PackageCacheService(
+        PackageCacheConfig(
+            root=root,
+            max_bytes=4 * 1024**3,
+            upstream_ca_bundle=public_ca.cert_path,
+            index_fresh_sec=index_fresh_sec,
+        )
     )
-    parser.add_argument("--profile", action="store_true", help="time test.sh's commands")
-    parser.add_argument("--log", type=Path, help="append every upstream request (JSON lines)")
-    args = parser.parse_args()
-    names = args.tasks or sorted(p.name for p in CORPUS.iterdir() if (p / "task.toml").exists())
+
+
+def corpus_of(args: argparse.Namespace) -> Corpus:
+    """The stored answers (``--store``), made distant unless recording."""
     corpus = Corpus(args.store, record=args.prepare)
     if not args.prepare:
         if not args.store.exists():
             raise SystemExit(f"{args.store}: no recorded packages; run with --prepare first")
         corpus.latency_sec = args.latency_ms / 1000
         corpus.bytes_per_sec = args.mbps * 1024 * 1024
+    return corpus
+
+
+@contextmanager
+def upstreams(corpus: Corpus, tmp: Path) -> Iterator[tuple[LocalCA, EgressSettings]]:
+    """The local upstreams serving ``corpus`` on 127.0.0.1 (their CA standing in for
+    the public roots) and the egress settings that reach them under the real names."""
+    public_ca = LocalCA(tmp / "public-ca")
+    with serve_corpus(corpus, sni_context(public_ca)) as (https_port, http_port):
+        yield public_ca, _egress(https_port, http_port)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both corpus benches take."""
+    parser.add_argument("--store", type=Path, default=DEFAULT_STORE)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=150.0)
+    parser.add_argument("--mbps", type=float, default=4.0, help="megabytes a second")
+    parser.add_argument("--tasks", nargs="*", help="corpus task names (default: all)")
+
+
+def task_names(args: argparse.Namespace) -> list[str]:
+    return args.tasks or sorted(p.name for p in CORPUS.iterdir() if (p / "task.toml").exists())
+
+
+def trial_line(name: str, index: int, total: float, verifier: float, stats: dict[str, int]) -> str:
+    """One trial's figures, as both corpus benches print them."""
+    return (
+        f"{name} trial {index + 1}: {total:6.2f} s, verifier {verifier:6.2f} s, hits "
+        f"{stats['hits']}, revalidated {stats['revalidated']}, misses {stats['misses']}, "
+        f"passthrough {stats['passthrough']}, from upstream "
+        f"{stats['upstream_bytes_sent'] / 1e6:.1f} MB"
+    )
+
+
+def ours(
+    runtime: DockerRuntime,
+    task: Task,
+    trials: Path,
+    service: PackageCacheService,
+    egress: EgressSettings,
+    corpus: Corpus,
+) -> tuple[TrialResult, float, float, dict[str, int]]:
+    """One harbor-exec trial through ``service``: result, seconds, verifier seconds,
+    the cache's record plus ``upstream_bytes_sent`` (what the upstreams sent)."""
+    before = len(corpus.seen)
+    result, stats = _trial(runtime, task, trials, service, egress)
+    total, verifier = trial_seconds(result)
+    stats["upstream_bytes_sent"] = sum(s[3] for s in corpus.seen[before:])
+    return result, total, verifier, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="record the real packages")
+    add_arguments(parser)
+    parser.add_argument(
+        "--index-fresh-sec", type=float, default=0.0, help="PackageCacheConfig.index_fresh_sec"
+    )
+    parser.add_argument("--profile", action="store_true", help="time test.sh's commands")
+    parser.add_argument("--log", type=Path, help="append every upstream request (JSON lines)")
+    args = parser.parse_args()
+    corpus = corpus_of(args)
     runtime = DockerRuntime()
     rows: dict[str, list[tuple[float, float, dict[str, int]]]] = {}
     with tempfile.TemporaryDirectory(prefix="hx-bench-corpus-") as scratch:
         tmp = Path(scratch)
-        public_ca = LocalCA(tmp / "public-ca")  # stands in for the public roots
-        with serve_corpus(corpus, sni_context(public_ca)) as (https_port, http_port):
-            egress = _egress(https_port, http_port)
+        with upstreams(corpus, tmp) as (public_ca, egress):
             try:
-                for path in _materialize(tmp / "tasks", names):
+                for path in _materialize(tmp / "tasks", task_names(args)):
                     if args.profile:
                         _profile(path)
                     task = load_task(path)
                     _build(runtime, task)
-                    service = PackageCacheService(
-                        PackageCacheConfig(
-                            root=tmp / "cache" / path.name,
-                            max_bytes=4 * 1024**3,
-                            upstream_ca_bundle=public_ca.cert_path,
-                            index_fresh_sec=args.index_fresh_sec,
-                        )
+                    service = cache_service(
+                        tmp / "cache" / path.name, public_ca, args.index_fresh_sec
                     )
                     try:
                         for index in range(1 if args.prepare else args.trials):
                             before = len(corpus.seen)
-                            result, stats = _trial(runtime, task, tmp / "trials", service, egress)
-                            total, verifier = trial_seconds(result)
-                            upstream = sum(s[3] for s in corpus.seen[before:])
-                            stats["upstream_bytes_sent"] = upstream
+                            result, total, verifier, stats = ours(
+                                runtime, task, tmp / "trials", service, egress, corpus
+                            )
                             if args.profile:
                                 log = (
                                     tmp
@@ -217,14 +275,7 @@ def main() -> None:
                             if args.log:
                                 _log(args.log, path.name, index + 1, corpus.seen[before:])
                             rows.setdefault(path.name, []).append((total, verifier, stats))
-                            print(
-                                f"{path.name} trial {index + 1}: {total:6.2f} s, verifier "
-                                f"{verifier:6.2f} s, hits {stats['hits']}, revalidated "
-                                f"{stats['revalidated']}, misses {stats['misses']}, "
-                                f"passthrough {stats['passthrough']}, from upstream "
-                                f"{upstream / 1e6:.1f} MB",
-                                flush=True,
-                            )
+                            print(trial_line(path.name, index, total, verifier, stats), flush=True)
                     finally:
                         service.close()
             finally:

@@ -5,17 +5,32 @@ The image is built locally from a local base (no pull: ``FROM`` an image that is
 present); its container has no network (``network_mode: none``) and gets tmux from
 harbor-exec's read-only runtime volume, mounted as it is into our trial containers and
 linked onto ``PATH``, so terminus-2 on Harbor finds the same tmux and installs nothing.
+
+``cache_route`` gives Harbor's ``main`` the route to the package cache our trial
+containers get, with no network either: it joins the network namespace of a gateway
+container of ours (network ``none``, the read-only runtime's forwarder on its
+``127.0.0.1:3128`` piped to a host-side egress proxy's unix socket: the build
+gateway's primitive, ``harbor_exec.sandbox.egress.build_gateway``) and gets the same
+proxy variables and trust mount as our trial containers.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from harbor_exec.container.exchange import RUNTIME_MOUNT, RUNTIME_TMUX
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sandbox.egress import proxy_env
+from harbor_exec.sandbox.egress.build_gateway import BuildGateway
+from harbor_exec.sandbox.egress.service import PackageCacheService, TrialCache
+from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, trust_env
 from harbor_exec.sandbox.runtime_volume import RuntimeContent
 
 
@@ -39,25 +54,82 @@ def dockerfile(base_image: str) -> str:
     return f"FROM {base_image}\nRUN ln -s {RUNTIME_TMUX} /usr/local/bin/tmux\nWORKDIR /app\n"
 
 
-def write_compose_overlay(path: Path, volume: str) -> Path:
-    """Harbor's extra compose file: no network, the runtime volume read-only."""
+def write_compose_overlay(
+    path: Path,
+    volume: str | None,
+    *,
+    network_mode: str = "none",
+    environment: Mapping[str, str] | None = None,
+    read_only_binds: Mapping[str, str] | None = None,
+) -> Path:
+    """Harbor's extra compose file for its ``main`` service: ``network_mode`` (no
+    network by default; ``container:<id>`` joins that container's namespace), the
+    runtime volume read-only (``volume``; None: not mounted), ``environment`` and
+    ``read_only_binds`` (host path -> container path). JSON, which compose reads as
+    YAML, so no value needs quoting."""
+    main: dict[str, Any] = {"network_mode": network_mode}
+    volumes = [f"hx-runtime:{RUNTIME_MOUNT}:ro"] if volume is not None else []
+    volumes += [f"{host}:{target}:ro" for host, target in (read_only_binds or {}).items()]
+    if volumes:
+        main["volumes"] = volumes
+    if environment:
+        main["environment"] = dict(environment)
+    overlay: dict[str, Any] = {"services": {"main": main}}
+    if volume is not None:
+        overlay["volumes"] = {"hx-runtime": {"external": True, "name": volume}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "services:\n"
-        "  main:\n"
-        "    network_mode: none\n"
-        "    volumes:\n"
-        f"      - hx-runtime:{RUNTIME_MOUNT}:ro\n"
-        "volumes:\n"
-        "  hx-runtime:\n"
-        "    external: true\n"
-        f"    name: {volume}\n"
-    )
+    path.write_text(json.dumps(overlay, indent=2) + "\n")
     return path
 
 
+def cache_overlay(path: Path, gateway_id: str, trust_dir: Path) -> Path:
+    """The overlay that puts Harbor's ``main`` in the gateway's network namespace, with
+    our trial containers' proxy variables and trust (read-only at ``TRUST_MOUNT``)."""
+    return write_compose_overlay(
+        path,
+        None,
+        network_mode=f"container:{gateway_id}",
+        environment={**proxy_env(), **trust_env()},
+        read_only_binds={str(trust_dir): TRUST_MOUNT},
+    )
+
+
+def network_interfaces(runtime: DockerRuntime, container_id: str) -> list[str]:
+    """``/sys/class/net`` of a running container (``["lo"]``: no network but loopback)."""
+    ran = runtime.exec(container_id, ["ls", "/sys/class/net"], timeout_sec=30)
+    assert ran.exit_code == 0, ran.errors
+    return ran.output.decode().split()
+
+
+@contextmanager
+def cache_route(
+    runtime: DockerRuntime,
+    service: PackageCacheService,
+    overlay: Path,
+    *,
+    overrides: Mapping[str, tuple[str, int]],
+    dns: bool,
+) -> Iterator[tuple[TrialCache, Path]]:
+    """A new cache session, a gateway whose proxy hands everything to it (HTTPS
+    intercepted with the service's CA, as a trial's proxy does) and the overlay that
+    routes Harbor's ``main`` through it; (session, overlay). Fails if the gateway's
+    namespace has any interface but ``lo``."""
+    session = service.session()
+    gateway = BuildGateway(runtime, service.upstream(session), overrides=overrides, dns=dns)
+    try:
+        assert gateway.container_id is not None
+        interfaces = network_interfaces(runtime, gateway.container_id)
+        if interfaces != ["lo"]:
+            raise SystemExit(f"the gateway's namespace has {interfaces}: not loopback only")
+        yield session, cache_overlay(overlay, gateway.container_id, service.trust_dir)
+    finally:
+        gateway.close()
+
+
 def remove_harbor_images(task: str) -> None:
-    """The images Harbor's trials of ``task`` tagged (``task__<id>__env-<service>``)."""
+    """The images Harbor's trials of ``task`` tagged (``task__<id>__env-<service>``:
+    a trial's compose project is ``<trial name>__env``) and any ``task__...`` tag of
+    the bench's own."""
     listed = subprocess.run(
         ["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"],
         capture_output=True,
