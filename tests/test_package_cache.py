@@ -422,6 +422,11 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
             stats.append(session.stats.to_dict())
         assert results[0][:2] == results[1][:2] == (b"W" * 200_000, b"D" * 5000)
         assert results[0][2] == results[1][2] == 200
+        # The service's own totals (what a Ray node reports) are its sessions' sums.
+        totals = service.cache.totals()
+        for key in ("requests", "hits", "misses", "passthrough", "bytes_from_upstream"):
+            assert getattr(totals, key) == sum(s[key] for s in stats), key
+        assert totals.stored_entries == 2 and totals.stored_bytes >= 205_000
         first, second = stats
         assert (first["misses"], first["passthrough"]) == (2, 1)
         assert first["bytes_from_upstream"] == 205_000 + 200_000
@@ -444,8 +449,8 @@ def test_server_metrics_show_the_package_cache() -> None:
         text = ServerMetrics().render({})
     finally:
         CACHE_TOTALS.hits = before
-    assert f"harbor_exec_package_cache_hits_total {float(before + 3)}" in text
-    assert 'harbor_exec_package_cache_bytes_total{source="cache"}' in text
+    assert f'harbor_exec_package_cache_hits_total{{node="server"}} {float(before + 3)}' in text
+    assert 'harbor_exec_package_cache_bytes_total{node="server",source="cache"}' in text
     assert "harbor_exec_package_cache_bound_bytes" in text
 
 
@@ -468,3 +473,62 @@ def test_serve_option_and_backend_build_one_service(tmp_path: Path) -> None:
         "--run-verifier"
         in CliRunner().invoke(app, ["prewarm", "--help"], env={"COLUMNS": "240"}).output
     )
+
+
+def _hits(text: str, node: str) -> float:
+    prefix = f'harbor_exec_package_cache_hits_total{{node="{node}"}} '
+    [line] = [line for line in text.splitlines() if line.startswith(prefix)]
+    return float(line.removeprefix(prefix))
+
+
+def test_node_cache_reports_count_once_by_node_in_server_metrics() -> None:
+    """Ray nodes' cumulative reports: the latest of each actor counts, a repeated or
+    late one changes nothing, a restarted actor adds to its node, nodes stay apart."""
+    from harbor_exec.executors.ray.driver import _count_node_cache
+    from harbor_exec.sandbox.egress.cache import (
+        NODE_CACHE_TOTALS,
+        CacheTotals,
+        NodeCacheReport,
+    )
+    from harbor_exec.server.metrics import ServerMetrics
+
+    def report(node: str, run: str, seq: int, hits: int) -> NodeCacheReport:
+        return NodeCacheReport(node, run, seq, CacheTotals(hits=hits, bytes_from_cache=hits * 10))
+
+    node = f"t-{os.getpid()}"
+    try:
+        for one in (
+            report(node, "a", 1, 2),
+            report(node, "a", 3, 5),
+            report(node, "a", 2, 4),  # arrived late: older than seq 3
+            report(node, "a", 3, 5),  # the same report twice
+            report(node, "b", 1, 1),  # the node's actor restarted
+            report(f"{node}-2", "c", 1, 7),
+        ):
+            _count_node_cache(one)
+        _count_node_cache(None)  # a node without a cache reports nothing
+        text = ServerMetrics().render({})
+        assert _hits(text, node) == 6.0
+        assert _hits(text, f"{node}-2") == 7.0
+        assert f'harbor_exec_package_cache_bytes_total{{node="{node}",source="cache"}} 60.0' in text
+    finally:
+        for key in [k for k in NODE_CACHE_TOTALS._latest if k[0].startswith(node)]:
+            del NODE_CACHE_TOTALS._latest[key]
+
+
+def test_a_node_reports_its_own_service_totals(tmp_path: Path) -> None:
+    from harbor_exec.executors.ray.node import NodePackageCache
+
+    node = NodePackageCache("w7")
+    assert node.report() is None  # no service until work that wants one
+    node.get(PackageCacheConfig(root=tmp_path, max_bytes=123_456))
+    try:
+        first, second = node.report(), node.report()
+        assert first is not None and second is not None
+        assert first.node == second.node == "w7"
+        assert first.incarnation == second.incarnation
+        assert second.seq > first.seq
+        assert first.totals.bound_bytes == 123_456 and first.totals.requests == 0
+        assert NodePackageCache("w7").report() is None  # another actor: its own count
+    finally:
+        node.close()

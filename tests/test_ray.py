@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -675,6 +676,16 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         [result] = (tmp_path / "serve" / "trials").glob("*/result.json")  # the failed one's
         stats = json.loads((result.parent / RESULT_FILE).read_text())
         assert stats["requests"] == 0 and stats["upstream_errors"] == 0, stats
+        # The server's /metrics has each node's cache, by node, as the node reported it.
+        status, metrics = ray_cluster.http("GET", f"{url}/metrics")
+        assert status == 200, metrics
+        bounds = re.findall(
+            r'^harbor_exec_package_cache_bound_bytes\{node="(w[01])"\} (\S+)$', metrics, re.M
+        )
+        assert bounds and all(float(v) == 20 * 1024**3 for _, v in bounds), metrics
+        for node, _bound in bounds:
+            assert f'harbor_exec_package_cache_requests_total{{node="{node}"}} 0.0' in metrics
+        assert 'harbor_exec_package_cache_requests_total{node="server"} 0.0' in metrics
         ray_cluster.stop_servers()
         assert not (root / "package-cache").exists()
         assert _ray_gateways(runtime) == []

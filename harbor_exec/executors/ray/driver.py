@@ -56,6 +56,7 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
 
 if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.cache import NodeCacheReport
     from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 logger = logging.getLogger(__name__)
@@ -449,6 +450,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
         finally:
             self._release(node)
         finished = done  # narrowed, for the closure below
+        _count_node_cache(finished.package_cache)
         if finished.images is not None:
             node.images.update(finished.images)
         elif (image := spec.image or self._image_key(spec.task)) is not None:
@@ -616,6 +618,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
             except Exception as exc:
                 return f"node {node.short}: {type(exc).__name__}: {exc}"
             node.images.update(out.images)
+            _count_node_cache(out.package_cache)
             return out.built
 
         results = await asyncio.gather(*(one(n) for n in targets))
@@ -644,6 +647,15 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
 
             ray.shutdown()
             self._connected = False
+
+
+def _count_node_cache(report: NodeCacheReport | None) -> None:
+    """A node's cache totals into this process's ``/metrics`` (labelled by node)."""
+    if report is None:
+        return
+    from harbor_exec.sandbox.egress.cache import NODE_CACHE_TOTALS
+
+    NODE_CACHE_TOTALS.report(report)
 
 
 def wait_for_nodes(executor: RayExecutor, count: int, timeout_sec: float = 60.0) -> None:

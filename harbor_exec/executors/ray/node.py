@@ -43,6 +43,7 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy
 
 if TYPE_CHECKING:
+    from harbor_exec.sandbox.egress.cache import NodeCacheReport
     from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 
 #: The most a trial directory may weigh on its way back: its parts are bounded by
@@ -96,12 +97,14 @@ class NodeTrialRun:
     archive: bytes  # the trial directory's files (bounded by MAX_RESULT_BYTES)
     images: list[str] | None  # the node's images, when the trial built one
     timings: dict[str, float]
+    package_cache: NodeCacheReport | None = None  # the node cache's totals after it
 
 
 @dataclass(frozen=True)
 class NodePrewarm:
     built: int
     images: list[str]
+    package_cache: NodeCacheReport | None = None  # the node cache's totals after it
 
 
 def node_package_cache_config(config: PackageCacheConfig, node_name: str) -> PackageCacheConfig:
@@ -122,6 +125,21 @@ class NodePackageCache:
         self.node_name = node_name
         self.service: PackageCacheService | None = None
         self._lock = threading.Lock()
+        self._incarnation = secrets_module.token_hex(8)
+        self._seq = 0
+
+    def report(self) -> NodeCacheReport | None:
+        """The service's totals so far, for the server's ``/metrics`` (None: no
+        service yet). Taken here, host side: nothing a container wrote is read."""
+        with self._lock:
+            if self.service is None:
+                return None
+            from harbor_exec.sandbox.egress.cache import NodeCacheReport
+
+            self._seq += 1
+            return NodeCacheReport(
+                self.node_name, self._incarnation, self._seq, self.service.cache.totals()
+            )
 
     def get(self, config: PackageCacheConfig) -> PackageCacheService:
         """The node's service (the first config's settings are kept). Blocking."""
@@ -309,6 +327,7 @@ class NodeAgent:
                 "node_trial": ran - prepared,
                 "node_pack": time.perf_counter() - ran,
             },
+            package_cache=self.package_cache.report(),
         )
 
     def cancel(self, name: str) -> bool:
@@ -337,7 +356,9 @@ class NodeAgent:
         if package_cache is not None:
             policy = await self.package_cache.policy(policy or SandboxPolicy(), package_cache)
         built = await self.local.prewarm(local_task, deps, policy)
-        return NodePrewarm(built=built, images=await self._images())
+        return NodePrewarm(
+            built=built, images=await self._images(), package_cache=self.package_cache.report()
+        )
 
     async def close(self) -> int:
         await self.local.aclose()

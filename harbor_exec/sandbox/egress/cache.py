@@ -63,13 +63,18 @@ from harbor_exec.sandbox.http11 import HOP_BY_HOP, READ_SIZE
 
 __all__ = [
     "CACHE_TOTALS",
+    "NODE_CACHE_TOTALS",
+    "SERVER_NODE",
     "Answering",
     "CacheRequest",
     "CacheResponse",
     "CacheSession",
     "CacheStats",
+    "CacheTotals",
     "HttpxUpstream",
     "Kind",
+    "NodeCacheReport",
+    "NodeCacheTotals",
     "PackageCache",
     "Resolver",
     "classify",
@@ -242,49 +247,101 @@ class CacheTotals(CacheStats):
     bound_bytes: int = 0
 
 
-class CacheTotalsCollector(Collector):
-    """``harbor_exec_package_cache_*``, read at scrape time."""
+@dataclass(frozen=True)
+class NodeCacheReport:
+    """One Ray node's cache totals as its actor saw them (host side, never a file a
+    container wrote): ``seq`` orders one actor's reports, ``incarnation`` tells a
+    restarted actor (which counts from zero again) from the one before."""
 
-    def __init__(self, totals: CacheTotals) -> None:
+    node: str
+    incarnation: str
+    seq: int
+    totals: CacheTotals
+
+
+class NodeCacheTotals:
+    """The latest report of every Ray node's cache, in the server's process.
+
+    Reports are cumulative, so keeping the latest (by ``seq``) of each actor makes a
+    repeated, late or out-of-order report harmless: nothing is counted twice."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, str], NodeCacheReport] = {}
+
+    def report(self, report: NodeCacheReport) -> None:
+        key = (report.node, report.incarnation)
+        known = self._latest.get(key)
+        if known is None or report.seq > known.seq:
+            self._latest[key] = report
+
+    def by_node(self) -> dict[str, CacheTotals]:
+        """Per node, the sum over its actors' lifetimes."""
+        sums: dict[str, CacheTotals] = {}
+        for (node, _incarnation), report in sorted(self._latest.items()):
+            into = sums.setdefault(node, CacheTotals())
+            for key, value in asdict(report.totals).items():
+                setattr(into, key, getattr(into, key) + value)
+        return sums
+
+
+#: The ``node`` label of the server's own process (its cache, when it runs one).
+SERVER_NODE: Final = "server"
+
+
+class CacheTotalsCollector(Collector):
+    """``harbor_exec_package_cache_*`` by ``node`` (the server's own process, and each
+    Ray node's cache as its last report said), read at scrape time."""
+
+    def __init__(self, totals: CacheTotals, nodes: NodeCacheTotals) -> None:
         self.totals = totals
+        self.nodes = nodes
 
     def collect(self) -> Iterable[Metric]:
-        t = self.totals
+        rows = [(SERVER_NODE, self.totals), *self.nodes.by_node().items()]
         counters = (
-            ("requests", "Requests the package cache answered.", t.requests),
-            ("hits", "Requests served from the cache without asking the upstream.", t.hits),
-            ("revalidated", "Requests served from the cache after a 304.", t.revalidated),
-            ("misses", "Cacheable requests fetched from the upstream and stored.", t.misses),
-            ("passthrough", "Requests passed to the upstream, not cacheable.", t.passthrough),
-            ("upstream_requests", "Requests the cache sent upstream.", t.upstream_requests),
-            ("upstream_errors", "Upstream requests that failed.", t.upstream_errors),
-            ("evictions", "Entries evicted to stay within the bound.", t.evictions),
+            ("requests", "Requests the package cache answered."),
+            ("hits", "Requests served from the cache without asking the upstream."),
+            ("revalidated", "Requests served from the cache after a 304."),
+            ("misses", "Cacheable requests fetched from the upstream and stored."),
+            ("passthrough", "Requests passed to the upstream, not cacheable."),
+            ("upstream_requests", "Requests the cache sent upstream."),
+            ("upstream_errors", "Upstream requests that failed."),
+            ("evictions", "Entries evicted to stay within the bound."),
         )
-        for name, help_text, value in counters:
-            yield CounterMetricFamily(f"harbor_exec_package_cache_{name}", help_text, value=value)
+        for name, help_text in counters:
+            family = CounterMetricFamily(
+                f"harbor_exec_package_cache_{name}", help_text, labels=["node"]
+            )
+            for node, totals in rows:
+                family.add_metric([node], getattr(totals, name))
+            yield family
         data = CounterMetricFamily(
             "harbor_exec_package_cache_bytes",
             "Body bytes sent to clients, by source.",
-            labels=["source"],
+            labels=["node", "source"],
         )
-        data.add_metric(["cache"], t.bytes_from_cache)
-        data.add_metric(["upstream"], t.bytes_from_upstream)
+        for node, totals in rows:
+            data.add_metric([node, "cache"], totals.bytes_from_cache)
+            data.add_metric([node, "upstream"], totals.bytes_from_upstream)
         yield data
-        yield GaugeMetricFamily(
-            "harbor_exec_package_cache_stored_bytes", "Bytes stored now.", value=t.stored_bytes
+        gauges = (
+            ("stored_bytes", "Bytes stored now."),
+            ("stored_entries", "Entries stored now."),
+            ("bound_bytes", "The cache's bound."),
         )
-        yield GaugeMetricFamily(
-            "harbor_exec_package_cache_stored_entries",
-            "Entries stored now.",
-            value=t.stored_entries,
-        )
-        yield GaugeMetricFamily(
-            "harbor_exec_package_cache_bound_bytes", "The cache's bound.", value=t.bound_bytes
-        )
+        for name, help_text in gauges:
+            gauge = GaugeMetricFamily(
+                f"harbor_exec_package_cache_{name}", help_text, labels=["node"]
+            )
+            for node, totals in rows:
+                gauge.add_metric([node], getattr(totals, name))
+            yield gauge
 
 
 CACHE_TOTALS: Final = CacheTotals()
-REGISTRY.register(CacheTotalsCollector(CACHE_TOTALS))
+#: What the Ray nodes' caches reported to this (server) process.
+NODE_CACHE_TOTALS: Final = NodeCacheTotals()
+REGISTRY.register(CacheTotalsCollector(CACHE_TOTALS, NODE_CACHE_TOTALS))
 
 
 # --------------------------------------------------------------------------- upstream
@@ -570,6 +627,16 @@ class PackageCache:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.upstream.aclose()
+
+    def totals(self) -> CacheTotals:
+        """This cache's own sums (all its sessions) and its store now."""
+        return CacheTotals(
+            **self.stats.to_dict(),
+            evictions=self.store.evictions,
+            stored_bytes=self.store.size,
+            stored_entries=len(self.store._lru),
+            bound_bytes=self.store.max_bytes,
+        )
 
     def _publish(self) -> None:
         totals = self._totals
