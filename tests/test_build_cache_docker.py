@@ -120,7 +120,9 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
             tmp_path,
             "opted-out",
             toml="[metadata]\nharbor_exec_package_cache = false\n",
-            dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -z "$HTTP_PROXY"\n',
+            # Nothing of the cache: no proxy, no CA variable, no trust directory.
+            dockerfile=f"FROM debian:bookworm-slim\nRUN echo {nonce} && "
+            'test -z "$HTTP_PROXY$SSL_CERT_FILE$APT_CONFIG" && ! test -e /run/harbor-exec-trust\n',
         )
     )
     # BuildKit-only syntax: built by BuildKit, outside the cache, instead of failing.

@@ -13,7 +13,10 @@ build outside the cache), so a step has loopback and the proxy, nothing else: ev
 byte of a cached build goes step -> 127.0.0.1 -> forwarder -> unix socket -> host
 proxy. Builds get the predefined proxy build arguments (``HTTP_PROXY``, ``HTTPS_PROXY``,
 ``NO_PROXY`` and their lower-case spellings); the builder does not persist predefined
-arguments in the image, so nothing of the proxy lands in it.
+arguments in the image, so nothing of the proxy lands in it. Only Dockerfiles the
+legacy builder parses come here; BuildKit-only ones (``dockerfile_syntax``) and those
+``build_trust.trust_conflict`` names build outside the cache
+(``harbor_exec.trial.build_route``).
 
 The host-side proxy behind the socket admits public destinations only (the egress
 SSRF guard refuses private and host addresses, except the operator's explicit
