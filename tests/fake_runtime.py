@@ -164,6 +164,8 @@ class FakeRuntime:
     builds: list[str] = field(default_factory=list)
     build_args: dict[str, dict[str, str]] = field(default_factory=dict)  # tag -> its args
     build_networks: dict[str, str | None] = field(default_factory=dict)  # tag -> RUN network
+    #: tag -> the files sent in place of the context's own (a cached build's trust).
+    build_context_files: dict[str, dict[str, bytes]] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
     execs: list[FakeExec] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
@@ -235,6 +237,7 @@ class FakeRuntime:
         dockerfile: str | None = None,
         target: str | None = None,
         network: str | None = None,
+        context_files: Mapping[str, bytes] | None = None,
     ) -> BuildResult:
         self._call("ensure_image")
         if tag in self.images:
@@ -244,6 +247,7 @@ class FakeRuntime:
         self.builds.append(tag)
         self.build_args[tag] = dict(build_args or {})
         self.build_networks[tag] = network
+        self.build_context_files[tag] = dict(context_files or {})
         self.images.add(tag)
         return BuildResult(tag, built=True, duration_sec=0.0, log_path=None)
 

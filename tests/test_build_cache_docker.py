@@ -7,17 +7,21 @@ nothing leaves loopback and the unix socket)."""
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import uuid
 from pathlib import Path
 
 import docker
+import pip
 import pytest
 
 from harbor_exec.jobs.prewarm import prewarm_tasks
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress.build_gateway import KIND
-from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
+from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.service import PackageCacheService
+from harbor_exec.sandbox.egress.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
 from harbor_exec.trial import compose
 from harbor_exec.trial.task import Task, load_task
@@ -25,7 +29,11 @@ from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, 
 from tests.task_factory import make_compose_task, make_task
 from tests.test_package_cache_docker import (  # the mirror fixture and its helpers
     DEB,
+    INDEX,
+    KEYRING,
     PACKAGES,
+    TARBALL,
+    WHEEL,
     Mirror,
     _egress,
     _service,
@@ -44,6 +52,14 @@ APT = (
     "apt-get update -o Acquire::Languages=none && "
     "apt-get install -y --no-install-recommends hxdemo && "
     "grep -q 'from the mirror' /usr/share/hxdemo/ok"
+)
+
+#: The signed test repo as apt's only source, its lists fetched (in one RUN).
+APT_SIGNED = (
+    "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && "
+    f"echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' "
+    "> /etc/apt/sources.list.d/test.list && "
+    "apt-get update -o Acquire::Languages=none"
 )
 
 
@@ -104,7 +120,9 @@ def test_a_cold_build_of_twenty_tasks_fetches_each_package_once(
             tmp_path,
             "opted-out",
             toml="[metadata]\nharbor_exec_package_cache = false\n",
-            dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -z "$HTTP_PROXY"\n',
+            # Nothing of the cache: no proxy, no CA variable, no trust directory.
+            dockerfile=f"FROM debian:bookworm-slim\nRUN echo {nonce} && "
+            'test -z "$HTTP_PROXY$SSL_CERT_FILE$APT_CONFIG" && ! test -e /run/harbor-exec-trust\n',
         )
     )
     # BuildKit-only syntax: built by BuildKit, outside the cache, instead of failing.
@@ -243,6 +261,147 @@ def test_a_compose_tasks_sidecar_image_builds_through_the_cache(
         assert upstream.content_fetches(DEB) == 1
         assert service.build_session is not None
         assert service.build_session.stats.to_dict()["misses"] >= 1
+    finally:
+        _close(docker_runtime, service, tags)
+    assert _gateways(docker_runtime) == []
+
+
+def _saved_image_contains(tag: str, needles: list[bytes]) -> list[bytes]:
+    """Which of ``needles`` are anywhere in ``docker save`` of ``tag`` (every layer's
+    files, the config, the history), scanned as a stream."""
+    client = docker.from_env()
+    found: set[bytes] = set()
+    keep = max(len(n) for n in needles)
+    tail = b""
+    try:
+        for chunk in client.images.get(tag).save(chunk_size=1024 * 1024):
+            window = tail + chunk
+            found.update(n for n in needles if n in window)
+            tail = window[-keep:]
+    finally:
+        client.close()
+    return [n for n in needles if n in found]
+
+
+def test_cached_builds_cache_https_and_the_image_keeps_no_trust(
+    docker_runtime: DockerRuntime, tmp_path: Path, mirror: tuple[Mirror, LocalCA]
+) -> None:
+    """Two cold builds (different first steps: nothing of the first in the layer cache
+    the second uses) of a two-stage Dockerfile whose steps fetch over HTTPS with curl
+    and pip from the local HTTPS host: the second fetches none of it from the upstream.
+    The images have no proxy or CA variable in their config, the CA key in no layer;
+    a hostile step that looks for the key finds nothing and one that overwrites its
+    trust files changes no other build."""
+    upstream, upstream_ca = mirror
+    service = _service(tmp_path, upstream, upstream_ca)
+    key = (service.ca.directory / CA_KEY).read_bytes()
+    key_line = key.splitlines()[1]  # a base64 line of the key's body
+    key_sha = hashlib.sha256(key).hexdigest()
+    line_sha = hashlib.sha256(key_line).hexdigest()
+    trust_before = {p.name: p.read_bytes() for p in service.trust_dir.iterdir()}
+    tarball_sha = hashlib.sha256(upstream.tarball).hexdigest()
+    wheel_sha = hashlib.sha256(upstream.wheels["1.0"]).hexdigest()
+    # Looks for the CA key (the whole file, or a line of its body: by their hashes, so
+    # the scan itself holds nothing of it) in every file of the step's filesystem.
+    scan = (
+        "import hashlib, os\n"
+        "found = []\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    if root.startswith(('/proc', '/sys', '/dev')):\n"
+        "        dirs[:] = []\n"
+        "    for name in files:\n"
+        "        path = os.path.join(root, name)\n"
+        "        try:\n"
+        "            if not os.path.isfile(path) or os.path.islink(path):\n"
+        "                continue\n"
+        "            data = open(path, 'rb').read(1 << 22)\n"
+        "        except OSError:\n"
+        "            continue\n"
+        f"        if hashlib.sha256(data).hexdigest() == '{key_sha}' or any(\n"
+        f"            len(line) == {len(key_line)}\n"
+        f"            and hashlib.sha256(line).hexdigest() == '{line_sha}'\n"
+        "            for line in data.split()\n"
+        "        ):\n"
+        "            found.append(path)\n"
+        "assert not found, found\n"
+        "print('no key anywhere')\n"
+    )
+
+    def task(name: str, hostile: bool) -> Task:
+        if hostile:  # looks for the key, then overwrites its trust files
+            dockerfile = (
+                "FROM python:3.11-slim-bookworm\nCOPY scan.py /scan.py\n"
+                f"RUN echo {uuid.uuid4().hex} && python3 /scan.py && "
+                "echo poison > /run/harbor-exec-trust/ca-bundle.pem && "
+                "echo 'Acquire::https::Verify-Peer \"false\";' > /run/harbor-exec-trust/apt.conf"
+                " && (mkdir -p /run/harbor-exec/egress && touch /run/harbor-exec/egress/x; true)\n"
+            )
+        else:
+            dockerfile = (
+                "# escape=\\\n"
+                "from python:3.11-slim-bookworm \\\n"
+                "    AS fetch\n"
+                f"COPY hx-test-repo.gpg {KEYRING}\n"
+                "COPY pip /usr/lib/python3/dist-packages/pip\n"
+                f"RUN echo {uuid.uuid4().hex} && {APT_SIGNED} && \\\n"
+                "    apt-get install -y --no-install-recommends curl\n"
+                f"RUN curl -fsSL https://files.test{TARBALL} -o /tool.tar.gz && \\\n"
+                f'    test "$(sha256sum < /tool.tar.gz | cut -d" " -f1)" = {tarball_sha}\n'
+                f'RUN echo "demo==1.0 --hash=sha256:{wheel_sha}" > /req.txt && \\\n'
+                "    python3 -m pip install --no-cache-dir --disable-pip-version-check \\\n"
+                "    --target /site --require-hashes --index-url https://pypi.test/simple/ \\\n"
+                "    -r /req.txt\n"
+                "FROM debian:bookworm-slim\n"
+                "COPY --from=fetch /tool.tar.gz /site/demo/__init__.py /out/\n"
+                'RUN test -s "$SSL_CERT_FILE" && test "$APT_CONFIG" = /run/harbor-exec-trust/apt.conf'
+                " && ! test -e /out/secret.txt\n"
+            )
+        root = make_task(tmp_path, name, dockerfile=dockerfile)
+        (root / "environment" / "hx-test-repo.gpg").write_bytes(upstream.signer.keyring)
+        (root / "environment" / "scan.py").write_text(scan)
+        # The base image's python has no pip of its own (as test_package_cache_docker's).
+        shutil.copytree(
+            Path(pip.__file__).parent,
+            root / "environment" / "pip",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        (root / "environment" / ".dockerignore").write_text("secret.txt\n")
+        (root / "environment" / "secret.txt").write_text("not in the context\n")
+        return load_task(root)
+
+    tasks = [task("https-first", False), task("https-hostile", True), task("https-second", False)]
+    tags = [image_tag_for(t) for t in tasks]
+    try:
+        for one in tasks:  # one after another: the second is a cold build of its own
+            [outcome] = prewarm_tasks(
+                docker_runtime, [one], jobs=1, package_cache=service, egress=_egress(upstream)
+            )
+            assert outcome.status == "built", outcome.reason
+        # What the first build fetched over HTTPS, the second got from the cache.
+        assert upstream.content_fetches(TARBALL) == 1
+        assert upstream.content_fetches(WHEEL) == 1
+        assert upstream.https.count(INDEX, 200, "GET") == 1  # then revalidated (304)
+        assert upstream.https.count(INDEX, 304, "GET") >= 1
+        assert upstream.content_fetches(upstream.debs[0]) == 1  # curl's deb, over HTTP
+        assert service.build_session is not None
+        assert service.build_session.stats.to_dict()["hits"] >= 3
+        # The hostile step changed nothing outside its own layers.
+        assert {p.name: p.read_bytes() for p in service.trust_dir.iterdir()} == trust_before
+        client = docker.from_env()
+        try:
+            for tag in tags:
+                image = client.images.get(tag)
+                env = image.attrs["Config"].get("Env") or []
+                names = {line.split("=", 1)[0] for line in env}
+                assert not names & {*trust_env(), *build_proxy_args()}, env
+                assert not [line for line in env if "harbor-exec" in line], env
+                history = "\n".join(str(s.get("CreatedBy", "")) for s in image.history())
+                assert "127.0.0.1:3128" not in history and "BEGIN" not in history
+        finally:
+            client.close()
+        for tag in tags:
+            assert _saved_image_contains(tag, [key, key_line]) == [], tag
+        assert _proxy_traces(tags[2], "http://127.0.0.1:3128") == []
     finally:
         _close(docker_runtime, service, tags)
     assert _gateways(docker_runtime) == []

@@ -12,8 +12,14 @@ import pytest
 from harbor_exec.container.forward import main as forward_main
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
+from harbor_exec.sandbox.egress.build_trust import (
+    TRUST_CONTEXT_DIR,
+    rewrite_dockerfile,
+    trust_context_files,
+)
 from harbor_exec.sandbox.egress.container import EGRESS_MOUNT
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.sandbox.egress.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, ensure_task_image
@@ -50,8 +56,15 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
         tag, built = ensure_task_image(runtime, out, policy)
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.containers == {}  # no gateway for a build that does not use it
+        assert runtime.build_context_files[tag] == {}
         tag, built = ensure_task_image(runtime, cached, policy)
-        assert built and runtime.build_args[tag] == build_proxy_args()
+        # The proxy arguments, and the CA's for the steps (ARGs, with the public trust
+        # files and the rewritten Dockerfile in the context: build_trust).
+        assert built and runtime.build_args[tag] == {**build_proxy_args(), **trust_env()}
+        files = runtime.build_context_files[tag]
+        assert cached.dockerfile is not None
+        assert files.pop("Dockerfile") == rewrite_dockerfile(cached.dockerfile.read_text()).encode()
+        assert files == trust_context_files(service.trust_dir)
         assert ensure_task_image(runtime, cached, policy) == (tag, False)
         [(gateway_id, gateway)] = runtime.containers.items()
         # The build's RUN steps share the gateway's namespace: loopback and the proxy.
@@ -77,6 +90,35 @@ def test_a_buildkit_only_dockerfile_builds_outside_the_cache(tmp_path: Path) -> 
         tag, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.containers == {}
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "context_dir"),
+    [
+        ("FROM debian:bookworm-slim\nENV SSL_CERT_FILE=/etc/ssl/mine.pem\nRUN x\n", None),
+        ("FROM debian:bookworm-slim\nRUN x\n", TRUST_CONTEXT_DIR),
+    ],
+)
+def test_a_build_that_cannot_trust_the_cache_builds_outside_it(
+    tmp_path: Path, dockerfile: str, context_dir: str | None
+) -> None:
+    """An ENV of a CA variable would win over the build argument (its tool would reject
+    the cache's certificates); a context with a trust directory of its own would be
+    shadowed: both build as without the cache."""
+    runtime = FakeRuntime()
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
+    root = make_task(tmp_path, "conflict", dockerfile=dockerfile)
+    if context_dir is not None:
+        (root / "environment" / context_dir).mkdir()
+        (root / "environment" / context_dir / "ca-bundle.pem").write_text("the task's own\n")
+    try:
+        tag, built = ensure_task_image(
+            runtime, load_task(root), SandboxPolicy(package_cache=service)
+        )
+        assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
+        assert runtime.build_context_files[tag] == {} and runtime.containers == {}
     finally:
         service.close()
 

@@ -27,6 +27,7 @@ from harbor_exec.executors.ray.transfer import tar_dir
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec
 from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.sandbox.egress.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.trial import compose
@@ -44,6 +45,10 @@ from tests.server_utils import serve
 from tests.task_factory import make_task
 
 OWN_PROXY = "http://proxy.example:8080"
+
+
+#: What a build through the cache gets: the proxy and the CA variables (ARGs).
+CACHED_BUILD_ARGS = {**build_proxy_args(), **trust_env()}
 
 
 def gateway_network(runtime: FakeRuntime) -> str:
@@ -110,10 +115,10 @@ def test_compose_service_images_build_through_the_cache(
         assert built and image == compose.main_image_tag(task)
         network = gateway_network(runtime)
         db = service_tag(runtime)
-        assert runtime.build_args[image] == build_proxy_args()
+        assert runtime.build_args[image] == CACHED_BUILD_ARGS
         # The service's own args are kept; its explicit HTTP_PROXY wins over ours.
         assert runtime.build_args[db] == {
-            **build_proxy_args(),
+            **CACHED_BUILD_ARGS,
             "HTTP_PROXY": OWN_PROXY,
             "FLAVOUR": "mint",
         }
@@ -186,7 +191,7 @@ def test_the_servers_prewarm_builds_through_the_cache(tmp_path: Path) -> None:
     with serve(app) as url:
         summary = asyncio.run(prewarm(url))
         assert summary["built"] == 1 and summary["failed"] == 0, summary
-        assert runtime.build_args[tag] == build_proxy_args()
+        assert runtime.build_args[tag] == CACHED_BUILD_ARGS
         network = gateway_network(runtime)
         assert runtime.build_networks[tag] == network
         [gateway] = [c for c in runtime.containers.values() if c.spec.labels[LABEL_KIND] == KIND]
@@ -254,7 +259,7 @@ def test_a_ray_node_makes_its_own_cache_for_its_prewarm_and_trials(tmp_path: Pat
         agent.package_cache.close()
     assert built.built == 1
     # The build went through the node's service: its gateway's namespace, our args.
-    assert runtime.build_args[tag] == build_proxy_args()
+    assert runtime.build_args[tag] == CACHED_BUILD_ARGS
     assert str(runtime.build_networks[tag]).startswith("container:")
     # One service per node process, under the node's own directory, closed with it.
     assert isinstance(service, PackageCacheService)

@@ -121,8 +121,12 @@ def _refuses_buildkit(message: str) -> bool:
 
 
 @contextlib.contextmanager
-def _context_tar(context_dir: Path, dockerfile: str = "Dockerfile") -> Iterator[IO[bytes]]:
-    """The build context as a tar file, ``.dockerignore`` applied as ``docker build`` does.
+def _context_tar(
+    context_dir: Path, dockerfile: str = "Dockerfile", extra: Mapping[str, bytes] | None = None
+) -> Iterator[IO[bytes]]:
+    """The build context as a tar file, ``.dockerignore`` applied as ``docker build`` does,
+    with ``extra`` (context path -> content: a rewritten Dockerfile, the package cache's
+    trust files) in place of the context's own files of those names.
 
     BuildKit tells a tar context from a bare Dockerfile by parsing the first tar
     header within the body's first 1 KiB. docker-py's ``utils.tar`` writes PAX
@@ -130,29 +134,53 @@ def _context_tar(context_dir: Path, dockerfile: str = "Dockerfile") -> Iterator[
     the archive as a Dockerfile. Hence GNU format, whole-second mtimes and the
     Dockerfile first, which both builders read the same way.
     """
+    extra = dict(extra or {})
     ignore = context_dir / ".dockerignore"
     patterns: list[str] = []
     if ignore.is_file():
         lines = (line.strip() for line in ignore.read_text(encoding="utf-8").splitlines())
         patterns = [line for line in lines if line and not line.startswith("#")]
     files = sorted(
-        docker.utils.build.exclude_paths(str(context_dir), patterns),
+        set(docker.utils.build.exclude_paths(str(context_dir), patterns, dockerfile)) - set(extra),
         key=lambda name: (name != dockerfile, name),
     )
+    # Parent directories the extra files need (0755, root's), unless the context has them.
+    parents = sorted(
+        {str(parent) for name in extra for parent in Path(name).parents if str(parent) != "."}
+        - set(files)
+    )
+    first = [(dockerfile, extra[dockerfile])] if dockerfile in extra else []
+    rest = sorted((name, data) for name, data in extra.items() if name != dockerfile)
     with tempfile.TemporaryFile() as context:
         with tarfile.open(fileobj=context, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for name, data in first:
+                tar.addfile(_tar_entry(name, len(data)), io.BytesIO(data))
             for name in files:
                 info = tar.gettarinfo(str(context_dir / name), arcname=name)
                 if info is None:  # a socket or similar: nothing to send
                     continue
                 info.mtime = int(info.mtime)
                 if info.isfile():
-                    with (context_dir / name).open("rb") as data:
-                        tar.addfile(info, data)
+                    with (context_dir / name).open("rb") as data_file:
+                        tar.addfile(info, data_file)
                 else:
                     tar.addfile(info)
+            for name in parents:
+                tar.addfile(_tar_entry(name, 0, directory=True))
+            for name, data in rest:
+                tar.addfile(_tar_entry(name, len(data)), io.BytesIO(data))
         context.seek(0)
         yield context
+
+
+def _tar_entry(name: str, size: int, *, directory: bool = False) -> tarfile.TarInfo:
+    """A root-owned entry of ours: a ``0644`` file or a ``0755`` directory."""
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
+    info.mode = 0o755 if directory else 0o644
+    info.size = 0 if directory else size
+    info.mtime = 0
+    return info
 
 
 # --------------------------------------------------------------------------- owners
@@ -472,7 +500,7 @@ class DockerRuntime:
         dockerfile = build.get("dockerfile") or "Dockerfile"
         with (
             log_path.open("w", encoding="utf-8") as log,
-            _context_tar(context_dir, dockerfile) as context,
+            _context_tar(context_dir, dockerfile, build.get("context_files")) as context,
         ):
 
             def emit(lines: Iterable[str]) -> None:

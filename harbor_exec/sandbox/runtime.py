@@ -200,6 +200,10 @@ class ImageBuild(TypedDict):
     #: container's network namespace (the package cache's build gateway). Only the
     #: legacy builder has it (BuildKit takes none/host/default), so it selects that.
     network: NotRequired[str | None]
+    #: Files sent in the build context in place of (or beside) the context's own, by
+    #: path in the context: a cached build's rewritten Dockerfile and the package
+    #: cache's public trust files (``harbor_exec.sandbox.egress.build_trust``).
+    context_files: NotRequired[Mapping[str, bytes] | None]
 
 
 class ExecOptions(TypedDict, total=False):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
+from harbor_exec.sandbox.egress.build_trust import TRUST_CONTEXT_DIR, trust_conflict
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.trial.task import Task
 
@@ -30,35 +31,49 @@ def cache_build_options(
     policy: SandboxPolicy | None,
     dockerfile: Path,
     tag: str,
+    context_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """``ensure_image``'s ``build_args``/``network`` for building ``tag`` from
-    ``dockerfile`` through the package cache, or nothing: no cache, a task that opts
-    out, an image already built, or a Dockerfile only BuildKit builds."""
+    """``ensure_image``'s ``build_args``/``network``/``context_files`` for building
+    ``tag`` from ``dockerfile`` (in ``context_dir``, default its directory) through the
+    package cache, or nothing: no cache, a task that opts out, an image already built,
+    a Dockerfile only BuildKit builds, or one that cannot trust the cache through build
+    arguments (``build_trust.trust_conflict``)."""
     if policy is None or policy.package_cache is None:
         return {}
     from harbor_exec.trial.package_cache import wanted
 
     if not wanted(policy.package_cache, task) or runtime.image_exists(tag):
         return {}  # a warm image needs no gateway started
-    needs_buildkit = buildkit_only_syntax(dockerfile.read_text(encoding="utf-8", errors="replace"))
-    if needs_buildkit is not None:
-        logger.info(
-            "%s builds outside the package cache: %s needs BuildKit (%s)",
-            task.name,
-            dockerfile,
-            needs_buildkit,
-        )
+    context_dir = context_dir or dockerfile.parent
+    text = dockerfile.read_text(encoding="utf-8", errors="replace")
+    reason = buildkit_only_syntax(text)
+    if reason is not None:
+        reason = f"needs BuildKit ({reason})"
+    elif (conflict := trust_conflict(text)) is not None:
+        reason = f"sets a CA variable itself ({conflict})"
+    elif (context_dir / TRUST_CONTEXT_DIR).exists():
+        reason = f"its context has a {TRUST_CONTEXT_DIR} of its own"
+    elif not dockerfile.resolve().is_relative_to(context_dir.resolve()):
+        reason = "the Dockerfile is outside its build context"
+    if reason is not None:
+        logger.info("%s builds outside the package cache: %s %s", task.name, dockerfile, reason)
         return {}
     egress = policy.egress
     route = policy.package_cache.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
-    return route.build_options()
+    name = dockerfile.resolve().relative_to(context_dir.resolve()).as_posix()
+    return route.build_options(name, text)
 
 
 def merge_build_args(own: dict[str, str] | None, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` (``cache_build_options``'s) with a build's own ``--build-arg``s
     merged in: the build's own value of an argument wins over the cache's proxy
     argument of the same name (a service that sets ``HTTP_PROXY`` itself means it),
-    the others are added. Without the cache, just the build's own."""
+    the others are added. Without the cache, just the build's own; a build whose own
+    arguments set a CA variable (``SSL_CERT_FILE``, ...) builds outside the cache (its
+    tools would not trust the cache's certificates)."""
     if not options:
+        return {"build_args": own or None}
+    if options.get("context_files") and (conflict := trust_conflict("", own)) is not None:
+        logger.info("a build outside the package cache: %s", conflict)
         return {"build_args": own or None}
     return {**options, "build_args": {**options["build_args"], **(own or {})}}

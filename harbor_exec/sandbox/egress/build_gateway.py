@@ -13,15 +13,20 @@ build outside the cache), so a step has loopback and the proxy, nothing else: ev
 byte of a cached build goes step -> 127.0.0.1 -> forwarder -> unix socket -> host
 proxy. Builds get the predefined proxy build arguments (``HTTP_PROXY``, ``HTTPS_PROXY``,
 ``NO_PROXY`` and their lower-case spellings); the builder does not persist predefined
-arguments in the image, so nothing of the proxy lands in it.
+arguments in the image, so nothing of the proxy lands in it. Only Dockerfiles the
+legacy builder parses come here; BuildKit-only ones (``dockerfile_syntax``) and those
+``build_trust.trust_conflict`` names build outside the cache
+(``harbor_exec.trial.build_route``).
 
 The host-side proxy behind the socket admits public destinations only (the egress
 SSRF guard refuses private and host addresses, except the operator's explicit
-overrides) and hands plain HTTP to the cache; HTTPS ``CONNECT`` tunnels are passed
-through untouched (a build cannot be made to trust the cache's CA without its
-Dockerfile taking part), so in builds only what is fetched over plain HTTP is cached:
-Debian and Ubuntu apt mirrors (``deb.debian.org``, ``archive.ubuntu.com``, ...), which
-is where builds spend.
+overrides) and hands plain HTTP to the cache. With ``trust_files`` (the package
+cache's: ``PackageCacheService.build_route``) its upstream also terminates HTTPS
+``CONNECT`` to port 443 with the cache's CA, as a trial's does, and the route carries
+what makes a build trust that CA for its steps only: the public trust files for the
+context and the rewritten Dockerfile (``build_trust``), the trust variables as build
+arguments. Without (a gateway with no cache behind it, the bench's baseline) HTTPS
+is tunnelled untouched.
 
 One gateway per process (``PackageCacheService.build_route``), started with the first
 build through the cache and removed when the service closes; concurrent cached builds
@@ -36,11 +41,12 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from harbor_exec.errors import HarborExecError
+from harbor_exec.sandbox.egress.build_trust import rewrite_dockerfile
 from harbor_exec.sandbox.egress.container import (
     EGRESS_MOUNT,
     EGRESS_PORT,
@@ -55,6 +61,7 @@ from harbor_exec.sandbox.egress.proxy import (
     EgressProxyThread,
     Upstream,
 )
+from harbor_exec.sandbox.egress.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, ContainerSpec, Mount
 
 __all__ = ["BUILD_GATEWAY_IMAGE", "BuildGateway", "BuildRoute", "build_proxy_args"]
@@ -81,13 +88,30 @@ def build_proxy_args(url: str = EGRESS_PROXY_URL) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class BuildRoute:
-    """How one build reaches the cache: ``ImageBuild``'s ``build_args`` and ``network``."""
+    """How one build reaches the cache: ``ImageBuild``'s ``build_args``, ``network`` and,
+    when the proxy terminates TLS (``trust_files``: context path -> the public trust
+    files, ``build_trust.trust_context_files``), its ``context_files``."""
 
     build_args: dict[str, str]
     network: str
+    trust_files: Mapping[str, bytes] = field(default_factory=dict)
 
-    def build_options(self) -> dict[str, Any]:
-        return {"build_args": dict(self.build_args), "network": self.network}
+    def build_options(
+        self, dockerfile: str = "Dockerfile", text: str | None = None
+    ) -> dict[str, Any]:
+        """The options for building the Dockerfile ``text`` (at ``dockerfile`` in the
+        context; needed when the route terminates TLS: it is sent rewritten)."""
+        options: dict[str, Any] = {"build_args": dict(self.build_args), "network": self.network}
+        if not self.trust_files:
+            return options
+        if text is None:
+            raise ValueError("this build route terminates TLS: pass the Dockerfile to rewrite")
+        options["build_args"].update(trust_env())
+        options["context_files"] = {
+            **self.trust_files,
+            dockerfile: rewrite_dockerfile(text).encode("utf-8"),
+        }
+        return options
 
 
 class BuildGateway:
@@ -101,7 +125,10 @@ class BuildGateway:
         overrides: Mapping[str, tuple[str, int]] | None = None,
         dns: bool = True,
         image: str = BUILD_GATEWAY_IMAGE,
+        trust_files: Mapping[str, bytes] | None = None,
     ) -> None:
+        """``trust_files``: set when ``upstream`` terminates TLS with a CA of ours (the
+        builds then get them and a rewritten Dockerfile, ``BuildRoute``)."""
         self.runtime = runtime
         self._scratch = Path(tempfile.mkdtemp(prefix="hx-build-gateway-"))
         self._thread: EgressProxyThread | None = EgressProxyThread(
@@ -122,7 +149,9 @@ class BuildGateway:
         except BaseException:
             self.close()
             raise
-        self.route = BuildRoute(build_proxy_args(), f"container:{container_id}")
+        self.route = BuildRoute(
+            build_proxy_args(), f"container:{container_id}", dict(trust_files or {})
+        )
 
     def _start_container(self, image: str) -> str:
         spec = ContainerSpec(

@@ -18,6 +18,7 @@ from typing import Any, Final, TypeVar
 
 from harbor_exec.cache import cache_root
 from harbor_exec.sandbox.egress.build_gateway import BuildGateway, BuildRoute
+from harbor_exec.sandbox.egress.build_trust import trust_context_files
 from harbor_exec.sandbox.egress.ca import LocalCA
 from harbor_exec.sandbox.egress.cache import (
     CacheRequest,
@@ -217,9 +218,16 @@ class PackageCacheService:
             if self._gateway is None:
                 if self.build_session is None:
                     self.build_session = self.session()
-                # CONNECT passes through: a build does not trust our CA.
-                upstream = CacheUpstream(self.build_session, self.ca, intercept_ports=())
-                self._gateway = BuildGateway(runtime, upstream, overrides=overrides, dns=dns)
+                # HTTPS terminated as a trial's: the builds trust the CA for their steps
+                # (build_trust: the public trust files in the context, ARGs, no ENV).
+                upstream = CacheUpstream(self.build_session, self.ca)
+                self._gateway = BuildGateway(
+                    runtime,
+                    upstream,
+                    overrides=overrides,
+                    dns=dns,
+                    trust_files=trust_context_files(self.trust_dir),
+                )
             return self._gateway.route
 
     def session(self) -> TrialCache:
