@@ -685,6 +685,17 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         assert bounds and all(float(v) == 20 * 1024**3 for _, v in bounds), metrics
         for node, _bound in bounds:
             assert f'harbor_exec_package_cache_requests_total{{node="{node}"}} 0.0' in metrics
+        # Hits, misses and bytes by node match the trials' records: these trials and
+        # their builds fetch nothing, so each node's figures are the kept record's (0).
+        for key, metric in (
+            ("hits", 'hits_total{{node="{}"}}'),
+            ("misses", 'misses_total{{node="{}"}}'),
+            ("bytes_from_cache", 'bytes_total{{node="{}",source="cache"}}'),
+            ("bytes_from_upstream", 'bytes_total{{node="{}",source="upstream"}}'),
+        ):
+            for node, _bound in bounds:
+                line = f"harbor_exec_package_cache_{metric.format(node)} {float(stats[key])}"
+                assert line in metrics, (line, metrics)
         assert 'harbor_exec_package_cache_requests_total{node="server"} 0.0' in metrics
         ray_cluster.stop_servers()
         assert not (root / "package-cache").exists()
