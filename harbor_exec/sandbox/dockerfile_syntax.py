@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["buildkit_only_syntax"]
+__all__ = ["buildkit_only_syntax", "escape_char", "instructions"]
 
 _DIRECTIVE = re.compile(r"^#\s*(\w+)\s*=\s*(\S+)\s*$")
 #: Flags only BuildKit's Dockerfile frontend knows, per instruction.
@@ -27,36 +27,46 @@ _BUILDKIT_FLAGS: Final = {
 _HEREDOC = re.compile(r"(?<!<)<<-?\s*[\"']?[A-Za-z_][A-Za-z0-9_]*[\"']?")
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """``(first line number, instruction text)`` with continuations joined."""
-    escape = "\\"
-    lines = text.splitlines()
+def escape_char(lines: list[str]) -> str:
+    """The escape character: ``# escape=`` among the parser directives, else ``\\``."""
     for raw in lines:  # parser directives come first, before any other line
         found = _DIRECTIVE.match(raw.strip())
         if found is None:
             break
         if found.group(1).lower() == "escape":
-            escape = found.group(2)
-    joined: list[tuple[int, str]] = []
-    current: list[str] = []
+            return found.group(2)
+    return "\\"
+
+
+def instructions(lines: list[str]) -> list[tuple[int, int, str]]:
+    """``(first line index, last line index, joined text)`` of every instruction of a
+    Dockerfile split into ``lines``: continuations joined, comment and blank lines
+    inside one skipped (the builder does the same), comment lines between
+    instructions (parser directives too) dropped."""
+    escape = escape_char(lines)
+    found: list[tuple[int, int, str]] = []
+    parts: list[str] = []
     start = 0
-    for number, raw in enumerate(lines, 1):
+    for index, raw in enumerate(lines):
         stripped = raw.strip()
-        if not current and (not stripped or stripped.startswith("#")):
-            continue
-        if current and stripped.startswith("#"):
-            continue  # a comment inside a continued instruction
-        if not current:
-            start = number
+        if not stripped or stripped.startswith("#"):
+            continue  # between instructions, or inside a continued one
+        if not parts:
+            start = index
         if stripped.endswith(escape):
-            current.append(stripped[: -len(escape)])
+            parts.append(stripped[: -len(escape)])
             continue
-        current.append(stripped)
-        joined.append((start, " ".join(current)))
-        current = []
-    if current:
-        joined.append((start, " ".join(current)))
-    return joined
+        parts.append(stripped)
+        found.append((start, index, " ".join(parts)))
+        parts = []
+    if parts:
+        found.append((start, len(lines) - 1, " ".join(parts)))
+    return found
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """``(first line number, instruction text)`` with continuations joined."""
+    return [(start + 1, joined) for start, _end, joined in instructions(text.split("\n"))]
 
 
 def buildkit_only_syntax(text: str) -> str | None:

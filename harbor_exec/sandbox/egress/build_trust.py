@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from harbor_exec.sandbox.dockerfile_syntax import instructions
 from harbor_exec.sandbox.egress.trust import APT_CONF, BUNDLE, TRUST_MOUNT, trust_env
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
 #: The trust files' directory in a cached build's context.
 TRUST_CONTEXT_DIR: Final = ".harbor-exec-trust"
 
-_DIRECTIVE = re.compile(r"^#\s*(\w+)\s*=\s*(\S+)\s*$")
 _FROM = re.compile(r"^\s*from(\s|$)", re.IGNORECASE)
 _ENV = re.compile(r"^\s*env\s", re.IGNORECASE)
 
@@ -63,42 +63,6 @@ def trust_context_files(trust_dir: Path) -> dict[str, bytes]:
     exactly the bundle and ``apt.conf``, nothing else that may be in the directory."""
     names = (BUNDLE, APT_CONF)
     return {f"{TRUST_CONTEXT_DIR}/{name}": (trust_dir / name).read_bytes() for name in names}
-
-
-def _escape_char(lines: list[str]) -> str:
-    """The escape character: ``# escape=`` among the parser directives, else ``\\``."""
-    for raw in lines:
-        found = _DIRECTIVE.match(raw.strip())
-        if found is None:
-            break
-        if found.group(1).lower() == "escape":
-            return found.group(2)
-    return "\\"
-
-
-def _instructions(lines: list[str]) -> list[tuple[int, int, str]]:
-    """``(first line index, last line index, joined text)`` of every instruction:
-    continuations joined, comment and blank lines inside one skipped (the builder
-    does the same), comment lines between instructions (directives too) dropped."""
-    escape = _escape_char(lines)
-    found: list[tuple[int, int, str]] = []
-    parts: list[str] = []
-    start = 0
-    for index, raw in enumerate(lines):
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue  # between instructions, or inside a continued one
-        if not parts:
-            start = index
-        if stripped.endswith(escape):
-            parts.append(stripped[: -len(escape)])
-            continue
-        parts.append(stripped)
-        found.append((start, index, " ".join(parts)))
-        parts = []
-    if parts:
-        found.append((start, len(lines) - 1, " ".join(parts)))
-    return found
 
 
 def _from_image(instruction: str) -> str:
@@ -117,7 +81,7 @@ def rewrite_dockerfile(text: str) -> str:
     # Lines as the builder splits them: on "\n" only (not str.splitlines' other breaks).
     lines = text.split("\n")
     after: set[int] = set()
-    for _start, end, instruction in _instructions(lines):
+    for _start, end, instruction in instructions(lines):
         if _FROM.match(instruction) and _from_image(instruction).lower() != "scratch":
             after.add(end)
     out: list[str] = []
@@ -145,7 +109,7 @@ def trust_conflict(text: str, build_args: Mapping[str, str] | None = None) -> st
     names = set(trust_env())
     for name in sorted(names & set(build_args or {})):
         return f"the build's own build argument {name}"
-    for start, _end, instruction in _instructions(text.split("\n")):
+    for start, _end, instruction in instructions(text.split("\n")):
         if _ENV.match(instruction):
             for name in _env_names(instruction):
                 if name in names:
