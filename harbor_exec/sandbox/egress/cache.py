@@ -298,20 +298,29 @@ class CacheTotalsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         rows = [(SERVER_NODE, self.totals), *self.nodes.by_node().items()]
-        counters = (
-            ("requests", "Requests the package cache answered."),
-            ("hits", "Requests served from the cache without asking the upstream."),
-            ("revalidated", "Requests served from the cache after a 304."),
-            ("misses", "Cacheable requests fetched from the upstream and stored."),
-            ("passthrough", "Requests passed to the upstream, not cacheable."),
-            ("upstream_requests", "Requests the cache sent upstream."),
-            ("upstream_errors", "Upstream requests that failed."),
-            ("evictions", "Entries evicted to stay within the bound."),
+        families: tuple[tuple[str, str, type[CounterMetricFamily | GaugeMetricFamily]], ...] = (
+            ("requests", "Requests the package cache answered.", CounterMetricFamily),
+            (
+                "hits",
+                "Requests served from the cache without asking the upstream.",
+                CounterMetricFamily,
+            ),
+            ("revalidated", "Requests served from the cache after a 304.", CounterMetricFamily),
+            (
+                "misses",
+                "Cacheable requests fetched from the upstream and stored.",
+                CounterMetricFamily,
+            ),
+            ("passthrough", "Requests passed to the upstream, not cacheable.", CounterMetricFamily),
+            ("upstream_requests", "Requests the cache sent upstream.", CounterMetricFamily),
+            ("upstream_errors", "Upstream requests that failed.", CounterMetricFamily),
+            ("evictions", "Entries evicted to stay within the bound.", CounterMetricFamily),
+            ("stored_bytes", "Bytes stored now.", GaugeMetricFamily),
+            ("stored_entries", "Entries stored now.", GaugeMetricFamily),
+            ("bound_bytes", "The cache's bound.", GaugeMetricFamily),
         )
-        for name, help_text in counters:
-            family = CounterMetricFamily(
-                f"harbor_exec_package_cache_{name}", help_text, labels=["node"]
-            )
+        for name, help_text, kind in families:
+            family = kind(f"harbor_exec_package_cache_{name}", help_text, labels=["node"])
             for node, totals in rows:
                 family.add_metric([node], getattr(totals, name))
             yield family
@@ -324,18 +333,6 @@ class CacheTotalsCollector(Collector):
             data.add_metric([node, "cache"], totals.bytes_from_cache)
             data.add_metric([node, "upstream"], totals.bytes_from_upstream)
         yield data
-        gauges = (
-            ("stored_bytes", "Bytes stored now."),
-            ("stored_entries", "Entries stored now."),
-            ("bound_bytes", "The cache's bound."),
-        )
-        for name, help_text in gauges:
-            gauge = GaugeMetricFamily(
-                f"harbor_exec_package_cache_{name}", help_text, labels=["node"]
-            )
-            for node, totals in rows:
-                gauge.add_metric([node], getattr(totals, name))
-            yield gauge
 
 
 CACHE_TOTALS: Final = CacheTotals()
