@@ -62,9 +62,14 @@ def gateway_network(runtime: FakeRuntime) -> str:
 # --------------------------------------------------------------------------- compose
 
 
-def compose_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str = "") -> Task:
+def compose_task(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    toml: str = "",
+    db_args: dict[str, str] | None = None,
+) -> Task:
     """main (built) plus a built ``db`` service with build args of its own (one of
-    them ``HTTP_PROXY``) and a prebuilt ``cache`` service."""
+    them ``HTTP_PROXY``; ``db_args`` added) and a prebuilt ``cache`` service."""
     root = make_task(tmp_path, "compose-cached", toml=toml or "[agent]\ntimeout_sec = 30.0\n")
     env = root / "environment"
     (env / "db").mkdir()
@@ -79,7 +84,12 @@ def compose_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str = ""
                 "build": {
                     "context": str(env / "db"),
                     "dockerfile": "Dockerfile",
-                    "args": {"HTTP_PROXY": OWN_PROXY, "FLAVOUR": "mint", "UNSET": None},
+                    "args": {
+                        "HTTP_PROXY": OWN_PROXY,
+                        "FLAVOUR": "mint",
+                        "UNSET": None,
+                        **(db_args or {}),
+                    },
                 },
                 "command": ["sleep", "infinity"],
             },
@@ -124,6 +134,27 @@ def test_compose_service_images_build_through_the_cache(
         }
         assert runtime.build_networks[image] == runtime.build_networks[db] == network
         assert "redis:7" in runtime.images and "redis:7" not in runtime.build_args
+
+
+def test_a_compose_service_whose_own_args_set_a_ca_variable_builds_outside_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build argument of the service's own naming a CA bundle would win over the
+    cache's (its tools would reject the cache's certificates): that service builds as
+    without the cache, its own arguments as given; main still builds through it."""
+    task = compose_task(tmp_path, monkeypatch, db_args={"SSL_CERT_FILE": "/etc/ssl/db.pem"})
+    runtime = FakeRuntime()
+    with cache_service(tmp_path) as service:
+        image, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        assert built
+        db = service_tag(runtime)
+        assert runtime.build_args[image] == CACHED_BUILD_ARGS
+        assert runtime.build_args[db] == {
+            "HTTP_PROXY": OWN_PROXY,
+            "FLAVOUR": "mint",
+            "SSL_CERT_FILE": "/etc/ssl/db.pem",
+        }
+        assert runtime.build_networks[db] is None and runtime.build_context_files[db] == {}
 
 
 def test_compose_service_images_without_the_cache_keep_their_own_args(

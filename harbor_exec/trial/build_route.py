@@ -32,12 +32,14 @@ def cache_build_options(
     dockerfile: Path,
     tag: str,
     context_dir: Path | None = None,
+    build_args: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``ensure_image``'s ``build_args``/``network``/``context_files`` for building
-    ``tag`` from ``dockerfile`` (in ``context_dir``, default its directory) through the
-    package cache, or nothing: no cache, a task that opts out, an image already built,
-    a Dockerfile only BuildKit builds, or one that cannot trust the cache through build
-    arguments (``build_trust.trust_conflict``)."""
+    ``tag`` from ``dockerfile`` (in ``context_dir``, default its directory; with the
+    build's own ``build_args``) through the package cache, or nothing: no cache, a task
+    that opts out, an image already built, a Dockerfile only BuildKit builds, or a build
+    that cannot trust the cache through build arguments (``build_trust.trust_conflict``:
+    its Dockerfile or its own arguments set a CA variable)."""
     if policy is None or policy.package_cache is None:
         return {}
     from harbor_exec.trial.package_cache import wanted
@@ -49,7 +51,7 @@ def cache_build_options(
     reason = buildkit_only_syntax(text)
     if reason is not None:
         reason = f"needs BuildKit ({reason})"
-    elif (conflict := trust_conflict(text)) is not None:
+    elif (conflict := trust_conflict(text, build_args)) is not None:
         reason = f"sets a CA variable itself ({conflict})"
     elif (context_dir / TRUST_CONTEXT_DIR).exists():
         reason = f"its context has a {TRUST_CONTEXT_DIR} of its own"
@@ -68,12 +70,7 @@ def merge_build_args(own: dict[str, str] | None, options: dict[str, Any]) -> dic
     """``options`` (``cache_build_options``'s) with a build's own ``--build-arg``s
     merged in: the build's own value of an argument wins over the cache's proxy
     argument of the same name (a service that sets ``HTTP_PROXY`` itself means it),
-    the others are added. Without the cache, just the build's own; a build whose own
-    arguments set a CA variable (``SSL_CERT_FILE``, ...) builds outside the cache (its
-    tools would not trust the cache's certificates)."""
+    the others are added. Without the cache, just the build's own."""
     if not options:
-        return {"build_args": own or None}
-    if options.get("context_files") and (conflict := trust_conflict("", own)) is not None:
-        logger.info("a build outside the package cache: %s", conflict)
         return {"build_args": own or None}
     return {**options, "build_args": {**options["build_args"], **(own or {})}}

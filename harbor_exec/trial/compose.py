@@ -523,7 +523,7 @@ def service_image(
     args = {str(k): str(v) for k, v in (service.build.get("args") or {}).items() if v is not None}
     dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
     tag = _build_tag(task, service)
-    route = cache_build_options(runtime, task, policy, context / dockerfile, tag, context)
+    route = cache_build_options(runtime, task, policy, context / dockerfile, tag, context, args)
     result = runtime.ensure_image(
         context_dir=context,
         tag=tag,
