@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -208,8 +207,7 @@ def main() -> None:
                                 wall, verifier = asyncio.run(
                                     harbor_trial(path, tmp / "harbor-trials", overlay)
                                 )
-                                session.write(tmp / "harbor-stats.json")
-                            stats = json.loads((tmp / "harbor-stats.json").read_text())
+                            stats = session.stats.to_dict()
                             stats["upstream_bytes_sent"] = sum(s[3] for s in corpus.seen[before:])
                         finally:
                             service.close()
