@@ -493,7 +493,9 @@ def test_node_cache_reports_count_once_by_node_in_server_metrics() -> None:
     from harbor_exec.server.metrics import ServerMetrics
 
     def report(node: str, run: str, seq: int, hits: int) -> NodeCacheReport:
-        return NodeCacheReport(node, run, seq, CacheTotals(hits=hits, bytes_from_cache=hits * 10))
+        # What is stored grows with the hits here: a gauge, its current actor's value.
+        totals = CacheTotals(hits=hits, bytes_from_cache=hits * 10, stored_bytes=hits * 100)
+        return NodeCacheReport(node, run, seq, totals)
 
     node = f"t-{os.getpid()}"
     try:
@@ -511,6 +513,13 @@ def test_node_cache_reports_count_once_by_node_in_server_metrics() -> None:
         assert _hits(text, node) == 6.0
         assert _hits(text, f"{node}-2") == 7.0
         assert f'harbor_exec_package_cache_bytes_total{{node="{node}",source="cache"}} 60.0' in text
+        # The restarted actor ("b") finds the same store: its figure, not a sum (600).
+        assert f'harbor_exec_package_cache_stored_bytes{{node="{node}"}} 100.0' in text
+        # A late report of the actor before changes what is current no more.
+        _count_node_cache(report(node, "a", 4, 9))
+        text = ServerMetrics().render({})
+        assert _hits(text, node) == 10.0
+        assert f'harbor_exec_package_cache_stored_bytes{{node="{node}"}} 100.0' in text
     finally:
         for key in [k for k in NODE_CACHE_TOTALS._latest if k[0].startswith(node)]:
             del NODE_CACHE_TOTALS._latest[key]

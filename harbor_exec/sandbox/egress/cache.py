@@ -247,6 +247,10 @@ class CacheTotals(CacheStats):
     bound_bytes: int = 0
 
 
+#: The fields of ``CacheTotals`` that say what is stored now (gauges, not counters).
+CACHE_GAUGES: Final = ("stored_bytes", "stored_entries", "bound_bytes")
+
+
 @dataclass(frozen=True)
 class NodeCacheReport:
     """One Ray node's cache totals as its actor saw them (host side, never a file a
@@ -263,24 +267,31 @@ class NodeCacheTotals:
     """The latest report of every Ray node's cache, in the server's process.
 
     Reports are cumulative, so keeping the latest (by ``seq``) of each actor makes a
-    repeated, late or out-of-order report harmless: nothing is counted twice."""
+    repeated, late or out-of-order report harmless: nothing is counted twice. A node's
+    counters are summed over its actors' lifetimes; its gauges (what is stored now) are
+    its current actor's, the one that reported first most recently: a restarted actor
+    finds the same store, which must not count twice either."""
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str, str], NodeCacheReport] = {}
+        self._current: dict[str, str] = {}  # node -> its newest actor's incarnation
 
     def report(self, report: NodeCacheReport) -> None:
         key = (report.node, report.incarnation)
         known = self._latest.get(key)
+        if known is None:
+            self._current[report.node] = report.incarnation
         if known is None or report.seq > known.seq:
             self._latest[key] = report
 
     def by_node(self) -> dict[str, CacheTotals]:
-        """Per node, the sum over its actors' lifetimes."""
         sums: dict[str, CacheTotals] = {}
         for (node, _incarnation), report in sorted(self._latest.items()):
-            into = sums.setdefault(node, CacheTotals())
-            for key, value in asdict(report.totals).items():
-                setattr(into, key, getattr(into, key) + value)
+            sums.setdefault(node, CacheTotals()).add(report.totals)
+        for node, into in sums.items():
+            now = self._latest[(node, self._current[node])].totals
+            for gauge in CACHE_GAUGES:
+                setattr(into, gauge, getattr(now, gauge))
         return sums
 
 
