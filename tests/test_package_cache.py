@@ -8,6 +8,7 @@ import json
 import os
 import ssl
 import stat
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from harbor_exec.container.forward import ForwarderThread
 from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy, EgressProxyThread
+from harbor_exec.sandbox.egress import cache as cache_module
 from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
 from harbor_exec.sandbox.egress.cache import (
     CacheSession,
@@ -26,7 +28,9 @@ from harbor_exec.sandbox.egress.cache import (
     Kind,
     PackageCache,
     classify,
+    connector_resolver,
 )
+from harbor_exec.sandbox.egress.proxy import Connector
 from harbor_exec.sandbox.egress.serve import CacheUpstream
 from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 from tests.package_upstream import Upstream, serve_upstream, sni_context
@@ -67,9 +71,23 @@ class Trials:
         self.overrides = overrides
         self.trials: dict[str, tuple[EgressProxy, ForwarderThread, int, CacheSession]] = {}
 
-    async def port(self, trial: str) -> int:
+    async def begin(self, trial: str, task: str) -> None:
+        """A trial of ``task`` starts (as ``TrialCache.begin``): its session remembers
+        what it asks and answers with what the upstream confirmed from now on; what the
+        task asked before is revalidated ahead, awaited here with what it stored."""
+        session = self.cache.session(task=task)
+        session.since = time.time()
+        await self.port(trial, session)
+        resolve = connector_resolver(Connector(self.overrides, dns=False))
+        await self.cache.revalidate_ahead(session, resolve)
+        await asyncio.gather(*self.cache._tasks)
+
+    def finish(self, trial: str) -> None:
+        self.trials[trial][3].finish()
+
+    async def port(self, trial: str, session: CacheSession | None = None) -> int:
         if trial not in self.trials:
-            session = self.cache.session()
+            session = session or self.cache.session()
             proxy = EgressProxy(
                 directory=self.root / f"egress-{trial}",
                 trial=trial,
@@ -229,6 +247,115 @@ async def test_an_index_fresh_window_serves_without_asking_then_revalidates(
         assert within.content == b"<a>demo-1.0</a>"
         assert after.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
         assert https_upstream.count(index) == 2
+
+
+async def test_a_trial_is_answered_with_indexes_confirmed_after_it_began(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    index = "/simple/demo/"
+    https_upstream.set(index, b"<a>demo-1.0</a>")
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        await front.begin("t1", task="demo")
+        async with client(front, "t1") as c:
+            first = await c.get(f"https://pypi.test{index}")
+            await asyncio.gather(*front.cache._tasks)  # stored
+            again = await c.get(f"https://pypi.test{index}")
+        # Within one trial, the copy the upstream sent it serves it again unasked.
+        assert (first.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "REVALIDATED")
+        assert again.content == first.content and https_upstream.count(index) == 1
+
+        # The next trial began after the upstream changed: it is asked again.
+        https_upstream.set(index, b"<a>demo-1.0</a><a>demo-2.0</a>")
+        await front.begin("t2", task="another")  # nothing recalled for this task
+        async with client(front, "t2") as c:
+            second = await c.get(f"https://pypi.test{index}")
+        assert second.content == b"<a>demo-1.0</a><a>demo-2.0</a>"
+        assert https_upstream.count(index, 200) == 2
+        assert front.stats("t2").revalidated_ahead == 0
+
+
+async def test_what_a_task_asked_is_revalidated_ahead_of_its_next_trial(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    index, page, script = "/simple/demo/", "/simple/other/", "/uv/install.sh"
+    https_upstream.set(index, b"<a>demo-1.0</a>")
+    https_upstream.set(page, b"<a>other-1.0</a>")
+    https_upstream.set(script, b"#!/bin/sh\necho uv\n")  # validators, no freshness
+    https_upstream.set(WHEEL, b"wheel")
+    urls = [f"https://pypi.test{index}", f"https://pypi.test{page}", f"https://files.test{script}"]
+    html = "text/html"
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        await front.begin("t1", task="demo")
+        async with client(front, "t1") as c:
+            # The agent's own headers: none of them is remembered or sent ahead.
+            hostile = {"Accept": html, "X-Agent": "evil", "If-None-Match": '"forged"'}
+            for url in urls:
+                await c.get(url, headers=hostile)
+            await c.get(f"https://files.test{WHEEL}")
+        await asyncio.gather(*front.cache._tasks)
+        front.finish("t1")
+
+        https_upstream.set(index, b"<a>demo-1.0</a><a>demo-2.0</a>")  # a new release
+        before = len(https_upstream.seen)
+        await front.begin("t2", task="demo")
+        ahead = https_upstream.seen[before:]
+        # Each remembered index and the script once, concurrently, before any request;
+        # the artifact (named by its content) is never asked again.
+        assert sorted(s.path for s in ahead) == sorted([index, page, script])
+        assert sorted(s.status for s in ahead) == [200, 304, 304]
+        for seen in ahead:
+            assert "x-agent" not in seen.headers and seen.headers.get("if-none-match") != '"forged"'
+            assert seen.headers["accept"] == html
+        assert front.stats("t2").revalidated_ahead == 3
+        assert front.stats("t2").upstream_requests == 3
+
+        async with client(front, "t2") as c:
+            answers = [await c.get(url, headers={"Accept": html}) for url in urls]
+            wheel = await c.get(f"https://files.test{WHEEL}")
+        # The trial asked nothing itself, and still saw the new release.
+        assert len(https_upstream.seen) == before + 3
+        assert answers[0].content == b"<a>demo-1.0</a><a>demo-2.0</a>"
+        assert [a.headers["x-cache"] for a in answers] == ["REVALIDATED"] * 3
+        assert wheel.headers["x-cache"] == "HIT"
+        t2 = front.stats("t2")
+        assert (t2.requests, t2.revalidated, t2.hits, t2.misses) == (4, 3, 1, 0)
+
+        # What a task asked survives a restart of the cache (the same store).
+        remembered = front.cache.recall.get("demo")
+    reopened = PackageCache(tmp_path / "store", max_bytes=10_000_000, totals=None)
+    assert reopened.recall.get("demo") == remembered and len(remembered) == 3
+    await reopened.aclose()
+
+
+async def test_revalidating_ahead_is_bounded_and_fetches_nothing_new(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    https_upstream: Upstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cache_module, "MAX_RECALLED", 2)
+    pages = [f"/simple/p{i}/" for i in range(5)]
+    for page in pages:
+        https_upstream.set(page, b"<a>page</a>")
+    https_upstream.set("/simple/unstored/", b"no validators", etag=False)
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        await front.begin("t1", task="flood")
+        async with client(front, "t1") as c:
+            for page in [*pages, "/simple/unstored/"]:
+                await c.get(f"https://pypi.test{page}")
+        await asyncio.gather(*front.cache._tasks)
+        front.finish("t1")
+        remembered = front.cache.recall.get("flood")
+        # At most the bound (the first asked); an answer that was not stored is not kept.
+        assert [target for _s, _h, _p, target, _a in remembered] == pages[:2]
+
+        # A remembered entry that left the store is not fetched ahead.
+        evicted = [d for d, e in front.cache.store._lru.items() if e.url.endswith(pages[0])]
+        front.cache.store.discard(evicted[0])
+        before = len(https_upstream.seen)
+        await front.begin("t2", task="flood")
+        assert [s.path for s in https_upstream.seen[before:]] == [pages[1]]
+        assert front.stats("t2").revalidated_ahead == 1
 
 
 async def test_an_index_without_validators_is_not_stored(

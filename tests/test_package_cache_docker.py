@@ -481,6 +481,11 @@ def test_second_trial_fetches_nothing_the_first_did(
         assert upstream.https.count(INDEX, 304) >= 1 and upstream.http.count(PACKAGES, 304) >= 1
         stats = json.loads((second_dir / RESULT_FILE).read_text())
         assert stats["misses"] == 0 and stats["hits"] >= 3 and stats["bytes_from_cache"] > 0
+        # The indexes the first trial asked for (apt's, PyPI's, npm's...) were revalidated
+        # when the second began: no cacheable request of it waited on the upstream (its
+        # other upstream requests are the agent's uncacheable POSTs and PUTs).
+        assert stats["revalidated_ahead"] >= 2 and stats["revalidated"] >= 2, stats
+        assert stats["upstream_requests"] == stats["revalidated_ahead"] + stats["passthrough"]
         first_stats = json.loads((first_dir / RESULT_FILE).read_text())
         assert first_stats["misses"] >= 3 and first_stats["bytes_from_upstream"] > 0
 

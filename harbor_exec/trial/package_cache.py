@@ -13,9 +13,12 @@ trial dir records what the trial got from where.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from harbor_exec.sandbox.egress.cache import connector_resolver
+from harbor_exec.sandbox.egress.proxy import Connector
 from harbor_exec.sandbox.egress.serve import CacheUpstream
 from harbor_exec.sandbox.egress.service import PackageCacheService, TrialCache
 from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, task_opts_out, trust_env
@@ -40,10 +43,18 @@ def wanted(service: PackageCacheService | None, task: Task) -> bool:
 class TrialPackageCache:
     """One trial's session with the cache and what its containers need for it."""
 
-    def __init__(self, service: PackageCacheService) -> None:
+    def __init__(self, service: PackageCacheService, task: Task) -> None:
         self.service = service
-        self.session: TrialCache = service.session()
+        # Per task and environment (a rollout's own prompt does not change the key; a
+        # rebuilt environment may change what its tests fetch).
+        key = f"{task.name}\n{task.environment_digest()}"
+        self.session: TrialCache = service.trial_session(key)
         self.upstream: CacheUpstream = service.upstream(self.session)
+
+    def begin(self, overrides: Mapping[str, tuple[str, int]], *, dns: bool) -> None:
+        """The trial starts: see ``TrialCache.begin``; upstream addresses as the
+        trial's egress proxy finds them (``overrides``, ``dns``, the SSRF guard)."""
+        self.session.begin(connector_resolver(Connector(overrides, dns=dns)))
 
     def trust_mount(self) -> Mount:
         return Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True)
@@ -53,6 +64,8 @@ class TrialPackageCache:
         return trust_env()
 
     def write(self, trial_dir: Path) -> None:
+        """``package-cache.json``, and what the trial asked is remembered for its task."""
+        self.session.finish()
         try:
             self.session.write(trial_dir / RESULT_FILE)
         except OSError as exc:

@@ -404,6 +404,9 @@ class Trial:
             started_at=utcnow(),
         )
         session: TrialSession | None = None
+        if self._package_cache is not None:
+            egress = request.policy.egress
+            self._package_cache.begin(egress.overrides, dns=egress.dns)
         try:
             if task.is_multi_step:
                 check_steps_supported(self)
@@ -445,7 +448,7 @@ class Trial:
         phases = (self.network_plan.agent, self.network_plan.verifier)
         if all(p.mode is EgressMode.NO_NETWORK for p in phases):
             return None  # nothing to fetch, nothing to record
-        return TrialPackageCache(service)
+        return TrialPackageCache(service, self.request.task)
 
     def _cached(self, kind: ContainerKind) -> bool:
         """Whether ``kind``'s container reaches the network through the package cache."""

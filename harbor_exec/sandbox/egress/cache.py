@@ -13,10 +13,16 @@ What is stored, and how a request is answered (docs/package-cache.md):
   ``private``, without ``Set-Cookie`` and without a ``Vary`` beyond ``Accept`` and
   ``Accept-Encoding`` (the cache always asks for ``identity``).
 * **Indexes** (apt ``dists/``, PyPI ``/simple/`` and JSON API, npm package
-  documents) are revalidated on every request (``If-None-Match`` /
-  ``If-Modified-Since``), so a new upstream release appears at once (or, with
-  ``index_fresh_sec``, within that window); an index without validators is not
-  stored.
+  documents) are revalidated (``If-None-Match`` / ``If-Modified-Since``) so that a
+  trial sees a new upstream release: a trial's session (``since``) is answered only
+  with a copy the upstream sent or confirmed after the trial began, revalidating on
+  request otherwise (a session without ``since``, such as the builds', on every
+  request; with ``index_fresh_sec``, within that window). An index without
+  validators is not stored.
+* **Ahead of a trial** (``revalidate_ahead``), what the task's earlier trials asked
+  for that needs revalidating is revalidated at once, concurrently, when the trial
+  begins, so its requests find copies already confirmed for it instead of waiting
+  one round trip each; only stored entries are asked for, nothing new is fetched.
 * **Artifacts** (``.deb``, wheels, sdists, tarballs, apt ``pool/`` and ``by-hash/``,
   ``files.pythonhosted.org/packages/``, npm ``/-/`` tarballs) are named by content
   and served from the cache without asking the upstream.
@@ -47,7 +53,15 @@ import secrets
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -76,6 +90,7 @@ __all__ = [
     "NodeCacheReport",
     "NodeCacheTotals",
     "PackageCache",
+    "RecallStore",
     "Resolver",
     "classify",
     "connector_resolver",
@@ -225,6 +240,8 @@ class CacheStats:
     misses: int = 0  # fetched from the upstream and stored
     passthrough: int = 0  # not cacheable: fetched and not stored
     upstream_requests: int = 0
+    # Of upstream_requests: revalidations sent when the trial began (``revalidate_ahead``).
+    revalidated_ahead: int = 0
     upstream_errors: int = 0
     bytes_from_cache: int = 0
     bytes_from_upstream: int = 0
@@ -316,7 +333,16 @@ class CacheTotalsCollector(Collector):
                 "Requests served from the cache without asking the upstream.",
                 CounterMetricFamily,
             ),
-            ("revalidated", "Requests served from the cache after a 304.", CounterMetricFamily),
+            (
+                "revalidated",
+                "Requests served from the cache after the upstream confirmed it.",
+                CounterMetricFamily,
+            ),
+            (
+                "revalidated_ahead",
+                "Revalidations sent when a trial began, before it asked.",
+                CounterMetricFamily,
+            ),
             (
                 "misses",
                 "Cacheable requests fetched from the upstream and stored.",
@@ -427,6 +453,8 @@ class Entry:
     headers: Headers
     stored_at: float
     fresh_until: float  # 0: always revalidate
+    #: When the upstream last sent or confirmed (304) this body.
+    validated_at: float = 0.0
 
 
 def _key(request: CacheRequest, kind: Kind) -> tuple[str, str, str]:
@@ -534,6 +562,55 @@ class CacheStore:
             self._remove_files(digest)
 
 
+# --------------------------------------------------------------------------- recall
+
+#: What one task's trials asked for, remembered: (scheme, host, port, target, accept).
+Asked = tuple[str, str, int, str, str]
+#: At most this many requests remembered per task (newest first).
+MAX_RECALLED: Final = 256
+#: Revalidations ahead of a trial in flight at once.
+AHEAD_CONCURRENCY: Final = 16
+
+
+class RecallStore:
+    """Per task, the non-artifact requests its latest trials made (newest first,
+    bounded), kept in memory and in ``<root>/<hash of the task key>.json`` so that a
+    restarted server (or ``serve`` after ``prewarm --run-verifier``) knows them too.
+    Only URLs are kept; a request's answer always comes from the store or upstream."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._known: dict[str, list[Asked]] = {}
+
+    def _path(self, task: str) -> Path:
+        return self.root / f"{hashlib.sha256(task.encode()).hexdigest()}.json"
+
+    def get(self, task: str) -> list[Asked]:
+        known = self._known.get(task)
+        if known is None:
+            known = []
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                raw = json.loads(self._path(task).read_text(encoding="utf-8"))
+                known = [(str(a), str(b), int(c), str(d), str(e)) for a, b, c, d, e in raw][
+                    :MAX_RECALLED
+                ]
+            self._known[task] = known
+        return known
+
+    def add(self, task: str, asked: Sequence[Asked]) -> None:
+        """Put ``asked`` first, then what was known before (each once), bounded."""
+        merged = list(dict.fromkeys([*asked, *self.get(task)]))[:MAX_RECALLED]
+        self._known[task] = merged
+        temp = self.root / f".{secrets.token_hex(8)}.tmp"
+        try:
+            temp.write_text(json.dumps(merged), encoding="utf-8")
+            os.replace(temp, self._path(task))
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            logger.info("package cache: what %s asked was not saved: %s", task, exc)
+
+
 # --------------------------------------------------------------------------- cache
 
 
@@ -622,12 +699,23 @@ class PackageCache:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._fills: dict[str, tuple[_Fill, Entry]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: What each task's trials asked for (``revalidate_ahead``).
+        self.recall = RecallStore(root / "recall")
         self._evictions_seen = self.store.evictions
         self._publish()
 
-    def session(self) -> CacheSession:
-        """A per-trial view: its own ``CacheStats``, summed into the cache's."""
-        return CacheSession(self)
+    def session(self, *, since: float | None = None, task: str | None = None) -> CacheSession:
+        """A per-trial view: its own ``CacheStats``, summed into the cache's. ``since``
+        (the trial's start): its index requests are answered with copies the upstream
+        sent or confirmed after it; None: revalidate every request. ``task``: the key
+        under which what it asked is remembered for ``revalidate_ahead``."""
+        return CacheSession(self, since=since, task=task)
+
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on this cache's loop on its own (cancelled by ``aclose``)."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -666,9 +754,10 @@ class PackageCache:
 
     # ------------------------------------------------------------------ answering
 
-    async def handle(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
+    async def handle(self, request: CacheRequest, session: CacheSession) -> CacheResponse:
         """Answer ``request`` from the cache or the upstream (an upstream failure is
         a 502)."""
+        stats = session.stats
         self._count(stats, requests=1)
         method = request.method.upper()
         cacheable = (
@@ -678,7 +767,7 @@ class PackageCache:
         )
         try:
             if cacheable:
-                return await self._cached(request, stats, head=method == "HEAD")
+                return await self._cached(request, session, head=method == "HEAD")
             return await self._passthrough(request, stats)
         except EgressRefused as exc:
             self._count(stats, upstream_errors=1)
@@ -753,17 +842,26 @@ class PackageCache:
         return headers
 
     async def _cached(
-        self, request: CacheRequest, stats: CacheStats, *, head: bool
+        self, request: CacheRequest, session: CacheSession, *, head: bool
     ) -> CacheResponse:
         kind = classify(request.host, request.path)
         digest, url, accept = _key(request, kind)
+        async with self._url_lock(digest):
+            response = await self._cached_locked(
+                request, session, digest, url, accept, kind, head=head
+            )
+        if kind is not Kind.ARTIFACT and response.source != "pass":
+            session.remember(request, accept)
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _url_lock(self, digest: str) -> AsyncIterator[None]:
+        """One request at a time per URL key (the lock dropped when nobody uses it)."""
         lock, users = self._locks.get(digest) or (asyncio.Lock(), 0)
         self._locks[digest] = (lock, users + 1)
         try:
             async with lock:
-                return await self._cached_locked(
-                    request, stats, digest, url, accept, kind, head=head
-                )
+                yield
         finally:
             lock, users = self._locks[digest]
             if users <= 1:
@@ -771,10 +869,19 @@ class PackageCache:
             else:
                 self._locks[digest] = (lock, users - 1)
 
+    def _current(self, entry: Entry, now: float, since: float | None) -> str | None:
+        """How ``entry`` may be served without asking the upstream ("hit": named by its
+        content or fresh; "revalidated": the upstream confirmed it after ``since``)."""
+        if entry.kind == Kind.ARTIFACT or (entry.fresh_until and now < entry.fresh_until):
+            return "hit"
+        if since is not None and entry.validated_at >= since:
+            return "revalidated"
+        return None
+
     async def _cached_locked(
         self,
         request: CacheRequest,
-        stats: CacheStats,
+        session: CacheSession,
         digest: str,
         url: str,
         accept: str,
@@ -782,6 +889,7 @@ class PackageCache:
         *,
         head: bool,
     ) -> CacheResponse:
+        stats = session.stats
         filling = self._fills.get(digest)
         if filling is not None:
             fill, filling_entry = filling
@@ -789,11 +897,38 @@ class PackageCache:
             return self._from_fill(fill, filling_entry, stats, head=head)
         entry = self.store.get(digest)
         now = time.time()
+        if entry is not None:
+            served = self._current(entry, now, session.since)
+            if served is not None:
+                self._count(stats, **{"hits" if served == "hit" else "revalidated": 1})
+                return self._from_store(digest, entry, stats, head=head, source=served)
+        outcome = await self._refresh(request, stats, digest, url, accept, kind, entry, now)
+        if isinstance(outcome, Entry):
+            self._count(stats, revalidated=1)
+            return self._from_store(digest, outcome, stats, head=head, source="revalidated")
+        if isinstance(outcome, _Fill):
+            self._count(stats, misses=1)
+            return self._from_fill(outcome, self._fills[digest][1], stats, head=head, upstream=True)
+        self._count(stats, passthrough=1)
+        return self._stream_upstream(outcome, stats, head=head)
+
+    async def _refresh(
+        self,
+        request: CacheRequest,
+        stats: CacheStats,
+        digest: str,
+        url: str,
+        accept: str,
+        kind: Kind,
+        entry: Entry | None,
+        now: float,
+    ) -> Entry | _Fill | httpx.Response:
+        """Ask the upstream for ``url`` (conditionally when ``entry`` is stored) and
+        apply its answer to the store: the revalidated entry after a 304; the fill of a
+        new body that is worth storing (its download runs on its own); else the
+        response, unread, to pass through (a stale entry is dropped)."""
         headers = self._upstream_headers(request, accept)
         if entry is not None:
-            if entry.kind == Kind.ARTIFACT or (entry.fresh_until and now < entry.fresh_until):
-                self._count(stats, hits=1)
-                return self._from_store(digest, entry, stats, head=head, source="hit")
             headers += _validators(entry.headers)
         response = await self._send(
             CacheRequest(
@@ -811,19 +946,16 @@ class PackageCache:
             await response.aclose()
             refreshed = _merge_304(entry, response, now, self._index_fresh_until(now))
             self.store.update(digest, refreshed)
-            self._count(stats, revalidated=1)
-            return self._from_store(digest, refreshed, stats, head=head, source="revalidated")
+            return refreshed
         if not self._worth_storing(response, kind):
-            self._count(stats, passthrough=1)
             if entry is not None:
                 self.store.discard(digest)
                 self._publish()
-            return self._stream_upstream(response, stats, head=head)
+            return response
         length_header = response.headers.get("content-length")
         length = int(length_header) if length_header and length_header.isdigit() else None
         if length is not None and length > self.store.max_object_bytes:
-            self._count(stats, passthrough=1)
-            return self._stream_upstream(response, stats, head=head)
+            return response
         stored_headers = [
             (k, v) for k, v in response.headers.multi_items() if k.lower() in _STORED_HEADERS
         ]
@@ -839,15 +971,49 @@ class PackageCache:
                 if kind == Kind.INDEX
                 else _freshness(stored_headers, now)
             ),
+            validated_at=now,
         )
         fill = _Fill(self.store.temp_path(), length)
         out = fill.path.open("wb")  # exists before any reader opens it
         self._fills[digest] = (fill, new_entry)
-        task = asyncio.create_task(self._download(digest, response, fill, new_entry, out))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self._count(stats, misses=1)
-        return self._from_fill(fill, new_entry, stats, head=head, upstream=True)
+        self.start(self._download(digest, response, fill, new_entry, out))
+        return fill
+
+    async def revalidate_ahead(self, session: CacheSession, resolve: Resolver | None) -> None:
+        """Revalidate, concurrently, the stored entries that ``session``'s task asked
+        for in its earlier trials and that its requests could not be served without
+        asking (``_current``), so that they find them confirmed. Nothing that is not
+        stored is fetched; an answer that changed is stored as a request's would be."""
+        if session.task is None or session.since is None:
+            return
+        recalled = self.recall.get(session.task)
+        gate = asyncio.Semaphore(AHEAD_CONCURRENCY)
+
+        async def one(scheme: str, host: str, port: int, target: str, accept: str) -> None:
+            headers = [("Accept", accept)] if accept else []
+            request = CacheRequest("GET", scheme, host, port, target, headers, resolve=resolve)
+            kind = classify(host, request.path)
+            digest, url, accept = _key(request, kind)
+            async with gate, self._url_lock(digest):
+                entry = self.store.get(digest)
+                now = time.time()
+                if digest in self._fills or entry is None:
+                    return
+                if self._current(entry, now, session.since) is not None:
+                    return
+                self._count(session.stats, revalidated_ahead=1)
+                try:
+                    outcome = await self._refresh(
+                        request, session.stats, digest, url, accept, kind, entry, now
+                    )
+                except (EgressRefused, httpx.HTTPError) as exc:
+                    self._count(session.stats, upstream_errors=1)
+                    logger.info("package cache: revalidating %s ahead failed: %s", url, exc)
+                    return
+                if isinstance(outcome, httpx.Response):
+                    await outcome.aclose()
+
+        await asyncio.gather(*(one(*item) for item in recalled))
 
     def _index_fresh_until(self, now: float) -> float:
         return now + self.index_fresh_sec if self.index_fresh_sec > 0 else 0.0
@@ -963,6 +1129,7 @@ def _merge_304(entry: Entry, response: httpx.Response, now: float, index_fresh: 
         headers=headers,
         stored_at=entry.stored_at,
         fresh_until=fresh,
+        validated_at=now,
     )
 
 
@@ -981,14 +1148,33 @@ class Answering(Protocol):
 
 
 class CacheSession:
-    """One trial's use of the cache: what it asked, and from where it came."""
+    """One trial's use of the cache: what it asked, and from where it came.
 
-    def __init__(self, cache: PackageCache) -> None:
+    ``since``: when the trial began (``PackageCache.session``); ``task``: the key its
+    requests are remembered under, for the task's next trials (``finish``)."""
+
+    def __init__(
+        self, cache: PackageCache, *, since: float | None = None, task: str | None = None
+    ) -> None:
         self.cache = cache
+        self.since = since
+        self.task = task
         self.stats = CacheStats()
+        #: Non-artifact requests answered from or into the store, in order.
+        self.asked: dict[tuple[str, str, int, str, str], None] = {}
 
     async def handle(self, request: CacheRequest) -> CacheResponse:
-        return await self.cache.handle(request, self.stats)
+        return await self.cache.handle(request, self)
+
+    def remember(self, request: CacheRequest, accept: str) -> None:
+        key = (request.scheme, request.host.lower(), request.port, request.target, accept)
+        if len(self.asked) < MAX_RECALLED:
+            self.asked[key] = None
+
+    def finish(self) -> None:
+        """Keep what this trial asked for, for its task's next ``revalidate_ahead``."""
+        if self.task is not None and self.asked:
+            self.cache.recall.add(self.task, list(self.asked))
 
     def write(self, path: Path) -> None:
         """``package-cache.json`` in a trial's result directory."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -27,6 +28,7 @@ from harbor_exec.sandbox.egress.cache import (
     CacheStats,
     HttpxUpstream,
     PackageCache,
+    Resolver,
 )
 from harbor_exec.sandbox.egress.serve import CacheUpstream
 from harbor_exec.sandbox.egress.trust import write_trust_dir
@@ -149,8 +151,29 @@ class TrialCache:
             answer.status, answer.reason, answer.headers, bridged, answer.source, aclose
         )
 
+    def begin(self, resolve: Resolver) -> None:
+        """The trial starts now: indexes the upstream sends or confirms from now on
+        serve it without asking again, and what its task's earlier trials asked for is
+        revalidated at once (``PackageCache.revalidate_ahead``, through ``resolve``: the
+        trial's own egress connector)."""
+        session, cache = self._session, self._service.cache
+
+        async def begin() -> None:
+            session.since = time.time()
+            cache.start(cache.revalidate_ahead(session, resolve))
+
+        self._service.thread.run(begin())
+
+    def finish(self) -> None:
+        """The trial is over: what it asked is remembered for its task's next trials."""
+        self._service.thread.run(_call(self._session.finish))
+
     def write(self, path: Path) -> None:
         self._session.write(path)
+
+
+async def _call(function: Callable[[], None]) -> None:
+    function()
 
 
 async def _await(awaitable: Awaitable[T]) -> T:
@@ -231,7 +254,13 @@ class PackageCacheService:
             return self._gateway.route
 
     def session(self) -> TrialCache:
+        """A session that revalidates every index request (the builds')."""
         return TrialCache(self, self.cache.session())
+
+    def trial_session(self, task: str) -> TrialCache:
+        """A trial's session, remembered under ``task``; ``TrialCache.begin`` when the
+        trial starts."""
+        return TrialCache(self, self.cache.session(task=task))
 
     def upstream(self, session: TrialCache) -> CacheUpstream:
         """The ``Upstream`` a trial's egress proxy hands admitted traffic to."""
