@@ -326,3 +326,31 @@ def _tar_member(data: bytes, name: str) -> bytes:
                 assert extracted is not None
                 return extracted.read()
     raise AssertionError(f"{name} not in the archive")
+
+
+# --------------------------------------------------------------------------- a trial's start
+
+
+def test_a_trial_runs_on_when_the_cache_cannot_mark_its_start_or_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Revalidating ahead is a speed-up: a cache that cannot mark a trial's start or
+    remember what it asked (its loop gone, say) costs the trial nothing else."""
+    from harbor_exec.sandbox.egress.service import TrialCache
+
+    def broken(self: TrialCache, *args: object) -> None:
+        raise RuntimeError("the cache's loop is gone")
+
+    monkeypatch.setattr(TrialCache, "begin", broken)
+    monkeypatch.setattr(TrialCache, "finish", broken)
+    task = load_task(make_task(tmp_path / "tasks", "plain"))
+    runtime = FakeRuntime()
+    with cache_service(tmp_path) as service:
+        request = TrialRequest(
+            task=task, trials_dir=tmp_path / "trials", policy=SandboxPolicy(package_cache=service)
+        )
+        result = run_trial(runtime, request)
+        assert result.exception_info is None, result.exception_info
+        assert result.reward == 1.0
+        trial_dir = tmp_path / "trials" / result.trial_name
+        assert json.loads((trial_dir / RESULT_FILE).read_text())["requests"] == 0

@@ -54,7 +54,10 @@ class TrialPackageCache:
     def begin(self, overrides: Mapping[str, tuple[str, int]], *, dns: bool) -> None:
         """The trial starts: see ``TrialCache.begin``; upstream addresses as the
         trial's egress proxy finds them (``overrides``, ``dns``, the SSRF guard)."""
-        self.session.begin(connector_resolver(Connector(overrides, dns=dns)))
+        try:
+            self.session.begin(connector_resolver(Connector(overrides, dns=dns)))
+        except Exception as exc:  # only a speed-up: the trial revalidates on request then
+            logger.warning("package cache: the trial's start was not marked: %r", exc)
 
     def trust_mount(self) -> Mount:
         return Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True)
@@ -65,7 +68,10 @@ class TrialPackageCache:
 
     def write(self, trial_dir: Path) -> None:
         """``package-cache.json``, and what the trial asked is remembered for its task."""
-        self.session.finish()
+        try:
+            self.session.finish()
+        except Exception as exc:  # as in begin: its next trials revalidate on request
+            logger.warning("package cache: what the trial asked was not remembered: %r", exc)
         try:
             self.session.write(trial_dir / RESULT_FILE)
         except OSError as exc:

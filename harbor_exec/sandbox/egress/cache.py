@@ -566,7 +566,7 @@ class CacheStore:
 
 #: What one task's trials asked for, remembered: (scheme, host, port, target, accept).
 Asked = tuple[str, str, int, str, str]
-#: At most this many requests remembered per task (newest first).
+#: At most this many requests remembered per task (the latest trial's first).
 MAX_RECALLED: Final = 256
 #: Revalidations ahead of a trial in flight at once.
 AHEAD_CONCURRENCY: Final = 16
@@ -1161,7 +1161,7 @@ class CacheSession:
         self.task = task
         self.stats = CacheStats()
         #: Non-artifact requests answered from or into the store, in order.
-        self.asked: dict[tuple[str, str, int, str, str], None] = {}
+        self.asked: dict[Asked, None] = {}
 
     async def handle(self, request: CacheRequest) -> CacheResponse:
         return await self.cache.handle(request, self)
