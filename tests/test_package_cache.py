@@ -334,20 +334,28 @@ async def test_revalidating_ahead_is_bounded_and_fetches_nothing_new(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(cache_module, "MAX_RECALLED", 2)
+    monkeypatch.setattr(cache_module, "RECALL_MEMORY_TASKS", 1)
     pages = [f"/simple/p{i}/" for i in range(5)]
     for page in pages:
         https_upstream.set(page, b"<a>page</a>")
     https_upstream.set("/simple/unstored/", b"no validators", etag=False)
+    long_page = "/simple/" + "x" * 1100 + "/"
+    https_upstream.set(long_page, b"<a>long</a>")
     async with harness(tmp_path, upstream_ca, https_upstream) as front:
         await front.begin("t1", task="flood")
         async with client(front, "t1") as c:
-            for page in [*pages, "/simple/unstored/"]:
+            # Too long a key is not remembered, nor is an answer that was not stored.
+            for page in [long_page, "/simple/unstored/", *pages]:
                 await c.get(f"https://pypi.test{page}")
         await asyncio.gather(*front.cache._tasks)
         front.finish("t1")
         remembered = front.cache.recall.get("flood")
-        # At most the bound (the first asked); an answer that was not stored is not kept.
+        # At most the bound (the first asked).
         assert [target for _s, _h, _p, target, _a in remembered] == pages[:2]
+        # Only so many tasks' lists stay in memory; the others are read back from disk.
+        front.cache.recall.add("another", [("https", "pypi.test", 443, "/simple/a/", "")])
+        assert list(front.cache.recall._known) == ["another"]
+        assert front.cache.recall.get("flood") == remembered
 
         # A remembered entry that left the store is not fetched ahead.
         evicted = [d for d, e in front.cache.store._lru.items() if e.url.endswith(pages[0])]

@@ -568,6 +568,11 @@ class CacheStore:
 Asked = tuple[str, str, int, str, str]
 #: At most this many requests remembered per task (the latest trial's first).
 MAX_RECALLED: Final = 256
+#: A request whose target and Accept are longer is not remembered (index URLs are
+#: short; a flood of long ones would only fill memory and disk).
+MAX_RECALLED_KEY: Final = 1024
+#: Tasks whose lists are kept in memory (the rest are read from disk again).
+RECALL_MEMORY_TASKS: Final = 512
 #: Revalidations ahead of a trial in flight at once.
 AHEAD_CONCURRENCY: Final = 16
 
@@ -581,7 +586,7 @@ class RecallStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._known: dict[str, list[Asked]] = {}
+        self._known: OrderedDict[str, list[Asked]] = OrderedDict()
 
     def _path(self, task: str) -> Path:
         return self.root / f"{hashlib.sha256(task.encode()).hexdigest()}.json"
@@ -595,13 +600,19 @@ class RecallStore:
                 known = [(str(a), str(b), int(c), str(d), str(e)) for a, b, c, d, e in raw][
                     :MAX_RECALLED
                 ]
-            self._known[task] = known
+        self._keep(task, known)
         return known
+
+    def _keep(self, task: str, known: list[Asked]) -> None:
+        self._known[task] = known
+        self._known.move_to_end(task)
+        while len(self._known) > RECALL_MEMORY_TASKS:
+            self._known.popitem(last=False)
 
     def add(self, task: str, asked: Sequence[Asked]) -> None:
         """Put ``asked`` first, then what was known before (each once), bounded."""
         merged = list(dict.fromkeys([*asked, *self.get(task)]))[:MAX_RECALLED]
-        self._known[task] = merged
+        self._keep(task, merged)
         temp = self.root / f".{secrets.token_hex(8)}.tmp"
         try:
             temp.write_text(json.dumps(merged), encoding="utf-8")
@@ -1168,7 +1179,7 @@ class CacheSession:
 
     def remember(self, request: CacheRequest, accept: str) -> None:
         key = (request.scheme, request.host.lower(), request.port, request.target, accept)
-        if len(self.asked) < MAX_RECALLED:
+        if len(self.asked) < MAX_RECALLED and len(request.target) + len(accept) <= MAX_RECALLED_KEY:
             self.asked[key] = None
 
     def finish(self) -> None:
