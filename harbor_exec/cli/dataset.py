@@ -510,10 +510,10 @@ def prewarm(
         bool,
         typer.Option(
             "--package-cache",
-            help="Build the images through the package cache (plain-HTTP apt and other "
-            "HTTP downloads of RUN steps are fetched once; docs/package-cache.md); with "
-            "--ray, each node's own. Implied by --run-verifier. Not while a server uses "
-            "the cache.",
+            help="Build the images through the package cache (what RUN steps fetch over "
+            "HTTP and HTTPS, apt, pip, npm and files, is fetched once; "
+            "docs/package-cache.md); with --ray, each node's own. Implied by "
+            "--run-verifier. Not while a server uses the cache.",
         ),
     ] = False,
     package_cache_max_gb: Annotated[
