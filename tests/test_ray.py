@@ -596,11 +596,28 @@ def _ray_gateways(runtime: DockerRuntime) -> list[dict[str, Any]]:
     ]
 
 
+# A hostile agent on a Ray node (no Python in its image): every file it can read, and
+# every process's environment, searched for each "half:half" pair of HX_NEEDLE_PAIRS
+# joined; a control string it writes itself must be found, so the search really ran.
+CA_KEY_SCAN_SH = r"""
+search() {
+  grep -rlF --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev -e "$1" / 2>/dev/null
+  for f in /proc/[0-9]*/environ; do grep -qF -e "$1" "$f" 2>/dev/null && echo "$f"; done
+}
+control="hx-control-$$"; echo "$control-x" > /tmp/hx-control
+found=""
+for pair in $HX_NEEDLE_PAIRS; do found="$found$(search "${pair%%:*}${pair#*:}")"; done
+{ search "$control-x" | grep -q /tmp/hx-control && echo control:found
+  echo "keys:${found:-none}"; } > /logs/agent/ca-scan.txt
+"""
+
+
 def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
     """``prewarm --ray --package-cache`` builds on every node through that node's own
     cache (the Dockerfile fails without the proxy arguments), and ``serve --ray
     --package-cache`` trials use the node's cache (``package-cache.json`` comes back);
     the server runs none of its own; every node's gateway is gone at the end."""
+    from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
     from harbor_exec.trial.package_cache import RESULT_FILE
     from harbor_exec.trial.task import load_task
     from harbor_exec.trial.trial import image_tag_for
@@ -614,9 +631,11 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         dockerfile=f'FROM debian:bookworm-slim\nRUN echo {nonce} && test -n "$HTTP_PROXY"\n',
     )
     # Its verifier writes no reward: a failed trial, whose directory the server keeps.
+    # Its agent looks for the nodes' CA keys everywhere it can read, as root.
     kept = make_task(
         dataset,
         "ray-kept",
+        solve=CA_KEY_SCAN_SH,
         test="true",
         dockerfile=(task_dir / "environment" / "Dockerfile").read_text(),
     )
@@ -653,6 +672,18 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
         assert _ray_gateways(runtime) == []  # closed with the nodes' actors
         for tag in tags:
             runtime.remove_image(tag)  # the trials build them again, through the cache
+        # Each node's CA (the one a node that found the image has yet to make is made
+        # here, where the node will find it); the scanning agent gets a line of each key,
+        # in two halves so that no environment holds it whole.
+        pairs = []
+        for node in ("w0", "w1"):
+            ca = LocalCA(root / "ray-nodes" / node / "package-cache-ca")
+            line = (ca.directory / CA_KEY).read_text().splitlines()[2]
+            pairs.append(f"{line[:20]}:{line[20:]}")
+        toml = (kept / "task.toml").read_text()
+        (kept / "task.toml").write_text(
+            f'{toml}\n[environment.env]\nHX_NEEDLE_PAIRS = "{" ".join(pairs)}"\n'
+        )
         url = ray_cluster.serve(
             tmp_path / "serve",
             "--tasks-dir",
@@ -674,6 +705,8 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
             ("failure", None)
         ], [r["err_message"] for r in out["results"]]
         [result] = (tmp_path / "serve" / "trials").glob("*/result.json")  # the failed one's
+        scan = (result.parent / "agent" / "ca-scan.txt").read_text()
+        assert "control:found" in scan and "keys:none" in scan, scan
         stats = json.loads((result.parent / RESULT_FILE).read_text())
         assert stats["requests"] == 0 and stats["upstream_errors"] == 0, stats
         # The server's /metrics has each node's cache, by node, as the node reported it.
