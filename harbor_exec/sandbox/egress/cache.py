@@ -667,11 +667,13 @@ def _validators(headers: Headers) -> Headers:
 
 
 class _Fill:
-    """One upstream download into a temporary file, tailed by every reader."""
+    """One upstream download into a temporary file, tailed by every reader; ``entry``
+    is what will be stored once it ends."""
 
-    def __init__(self, path: Path, length: int | None) -> None:
+    def __init__(self, path: Path, length: int | None, entry: Entry) -> None:
         self.path = path
         self.length = length
+        self.entry = entry
         self.written = 0
         self.done = False
         self.error: BaseException | None = None
@@ -708,7 +710,7 @@ class PackageCache:
         self._totals = totals
         # Per URL key: its lock and how many requests use it (dropped at none).
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._fills: dict[str, tuple[_Fill, Entry]] = {}
+        self._fills: dict[str, _Fill] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: What each task's trials asked for (``revalidate_ahead``).
         self.recall = RecallStore(root / "recall")
@@ -903,9 +905,8 @@ class PackageCache:
         stats = session.stats
         filling = self._fills.get(digest)
         if filling is not None:
-            fill, filling_entry = filling
             self._count(stats, hits=1)
-            return self._from_fill(fill, filling_entry, stats, head=head)
+            return self._from_fill(filling, stats, head=head)
         entry = self.store.get(digest)
         now = time.time()
         if entry is not None:
@@ -919,7 +920,7 @@ class PackageCache:
             return self._from_store(digest, outcome, stats, head=head, source="revalidated")
         if isinstance(outcome, _Fill):
             self._count(stats, misses=1)
-            return self._from_fill(outcome, self._fills[digest][1], stats, head=head, upstream=True)
+            return self._from_fill(outcome, stats, head=head, upstream=True)
         self._count(stats, passthrough=1)
         return self._stream_upstream(outcome, stats, head=head)
 
@@ -984,10 +985,10 @@ class PackageCache:
             ),
             validated_at=now,
         )
-        fill = _Fill(self.store.temp_path(), length)
+        fill = _Fill(self.store.temp_path(), length, new_entry)
         out = fill.path.open("wb")  # exists before any reader opens it
-        self._fills[digest] = (fill, new_entry)
-        self.start(self._download(digest, response, fill, new_entry, out))
+        self._fills[digest] = fill
+        self.start(self._download(digest, response, fill, out))
         return fill
 
     async def revalidate_ahead(self, session: CacheSession, resolve: Resolver | None) -> None:
@@ -1040,9 +1041,8 @@ class PackageCache:
             return has_validators
         return has_validators or _freshness(headers, time.time()) > time.time()
 
-    async def _download(
-        self, digest: str, response: httpx.Response, fill: _Fill, entry: Entry, out: Any
-    ) -> None:
+    async def _download(self, digest: str, response: httpx.Response, fill: _Fill, out: Any) -> None:
+        entry = fill.entry
         try:
             with out:
                 async for chunk in response.aiter_raw(_CHUNK):
@@ -1095,7 +1095,7 @@ class PackageCache:
         return CacheResponse(200, "OK", headers, body(), source)
 
     def _from_fill(
-        self, fill: _Fill, entry: Entry, stats: CacheStats, *, head: bool, upstream: bool = False
+        self, fill: _Fill, stats: CacheStats, *, head: bool, upstream: bool = False
     ) -> CacheResponse:
         counter = "bytes_from_upstream" if upstream else "bytes_from_cache"
 
@@ -1121,7 +1121,7 @@ class PackageCache:
                     await fill.wait_beyond(offset)
 
         source = "miss" if upstream else "hit"
-        headers = self._entry_headers(entry, fill.length, source)
+        headers = self._entry_headers(fill.entry, fill.length, source)
         return CacheResponse(200, "OK", headers, body(), source)
 
 
