@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from harbor_exec.container.forward import ForwarderThread
-from harbor_exec.sandbox.egress import EgressPolicy, EgressProxy, EgressProxyThread
+from harbor_exec.network.egress.policy import EgressPolicy
+from harbor_exec.network.egress.proxy import EgressProxy, EgressProxyThread
 from tests.test_egress import _Server
 
 SIZE = 50_000_000

@@ -35,11 +35,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harbor_exec.jobs.prewarm import prewarm_tasks
+from harbor_exec.network.egress.proxy import DirectUpstream
+from harbor_exec.network.packages.build_gateway import BuildGateway
+from harbor_exec.network.packages.ca import LocalCA
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress import DirectUpstream
-from harbor_exec.sandbox.egress.build_gateway import BuildGateway
-from harbor_exec.sandbox.egress.ca import LocalCA
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task

@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_package_cache import trial_seconds
 from bench.package_corpus import Corpus, serve_corpus
+from harbor_exec.network.egress.plan import EgressSettings
+from harbor_exec.network.packages.ca import LocalCA
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress.ca import LocalCA
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.sandbox.runtime import LABEL_KIND
-from harbor_exec.trial.egress import EgressSettings
-from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial

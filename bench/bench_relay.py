@@ -86,7 +86,7 @@ def _start_fake_model() -> tuple[subprocess.Popen[str], str]:
 
 
 async def _start_cost(directory: Path, upstream: str, count: int = 200) -> list[float]:
-    from harbor_exec.executors.relay import ModelRelay
+    from harbor_exec.network.relay import ModelRelay
 
     costs = []
     for index in range(count):
@@ -101,7 +101,7 @@ async def _start_cost(directory: Path, upstream: str, count: int = 200) -> list[
 
 
 async def _bench(calls: int, time_limit: float) -> dict[str, Any]:
-    from harbor_exec.executors.relay import ModelRelay
+    from harbor_exec.network.relay import ModelRelay
 
     model, base_url = _start_fake_model()
     try:

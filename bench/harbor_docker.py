@@ -10,7 +10,7 @@ linked onto ``PATH``, so terminus-2 on Harbor finds the same tmux and installs n
 containers get, with no network either: it joins the network namespace of a gateway
 container of ours (network ``none``, the read-only runtime's forwarder on its
 ``127.0.0.1:3128`` piped to a host-side egress proxy's unix socket: the build
-gateway's primitive, ``harbor_exec.sandbox.egress.build_gateway``) and gets the same
+gateway's primitive, ``harbor_exec.network.packages.build_gateway``) and gets the same
 proxy variables and trust mount as our trial containers.
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from harbor_exec.container.exchange import RUNTIME_MOUNT, RUNTIME_TMUX
+from harbor_exec.network.egress.container import proxy_env
+from harbor_exec.network.packages.build_gateway import BuildGateway
+from harbor_exec.network.packages.service import PackageCacheService, TrialCache
+from harbor_exec.network.packages.trust import TRUST_MOUNT, trust_env
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress import proxy_env
-from harbor_exec.sandbox.egress.build_gateway import BuildGateway
-from harbor_exec.sandbox.egress.service import PackageCacheService, TrialCache
-from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, trust_env
 from harbor_exec.sandbox.runtime_volume import RuntimeContent
 
 

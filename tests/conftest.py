@@ -24,7 +24,7 @@ from tests.package_upstream import AptSigner
 from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.ca import LocalCA
+    from harbor_exec.network.packages.ca import LocalCA
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def apt_signer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AptSigner]:
 def upstream_ca(tmp_path_factory: pytest.TempPathFactory) -> LocalCA:
     """A CA standing in for a public one: the tests' local HTTPS upstreams present its
     certificates (one a session, like ``apt_signer``)."""
-    from harbor_exec.sandbox.egress.ca import LocalCA  # the server extra (cryptography)
+    from harbor_exec.network.packages.ca import LocalCA  # the server extra (cryptography)
 
     return LocalCA(tmp_path_factory.mktemp("public-ca") / "ca")
 

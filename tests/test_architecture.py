@@ -30,6 +30,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"sources"}),
     frozenset({"executors", "bundler"}),
     frozenset({"trial"}),
+    frozenset({"network"}),
     frozenset({"sandbox"}),
     frozenset({"container", "client"}),
     frozenset({"_client_http", "protocol", "compat"}),

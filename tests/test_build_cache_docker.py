@@ -1,5 +1,5 @@
 """Image builds through the package cache with a real Docker engine: the build gateway
-container (``harbor_exec.sandbox.egress.build_gateway``, network ``none``) whose network
+container (``harbor_exec.network.packages.build_gateway``, network ``none``) whose network
 namespace the builds' RUN steps join, the predefined proxy build arguments, and the
 local test apt mirror of ``test_package_cache_docker`` on 127.0.0.1 (the gateway's
 proxy resolves only the test names, DNS off; a step has loopback and nothing else, so
@@ -17,11 +17,11 @@ import pip
 import pytest
 
 from harbor_exec.jobs.prewarm import prewarm_tasks
+from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
+from harbor_exec.network.packages.ca import CA_KEY, LocalCA
+from harbor_exec.network.packages.service import PackageCacheService
+from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
-from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
-from harbor_exec.sandbox.egress.service import PackageCacheService
-from harbor_exec.sandbox.egress.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
 from harbor_exec.trial import compose
 from harbor_exec.trial.task import Task, load_task

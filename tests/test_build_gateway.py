@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from harbor_exec.container.forward import main as forward_main
-from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
-from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
-from harbor_exec.sandbox.egress.build_trust import (
+from harbor_exec.network.egress.container import EGRESS_MOUNT
+from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
+from harbor_exec.network.packages.build_trust import (
     TRUST_CONTEXT_DIR,
     rewrite_dockerfile,
     trust_context_files,
 )
-from harbor_exec.sandbox.egress.container import EGRESS_MOUNT
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
-from harbor_exec.sandbox.egress.trust import trust_env
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.network.packages.trust import trust_env
+from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, ensure_task_image

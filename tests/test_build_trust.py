@@ -1,5 +1,5 @@
 """The Dockerfile rewrite and the trust files of a cached image build
-(``harbor_exec.sandbox.egress.build_trust``), and the context tar that carries them
+(``harbor_exec.network.packages.build_trust``), and the context tar that carries them
 (the real engine: tests/test_build_cache_docker.py)."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.sandbox.docker import _context_tar
-from harbor_exec.sandbox.egress.build_trust import (
+from harbor_exec.network.packages.build_trust import (
     TRUST_CONTEXT_DIR,
     rewrite_dockerfile,
     trust_conflict,
     trust_context_files,
     trust_lines,
 )
-from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
-from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, trust_env, write_trust_dir
+from harbor_exec.network.packages.ca import CA_KEY, LocalCA
+from harbor_exec.network.packages.trust import TRUST_MOUNT, trust_env, write_trust_dir
+from harbor_exec.sandbox.docker import _context_tar
 
 T = trust_lines()
 

@@ -1,4 +1,4 @@
-"""The allowlist egress proxy (harbor_exec.sandbox.egress), on loopback only.
+"""The allowlist egress proxy (harbor_exec.network.egress), on loopback only.
 
 Clients reach the proxy as a container does: through the runtime's forwarder
 (a loopback TCP port piped to the proxy's unix socket), with the standard proxy
@@ -31,17 +31,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from harbor_exec.container.forward import ForwarderThread
-from harbor_exec.sandbox.egress import (
-    EgressContext,
-    EgressLimits,
+from harbor_exec.network.egress.policy import (
     EgressMode,
     EgressPolicy,
+    is_forbidden_address,
+    normalize_allowed_hosts,
+)
+from harbor_exec.network.egress.proxy import (
+    EgressContext,
+    EgressLimits,
     EgressProxy,
     EgressProxyThread,
     HttpRequest,
     HttpResponse,
-    is_forbidden_address,
-    normalize_allowed_hosts,
 )
 
 # --------------------------------------------------------------------------- servers
@@ -613,3 +615,21 @@ def test_the_forwarder_runs_from_its_source_alone(make_proxy: Any, web: _Server)
         assert again.returncode == 2 and f"127.0.0.1:{port}" in again.stderr
     finally:
         os.kill(child[0], signal.SIGKILL)
+
+
+def test_the_task_format_loads_no_http_library() -> None:
+    """The task format checks allowlists with the egress policy; that must not load the
+    proxy's HTTP libraries (``harbor_exec.network`` and its subpackages re-export
+    nothing heavy)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, harbor_exec.trial.task\n"
+        "print(sorted(m for m in ('h11', 'httpcore', 'httpx') if m in sys.modules))"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[]"

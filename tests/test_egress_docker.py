@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.network.egress.plan import REFUSED_LOG, EgressSettings
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.egress import REFUSED_LOG, EgressSettings
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
 from tests.task_factory import make_task

@@ -9,8 +9,8 @@ from typing import Any
 
 from bench.harbor_docker import cache_overlay, write_compose_overlay
 from harbor_exec.container.exchange import RUNTIME_MOUNT
-from harbor_exec.sandbox.egress import EGRESS_PROXY_URL
-from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, trust_env
+from harbor_exec.network.egress.container import EGRESS_PROXY_URL
+from harbor_exec.network.packages.trust import TRUST_MOUNT, trust_env
 
 
 def _load(path: Path) -> dict[str, Any]:

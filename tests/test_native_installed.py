@@ -20,7 +20,7 @@ import pytest
 
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.container.exchange import AGENT_SITE, RUNTIME_PYTHON
-from harbor_exec.executors.relay import ModelRelay
+from harbor_exec.network.relay import ModelRelay
 from harbor_exec.sandbox.agent_layer import AGENT_PACKAGES, launcher
 from harbor_exec.trial.native import (
     IN_CONTAINER_AGENT_NAMES,

@@ -24,7 +24,7 @@ from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.npm import REGISTRY_ENV, fetch_npm_member
 from harbor_exec.container.exchange import RUNTIME_LIB, RUNTIME_LOADER
-from harbor_exec.executors.relay import ModelRelay
+from harbor_exec.network.relay import ModelRelay
 from harbor_exec.sandbox.agent_layer import (
     AGENT_LIBEXEC,
     AGENT_PACKAGES,

@@ -18,7 +18,8 @@ from harbor_exec.errors import (
     RewardFileNotFoundError,
     TrialError,
 )
-from harbor_exec.executors.base import ModelUsage, TrialRun
+from harbor_exec.executors.base import TrialRun
+from harbor_exec.network.usage import ModelUsage
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.trial.outputs import AgentOutput, GraderOutput, TrialOutput, parse_agent_sample
 from harbor_exec.trial.results import (

@@ -17,10 +17,11 @@ import httpx
 import pytest
 
 from harbor_exec.container.forward import ForwarderThread
-from harbor_exec.sandbox.egress import EgressMode, EgressPolicy, EgressProxy, EgressProxyThread
-from harbor_exec.sandbox.egress import cache as cache_module
-from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
-from harbor_exec.sandbox.egress.cache import (
+from harbor_exec.network.egress.policy import EgressMode, EgressPolicy
+from harbor_exec.network.egress.proxy import Connector, EgressProxy, EgressProxyThread
+from harbor_exec.network.packages import cache as cache_module
+from harbor_exec.network.packages.ca import CA_KEY, LocalCA
+from harbor_exec.network.packages.cache import (
     CacheSession,
     CacheStats,
     CacheTotals,
@@ -30,9 +31,8 @@ from harbor_exec.sandbox.egress.cache import (
     classify,
     connector_resolver,
 )
-from harbor_exec.sandbox.egress.proxy import Connector
-from harbor_exec.sandbox.egress.serve import CacheUpstream
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.network.packages.serve import CacheUpstream
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from tests.package_upstream import Upstream, serve_upstream, sni_context
 
 NAMES = ("files.test", "pypi.test", "deb.test")
@@ -575,7 +575,7 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
 
 
 def test_server_metrics_show_the_package_cache() -> None:
-    from harbor_exec.sandbox.egress.cache import CACHE_TOTALS
+    from harbor_exec.network.packages.cache import CACHE_TOTALS
     from harbor_exec.server.metrics import ServerMetrics
 
     before = CACHE_TOTALS.hits
@@ -620,7 +620,7 @@ def test_node_cache_reports_count_once_by_node_in_server_metrics() -> None:
     """Ray nodes' cumulative reports: the latest of each actor counts, a repeated or
     late one changes nothing, a restarted actor adds to its node, nodes stay apart."""
     from harbor_exec.executors.ray.driver import _count_node_cache
-    from harbor_exec.sandbox.egress.cache import (
+    from harbor_exec.network.packages.cache import (
         NODE_CACHE_TOTALS,
         CacheTotals,
         NodeCacheReport,

@@ -30,11 +30,11 @@ import pip
 import pytest
 
 from harbor_exec.jobs.prewarm import prewarm_one
+from harbor_exec.network.egress.plan import EgressSettings
+from harbor_exec.network.packages.ca import CA_KEY, LocalCA
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
-from harbor_exec.trial.egress import EgressSettings
-from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial

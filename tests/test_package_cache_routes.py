@@ -25,13 +25,13 @@ from harbor_exec.executors.ray.node import NodeAgent, NodeCall, node_package_cac
 from harbor_exec.executors.ray.sealing import seal
 from harbor_exec.executors.ray.transfer import tar_dir
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec
-from harbor_exec.sandbox.egress.build_gateway import KIND, build_proxy_args
-from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
-from harbor_exec.sandbox.egress.trust import trust_env
+from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
+from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+from harbor_exec.network.packages.session import RESULT_FILE
+from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.trial import compose
-from harbor_exec.trial.package_cache import RESULT_FILE
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import (
     SandboxPolicy,
@@ -336,7 +336,7 @@ def test_a_trial_runs_on_when_the_cache_cannot_mark_its_start_or_end(
 ) -> None:
     """Revalidating ahead is a speed-up: a cache that cannot mark a trial's start or
     remember what it asked (its loop gone, say) costs the trial nothing else."""
-    from harbor_exec.sandbox.egress.service import TrialCache
+    from harbor_exec.network.packages.service import TrialCache
 
     def broken(self: TrialCache, *args: object) -> None:
         raise RuntimeError("the cache's loop is gone")

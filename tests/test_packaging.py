@@ -26,9 +26,7 @@ EXTRA_OF = {
     "harbor_exec/client.py": "server",
     "harbor_exec/_client_http.py": "server",
     "harbor_exec/executors/ray/": "ray",
-    "harbor_exec/executors/relay.py": "server",
-    "harbor_exec/sandbox/egress/": "server",
-    "harbor_exec/sandbox/http11.py": "server",
+    "harbor_exec/network/": "server",
     "harbor_exec/trial/native_env.py": "native",
     "bundler/": "bundler",
 }

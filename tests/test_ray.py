@@ -585,7 +585,7 @@ def test_cluster_unreachable_after_start_then_back(ray_cluster: RayCluster, tmp_
 
 def _ray_gateways(runtime: DockerRuntime) -> list[dict[str, Any]]:
     """Build gateways (the package cache's) whose owner is a test cluster node."""
-    from harbor_exec.sandbox.egress.build_gateway import KIND
+    from harbor_exec.network.packages.build_gateway import KIND
     from harbor_exec.sandbox.runtime import LABEL_KIND
 
     return [
@@ -617,8 +617,8 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
     cache (the Dockerfile fails without the proxy arguments), and ``serve --ray
     --package-cache`` trials use the node's cache (``package-cache.json`` comes back);
     the server runs none of its own; every node's gateway is gone at the end."""
-    from harbor_exec.sandbox.egress.ca import CA_KEY, LocalCA
-    from harbor_exec.trial.package_cache import RESULT_FILE
+    from harbor_exec.network.packages.ca import CA_KEY, LocalCA
+    from harbor_exec.network.packages.session import RESULT_FILE
     from harbor_exec.trial.task import load_task
     from harbor_exec.trial.trial import image_tag_for
     from tests.task_factory import make_task

@@ -30,7 +30,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from harbor_exec.container.runner import RelayForwarder
-from harbor_exec.executors.relay import (
+from harbor_exec.network.relay import (
     RELAY_TOTALS,
     ModelRelay,
     RelayLimits,
@@ -847,7 +847,7 @@ async def test_cached_tokens_are_recorded_from_a_streamed_answer(
 
 
 def test_the_agents_own_counts_are_cross_checked_with_the_relays() -> None:
-    from harbor_exec.executors.base import ModelUsage
+    from harbor_exec.network.usage import ModelUsage
 
     usage = ModelUsage(requests=2, prompt_tokens=20, completion_tokens=4, cached_tokens=8)
     agreeing = {"input_tokens": 20, "cached_tokens": 8, "output_tokens": 4, "cost_usd": 0.3}

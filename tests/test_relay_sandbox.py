@@ -21,7 +21,7 @@ import pytest
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import Bundle, build_bundle
 from harbor_exec.client import RolloutClient
-from harbor_exec.executors.relay import RELAY_TOTALS
+from harbor_exec.network.relay import RELAY_TOTALS
 from harbor_exec.server.app import create_rollout_server
 from tests.bundle_utils import setuptools_pyproject, write_project
 from tests.fake_chat import FakeChat

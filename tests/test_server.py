@@ -26,7 +26,7 @@ from harbor_exec.authoring import RolloutSample
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.local import LocalBackend
 from harbor_exec.client import RolloutClient
-from harbor_exec.executors.relay import RELAY_TOTALS
+from harbor_exec.network.relay import RELAY_TOTALS
 from harbor_exec.protocol import (
     ExecutionOutcome,
     ExecutionRequest,

@@ -537,7 +537,7 @@ def prewarm(
             raise typer.Exit(2)
         config = None
         if package_cache:
-            from harbor_exec.sandbox.egress.service import PackageCacheConfig
+            from harbor_exec.network.packages.service import PackageCacheConfig
 
             config = PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
         _prewarm_ray(
@@ -554,7 +554,7 @@ def prewarm(
     n_jobs = jobs or runtime.engine_cpus()
     cache = None
     if run_verifier or package_cache:
-        from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+        from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
         cache = PackageCacheService(
             PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)

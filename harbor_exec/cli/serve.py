@@ -172,7 +172,7 @@ def package_cache_config(options: ServeOptions) -> Any:
     """The ``PackageCacheConfig`` ``--package-cache`` asks for, else None."""
     if not options.package_cache:
         return None
-    from harbor_exec.sandbox.egress.service import PackageCacheConfig
+    from harbor_exec.network.packages.service import PackageCacheConfig
 
     return PackageCacheConfig.from_options(options.package_cache_dir, options.package_cache_max_gb)
 

@@ -1,8 +1,8 @@
 """The in-container forwarder: a loopback TCP port piped, byte for byte, to a unix socket.
 
 How a container with no network (``network=none``) reaches a host service: the
-model relay (``harbor_exec.executors.relay``) and the allowlist egress proxy
-(``harbor_exec.sandbox.egress``) listen on unix sockets mounted into the
+model relay (``harbor_exec.network.relay``) and the allowlist egress proxy
+(``harbor_exec.network.egress``) listen on unix sockets mounted into the
 container; this forwarder listens on 127.0.0.1 inside it and copies bytes (no
 parsing here). ``runner`` uses ``RelayForwarder`` and ``ForwarderThread``; the
 trial runs this file itself as a program on the read-only runtime's interpreter
@@ -169,7 +169,7 @@ async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
 
 def run_forward(socket_path: str, port: int = 0, host: str = "127.0.0.1") -> int:
     """``forward``: bind ``host`` (127.0.0.1 unless the container is a build gateway,
-    ``harbor_exec.sandbox.egress.build_gateway``) on ``port`` (or a free one) first, so
+    ``harbor_exec.network.packages.build_gateway``) on ``port`` (or a free one) first, so
     the port printed accepts at once, then leave the exec behind: the child serves in a
     session of its own, stdio closed. Exit 2 when the socket is missing or the port is
     taken."""

@@ -34,7 +34,7 @@ through ``harbor_exec.compat.osmosis`` (osmosis-ai from the bundle's dependencie
         "relay": {"socket": "/run/harbor-exec/relay/relay.sock", "path": "/v1"}
 
     the model is reached through the host's per-rollout relay
-    (``harbor_exec.executors.relay``) on that unix socket, and ``api_key`` is the
+    (``harbor_exec.network.relay``) on that unix socket, and ``api_key`` is the
     rollout's relay token, not the model's key; ``chat_completions_url`` is then
     ignored. Before the workflow starts, the runner listens on a free port of
     127.0.0.1 inside the container and pipes every connection's bytes both ways

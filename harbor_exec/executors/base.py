@@ -11,7 +11,7 @@ runs them on worker threads against this machine's engine, ``RayExecutor``
 ``AsyncTrialExecutor``: each trial an asyncio task.
 
 A workflow's model endpoint travels in ``TrialSecrets.model``: the executor opens
-the rollout's relay (``harbor_exec.executors.relay``) next to the trial's engine,
+the rollout's relay (``harbor_exec.network.relay``) next to the trial's engine,
 mounts it into the container, and closes it when the trial ends; what the relay
 counted comes back as the run's ``ModelUsage``.
 """
@@ -19,12 +19,10 @@ counted comes back as the run's ``ModelUsage``.
 from __future__ import annotations
 
 import asyncio
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 from harbor_exec.executors.spec import (
     ModelEndpoint,
@@ -32,6 +30,7 @@ from harbor_exec.executors.spec import (
     TrialSecrets,
     TrialSpec,
 )
+from harbor_exec.network.usage import ModelUsage
 from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.outputs import TrialOutput
@@ -40,74 +39,7 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
-
-
-@dataclass
-class ModelUsage:
-    """What a rollout's model relay saw (the relay counts into it as calls happen).
-
-    ``cached_tokens`` and ``cost_usd`` stay None until the upstream reports them
-    (``usage.prompt_tokens_details.cached_tokens``, ``usage.cost``): nothing is
-    priced here.
-    """
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    rejected: int = 0  # bad token, over limits, wrong path
-    upstream_errors: int = 0  # 502s: the upstream failed, timed out or answered too much
-    cached_tokens: int | None = None  # of prompt_tokens, when the upstream says
-    cost_usd: float | None = None  # as the upstream reported it
-
-    def usage_metrics(self) -> dict[str, int | float]:
-        """``input_tokens``, ``cached_tokens``, ``output_tokens``, ``cost_usd``, as
-        osmosis-ai names a trial's usage; None values dropped."""
-        values: dict[str, int | float | None] = {
-            "input_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "output_tokens": self.completion_tokens,
-            "cost_usd": self.cost_usd,
-        }
-        return {key: value for key, value in values.items() if value is not None}
-
-    def sample_metrics(self) -> dict[str, int | float]:
-        """The counts a rollout's sample reports as its metrics."""
-        return {
-            "llm_requests": self.requests,
-            "llm_prompt_tokens": self.prompt_tokens,
-            "llm_completion_tokens": self.completion_tokens,
-            "llm_total_tokens": self.total_tokens,
-            **self.usage_metrics(),
-        }
-
-    def disagreement(self, agent_usage: Any) -> dict[str, dict[str, Any]] | None:
-        """Where the agent's own counts (``input_tokens``, ``cached_tokens``,
-        ``output_tokens``, ``cost_usd``) differ from this relay's, by key with both
-        values; None when they agree or the agent gave none. A missing count is no
-        disagreement, and neither is a cost only one side knows (the agent may price
-        from a table; the relay only reports what the upstream said)."""
-        if not isinstance(agent_usage, Mapping):
-            return None
-        ours: dict[str, int | float | None] = {
-            "input_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "output_tokens": self.completion_tokens,
-            "cost_usd": self.cost_usd,
-        }
-        found: dict[str, dict[str, Any]] = {}
-        for key, relay_value in ours.items():
-            theirs = agent_usage.get(key)
-            if theirs is None or isinstance(theirs, bool) or not isinstance(theirs, int | float):
-                continue
-            if key == "cost_usd":
-                if relay_value is None or math.isclose(theirs, relay_value, rel_tol=1e-6):
-                    continue
-            elif (relay_value or 0) == theirs:
-                continue
-            found[key] = {"relay": relay_value, "agent": theirs}
-        return found or None
+    from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
 
 @dataclass(frozen=True)
@@ -284,7 +216,7 @@ class AsyncTrialExecutor(ABC, Generic[H]):
     def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
         """This process's service (trials run here); see ``TrialExecutor``."""
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
-        from harbor_exec.sandbox.egress.service import PackageCacheService
+        from harbor_exec.network.packages.service import PackageCacheService
 
         return PackageCacheService(config)
 
@@ -314,7 +246,6 @@ __all__ = [
     "AsyncTrialHandle",
     "ExecutorHealth",
     "ModelEndpoint",
-    "ModelUsage",
     "MultiNodeExecutor",
     "PhaseCallback",
     "TrialExecutor",

@@ -3,7 +3,7 @@
 The seam it implements and the values it takes and returns are in
 ``harbor_exec.executors.base`` and ``harbor_exec.executors.spec``. A workflow's
 model endpoint (``TrialSecrets.model``) gets the rollout's relay
-(``harbor_exec.executors.relay``) on this machine, mounted into the container and
+(``harbor_exec.network.relay``) on this machine, mounted into the container and
 closed when the trial ends.
 """
 
@@ -149,7 +149,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
     def _relay(self, model: ModelEndpoint, record_chat: bool = False) -> Any:
         import httpx  # the server extra; workflows need it
 
-        from harbor_exec.executors.relay import ModelRelay, RelayLimits
+        from harbor_exec.network.relay import ModelRelay, RelayLimits
 
         if self._relay_transport is None:
             # One upstream connection pool for every rollout's relay.

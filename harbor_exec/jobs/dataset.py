@@ -33,7 +33,8 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:
-    from harbor_exec.executors.base import ModelUsage, TrialExecutor, TrialHandle
+    from harbor_exec.executors.base import TrialExecutor, TrialHandle
+    from harbor_exec.network.usage import ModelUsage
 
 
 def _finite(value: Any) -> float | None:

@@ -5,7 +5,7 @@ fetched once, the only network use), each task's prewarm also installs the layer
 volume (once per engine: it is content-named, the first task installs it).
 
 With a package cache (``prewarm --package-cache``, docs/package-cache.md), each image
-is built through it (``harbor_exec.sandbox.egress.build_gateway``); with
+is built through it (``harbor_exec.network.packages.build_gateway``); with
 ``--run-verifier`` too, each task's oracle and verifier then run once through it, so
 what ``solve.sh`` and ``test.sh`` fetch is cached before training starts (the trial is
 thrown away; its reward is only reported).
@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
+from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.egress import EgressSettings
 from harbor_exec.trial.native import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.service import PackageCacheService
+    from harbor_exec.network.packages.service import PackageCacheService
 
 PrewarmStatus = Literal["built", "cached", "failed"]
 STATUSES: tuple[PrewarmStatus, ...] = ("built", "cached", "failed")

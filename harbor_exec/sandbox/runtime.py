@@ -202,7 +202,7 @@ class ImageBuild(TypedDict):
     network: NotRequired[str | None]
     #: Files sent in the build context in place of (or beside) the context's own, by
     #: path in the context: a cached build's rewritten Dockerfile and the package
-    #: cache's public trust files (``harbor_exec.sandbox.egress.build_trust``).
+    #: cache's public trust files (``harbor_exec.network.packages.build_trust``).
     context_files: NotRequired[Mapping[str, bytes] | None]
 
 

@@ -5,9 +5,9 @@ as the tests do): counters and histograms the routes update, plus gauges read at
 scrape time. What is truly process-wide lives in prometheus-client's default
 registry and follows every server's own metrics on ``/metrics``: the process
 and Python runtime collectors (``process_*``, ``python_*``) and the model
-relays' totals (``harbor_exec_relay_*``, registered by ``harbor_exec.executors.relay``)
+relays' totals (``harbor_exec_relay_*``, registered by ``harbor_exec.network.relay``)
 and the package cache's (``harbor_exec_package_cache_*``: hits, misses, bytes by source,
-stored bytes, bound; ``harbor_exec.sandbox.egress.cache``).
+stored bytes, bound; ``harbor_exec.network.packages.cache``).
 
 The hot path stays cheap: an observation is one prometheus-client ``inc`` or
 ``observe``; labelled children are looked up once and kept.
@@ -30,8 +30,6 @@ from prometheus_client.registry import Collector
 
 # Importing the relay registers its process-wide totals (harbor_exec_relay_*), and the
 # package cache's module its own (harbor_exec_package_cache_*).
-import harbor_exec.executors.relay
-import harbor_exec.sandbox.egress.cache  # noqa: F401
 from harbor_exec.protocol import NodeSlots
 
 __all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]

@@ -53,6 +53,7 @@ from harbor_exec.errors import (
     HarborExecError,
     TaskConfigError,
 )
+from harbor_exec.network.packages.build_route import cache_build_options, merge_build_args
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -64,7 +65,6 @@ from harbor_exec.sandbox.runtime import (
     ServiceProcess,
     VolumeMount,
 )
-from harbor_exec.trial.build_route import cache_build_options, merge_build_args
 from harbor_exec.trial.task import Task, resolve_env
 
 if TYPE_CHECKING:

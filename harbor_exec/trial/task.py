@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harbor_exec.cache import SNAPSHOTS, cache_root
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
-from harbor_exec.sandbox.egress.policy import normalize_allowed_hosts
+from harbor_exec.network.egress.policy import normalize_allowed_hosts
 
 ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _CANARY_LINE = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)

@@ -72,6 +72,9 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
+from harbor_exec.network.egress.plan import ContainerKind, EgressSettings, TrialEgress, network_plan
+from harbor_exec.network.egress.policy import EgressMode
+from harbor_exec.network.packages.build_route import cache_build_options
 from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.archives import (
     VERIFIER_OUTPUT_LIMITS,
@@ -84,7 +87,6 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
-from harbor_exec.sandbox.egress.policy import EgressMode
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -98,10 +100,8 @@ from harbor_exec.sandbox.runtime import (
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
-from harbor_exec.trial.build_route import cache_build_options
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
-from harbor_exec.trial.egress import ContainerKind, EgressSettings, TrialEgress, network_plan
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
 from harbor_exec.trial.results import (
     AgentResult,
@@ -116,8 +116,8 @@ from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verif
 from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.service import PackageCacheService
-    from harbor_exec.trial.package_cache import TrialPackageCache
+    from harbor_exec.network.packages.service import PackageCacheService
+    from harbor_exec.network.packages.session import TrialPackageCache
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
@@ -194,11 +194,11 @@ class SandboxPolicy:
     deps_in_image: bool = False
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
-    #: The server's package cache (``harbor_exec.trial.package_cache``); None: off.
+    #: The server's package cache (``harbor_exec.network.packages.session``); None: off.
     package_cache: PackageCacheService | None = field(default=None, compare=False)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
-    #: Allowlisted networks' egress proxy (``harbor_exec.trial.egress``).
+    #: Allowlisted networks' egress proxy (``harbor_exec.network.egress.plan``).
     egress: EgressSettings = field(default_factory=EgressSettings)
 
 
@@ -246,7 +246,7 @@ def ensure_task_image(
 ) -> tuple[str, bool]:
     """Build (or reuse) the task's image; returns ``(image, built_now)``. With
     ``policy.package_cache`` (and a task that does not opt out) the build reaches the
-    internet through the cache (``harbor_exec.sandbox.egress.build_gateway``)."""
+    internet through the cache (``harbor_exec.network.packages.build_gateway``)."""
     env = task.config.environment
     if is_compose_task(task):  # every service's image (prewarm builds them all)
         _project, images, built = prepare_images(runtime, task, policy)
@@ -441,7 +441,7 @@ class Trial:
         if service is None:
             return None
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
-        from harbor_exec.trial.package_cache import TrialPackageCache, wanted
+        from harbor_exec.network.packages.session import TrialPackageCache, wanted
 
         if not wanted(service, self.request.task):
             return None

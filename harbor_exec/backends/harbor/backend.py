@@ -94,7 +94,7 @@ from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 if TYPE_CHECKING:
     from harbor_exec.bundler import Bundle  # the bundler extra: workflows only
-    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+    from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class HarborBackend(ExecutionBackend):
                 f"grader_verifier_mode must be 'separate' or 'shared'; got {grader_verifier_mode!r}"
             )
         if relay_extra_routes:
-            from harbor_exec.executors.relay import check_extra_route  # the server extra
+            from harbor_exec.network.relay import check_extra_route  # the server extra
 
             self.relay_extra_routes = tuple(check_extra_route(r) for r in relay_extra_routes)
         else:

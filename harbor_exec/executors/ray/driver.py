@@ -56,8 +56,8 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.cache import NodeCacheReport
-    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+    from harbor_exec.network.packages.cache import NodeCacheReport
+    from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
 logger = logging.getLogger(__name__)
 
@@ -653,7 +653,7 @@ def _count_node_cache(report: NodeCacheReport | None) -> None:
     """A node's cache totals into this process's ``/metrics`` (labelled by node)."""
     if report is None:
         return
-    from harbor_exec.sandbox.egress.cache import NODE_CACHE_TOTALS
+    from harbor_exec.network.packages.cache import NODE_CACHE_TOTALS
 
     NODE_CACHE_TOTALS.report(report)
 

@@ -30,11 +30,12 @@ import anyio.to_thread
 
 from harbor_exec.cache import cache_root
 from harbor_exec.errors import TrialPhase
-from harbor_exec.executors.base import ExecutorHealth, ModelUsage, TrialHandle
+from harbor_exec.executors.base import ExecutorHealth, TrialHandle
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.executors.ray.sealing import Opener
 from harbor_exec.executors.ray.transfer import materialize, tar_dir
 from harbor_exec.executors.spec import TrialContent, TrialSecrets, TrialSpec, deps_key, task_key
+from harbor_exec.network.usage import ModelUsage
 from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, ArchiveEntry, OutputLimits
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.trial.outputs import TrialOutput
@@ -43,8 +44,8 @@ from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy
 
 if TYPE_CHECKING:
-    from harbor_exec.sandbox.egress.cache import NodeCacheReport
-    from harbor_exec.sandbox.egress.service import PackageCacheConfig, PackageCacheService
+    from harbor_exec.network.packages.cache import NodeCacheReport
+    from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
 #: The most a trial directory may weigh on its way back: its parts are bounded by
 #: ``SandboxPolicy.output`` (the agent's) and ``verifier_output``; this bounds their
@@ -134,7 +135,7 @@ class NodePackageCache:
         with self._lock:
             if self.service is None:
                 return None
-            from harbor_exec.sandbox.egress.cache import NodeCacheReport
+            from harbor_exec.network.packages.cache import NodeCacheReport
 
             self._seq += 1
             return NodeCacheReport(
@@ -146,7 +147,7 @@ class NodePackageCache:
         with self._lock:
             if self.service is None:
                 # Imported here: the cache needs the server extra (httpx, cryptography).
-                from harbor_exec.sandbox.egress.service import PackageCacheService
+                from harbor_exec.network.packages.service import PackageCacheService
 
                 self.service = PackageCacheService(
                     node_package_cache_config(config, self.node_name)

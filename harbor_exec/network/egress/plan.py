@@ -7,7 +7,7 @@ was made from (``[verifier].environment`` in separate mode, else ``[environment]
 
 A container whose phases are all ``public`` gets the bridge network, one whose
 phases are all ``no-network`` gets none, and any other gets network ``none`` plus
-the trial's egress proxy (``harbor_exec.sandbox.egress``): its socket mounted at
+the trial's egress proxy (``harbor_exec.network.egress``): its socket mounted at
 ``EGRESS_MOUNT``, the proxy variables in the container's environment, and, as
 each phase starts, the phase's policy on the proxy and a fresh forwarder in the
 container. Refusals go to ``egress-refused.jsonl`` in the trial dir.
@@ -26,28 +26,49 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from harbor_exec.errors import EnvironmentStartError
-from harbor_exec.sandbox.egress import (
-    EGRESS_MOUNT,
-    EgressLimits,
-    EgressMode,
-    EgressPolicy,
-    EgressProxy,
-    EgressProxyThread,
-    Upstream,
-    proxy_env,
-)
-from harbor_exec.sandbox.egress.container import start_forwarder
+from harbor_exec.network.egress.container import EGRESS_MOUNT, proxy_env, start_forwarder
+from harbor_exec.network.egress.policy import EgressMode, EgressPolicy
+from harbor_exec.network.egress.proxy import EgressLimits, EgressProxy, EgressProxyThread, Upstream
 from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
-from harbor_exec.trial.task import EnvironmentConfig, TaskConfig
 
 __all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
 
 #: The trial dir's record of what its proxy refused (JSON lines).
 REFUSED_LOG = "egress-refused.jsonl"
 ContainerKind = Literal["trial", "verifier"]
+
+
+class PhaseNetwork(Protocol):
+    """A phase's (or an environment's) network settings, as the task format reads them
+    (``[environment]``, ``[agent]``, ``[verifier]``): the network sits below the task
+    format, so it names only what it reads."""
+
+    @property
+    def network_mode(self) -> object: ...
+
+    @property
+    def allowed_hosts(self) -> list[str] | None: ...
+
+
+class VerifierNetwork(PhaseNetwork, Protocol):
+    @property
+    def environment(self) -> PhaseNetwork | None: ...
+
+
+class TaskNetwork(Protocol):
+    """What ``network_plan`` reads of a task's config (``TaskConfig``)."""
+
+    @property
+    def environment(self) -> PhaseNetwork: ...
+
+    @property
+    def agent(self) -> PhaseNetwork: ...
+
+    @property
+    def verifier(self) -> VerifierNetwork: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ def _policy(mode: object, hosts: list[str] | None) -> EgressPolicy:
     return EgressPolicy(EgressMode(str(mode)), tuple(hosts or ()))
 
 
-def _baseline(env: EnvironmentConfig) -> EgressPolicy:
+def _baseline(env: PhaseNetwork) -> EgressPolicy:
     return _policy(env.network_mode, env.allowed_hosts)
 
 
@@ -96,7 +117,7 @@ class NetworkPlan:
         return modes not in ({EgressMode.PUBLIC}, {EgressMode.NO_NETWORK})
 
 
-def network_plan(config: TaskConfig, *, separate_verifier: bool) -> NetworkPlan:
+def network_plan(config: TaskNetwork, *, separate_verifier: bool) -> NetworkPlan:
     """Harbor 0.26's ``resolve_trial_network_plan`` (without run-specific extra hosts)."""
     baseline = _baseline(config.environment)
     agent = config.agent

@@ -1,6 +1,6 @@
 """Image builds that trust the package cache's CA, and keep nothing of it but public files.
 
-A build through the cache (``harbor_exec.sandbox.egress.build_gateway``) has its HTTPS
+A build through the cache (``harbor_exec.network.packages.build_gateway``) has its HTTPS
 ``CONNECT`` to port 443 terminated with the cache's CA like a trial's, so its steps
 have to trust that CA while they run and the image must not trust it afterwards. The
 legacy builder (the only one whose steps can join the gateway's namespace) has no
@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from harbor_exec.network.packages.trust import APT_CONF, BUNDLE, TRUST_MOUNT, trust_env
 from harbor_exec.sandbox.dockerfile_syntax import instructions
-from harbor_exec.sandbox.egress.trust import APT_CONF, BUNDLE, TRUST_MOUNT, trust_env
 
 __all__ = [
     "TRUST_CONTEXT_DIR",

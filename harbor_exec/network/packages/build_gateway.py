@@ -16,7 +16,7 @@ proxy. Builds get the predefined proxy build arguments (``HTTP_PROXY``, ``HTTPS_
 arguments in the image, so nothing of the proxy lands in it. Only Dockerfiles the
 legacy builder parses come here; BuildKit-only ones (``dockerfile_syntax``) and those
 ``build_trust.trust_conflict`` names build outside the cache
-(``harbor_exec.trial.build_route``).
+(``harbor_exec.network.packages.build_route``).
 
 The host-side proxy behind the socket admits public destinations only (the egress
 SSRF guard refuses private and host addresses, except the operator's explicit
@@ -46,22 +46,22 @@ from pathlib import Path
 from typing import Any, Final
 
 from harbor_exec.errors import HarborExecError
-from harbor_exec.sandbox.egress.build_trust import rewrite_dockerfile
-from harbor_exec.sandbox.egress.container import (
+from harbor_exec.network.egress.container import (
     EGRESS_MOUNT,
     EGRESS_PORT,
     EGRESS_PROXY_URL,
     proxy_env,
     start_forwarder,
 )
-from harbor_exec.sandbox.egress.policy import EgressMode, EgressPolicy
-from harbor_exec.sandbox.egress.proxy import (
+from harbor_exec.network.egress.policy import EgressMode, EgressPolicy
+from harbor_exec.network.egress.proxy import (
     EgressLimits,
     EgressProxy,
     EgressProxyThread,
     Upstream,
 )
-from harbor_exec.sandbox.egress.trust import trust_env
+from harbor_exec.network.packages.build_trust import rewrite_dockerfile
+from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND, ContainerRuntime, ContainerSpec, Mount
 
 __all__ = ["BUILD_GATEWAY_IMAGE", "BuildGateway", "BuildRoute", "build_proxy_args"]

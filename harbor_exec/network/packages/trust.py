@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from harbor_exec.sandbox.egress.ca import LocalCA
+from harbor_exec.network.packages.ca import LocalCA
 
 __all__ = [
     "BUNDLE",
@@ -74,7 +74,7 @@ def write_trust_dir(ca: LocalCA, directory: Path) -> Path:
 
 def trust_env() -> dict[str, str]:
     """The variables that make a container's tools trust the cache's CA (the proxy
-    variables come with the egress proxy: ``harbor_exec.sandbox.egress.proxy_env``)."""
+    variables come with the egress proxy: ``harbor_exec.network.egress.container.proxy_env``)."""
     bundle = f"{TRUST_MOUNT}/{BUNDLE}"
     return {
         # OpenSSL (Python's ssl, curl with OpenSSL, uv, git with OpenSSL, Go on Linux)

@@ -2,7 +2,7 @@
 
 When the operator turns the cache on (``SandboxPolicy.package_cache``) and the task
 does not opt out, every container of the trial that has any network reaches it
-through the trial's egress proxy (``harbor_exec.trial.egress``) whose upstream is the
+through the trial's egress proxy (``harbor_exec.network.egress.plan``) whose upstream is the
 cache: a ``public`` container keeps its bridge network (a program that ignores the
 proxy variables still reaches the internet, uncached) and gets the proxy socket, the
 proxy variables and the forwarder per phase as an allowlisted one does; both also get
@@ -15,24 +15,50 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, Protocol
 
-from harbor_exec.sandbox.egress.cache import connector_resolver
-from harbor_exec.sandbox.egress.proxy import Connector
-from harbor_exec.sandbox.egress.serve import CacheUpstream
-from harbor_exec.sandbox.egress.service import PackageCacheService, TrialCache
-from harbor_exec.sandbox.egress.trust import TRUST_MOUNT, task_opts_out, trust_env
+from harbor_exec.network.egress.proxy import Connector
+from harbor_exec.network.packages.cache import connector_resolver
+from harbor_exec.network.packages.serve import CacheUpstream
+from harbor_exec.network.packages.service import PackageCacheService, TrialCache
+from harbor_exec.network.packages.trust import TRUST_MOUNT, task_opts_out, trust_env
 from harbor_exec.sandbox.runtime import Mount
-from harbor_exec.trial.task import Task
 
-__all__ = ["RESULT_FILE", "TrialPackageCache", "wanted"]
+__all__ = ["RESULT_FILE", "CachedTask", "TrialPackageCache", "wanted"]
 
 logger = logging.getLogger(__name__)
 
 RESULT_FILE: Final = "package-cache.json"
 
 
-def wanted(service: PackageCacheService | None, task: Task) -> bool:
+class _EnvironmentEnv(Protocol):
+    @property
+    def env(self) -> Mapping[str, str]: ...
+
+
+class _TaskOptions(Protocol):
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    @property
+    def environment(self) -> _EnvironmentEnv: ...
+
+
+class CachedTask(Protocol):
+    """What the cache reads of a task (``harbor_exec``'s ``Task``): its name, its
+    environment's digest and whether it opts out. The network sits below the task
+    format, so it names only what it reads."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> _TaskOptions: ...
+
+    def environment_digest(self) -> str: ...
+
+
+def wanted(service: PackageCacheService | None, task: CachedTask) -> bool:
     """Whether ``task``'s trial goes through the cache: the server has one and the task
     does not opt out (a container without network gets nothing either way)."""
     if service is None:
@@ -43,7 +69,7 @@ def wanted(service: PackageCacheService | None, task: Task) -> bool:
 class TrialPackageCache:
     """One trial's session with the cache and what its containers need for it."""
 
-    def __init__(self, service: PackageCacheService, task: Task) -> None:
+    def __init__(self, service: PackageCacheService, task: CachedTask) -> None:
         self.service = service
         # Per task and environment (a rollout's own prompt does not change the key; a
         # rebuilt environment may change what its tests fetch).

@@ -17,7 +17,7 @@ from typing import Final
 from harbor_exec.container import forward
 from harbor_exec.container.exchange import RUNTIME_PYTHON
 from harbor_exec.errors import EnvironmentStartError, HarborExecError
-from harbor_exec.sandbox.egress.proxy import EGRESS_SOCKET_NAME
+from harbor_exec.network.egress.proxy import EGRESS_SOCKET_NAME
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_USER
 

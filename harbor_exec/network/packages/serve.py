@@ -19,8 +19,16 @@ from urllib.parse import urlsplit
 
 import h11
 
-from harbor_exec.sandbox.egress.ca import LocalCA
-from harbor_exec.sandbox.egress.cache import (
+from harbor_exec.network.egress.proxy import (
+    DirectUpstream,
+    EgressContext,
+    HttpRequest,
+    HttpResponse,
+    Upstream,
+)
+from harbor_exec.network.http11 import MAX_HEAD_BYTES, READ_SIZE
+from harbor_exec.network.packages.ca import LocalCA
+from harbor_exec.network.packages.cache import (
     Answering,
     CacheRequest,
     CacheResponse,
@@ -28,14 +36,6 @@ from harbor_exec.sandbox.egress.cache import (
     connector_resolver,
     header_list,
 )
-from harbor_exec.sandbox.egress.proxy import (
-    DirectUpstream,
-    EgressContext,
-    HttpRequest,
-    HttpResponse,
-    Upstream,
-)
-from harbor_exec.sandbox.http11 import MAX_HEAD_BYTES, READ_SIZE
 
 __all__ = [
     "CacheUpstream",

@@ -1,5 +1,5 @@
 """What harbor-exec's two h11 servers on unix sockets share: the model relay
-(``harbor_exec.executors.relay``) and the egress proxy (``harbor_exec.sandbox.egress``)."""
+(``harbor_exec.network.relay``) and the egress proxy (``harbor_exec.network.egress``)."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.sandbox.egress.proxy import Connector, EgressRefused
-from harbor_exec.sandbox.http11 import HOP_BY_HOP, READ_SIZE
+from harbor_exec.network.egress.proxy import Connector, EgressRefused
+from harbor_exec.network.http11 import HOP_BY_HOP, READ_SIZE
 
 __all__ = [
     "CACHE_TOTALS",

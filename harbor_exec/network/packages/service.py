@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from harbor_exec.cache import cache_root
-from harbor_exec.sandbox.egress.build_gateway import BuildGateway, BuildRoute
-from harbor_exec.sandbox.egress.build_trust import trust_context_files
-from harbor_exec.sandbox.egress.ca import LocalCA
-from harbor_exec.sandbox.egress.cache import (
+from harbor_exec.network.packages.build_gateway import BuildGateway, BuildRoute
+from harbor_exec.network.packages.build_trust import trust_context_files
+from harbor_exec.network.packages.ca import LocalCA
+from harbor_exec.network.packages.cache import (
     CacheRequest,
     CacheResponse,
     CacheSession,
@@ -30,8 +30,8 @@ from harbor_exec.sandbox.egress.cache import (
     PackageCache,
     Resolver,
 )
-from harbor_exec.sandbox.egress.serve import CacheUpstream
-from harbor_exec.sandbox.egress.trust import write_trust_dir
+from harbor_exec.network.packages.serve import CacheUpstream
+from harbor_exec.network.packages.trust import write_trust_dir
 from harbor_exec.sandbox.runtime import ContainerRuntime
 
 __all__ = [

@@ -10,25 +10,34 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from harbor_exec.network.egress.plan import EgressSettings
+from harbor_exec.network.packages.build_trust import TRUST_CONTEXT_DIR, trust_conflict
+from harbor_exec.network.packages.service import PackageCacheService
+from harbor_exec.network.packages.session import CachedTask, wanted
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
-from harbor_exec.sandbox.egress.build_trust import TRUST_CONTEXT_DIR, trust_conflict
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.task import Task
-
-if TYPE_CHECKING:
-    from harbor_exec.trial.trial import SandboxPolicy
 
 __all__ = ["cache_build_options", "merge_build_args"]
 
 logger = logging.getLogger(__name__)
 
 
+class CachePolicy(Protocol):
+    """What a build reads of the trial's sandbox policy (``SandboxPolicy``)."""
+
+    @property
+    def package_cache(self) -> PackageCacheService | None: ...
+
+    @property
+    def egress(self) -> EgressSettings: ...
+
+
 def cache_build_options(
     runtime: ContainerRuntime,
-    task: Task,
-    policy: SandboxPolicy | None,
+    task: CachedTask,
+    policy: CachePolicy | None,
     dockerfile: Path,
     tag: str,
     context_dir: Path | None = None,
@@ -42,8 +51,6 @@ def cache_build_options(
     its Dockerfile or its own arguments set a CA variable)."""
     if policy is None or policy.package_cache is None:
         return {}
-    from harbor_exec.trial.package_cache import wanted
-
     if not wanted(policy.package_cache, task) or runtime.image_exists(tag):
         return {}  # a warm image needs no gateway started
     context_dir = context_dir or dockerfile.parent

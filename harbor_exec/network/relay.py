@@ -67,14 +67,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harbor_exec.executors.base import ModelUsage
-from harbor_exec.sandbox.http11 import (
+from harbor_exec.network.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
     UnixListener,
     lingering_close,
     next_event,
 )
+from harbor_exec.network.usage import ModelUsage
 
 __all__ = [
     "CHAT_COMPLETIONS_ROUTE",
@@ -89,7 +89,7 @@ __all__ = [
     "render_relay_metrics",
 ]
 
-logger = logging.getLogger("harbor_exec.executors.relay")
+logger = logging.getLogger("harbor_exec.network.relay")
 
 SOCKET_NAME: Final = "relay.sock"
 # An SSE event larger than this is not parsed for usage (it is still forwarded).

@@ -53,14 +53,14 @@ import h11
 import httpcore
 
 from harbor_exec.container.forward import abort_connections
-from harbor_exec.sandbox.egress.policy import (
+from harbor_exec.network.egress.policy import (
     EgressMode,
     EgressPolicy,
     is_address,
     is_forbidden_address,
     normalize_host,
 )
-from harbor_exec.sandbox.http11 import (
+from harbor_exec.network.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
     READ_SIZE,
@@ -86,7 +86,7 @@ __all__ = [
     "pipe_both_ways",
 ]
 
-logger = logging.getLogger("harbor_exec.sandbox.egress")
+logger = logging.getLogger("harbor_exec.network.egress")
 
 EGRESS_SOCKET_NAME: Final = "egress.sock"
 _MAX_HOST_IN_LOG: Final = 255
