@@ -1,15 +1,25 @@
-"""What harbor-exec's two h11 servers on unix sockets share: the model relay
-(``harbor_exec.network.relay``) and the egress proxy (``harbor_exec.network.egress``)."""
+"""The one server core of the host's network services, on h11 over asyncio.
+
+``UnixServer`` is what the model relay (``harbor_exec.network.relay``) and the egress
+proxy (``harbor_exec.network.egress.proxy``) are built on: its socket in a fresh
+directory (``UnixListener``), a start-once/close-once lifecycle, the bound on open
+connections and the turning away of the rest, one connection loop's end (lingering
+close, quiet ends, a logged bug that never takes the server down). The package cache's
+server (``harbor_exec.network.packages.serve``) answers inside the proxy's tunnels, on
+the same reading (``next_event``) and answers (``send_error_answer``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Final
+from types import TracebackType
+from typing import Any, ClassVar, Final, Self
 
 import h11
 
@@ -20,9 +30,13 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "READ_SIZE",
     "UnixListener",
+    "UnixServer",
     "lingering_close",
     "next_event",
+    "send_error_answer",
 ]
+
+logger = logging.getLogger(__name__)
 
 READ_SIZE: Final = 64 * 1024
 #: Request line plus headers.
@@ -133,3 +147,166 @@ async def lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWr
             pass
         writer.close()
         await writer.wait_closed()
+
+
+async def send_error_answer(
+    conn: h11.Connection,
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    *,
+    with_body: bool = True,
+) -> None:
+    """Answer the current request with ``status`` and ``body`` and say the connection
+    closes (the rest of a refused request is never read, so it cannot be reused).
+    Nothing when an answer has already started or no request line came (h11 cannot
+    answer before one: the caller just closes)."""
+    if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return
+    if conn.our_state is h11.IDLE and conn.their_state is h11.IDLE:
+        return
+    headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    with contextlib.suppress(h11.LocalProtocolError):
+        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        if with_body:
+            data += conn.send(h11.Data(data=body)) or b""
+        data += conn.send(h11.EndOfMessage()) or b""
+        writer.write(data)
+        await writer.drain()
+
+
+class UnixServer:
+    """One HTTP/1.1 server on a unix socket in a directory of its own, started once and
+    closed once, with at most ``max_connections`` open at a time.
+
+    A subclass answers a connection in ``serve`` and may open what it needs beside the
+    socket (``open_resources``, ``close_resources``), turn a connection away before it
+    is served (``turns_away``, ``on_turned_away``) and end a connection quietly on its
+    own exceptions (``QUIET_ERRORS``). Every connection is cut on ``aclose``.
+    """
+
+    #: Names the server in the errors and the log ("model relay", "egress proxy").
+    WHAT: ClassVar[str] = "server"
+    #: Names its socket in the errors ("relay", "egress").
+    SOCKET_WHAT: ClassVar[str] = "server"
+    #: Exceptions that end a connection without a log line, beyond the client's own
+    #: (gone, silent, or closed mid-message).
+    QUIET_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def __init__(self, socket_path: Path, *, max_connections: int) -> None:
+        self.socket_path = socket_path
+        self.max_connections = max_connections
+        self._listener = UnixListener(socket_path, what=self.SOCKET_WHAT)
+        self._connections = self._listener.connections
+        self._writers = self._listener.writers
+        self._closed = False
+        self._quiet_errors: tuple[type[BaseException], ...] = (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            TimeoutError,
+            *self.QUIET_ERRORS,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open the subclass's resources, create the directory (0755; it must not
+        exist), bind the socket (0666) and listen."""
+        if self._listener.listening or self._closed:
+            raise RuntimeError(f"a {type(self).__name__} starts once")
+        try:
+            await self.open_resources()
+            await self._listener.listen(self._on_connection)
+        except BaseException:
+            await self._teardown()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop accepting, cut open connections, close the subclass's resources,
+        remove the socket and the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        await self._listener.stop()
+        await self.close_resources()
+        self._listener.remove_directory()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def listening(self) -> bool:
+        return self._listener.listening
+
+    async def open_resources(self) -> None:
+        """What the server needs beside its socket (an upstream pool), before it listens."""
+
+    async def close_resources(self) -> None:
+        """Close what ``open_resources`` opened (also after a failed start)."""
+
+    async def cut_connections(self) -> None:
+        """Cut every open connection (the server keeps listening)."""
+        await abort_connections(self._writers, self._connections)
+
+    # ------------------------------------------------------------------ connections
+
+    def turns_away(self) -> bool:
+        """Whether a new connection is cut unserved, besides the bound and a closed server."""
+        return False
+
+    def on_turned_away(self) -> None:
+        """A connection was cut unserved (to count it)."""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer one connection's requests; return to close it gracefully."""
+        raise NotImplementedError
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        if (
+            self._closed
+            or task is None
+            or len(self._connections) >= self.max_connections
+            or self.turns_away()
+        ):
+            self.on_turned_away()
+            writer.transport.abort()
+            return
+        self._connections.add(task)
+        self._writers.add(writer)
+        try:
+            await self.serve(reader, writer)
+            await lingering_close(reader, writer)
+        except self._quiet_errors:
+            pass
+        except asyncio.CancelledError:
+            # Only aclose() cancels; ending normally keeps asyncio's stream callback
+            # (3.12.0/3.12.1) from logging the cancellation as an error.
+            pass
+        except Exception:
+            # A bug in one connection must not take the server down; the message names
+            # no secret.
+            logger.exception("%s connection failed", self.WHAT)
+        finally:
+            self._writers.discard(writer)
+            self._connections.discard(task)
+            writer.transport.abort()

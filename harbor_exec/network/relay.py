@@ -57,7 +57,6 @@ import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
@@ -70,9 +69,9 @@ from prometheus_client.registry import Collector
 from harbor_exec.network.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
-    UnixListener,
-    lingering_close,
+    UnixServer,
     next_event,
+    send_error_answer,
 )
 from harbor_exec.network.usage import ModelUsage
 
@@ -387,8 +386,11 @@ class _SseUsage:
         self._dispatch()
 
 
-class ModelRelay:
+class ModelRelay(UnixServer):
     """One rollout's model relay; see the module docstring."""
+
+    WHAT = "model relay"
+    SOCKET_WHAT = "relay"
 
     def __init__(
         self,
@@ -429,7 +431,7 @@ class ModelRelay:
             for route in (CHAT_COMPLETIONS_ROUTE, *limits.extra_routes)
         }
         self.directory = Path(directory)
-        self.socket_path: Path = self.directory / SOCKET_NAME
+        super().__init__(self.directory / SOCKET_NAME, max_connections=limits.max_connections)
         self.limits = limits
         # Given when the rollout's input file was written before the relay was made.
         self.token: str = token or secrets.token_urlsafe(32)
@@ -449,10 +451,6 @@ class ModelRelay:
         # cookies or auth flows, and skipping them is a good part of its overhead.
         self._owned_transport: httpx.AsyncHTTPTransport | None = None
         self._timeout = httpx.Timeout(limits.upstream_timeout_sec).as_dict()
-        self._listener = UnixListener(self.socket_path, what="relay")
-        self._connections = self._listener.connections
-        self._writers = self._listener.writers
-        self._closed = False
         self._refused = 0
 
     def __repr__(self) -> str:
@@ -462,50 +460,25 @@ class ModelRelay:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Create the directory (0755; it must not exist), bind the socket (0666) and listen."""
-        if self._listener.listening or self._closed:
-            raise RuntimeError("a ModelRelay starts once")
-        try:
-            await self._listener.listen(self._on_connection)
-            if self._transport is None:
-                self._owned_transport = httpx.AsyncHTTPTransport(
-                    verify=_ssl_context(), trust_env=False
-                )
-        except BaseException:
-            await self._teardown()
-            raise
+        await super().start()
         if self._totals is not None:
             self._totals.relays_started += 1
             self._totals.relays_active += 1
 
     async def aclose(self) -> None:
-        """Stop accepting, cut open connections, remove the socket and the directory."""
-        if self._closed:
-            return
-        self._closed = True
-        started = self._listener.listening
-        await self._teardown()
+        started = not self._closed and self.listening
+        await super().aclose()
         if started and self._totals is not None:
             self._totals.relays_active -= 1
 
-    async def _teardown(self) -> None:
-        await self._listener.stop()
+    async def open_resources(self) -> None:
+        if self._transport is None:
+            self._owned_transport = httpx.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
+
+    async def close_resources(self) -> None:
         owned, self._owned_transport = self._owned_transport, None
         if owned is not None:
             await owned.aclose()
-        self._listener.remove_directory()
-
-    async def __aenter__(self) -> ModelRelay:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ counting
 
@@ -528,37 +501,11 @@ class ModelRelay:
 
     # ------------------------------------------------------------------ connections
 
-    async def _on_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        if (
-            self._closed
-            or task is None
-            or len(self._connections) >= self.limits.max_connections
-            or self.refusals_spent
-        ):
-            self._count("rejected")
-            writer.transport.abort()
-            return
-        self._connections.add(task)
-        self._writers.add(writer)
-        try:
-            await self._serve(reader, writer)
-            await lingering_close(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass
-        except asyncio.CancelledError:
-            # Only aclose() cancels; ending normally keeps asyncio's stream callback
-            # (3.12.0/3.12.1) from logging the cancellation as an error.
-            pass
-        except Exception:
-            # A relay bug must not take the server down; the message names no secret.
-            logger.exception("model relay connection failed")
-        finally:
-            self._writers.discard(writer)
-            self._connections.discard(task)
-            writer.transport.abort()
+    def turns_away(self) -> bool:
+        return self.refusals_spent
+
+    def on_turned_away(self) -> None:
+        self._count("rejected")
 
     @property
     def refusals_spent(self) -> bool:
@@ -575,7 +522,7 @@ class ModelRelay:
                 self._refused,
             )
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         while True:
             try:
@@ -692,25 +639,10 @@ class ModelRelay:
         *,
         with_body: bool = True,
     ) -> None:
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        if conn.our_state is h11.IDLE and conn.their_state is h11.IDLE:
-            return  # h11 cannot answer before a request line; just close
         body = _error_body(code, message)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            # The rest of a refused request is never read, so the connection cannot be reused.
-            (b"connection", b"close"),
-        ]
-        with contextlib.suppress(h11.LocalProtocolError):
-            data = conn.send(h11.Response(status_code=status, headers=headers))
-            data = data or b""
-            if with_body:
-                data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(h11.EndOfMessage()) or b""
-            writer.write(data)
-            await writer.drain()
+        await send_error_answer(
+            conn, writer, status, body, b"application/json", with_body=with_body
+        )
 
     # ------------------------------------------------------------------ forwarding
 

@@ -52,7 +52,6 @@ from urllib.parse import urlsplit
 import h11
 import httpcore
 
-from harbor_exec.container.forward import abort_connections
 from harbor_exec.network.egress.policy import (
     EgressMode,
     EgressPolicy,
@@ -64,9 +63,9 @@ from harbor_exec.network.http11 import (
     HOP_BY_HOP,
     MAX_HEAD_BYTES,
     READ_SIZE,
-    UnixListener,
-    lingering_close,
+    UnixServer,
     next_event,
+    send_error_answer,
 )
 
 __all__ = [
@@ -470,7 +469,7 @@ class _Answer(Exception):
         self.message = message
 
 
-class EgressProxy:
+class EgressProxy(UnixServer):
     """One trial's egress proxy; see the module docstring.
 
     ``directory`` must not exist: ``start()`` creates it (0755) with the socket
@@ -480,6 +479,10 @@ class EgressProxy:
     ``upstream`` replaces ``DirectUpstream``. The phase starts as ``no-network``
     until ``set_phase``.
     """
+
+    WHAT = "egress proxy"
+    SOCKET_WHAT = "egress"
+    QUIET_ERRORS = (_BudgetSpent,)
 
     def __init__(
         self,
@@ -494,7 +497,9 @@ class EgressProxy:
         upstream: Upstream | None = None,
     ) -> None:
         self.directory = Path(directory)
-        self.socket_path = self.directory / EGRESS_SOCKET_NAME
+        super().__init__(
+            self.directory / EGRESS_SOCKET_NAME, max_connections=limits.max_connections
+        )
         self.trial = trial
         self.refused_log = refused_log
         self.limits = limits
@@ -510,50 +515,31 @@ class EgressProxy:
         )
         self.upstream: Upstream = upstream or DirectUpstream()
         self._pool: httpcore.AsyncConnectionPool | None = None
-        self._listener = UnixListener(self.socket_path, what="egress")
-        self._connections = self._listener.connections
-        self._writers = self._listener.writers
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"EgressProxy(socket={str(self.socket_path)!r}, phase={self.phase!r})"
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
-        if self._listener.listening or self._closed:
-            raise RuntimeError("an EgressProxy starts once")
-        try:
-            self._pool = httpcore.AsyncConnectionPool(
-                network_backend=GuardedBackend(self.connector),
-                max_connections=self.limits.max_connections,
-                keepalive_expiry=30.0,
-            )
-            await self._listener.listen(self._on_connection)
-        except BaseException:
-            await self._teardown()
-            raise
+    async def open_resources(self) -> None:
+        self._pool = httpcore.AsyncConnectionPool(
+            network_backend=GuardedBackend(self.connector),
+            max_connections=self.limits.max_connections,
+            keepalive_expiry=30.0,
+        )
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self._teardown()
-
-    async def _teardown(self) -> None:
-        await self._listener.stop()
+    async def close_resources(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):
                 await pool.aclose()
-        self._listener.remove_directory()
 
     async def set_phase(self, phase: str, policy: EgressPolicy) -> None:
         """Apply ``policy`` from now on, labelled ``phase`` in the log; cuts every open
         connection (nothing the last phase opened carries over)."""
         self.phase = phase
         self.policy = policy
-        await abort_connections(self._writers, self._connections)
+        await self.cut_connections()
 
     # ------------------------------------------------------------------ accounting
 
@@ -612,30 +598,7 @@ class EgressProxy:
 
     # ------------------------------------------------------------------ connections
 
-    async def _on_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        if self._closed or task is None or len(self._connections) >= self.limits.max_connections:
-            writer.transport.abort()
-            return
-        self._connections.add(task)
-        self._writers.add(writer)
-        try:
-            await self._serve(reader, writer)
-            await lingering_close(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, _BudgetSpent):
-            pass
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            logger.exception("egress proxy connection failed")
-        finally:
-            self._writers.discard(writer)
-            self._connections.discard(task)
-            writer.transport.abort()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         while True:
             try:
@@ -790,22 +753,8 @@ class EgressProxy:
     async def _answer(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, message: str
     ) -> None:
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        if conn.our_state is h11.IDLE and conn.their_state is h11.IDLE:
-            return
         body = message.encode("utf-8", "replace")
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        with contextlib.suppress(h11.LocalProtocolError):
-            data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-            data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(h11.EndOfMessage()) or b""
-            writer.write(data)
-            await writer.drain()
+        await send_error_answer(conn, writer, status, body, b"text/plain; charset=utf-8")
 
 
 class _Prefixed(asyncio.StreamReader):
