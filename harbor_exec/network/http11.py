@@ -184,7 +184,8 @@ class UnixServer:
     """One HTTP/1.1 server on a unix socket in a directory of its own, started once and
     closed once, with at most ``max_connections`` open at a time.
 
-    A subclass answers a connection in ``serve`` and may open what it needs beside the
+    A subclass answers each request in ``answer`` (and a malformed one in
+    ``answer_malformed``) and may open what it needs beside the
     socket (``open_resources``, ``close_resources``), turn a connection away before it
     is served (``turns_away``, ``on_turned_away``) and end a connection quietly on its
     own exceptions (``QUIET_ERRORS``). Every connection is cut on ``aclose``.
@@ -198,9 +199,10 @@ class UnixServer:
     #: (gone, silent, or closed mid-message).
     QUIET_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
 
-    def __init__(self, socket_path: Path, *, max_connections: int) -> None:
+    def __init__(self, socket_path: Path, *, max_connections: int, idle_timeout_sec: float) -> None:
         self.socket_path = socket_path
         self.max_connections = max_connections
+        self.idle_timeout_sec = idle_timeout_sec
         self._listener = UnixListener(socket_path, what=self.SOCKET_WHAT)
         self._connections = self._listener.connections
         self._writers = self._listener.writers
@@ -274,9 +276,37 @@ class UnixServer:
     def on_turned_away(self) -> None:
         """A connection was cut unserved (to count it)."""
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Answer one connection's requests; return to close it gracefully."""
+    async def answer(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+    ) -> bool:
+        """Answer ``request``; whether the connection may carry the next one (when both
+        sides also finished this one)."""
         raise NotImplementedError
+
+    async def answer_malformed(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+        """Answer what h11 could not parse (the connection then closes)."""
+        raise NotImplementedError
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer one connection's requests in turn; return to close it gracefully."""
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        while True:
+            try:
+                event = await next_event(conn, reader, self.idle_timeout_sec)
+            except h11.RemoteProtocolError:
+                await self.answer_malformed(conn, writer)
+                return
+            if not isinstance(event, h11.Request):  # ConnectionClosed
+                return
+            if not await self.answer(conn, reader, writer, event):
+                return
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
 
     async def _on_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

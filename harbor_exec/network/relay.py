@@ -68,7 +68,6 @@ from prometheus_client.registry import Collector
 
 from harbor_exec.network.http11 import (
     HOP_BY_HOP,
-    MAX_HEAD_BYTES,
     UnixServer,
     next_event,
     send_error_answer,
@@ -431,7 +430,11 @@ class ModelRelay(UnixServer):
             for route in (CHAT_COMPLETIONS_ROUTE, *limits.extra_routes)
         }
         self.directory = Path(directory)
-        super().__init__(self.directory / SOCKET_NAME, max_connections=limits.max_connections)
+        super().__init__(
+            self.directory / SOCKET_NAME,
+            max_connections=limits.max_connections,
+            idle_timeout_sec=limits.idle_timeout_sec,
+        )
         self.limits = limits
         # Given when the rollout's input file was written before the relay was made.
         self.token: str = token or secrets.token_urlsafe(32)
@@ -522,47 +525,43 @@ class ModelRelay(UnixServer):
                 self._refused,
             )
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        while True:
-            try:
-                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
-            except h11.RemoteProtocolError:
-                self._refuse()
-                await self._send_error(conn, writer, 400, "bad_request", "malformed HTTP request")
-                return
-            if isinstance(event, h11.ConnectionClosed):
-                return
-            if not isinstance(event, h11.Request):  # pragma: no cover - h11 orders events
-                return
-            if self.refusals_spent:
-                # Another connection spent the budget while this one was kept alive.
-                self._count("rejected")
-                return
-            try:
-                body = await self._admit(conn, reader, writer, event)
-            except _Cut:
-                return
-            except _Reject as rejected:
-                self._refuse()
-                await self._send_error(
-                    conn,
-                    writer,
-                    rejected.status,
-                    rejected.code,
-                    rejected.message,
-                    # h11 refuses a body on a HEAD answer (the status still says it all).
-                    with_body=event.method != b"HEAD",
-                )
-                return
-            self._count("requests")
-            try:
-                await self._forward(conn, writer, event, body)
-            except _Cut:
-                return
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+    async def answer_malformed(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+        self._refuse()
+        await self._send_error(conn, writer, 400, "bad_request", "malformed HTTP request")
+
+    async def answer(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+    ) -> bool:
+        if self.refusals_spent:
+            # Another connection spent the budget while this one was kept alive.
+            self._count("rejected")
+            return False
+        try:
+            body = await self._admit(conn, reader, writer, request)
+        except _Cut:
+            return False
+        except _Reject as rejected:
+            self._refuse()
+            await self._send_error(
+                conn,
+                writer,
+                rejected.status,
+                rejected.code,
+                rejected.message,
+                # h11 refuses a body on a HEAD answer (the status still says it all).
+                with_body=request.method != b"HEAD",
+            )
+            return False
+        self._count("requests")
+        try:
+            await self._forward(conn, writer, request, body)
+        except _Cut:
+            return False
+        return True
 
     async def _admit(
         self,

@@ -61,7 +61,6 @@ from harbor_exec.network.egress.policy import (
 )
 from harbor_exec.network.http11 import (
     HOP_BY_HOP,
-    MAX_HEAD_BYTES,
     READ_SIZE,
     UnixServer,
     next_event,
@@ -498,7 +497,9 @@ class EgressProxy(UnixServer):
     ) -> None:
         self.directory = Path(directory)
         super().__init__(
-            self.directory / EGRESS_SOCKET_NAME, max_connections=limits.max_connections
+            self.directory / EGRESS_SOCKET_NAME,
+            max_connections=limits.max_connections,
+            idle_timeout_sec=limits.idle_timeout_sec,
         )
         self.trial = trial
         self.refused_log = refused_log
@@ -598,27 +599,25 @@ class EgressProxy(UnixServer):
 
     # ------------------------------------------------------------------ connections
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        while True:
-            try:
-                event = await next_event(conn, reader, self.limits.idle_timeout_sec)
-            except h11.RemoteProtocolError:
-                await self._answer(conn, writer, 400, "malformed HTTP request")
-                return
-            if not isinstance(event, h11.Request):
-                return
-            try:
-                if event.method == b"CONNECT":
-                    await self._tunnel(conn, reader, writer, event)
-                    return
-                await self._forward(conn, reader, writer, event)
-            except _Answer as answer:
-                await self._answer(conn, writer, answer.status, answer.message)
-                return
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+    async def answer_malformed(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+        await self._answer(conn, writer, 400, "malformed HTTP request")
+
+    async def answer(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+    ) -> bool:
+        try:
+            if request.method == b"CONNECT":
+                await self._tunnel(conn, reader, writer, request)
+                return False
+            await self._forward(conn, reader, writer, request)
+        except _Answer as answer:
+            await self._answer(conn, writer, answer.status, answer.message)
+            return False
+        return True
 
     def _admit(self, method: str, host: str, port: int) -> None:
         if self.stats.bytes > self.limits.max_bytes:
