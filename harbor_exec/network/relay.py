@@ -54,7 +54,6 @@ import math
 import re
 import secrets
 import ssl
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple
@@ -62,9 +61,7 @@ from urllib.parse import urlsplit
 
 import h11
 import httpx
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
 
 from harbor_exec.network.http11 import (
     HOP_BY_HOP,
@@ -82,7 +79,6 @@ __all__ = [
     "ModelRelay",
     "RelayLimits",
     "RelayTotals",
-    "RelayTotalsCollector",
     "check_extra_route",
     "render_relay_metrics",
 ]
@@ -154,65 +150,100 @@ class RelayLimits:
             )
 
 
-@dataclass
-class RelayTotals(ModelUsage):
-    """Process-wide sums of every relay's usage, and how many relays there are, for
-    ``/metrics``."""
+class RelayTotals:
+    """Every relay's counts summed, and how many relays there are, as prometheus-client
+    metrics each relay updates as it counts. ``RELAY_TOTALS`` is the process's, in
+    prometheus-client's default registry (every server's ``/metrics`` appends it);
+    another instance keeps its own registry (a test's)."""
 
-    relays_started: int = 0
-    relays_active: int = 0
-
-
-class RelayTotalsCollector(Collector):
-    """Exposes a ``RelayTotals`` through prometheus-client, read at scrape time
-    (the relays only add to plain integers)."""
-
-    def __init__(self, totals: RelayTotals) -> None:
-        self.totals = totals
-
-    def collect(self) -> Iterable[Metric]:
-        totals = self.totals
-        yield CounterMetricFamily(
-            "harbor_exec_relay_started", "Model relays started.", value=totals.relays_started
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        own = self.registry
+        self._started = Counter("harbor_exec_relay_started", "Model relays started.", registry=own)
+        self._active = Gauge("harbor_exec_relay_active", "Model relays open now.", registry=own)
+        tokens = Counter(
+            "harbor_exec_relay_tokens",
+            "Tokens reported by the model, by kind.",
+            ["kind"],
+            registry=own,
         )
-        yield GaugeMetricFamily(
-            "harbor_exec_relay_active", "Model relays open now.", value=totals.relays_active
-        )
-        yield CounterMetricFamily(
-            "harbor_exec_relay_requests",
-            "Model calls forwarded upstream by the relays.",
-            value=totals.requests,
-        )
-        yield CounterMetricFamily(
-            "harbor_exec_relay_rejected",
-            "Relay requests refused: bad token, wrong path or over a limit.",
-            value=totals.rejected,
-        )
-        yield CounterMetricFamily(
-            "harbor_exec_relay_upstream_errors",
-            "Relay calls answered 502: upstream failure, timeout or oversized answer.",
-            value=totals.upstream_errors,
-        )
-        tokens = CounterMetricFamily(
-            "harbor_exec_relay_tokens", "Tokens reported by the model, by kind.", labels=["kind"]
-        )
-        tokens.add_metric(["prompt"], totals.prompt_tokens)
-        tokens.add_metric(["completion"], totals.completion_tokens)
-        tokens.add_metric(["cached"], totals.cached_tokens or 0)
-        yield tokens
+        #: ``ModelUsage``'s field -> the metric it adds to (the others are not exposed).
+        self._counters: dict[str, Counter] = {
+            "requests": Counter(
+                "harbor_exec_relay_requests",
+                "Model calls forwarded upstream by the relays.",
+                registry=own,
+            ),
+            "rejected": Counter(
+                "harbor_exec_relay_rejected",
+                "Relay requests refused: bad token, wrong path or over a limit.",
+                registry=own,
+            ),
+            "upstream_errors": Counter(
+                "harbor_exec_relay_upstream_errors",
+                "Relay calls answered 502: upstream failure, timeout or oversized answer.",
+                registry=own,
+            ),
+            "prompt_tokens": tokens.labels("prompt"),
+            "completion_tokens": tokens.labels("completion"),
+            "cached_tokens": tokens.labels("cached"),
+        }
+
+    def count(self, what: str, amount: float = 1) -> None:
+        """Add ``amount`` to ``ModelUsage``'s field ``what`` (if it is exposed)."""
+        counter = self._counters.get(what)
+        if counter is not None:
+            counter.inc(amount)
+
+    def relay_started(self) -> None:
+        self._started.inc()
+        self._active.inc()
+
+    def relay_closed(self) -> None:
+        self._active.dec()
+
+    def _read(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    @property
+    def relays_started(self) -> float:
+        return self._read("harbor_exec_relay_started_total")
+
+    @property
+    def relays_active(self) -> float:
+        return self._read("harbor_exec_relay_active")
+
+    @property
+    def requests(self) -> float:
+        return self._read("harbor_exec_relay_requests_total")
+
+    @property
+    def rejected(self) -> float:
+        return self._read("harbor_exec_relay_rejected_total")
+
+    @property
+    def upstream_errors(self) -> float:
+        return self._read("harbor_exec_relay_upstream_errors_total")
+
+    @property
+    def prompt_tokens(self) -> float:
+        return self._read("harbor_exec_relay_tokens_total", kind="prompt")
+
+    @property
+    def completion_tokens(self) -> float:
+        return self._read("harbor_exec_relay_tokens_total", kind="completion")
+
+    @property
+    def cached_tokens(self) -> float:
+        return self._read("harbor_exec_relay_tokens_total", kind="cached")
 
 
-RELAY_TOTALS: Final = RelayTotals()
-# Process-wide, like the relays it sums: prometheus-client's default registry
-# (every server's /metrics appends it).
-REGISTRY.register(RelayTotalsCollector(RELAY_TOTALS))
+RELAY_TOTALS: Final = RelayTotals(REGISTRY)
 
 
-def render_relay_metrics(totals: RelayTotals = RELAY_TOTALS) -> str:
-    """Prometheus text for ``totals`` alone, ending in a newline."""
-    registry = CollectorRegistry()
-    registry.register(RelayTotalsCollector(totals))
-    return generate_latest(registry).decode()
+def render_relay_metrics(totals: RelayTotals) -> str:
+    """Prometheus text for ``totals``'s own registry, ending in a newline."""
+    return generate_latest(totals.registry).decode()
 
 
 @functools.cache
@@ -465,14 +496,13 @@ class ModelRelay(UnixServer):
     async def start(self) -> None:
         await super().start()
         if self._totals is not None:
-            self._totals.relays_started += 1
-            self._totals.relays_active += 1
+            self._totals.relay_started()
 
     async def aclose(self) -> None:
         started = not self._closed and self.listening
         await super().aclose()
         if started and self._totals is not None:
-            self._totals.relays_active -= 1
+            self._totals.relay_closed()
 
     async def open_resources(self) -> None:
         if self._transport is None:
@@ -488,7 +518,7 @@ class ModelRelay(UnixServer):
     def _count(self, what: str, amount: int = 1) -> None:
         setattr(self.usage, what, getattr(self.usage, what) + amount)
         if self._totals is not None:
-            setattr(self._totals, what, getattr(self._totals, what) + amount)
+            self._totals.count(what, amount)
 
     def _record_usage(self, numbers: _Usage) -> None:
         self._count("prompt_tokens", numbers.prompt)
@@ -498,9 +528,9 @@ class ModelRelay(UnixServer):
         for what, amount in (("cached_tokens", numbers.cached), ("cost_usd", numbers.cost)):
             if amount is None:
                 continue
-            for usage in (self.usage, self._totals):
-                if usage is not None:
-                    setattr(usage, what, (getattr(usage, what) or 0) + amount)
+            setattr(self.usage, what, (getattr(self.usage, what) or 0) + amount)
+            if self._totals is not None:
+                self._totals.count(what, amount)
 
     # ------------------------------------------------------------------ connections
 
