@@ -30,6 +30,8 @@ from prometheus_client.registry import Collector
 
 # Importing the relay registers its process-wide totals (harbor_exec_relay_*), and the
 # package cache's module its own (harbor_exec_package_cache_*).
+import harbor_exec.network.packages.cache
+import harbor_exec.network.relay  # noqa: F401
 from harbor_exec.protocol import NodeSlots
 
 __all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]
