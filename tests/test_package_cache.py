@@ -22,9 +22,9 @@ from harbor_exec.network.egress.proxy import Connector, EgressProxy, EgressProxy
 from harbor_exec.network.packages import cache as cache_module
 from harbor_exec.network.packages.ca import CA_KEY, LocalCA
 from harbor_exec.network.packages.cache import (
+    CacheMetrics,
     CacheSession,
     CacheStats,
-    CacheTotals,
     HttpxUpstream,
     Kind,
     PackageCache,
@@ -128,7 +128,7 @@ async def harness(
         tmp_path / "store",
         max_bytes=max_bytes,
         upstream=HttpxUpstream(ca_bundle=ca_bundle or upstream_ca.cert_path),
-        totals=CacheTotals(),
+        metrics=CacheMetrics(),
         index_fresh_sec=index_fresh_sec,
     )
     trials = Trials(cache, LocalCA(tmp_path / "cache-ca"), tmp_path, overrides)
@@ -322,7 +322,7 @@ async def test_what_a_task_asked_is_revalidated_ahead_of_its_next_trial(
 
         # What a task asked survives a restart of the cache (the same store).
         remembered = front.cache.recall.get("demo")
-    reopened = PackageCache(tmp_path / "store", max_bytes=10_000_000, totals=None)
+    reopened = PackageCache(tmp_path / "store", max_bytes=10_000_000, metrics=None)
     assert reopened.recall.get("demo") == remembered and len(remembered) == 3
     await reopened.aclose()
 
@@ -420,7 +420,7 @@ async def test_the_cache_stays_within_its_bound_evicting_least_recently_used(
         assert front.cache.store.evictions == 3
         assert len(list((tmp_path / "store" / "objects").glob("*.body"))) == 3
     # What is on disk survives a restart, still within the bound.
-    reopened = PackageCache(tmp_path / "store", max_bytes=2000, totals=None)
+    reopened = PackageCache(tmp_path / "store", max_bytes=2000, metrics=None)
     assert reopened.store.size <= 2000 and len(reopened.store._lru) == 2
     await reopened.aclose()
 
@@ -575,15 +575,12 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
 
 
 def test_server_metrics_show_the_package_cache() -> None:
-    from harbor_exec.network.packages.cache import CACHE_TOTALS
+    from harbor_exec.network.packages.cache import CACHE_METRICS, SERVER_NODE
     from harbor_exec.server.metrics import ServerMetrics
 
-    before = CACHE_TOTALS.hits
-    CACHE_TOTALS.hits += 3
-    try:
-        text = ServerMetrics().render({})
-    finally:
-        CACHE_TOTALS.hits = before
+    before = int(CACHE_METRICS.value(SERVER_NODE, "hits"))
+    CACHE_METRICS.count(SERVER_NODE, hits=3)
+    text = ServerMetrics().render({})
     assert f'harbor_exec_package_cache_hits_total{{node="server"}} {float(before + 3)}' in text
     assert 'harbor_exec_package_cache_bytes_total{node="server",source="cache"}' in text
     assert "harbor_exec_package_cache_bound_bytes" in text
@@ -656,8 +653,8 @@ def test_node_cache_reports_count_once_by_node_in_server_metrics() -> None:
         assert _hits(text, node) == 10.0
         assert f'harbor_exec_package_cache_stored_bytes{{node="{node}"}} 100.0' in text
     finally:
-        for key in [k for k in NODE_CACHE_TOTALS._latest if k[0].startswith(node)]:
-            del NODE_CACHE_TOTALS._latest[key]
+        NODE_CACHE_TOTALS.forget(node)
+        NODE_CACHE_TOTALS.forget(f"{node}-2")
 
 
 def test_a_node_reports_its_own_service_totals(tmp_path: Path) -> None:

@@ -58,7 +58,6 @@ from collections.abc import (
     Awaitable,
     Callable,
     Coroutine,
-    Iterable,
     Mapping,
     Sequence,
 )
@@ -68,18 +67,17 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 import httpx
-from prometheus_client import REGISTRY
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from harbor_exec.network.egress.proxy import Connector, EgressRefused
 from harbor_exec.network.http11 import HOP_BY_HOP, READ_SIZE
 
 __all__ = [
-    "CACHE_TOTALS",
+    "CACHE_METRICS",
     "NODE_CACHE_TOTALS",
     "SERVER_NODE",
     "Answering",
+    "CacheMetrics",
     "CacheRequest",
     "CacheResponse",
     "CacheSession",
@@ -256,16 +254,13 @@ class CacheStats:
 
 @dataclass
 class CacheTotals(CacheStats):
-    """Process-wide sums (every cache and session), for ``/metrics``."""
+    """One cache's sums (all its sessions) and its store now (``PackageCache.totals``):
+    what a Ray node reports to the server's ``/metrics``."""
 
     evictions: int = 0
     stored_bytes: int = 0
     stored_entries: int = 0
     bound_bytes: int = 0
-
-
-#: The fields of ``CacheTotals`` that say what is stored now (gauges, not counters).
-CACHE_GAUGES: Final = ("stored_bytes", "stored_entries", "bound_bytes")
 
 
 @dataclass(frozen=True)
@@ -280,8 +275,115 @@ class NodeCacheReport:
     totals: CacheTotals
 
 
+#: The ``node`` label of the server's own process (its cache, when it runs one).
+SERVER_NODE: Final = "server"
+
+#: ``CacheTotals``'s counters as ``harbor_exec_package_cache_<name>_total{node}``.
+_COUNTERS: Final = (
+    ("requests", "Requests the package cache answered."),
+    ("hits", "Requests served from the cache without asking the upstream."),
+    ("revalidated", "Requests served from the cache after the upstream confirmed it."),
+    ("revalidated_ahead", "Revalidations sent when a trial began, before it asked."),
+    ("misses", "Cacheable requests fetched from the upstream and stored."),
+    ("passthrough", "Requests passed to the upstream, not cacheable."),
+    ("upstream_requests", "Requests the cache sent upstream."),
+    ("upstream_errors", "Upstream requests that failed."),
+    ("evictions", "Entries evicted to stay within the bound."),
+)
+#: ``CacheTotals``'s gauges as ``harbor_exec_package_cache_<name>{node}``.
+_GAUGES: Final = (
+    ("stored_bytes", "Bytes stored now."),
+    ("stored_entries", "Entries stored now."),
+    ("bound_bytes", "The cache's bound."),
+)
+#: ``CacheTotals``'s body bytes as ``harbor_exec_package_cache_bytes_total{node,source}``.
+_BYTES_SOURCE: Final = {"bytes_from_cache": "cache", "bytes_from_upstream": "upstream"}
+
+
+class CacheMetrics:
+    """``harbor_exec_package_cache_*`` by ``node`` as prometheus-client metrics, updated
+    as things happen: the server's own caches count into node ``server`` as they answer
+    (``PackageCache``), each Ray node's cache as its report arrives
+    (``NodeCacheTotals``). ``CACHE_METRICS`` is the process's, in prometheus-client's
+    default registry (every server's ``/metrics`` appends it); another instance keeps
+    its own registry (a test's)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        own = self.registry
+        prefix = "harbor_exec_package_cache_"
+        self._metrics: dict[str, Counter | Gauge] = {}
+        for name, help_text in _COUNTERS:
+            self._metrics[name] = Counter(prefix + name, help_text, ["node"], registry=own)
+        for name, help_text in _GAUGES:
+            self._metrics[name] = Gauge(prefix + name, help_text, ["node"], registry=own)
+        self._bytes = Counter(
+            prefix + "bytes",
+            "Body bytes sent to clients, by source.",
+            ["node", "source"],
+            registry=own,
+        )
+        # labels() validates and locks on every call; a child per key is kept instead.
+        self._children: dict[tuple[str, str], Counter | Gauge] = {}
+        self.touch(SERVER_NODE)  # the server's row is there (at 0) before it has a cache
+
+    def _child(self, node: str, name: str) -> Counter | Gauge:
+        child = self._children.get((node, name))
+        if child is None:
+            source = _BYTES_SOURCE.get(name)
+            if source is not None:
+                child = self._bytes.labels(node, source)
+            else:
+                child = self._metrics[name].labels(node)
+            self._children[(node, name)] = child
+        return child
+
+    def touch(self, node: str) -> None:
+        """Every series of ``node``, at 0 until counted."""
+        for name in (*self._metrics, *_BYTES_SOURCE):
+            self._child(node, name)
+
+    def count(self, node: str, **deltas: int) -> None:
+        """Add to ``node``'s counters (``CacheTotals``'s field names)."""
+        for name, delta in deltas.items():
+            if delta:
+                self._child(node, name).inc(delta)
+
+    def set(self, node: str, **values: int) -> None:
+        """Set ``node``'s gauges (what is stored now, the bound)."""
+        for name, value in values.items():
+            child = self._child(node, name)
+            assert isinstance(child, Gauge)
+            child.set(value)
+
+    def forget(self, node: str) -> None:
+        """Drop ``node``'s series."""
+        for known, name in [key for key in self._children if key[0] == node]:
+            del self._children[(known, name)]
+            source = _BYTES_SOURCE.get(name)
+            if source is not None:
+                self._bytes.remove(node, source)
+            else:
+                self._metrics[name].remove(node)
+
+    def value(self, node: str, name: str) -> float:
+        """``node``'s figure for ``name`` (a ``CacheTotals`` field) as exposed."""
+        source = _BYTES_SOURCE.get(name)
+        if source is not None:
+            sample, labels = (
+                "harbor_exec_package_cache_bytes_total",
+                {"node": node, "source": source},
+            )
+        else:
+            suffix = "" if name in dict(_GAUGES) else "_total"
+            sample = f"harbor_exec_package_cache_{name}{suffix}"
+            labels = {"node": node}
+        return self.registry.get_sample_value(sample, labels) or 0.0
+
+
 class NodeCacheTotals:
-    """The latest report of every Ray node's cache, in the server's process.
+    """The latest report of every Ray node's cache, in the server's process, counted
+    into ``metrics`` by node as each report arrives.
 
     Reports are cumulative, so keeping the latest (by ``seq``) of each actor makes a
     repeated, late or out-of-order report harmless: nothing is counted twice. A node's
@@ -289,9 +391,11 @@ class NodeCacheTotals:
     its current actor's, the one that reported first most recently: a restarted actor
     finds the same store, which must not count twice either."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: CacheMetrics) -> None:
+        self.metrics = metrics
         self._latest: dict[tuple[str, str], NodeCacheReport] = {}
         self._current: dict[str, str] = {}  # node -> its newest actor's incarnation
+        self._counted: dict[str, CacheTotals] = {}  # node -> what metrics has of it
 
     def report(self, report: NodeCacheReport) -> None:
         key = (report.node, report.incarnation)
@@ -300,82 +404,40 @@ class NodeCacheTotals:
             self._current[report.node] = report.incarnation
         if known is None or report.seq > known.seq:
             self._latest[key] = report
+        self._publish(report.node)
 
-    def by_node(self) -> dict[str, CacheTotals]:
-        sums: dict[str, CacheTotals] = {}
-        for (node, _incarnation), report in sorted(self._latest.items()):
-            sums.setdefault(node, CacheTotals()).add(report.totals)
-        for node, into in sums.items():
-            now = self._latest[(node, self._current[node])].totals
-            for gauge in CACHE_GAUGES:
-                setattr(into, gauge, getattr(now, gauge))
-        return sums
-
-
-#: The ``node`` label of the server's own process (its cache, when it runs one).
-SERVER_NODE: Final = "server"
-
-
-class CacheTotalsCollector(Collector):
-    """``harbor_exec_package_cache_*`` by ``node`` (the server's own process, and each
-    Ray node's cache as its last report said), read at scrape time."""
-
-    def __init__(self, totals: CacheTotals, nodes: NodeCacheTotals) -> None:
-        self.totals = totals
-        self.nodes = nodes
-
-    def collect(self) -> Iterable[Metric]:
-        rows = [(SERVER_NODE, self.totals), *self.nodes.by_node().items()]
-        families: tuple[tuple[str, str, type[CounterMetricFamily | GaugeMetricFamily]], ...] = (
-            ("requests", "Requests the package cache answered.", CounterMetricFamily),
-            (
-                "hits",
-                "Requests served from the cache without asking the upstream.",
-                CounterMetricFamily,
-            ),
-            (
-                "revalidated",
-                "Requests served from the cache after the upstream confirmed it.",
-                CounterMetricFamily,
-            ),
-            (
-                "revalidated_ahead",
-                "Revalidations sent when a trial began, before it asked.",
-                CounterMetricFamily,
-            ),
-            (
-                "misses",
-                "Cacheable requests fetched from the upstream and stored.",
-                CounterMetricFamily,
-            ),
-            ("passthrough", "Requests passed to the upstream, not cacheable.", CounterMetricFamily),
-            ("upstream_requests", "Requests the cache sent upstream.", CounterMetricFamily),
-            ("upstream_errors", "Upstream requests that failed.", CounterMetricFamily),
-            ("evictions", "Entries evicted to stay within the bound.", CounterMetricFamily),
-            ("stored_bytes", "Bytes stored now.", GaugeMetricFamily),
-            ("stored_entries", "Entries stored now.", GaugeMetricFamily),
-            ("bound_bytes", "The cache's bound.", GaugeMetricFamily),
+    def _publish(self, node: str) -> None:
+        now = CacheTotals()
+        for (known, _incarnation), report in sorted(self._latest.items()):
+            if known == node:
+                now.add(report.totals)
+        current = self._latest[(node, self._current[node])].totals
+        before = self._counted.get(node, CacheTotals())
+        self.metrics.touch(node)
+        # Cumulative reports: a node's sums only grow (a counter never goes down).
+        self.metrics.count(
+            node,
+            **{
+                name: max(0, getattr(now, name) - getattr(before, name))
+                for name in (*(name for name, _ in _COUNTERS), *_BYTES_SOURCE)
+            },
         )
-        for name, help_text, kind in families:
-            family = kind(f"harbor_exec_package_cache_{name}", help_text, labels=["node"])
-            for node, totals in rows:
-                family.add_metric([node], getattr(totals, name))
-            yield family
-        data = CounterMetricFamily(
-            "harbor_exec_package_cache_bytes",
-            "Body bytes sent to clients, by source.",
-            labels=["node", "source"],
-        )
-        for node, totals in rows:
-            data.add_metric([node, "cache"], totals.bytes_from_cache)
-            data.add_metric([node, "upstream"], totals.bytes_from_upstream)
-        yield data
+        self.metrics.set(node, **{name: getattr(current, name) for name, _ in _GAUGES})
+        self._counted[node] = now
+
+    def forget(self, node: str) -> None:
+        """Drop ``node``'s reports and series."""
+        for key in [key for key in self._latest if key[0] == node]:
+            del self._latest[key]
+        self._current.pop(node, None)
+        self._counted.pop(node, None)
+        self.metrics.forget(node)
 
 
-CACHE_TOTALS: Final = CacheTotals()
-#: What the Ray nodes' caches reported to this (server) process.
-NODE_CACHE_TOTALS: Final = NodeCacheTotals()
-REGISTRY.register(CacheTotalsCollector(CACHE_TOTALS, NODE_CACHE_TOTALS))
+#: The process's package cache metrics (the server's own caches, and what the Ray
+#: nodes' caches reported to this server process).
+CACHE_METRICS: Final = CacheMetrics(REGISTRY)
+NODE_CACHE_TOTALS: Final = NodeCacheTotals(CACHE_METRICS)
 
 
 # --------------------------------------------------------------------------- upstream
@@ -698,7 +760,7 @@ class PackageCache:
         max_bytes: int,
         max_object_bytes: int | None = None,
         upstream: HttpxUpstream | None = None,
-        totals: CacheTotals | None = CACHE_TOTALS,
+        metrics: CacheMetrics | None = CACHE_METRICS,
         index_fresh_sec: float = 0.0,
     ) -> None:
         #: How long an index answer (stored or just revalidated) is served without
@@ -707,7 +769,7 @@ class PackageCache:
         self.store = CacheStore(root, max_bytes=max_bytes, max_object_bytes=max_object_bytes)
         self.upstream = upstream if upstream is not None else HttpxUpstream()
         self.stats = CacheStats()
-        self._totals = totals
+        self._metrics = metrics
         # Per URL key: its lock and how many requests use it (dropped at none).
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._fills: dict[str, _Fill] = {}
@@ -748,22 +810,24 @@ class PackageCache:
         )
 
     def _publish(self) -> None:
-        totals = self._totals
-        if totals is None:
+        metrics = self._metrics
+        if metrics is None:
             return
-        totals.evictions += self.store.evictions - self._evictions_seen
+        metrics.count(SERVER_NODE, evictions=self.store.evictions - self._evictions_seen)
         self._evictions_seen = self.store.evictions
-        totals.stored_bytes = self.store.size
-        totals.stored_entries = len(self.store._lru)
-        totals.bound_bytes = self.store.max_bytes
+        metrics.set(
+            SERVER_NODE,
+            stored_bytes=self.store.size,
+            stored_entries=len(self.store._lru),
+            bound_bytes=self.store.max_bytes,
+        )
 
     def _count(self, session: CacheStats, **deltas: int) -> None:
-        targets: list[CacheStats] = [session, self.stats]
-        if self._totals is not None:
-            targets.append(self._totals)
-        for stats in targets:
+        for stats in (session, self.stats):
             for name, delta in deltas.items():
                 setattr(stats, name, getattr(stats, name) + delta)
+        if self._metrics is not None:
+            self._metrics.count(SERVER_NODE, **deltas)
 
     # ------------------------------------------------------------------ answering
 
