@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Final, Self
+from typing import Any, ClassVar, Final, Protocol, Self
 
 import h11
 
@@ -29,6 +29,7 @@ __all__ = [
     "HOP_BY_HOP",
     "MAX_HEAD_BYTES",
     "READ_SIZE",
+    "ConnectionLimits",
     "UnixListener",
     "UnixServer",
     "lingering_close",
@@ -180,6 +181,16 @@ async def send_error_answer(
         await writer.drain()
 
 
+class ConnectionLimits(Protocol):
+    """What the core reads of a server's limits (``RelayLimits``, ``EgressLimits``)."""
+
+    @property
+    def max_connections(self) -> int: ...
+
+    @property
+    def idle_timeout_sec(self) -> float: ...
+
+
 class UnixServer:
     """One HTTP/1.1 server on a unix socket in a directory of its own, started once and
     closed once, with at most ``max_connections`` open at a time.
@@ -199,11 +210,12 @@ class UnixServer:
     #: (gone, silent, or closed mid-message).
     QUIET_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
 
-    def __init__(self, socket_path: Path, *, max_connections: int, idle_timeout_sec: float) -> None:
-        self.socket_path = socket_path
-        self.max_connections = max_connections
-        self.idle_timeout_sec = idle_timeout_sec
-        self._listener = UnixListener(socket_path, what=self.SOCKET_WHAT)
+    def __init__(self, directory: Path, socket_name: str, limits: ConnectionLimits) -> None:
+        self.directory = Path(directory)
+        self.socket_path = self.directory / socket_name
+        self.max_connections = limits.max_connections
+        self.idle_timeout_sec = limits.idle_timeout_sec
+        self._listener = UnixListener(self.socket_path, what=self.SOCKET_WHAT)
         self._connections = self._listener.connections
         self._writers = self._listener.writers
         self._closed = False

@@ -460,12 +460,7 @@ class ModelRelay(UnixServer):
             )
             for route in (CHAT_COMPLETIONS_ROUTE, *limits.extra_routes)
         }
-        self.directory = Path(directory)
-        super().__init__(
-            self.directory / SOCKET_NAME,
-            max_connections=limits.max_connections,
-            idle_timeout_sec=limits.idle_timeout_sec,
-        )
+        super().__init__(directory, SOCKET_NAME, limits)
         self.limits = limits
         # Given when the rollout's input file was written before the relay was made.
         self.token: str = token or secrets.token_urlsafe(32)

@@ -495,12 +495,7 @@ class EgressProxy(UnixServer):
         allow_private: bool = False,
         upstream: Upstream | None = None,
     ) -> None:
-        self.directory = Path(directory)
-        super().__init__(
-            self.directory / EGRESS_SOCKET_NAME,
-            max_connections=limits.max_connections,
-            idle_timeout_sec=limits.idle_timeout_sec,
-        )
+        super().__init__(directory, EGRESS_SOCKET_NAME, limits)
         self.trial = trial
         self.refused_log = refused_log
         self.limits = limits
