@@ -457,7 +457,7 @@ def test_byte_budget_and_connection_limits(make_proxy: Any, web: _Server) -> Non
     # connections above have closed: a refused one lingers for its client's close).
     def open_connections(count: int) -> bool:
         for _ in range(400):
-            if len(setup.proxy._connections) == count:
+            if setup.proxy.open_connections == count:
                 return True
             threading.Event().wait(0.025)
         return False

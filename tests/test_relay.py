@@ -958,7 +958,7 @@ async def test_too_many_connections_are_dropped(tmp_path: Path, chat: FakeChat) 
         held = [await asyncio.open_unix_connection(path) for _ in range(2)]
 
         async def both_registered() -> bool:
-            return len(rig.relay._connections) == 2
+            return rig.relay.open_connections == 2
 
         assert await wait_until_async(both_registered)
         reader, writer = await asyncio.open_unix_connection(path)

@@ -232,7 +232,8 @@ class UnixServer:
         """Open the subclass's resources, create the directory (0755; it must not
         exist), bind the socket (0666) and listen."""
         if self._listener.listening or self._closed:
-            raise RuntimeError(f"a {type(self).__name__} starts once")
+            name = type(self).__name__
+            raise RuntimeError(f"{'an' if name[0] in 'AEIOU' else 'a'} {name} starts once")
         try:
             await self.open_resources()
             await self._listener.listen(self._on_connection)
@@ -268,6 +269,15 @@ class UnixServer:
     @property
     def listening(self) -> bool:
         return self._listener.listening
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        return len(self._connections)
 
     async def open_resources(self) -> None:
         """What the server needs beside its socket (an upstream pool), before it listens."""

@@ -494,7 +494,7 @@ class ModelRelay(UnixServer):
             self._totals.relay_started()
 
     async def aclose(self) -> None:
-        started = not self._closed and self.listening
+        started = not self.closed and self.listening
         await super().aclose()
         if started and self._totals is not None:
             self._totals.relay_closed()
