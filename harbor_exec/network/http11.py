@@ -30,6 +30,7 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "READ_SIZE",
     "ConnectionLimits",
+    "Readable",
     "UnixListener",
     "UnixServer",
     "lingering_close",
@@ -119,11 +120,22 @@ class UnixListener:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class Readable(Protocol):
+    """What ``next_event`` reads from: an asyncio stream, or a TLS stream over one."""
+
+    async def read(self, n: int) -> bytes: ...
+
+
 async def next_event(
-    conn: h11.Connection, reader: asyncio.StreamReader, idle_timeout_sec: float
+    conn: h11.Connection,
+    reader: Readable,
+    idle_timeout_sec: float,
+    *,
+    gone: type[Exception] | None = None,
 ) -> Any:
     """The next h11 event, reading as needed; TimeoutError after ``idle_timeout_sec``
-    without a byte."""
+    without a byte. ``gone``: raised when the client closes in the middle of a request
+    body (else h11 says it, as a ``RemoteProtocolError``, on the next event)."""
     while True:
         event = conn.next_event()
         if event is not h11.NEED_DATA:
@@ -131,6 +143,8 @@ async def next_event(
         async with asyncio.timeout(idle_timeout_sec):
             data = await reader.read(READ_SIZE)
         conn.receive_data(data)
+        if gone is not None and not data and conn.their_state is h11.SEND_BODY:
+            raise gone
 
 
 async def lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

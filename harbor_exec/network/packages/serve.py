@@ -26,7 +26,7 @@ from harbor_exec.network.egress.proxy import (
     HttpResponse,
     Upstream,
 )
-from harbor_exec.network.http11 import MAX_HEAD_BYTES, READ_SIZE
+from harbor_exec.network.http11 import MAX_HEAD_BYTES, READ_SIZE, next_event
 from harbor_exec.network.packages.ca import LocalCA
 from harbor_exec.network.packages.cache import (
     Answering,
@@ -59,23 +59,6 @@ _MAX_HEADER_BYTES: Final = MAX_HEAD_BYTES
 
 class _ClientGone(Exception):
     pass
-
-
-async def _next_event(
-    conn: h11.Connection, reader: Stream, idle_sec: float | None
-) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        if idle_sec is None:
-            data = await reader.read(_READ)
-        else:
-            async with asyncio.timeout(idle_sec):
-                data = await reader.read(_READ)
-        conn.receive_data(data)
-        if not data and conn.their_state is h11.SEND_BODY:
-            raise _ClientGone
 
 
 def request_from_url(
@@ -144,7 +127,7 @@ async def serve_http(
         conn.receive_data(buffered)
     while True:
         try:
-            event = await _next_event(conn, stream, IDLE_TIMEOUT_SEC)
+            event = await next_event(conn, stream, IDLE_TIMEOUT_SEC, gone=_ClientGone)
         except (TimeoutError, h11.RemoteProtocolError, _ClientGone, OSError):
             return
         if not isinstance(event, h11.Request):
@@ -167,7 +150,10 @@ async def serve_http(
         # Drain what the handler did not read of the request body.
         try:
             while conn.their_state is h11.SEND_BODY:
-                if isinstance(await _next_event(conn, stream, IDLE_TIMEOUT_SEC), h11.EndOfMessage):
+                if isinstance(
+                    await next_event(conn, stream, IDLE_TIMEOUT_SEC, gone=_ClientGone),
+                    h11.EndOfMessage,
+                ):
                     break
         except (TimeoutError, h11.RemoteProtocolError, _ClientGone, OSError):
             return
@@ -181,7 +167,7 @@ async def serve_http(
 
 async def _request_body(conn: h11.Connection, reader: Stream) -> AsyncIterator[bytes]:
     while True:
-        event = await _next_event(conn, reader, IDLE_TIMEOUT_SEC)
+        event = await next_event(conn, reader, IDLE_TIMEOUT_SEC, gone=_ClientGone)
         if isinstance(event, h11.Data):
             yield bytes(event.data)
         elif isinstance(event, h11.EndOfMessage):
