@@ -29,7 +29,7 @@ EXTRA_OF = {
     "harbor_exec/executors/relay.py": "server",
     "harbor_exec/sandbox/egress/": "server",
     "harbor_exec/sandbox/http11.py": "server",
-    "harbor_exec/trial/native_env.py": "native",
+    "harbor_exec/agents/native/environment.py": "native",
     "bundler/": "bundler",
 }
 FIRST_PARTY = {"harbor_exec", "bundler"}
