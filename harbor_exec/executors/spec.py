@@ -164,11 +164,12 @@ def trial_request(
     relay_socket: str | None = None,
     relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> TrialRequest:
-    """The runnable trial of ``spec`` on this machine: its agent and verifier built
-    from ``secrets`` and ``content``, with ``mounts`` in the agent's container (e.g.
-    the model relay); ``relay_socket``: the host path of the rollout's relay socket,
-    for a native agent that dials it from this process; ``relay_chat``: the relay's
-    record of the last chat call, for an in-container native agent's sample."""
+    """The runnable trial of ``spec`` on this machine: its agent (made by the spec's
+    agent kind, ``AgentSpec.agent``) and verifier built from ``secrets`` and
+    ``content``, with ``mounts`` in the agent's container (e.g. the model relay) and
+    the kind's prepared layer; ``relay_socket``: the host path of the rollout's relay
+    socket, and ``relay_chat``: the relay's record of the last chat call, each for an
+    agent whose ``AgentSpec.relay`` asks for it."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
