@@ -41,11 +41,10 @@ from bench.harbor_docker import (
     runtime_volume,
     write_compose_overlay,
 )
+from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
 from harbor_exec.container.exchange import RUNTIME_TMUX
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.agents import AgentRun, TrialSession
-from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
@@ -83,14 +82,14 @@ class BenchAgent:
     def files(self, task: Task) -> list[ArchiveEntry]:
         return []
 
-    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+    def run(self, session: AgentSession, timeout_sec: float | None) -> AgentRun:
         asyncio.run(self.bench(session))
         return AgentRun(exit_code=0, timed_out=False)
 
-    async def bench(self, session: TrialSession) -> None:
+    async def bench(self, session: AgentSession) -> None:
         from harbor.models.trial.paths import TrialPaths
 
-        from harbor_exec.trial.native_env import HarborExecEnvironment
+        from harbor_exec.agents.native.environment import HarborExecEnvironment
 
         paths = TrialPaths(self.scratch / "trial")
         paths.mkdir()

@@ -40,8 +40,8 @@ from bench.harbor_docker import (
     runtime_volume,
     write_compose_overlay,
 )
+from harbor_exec.agents.native.config import LITELLM_OFFLINE_ENV
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.native import LITELLM_OFFLINE_ENV
 from tests.scripted_chat import ScriptedChat, terminus_reply
 from tests.task_factory import make_task
 

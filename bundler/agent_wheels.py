@@ -1,4 +1,4 @@
-"""Fetching an in-container native agent's wheels (``harbor_exec.sandbox.agent_layer``).
+"""Fetching an in-container native agent's wheels (``harbor_exec.agents.native.layer``).
 
 ``prepare_agent_layer`` downloads the agent's pinned packages once per machine
 (manylinux wheels for the read-only runtime's CPython, with the bundle machinery's
@@ -19,6 +19,14 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from harbor_exec.agents.native.layer import (
+    AGENT_LAYER_RECIPE,
+    AGENT_PACKAGES,
+    AgentLayer,
+    AgentLayerError,
+    AgentPackage,
+    launchers,
+)
 from harbor_exec.bundler.cache import default_cache_dir, entry_lock, publish, work_dir
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.npm import fetch_npm_member
@@ -33,14 +41,6 @@ from harbor_exec.bundler.wheels import (
     sha256_file,
 )
 from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
-from harbor_exec.sandbox.agent_layer import (
-    AGENT_LAYER_RECIPE,
-    AGENT_PACKAGES,
-    AgentLayer,
-    AgentLayerError,
-    AgentPackage,
-    launchers,
-)
 
 _INDEX = "index.json"
 #: In a cache entry: the layer's native binaries, by program name.

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from harbor_exec.agents.base import AgentInfo
 from harbor_exec.backends.base import default_artifact_root
 from harbor_exec.errors import VerifierOutputParseError
 from harbor_exec.jobs.dataset import (
@@ -23,7 +24,7 @@ from harbor_exec.jobs.dataset import (
 )
 from harbor_exec.protocol import MAX_ROLLOUT_ID_CHARS, rollout_dir_name
 from harbor_exec.server.run import resolve_port
-from harbor_exec.trial.results import AgentInfo, TrialResult, VerifierResult, parse_rewards
+from harbor_exec.trial.results import TrialResult, VerifierResult, parse_rewards
 from tests.server_utils import CHAT_URL, PROMPT, local_app, serve, wait_until
 
 # --------------------------------------------------------------------------- rewards

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from harbor_exec.agents.workflow import WorkflowAgent
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.harbor.planner import TrialPlanner, prepare_bundle
 from harbor_exec.backends.harbor.resolver import ResolvedTask
@@ -29,7 +30,6 @@ from harbor_exec.bundler.split import split_bundle
 from harbor_exec.container.exchange import MANIFEST_PATH, USER_CODE_DIR
 from harbor_exec.executors.spec import trial_request
 from harbor_exec.protocol import ExecutionRequest
-from harbor_exec.trial.agents import WorkflowAgent
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)

@@ -22,14 +22,10 @@ from harbor_exec.container.exchange import (
     USER_CODE_DIR,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.agents import (
-    GRADER_TEST_SH,
-    grader_bundle_files,
-    grader_verifier,
-)
-from harbor_exec.trial.agents import tests_verifier as task_tests_verifier
 from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest
+from harbor_exec.trial.verifiers import GRADER_TEST_SH, grader_bundle_files, grader_verifier
+from harbor_exec.trial.verifiers import tests_verifier as task_tests_verifier
 from tests.fake_runtime import FakeRuntime
 from tests.task_factory import make_task
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.workflow import WorkflowAgent
 from harbor_exec.container.exchange import RolloutInput, frame_sample
 from harbor_exec.errors import TaskConfigError, TaskError
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.agents import WorkflowAgent
 from harbor_exec.trial.results import StepResult, TrialResult, VerifierResult
 from harbor_exec.trial.steps import (
     join_samples,
@@ -398,7 +398,7 @@ def test_native_agents_are_refused_for_steps(tmp_path: Path) -> None:
     task = load_task(_steps_task(tmp_path, {"one": "1"}))
 
     class Plain:
-        from harbor_exec.trial.results import AgentInfo
+        from harbor_exec.agents.base import AgentInfo
 
         info = AgentInfo(name="plain", version="1")
 

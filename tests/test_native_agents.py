@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.native.agent import NativeAgent, NativeAgentSpec
+from harbor_exec.agents.native.config import AGENT_NAMES, check_model_name
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.resolver import RolloutRejected
 from harbor_exec.cli.serve import parse_agent_kwargs
 from harbor_exec.executors.local import LocalExecutor
-from harbor_exec.executors.spec import NativeAgentSpec, trial_request
+from harbor_exec.executors.spec import trial_request
 from harbor_exec.protocol import ExecutionRequest
-from harbor_exec.trial.native import AGENT_NAMES, NativeAgent, check_model_name
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     GRADER_MODULE,
     bundle_cache,
@@ -133,7 +134,7 @@ def test_agent_kwargs_parse_json_values() -> None:
 
 
 def test_token_turns_line_up_with_the_assistant_messages() -> None:
-    from harbor_exec.trial.native_env import token_turns
+    from harbor_exec.agents.native.environment import token_turns
 
     messages = [
         {"role": "user", "content": "a"},

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 
+from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.agents import AgentRun, TrialSession
-from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
@@ -48,14 +47,14 @@ class ProbeAgent:
     def files(self, task: Task) -> list[ArchiveEntry]:
         return []
 
-    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+    def run(self, session: AgentSession, timeout_sec: float | None) -> AgentRun:
         asyncio.run(self.probe(session))
         return AgentRun(exit_code=0, timed_out=False)
 
-    async def probe(self, session: TrialSession) -> None:
+    async def probe(self, session: AgentSession) -> None:
         from harbor.models.trial.paths import TrialPaths
 
-        from harbor_exec.trial.native_env import HarborExecEnvironment
+        from harbor_exec.agents.native.environment import HarborExecEnvironment
 
         paths = TrialPaths(self.scratch / "trial")
         paths.mkdir()

@@ -18,16 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.container.exchange import AGENT_SITE, RUNTIME_PYTHON
-from harbor_exec.network.relay import ModelRelay
-from harbor_exec.sandbox.agent_layer import AGENT_PACKAGES, launcher
-from harbor_exec.trial.native import (
+from harbor_exec.agents.native.config import (
     IN_CONTAINER_AGENT_NAMES,
     check_agent_name,
     check_native_kwargs,
     is_in_container_agent,
 )
+from harbor_exec.agents.native.layer import AGENT_PACKAGES, launcher
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.container.exchange import AGENT_SITE, RUNTIME_PYTHON
+from harbor_exec.network.relay import ModelRelay
 from tests.scripted_chat import ScriptedChat, tool_call_reply
 from tests.task_factory import make_task
 
@@ -188,9 +188,9 @@ async def test_the_relay_keeps_the_last_chat_call_when_asked(tmp_path: Path) -> 
 
 
 def test_prewarm_installs_the_agent_layer_once_with_its_launchers(tmp_path: Path) -> None:
+    from harbor_exec.agents.native.layer import AGENT_MARKER, AgentLayer
     from harbor_exec.container.exchange import AGENT_BIN, AGENT_MOUNT
     from harbor_exec.jobs.prewarm import prepare_prewarm_agent, prewarm_tasks
-    from harbor_exec.sandbox.agent_layer import AGENT_MARKER, AgentLayer
     from harbor_exec.trial.task import discover_tasks
     from tests.fake_runtime import FakeRuntime
 

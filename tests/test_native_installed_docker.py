@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError, ensure_agent_layer
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
-from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError, ensure_agent_layer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
 from tests.scripted_chat import ScriptedChat, env_value_sent_back, tool_call_reply

@@ -20,24 +20,28 @@ from typing import Any
 import httpx
 import pytest
 
-from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.bundler.errors import BundleError
-from harbor_exec.bundler.npm import REGISTRY_ENV, fetch_npm_member
-from harbor_exec.container.exchange import RUNTIME_LIB, RUNTIME_LOADER
-from harbor_exec.network.relay import ModelRelay
-from harbor_exec.sandbox.agent_layer import (
+from harbor_exec.agents.native.agent import NativeAgent
+from harbor_exec.agents.native.config import (
+    IN_CONTAINER_AGENT_NAMES,
+    NATIVE_AGENT_NAMES,
+    check_agent_name,
+)
+from harbor_exec.agents.native.environment import (
+    OPENCODE_PROVIDER,
+    in_container_env,
+    opencode_options,
+)
+from harbor_exec.agents.native.layer import (
     AGENT_LIBEXEC,
     AGENT_PACKAGES,
     OPENCODE_VERSION,
     launchers,
 )
-from harbor_exec.trial.native import (
-    IN_CONTAINER_AGENT_NAMES,
-    NATIVE_AGENT_NAMES,
-    NativeAgent,
-    check_agent_name,
-)
-from harbor_exec.trial.native_env import OPENCODE_PROVIDER, in_container_env, opencode_options
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.bundler.errors import BundleError
+from harbor_exec.bundler.npm import REGISTRY_ENV, fetch_npm_member
+from harbor_exec.container.exchange import RUNTIME_LIB, RUNTIME_LOADER
+from harbor_exec.network.relay import ModelRelay
 from tests.scripted_chat import ScriptedChat, tool_call_reply
 from tests.task_factory import make_task
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
+from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
-from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
 from tests.scripted_chat import ScriptedChat, env_value_sent_back
@@ -263,7 +263,7 @@ def test_without_its_layer_opencode_fails_setup_fast_naming_it(
     """The backend started where the layer could not be had: no npm, curl or nvm is
     tried at trial time; setup fails at once naming the layer and the prewarm command."""
     import harbor_exec.bundler.agent_wheels as agent_wheels
-    from harbor_exec.sandbox.agent_layer import AgentLayerError
+    from harbor_exec.agents.native.layer import AgentLayerError
 
     def offline(name: str) -> AgentLayer:
         raise AgentLayerError("the npm registry is unreachable")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.base import AgentInfo
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
 from harbor_exec.container.exchange import ErrorDetail, SampleFile
 from harbor_exec.errors import (
@@ -23,7 +24,6 @@ from harbor_exec.network.usage import ModelUsage
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.trial.outputs import AgentOutput, GraderOutput, TrialOutput, parse_agent_sample
 from harbor_exec.trial.results import (
-    AgentInfo,
     ExceptionInfo,
     TimingInfo,
     TrialResult,

@@ -27,7 +27,7 @@ EXTRA_OF = {
     "harbor_exec/_client_http.py": "server",
     "harbor_exec/executors/ray/": "ray",
     "harbor_exec/network/": "server",
-    "harbor_exec/trial/native_env.py": "native",
+    "harbor_exec/agents/native/environment.py": "native",
     "bundler/": "bundler",
 }
 FIRST_PARTY = {"harbor_exec", "bundler"}

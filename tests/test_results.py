@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.base import AgentInfo
 from harbor_exec.errors import (
     RewardFileEmptyError,
     RewardFileNotFoundError,
@@ -15,7 +16,6 @@ from harbor_exec.errors import (
 from harbor_exec.jobs.dataset import job_stats, mean_metric, pass_at_k
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive
 from harbor_exec.trial.results import (
-    AgentInfo,
     ExceptionInfo,
     TrialResult,
     VerifierResult,

@@ -114,8 +114,8 @@ def test_service_image_has_harbors_agents(docker_services: Any) -> None:
         check=True,
     ).stdout.split()
     probe = (
-        "import sys; from harbor_exec.trial.native import NATIVE_AGENT_NAMES; "
-        "import harbor_exec.trial.native_env; print(sys.version_info[:2] >= (3, 12), "
+        "import sys; from harbor_exec.agents.native.config import NATIVE_AGENT_NAMES; "
+        "import harbor_exec.agents.native.environment; print(sys.version_info[:2] >= (3, 12), "
         "'terminus-2' in NATIVE_AGENT_NAMES)"
     )
     done = subprocess.run(

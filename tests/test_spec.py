@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.oracle import OracleAgent
+from harbor_exec.agents.workflow import WorkflowAgent, WorkflowAgentSpec
 from harbor_exec.container.exchange import AGENT_SAMPLE, GRADER_ERROR, RUNNER_OUTPUT
 from harbor_exec.container.redaction import REDACTED
 from harbor_exec.executors.spec import (
@@ -18,11 +20,9 @@ from harbor_exec.executors.spec import (
     TrialContent,
     TrialSecrets,
     TrialSpec,
-    WorkflowAgentSpec,
     trial_request,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.agents import OracleAgent, WorkflowAgent
 from harbor_exec.trial.outputs import read_agent_output, read_grader_output
 from harbor_exec.trial.task import load_task
 from tests.task_factory import make_task

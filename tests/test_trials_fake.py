@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
+from harbor_exec.agents.oracle import OracleAgent
+from harbor_exec.agents.workflow import WorkflowAgent
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
 from harbor_exec.container.exchange import frame_sample
@@ -21,14 +24,7 @@ from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.agents import (
-    AgentRun,
-    OracleAgent,
-    TrialSession,
-    WorkflowAgent,
-    grader_verifier,
-)
-from harbor_exec.trial.results import AgentInfo, TrialResult
+from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import (
     SandboxPolicy,
@@ -37,6 +33,7 @@ from harbor_exec.trial.trial import (
     image_tag_for,
     run_trial,
 )
+from harbor_exec.trial.verifiers import grader_verifier
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task
 
@@ -508,7 +505,7 @@ class NamedAgent:
     def files(self, task: Task) -> list[ArchiveEntry]:
         return []
 
-    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+    def run(self, session: AgentSession, timeout_sec: float | None) -> AgentRun:
         return AgentRun(exit_code=0, timed_out=False)
 
 

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from harbor_exec.agents.native.layer import AgentLayerError
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
@@ -34,7 +35,6 @@ from harbor_exec.jobs.dataset import (
     summary_rows,
 )
 from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewarm_tasks, tally
-from harbor_exec.sandbox.agent_layer import AgentLayerError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sources.packages import (
     PACKAGE_SOURCE_ENV,

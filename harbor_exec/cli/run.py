@@ -20,6 +20,18 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from harbor_exec.agents.native.agent import native_agent_spec
+from harbor_exec.agents.native.config import (
+    NATIVE_AGENT_NAMES,
+    NativeAgentConfig,
+    check_model_name,
+    check_native_kwargs,
+    is_in_container_agent,
+    is_native_agent,
+    native_agent_config,
+    set_litellm_offline,
+)
+from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
 from harbor_exec.cli.dataset import (
@@ -34,24 +46,8 @@ from harbor_exec.cli.dataset import (
     run_dataset_job,
     select_dataset,
 )
-from harbor_exec.executors.native import (
-    NativeAgentConfig,
-    model_endpoint,
-    native_agent_config,
-    native_agent_spec,
-    native_secrets,
-)
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec
+from harbor_exec.executors.spec import TrialSecrets, TrialSpec, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
-from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError
-from harbor_exec.trial.native import (
-    NATIVE_AGENT_NAMES,
-    check_model_name,
-    check_native_kwargs,
-    is_in_container_agent,
-    is_native_agent,
-    set_litellm_offline,
-)
 from harbor_exec.trial.task import Task
 
 __all__ = ["RunAgent", "check_run_agent", "run"]
@@ -245,7 +241,7 @@ def run(
     )
     # Harbor's import (litellm's, mostly) takes seconds: once, now, and offline.
     set_litellm_offline()
-    importlib.import_module("harbor_exec.trial.native_env")
+    importlib.import_module("harbor_exec.agents.native.environment")
     runtime = open_runtime()
     from harbor_exec.executors.local import LocalExecutor  # the server extra (the relay)
 

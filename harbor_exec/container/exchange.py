@@ -45,7 +45,7 @@ RUNTIME_TMUX: Final = f"{RUNTIME_MOUNT}/bin/tmux"
 #: the runtime's site-packages name ``DEPS_SITE`` in a ``.pth`` file.
 DEPS_MOUNT: Final = "/opt/harbor-exec-deps"
 DEPS_SITE: Final = f"{DEPS_MOUNT}/site"
-#: An in-container native agent's prebuilt layer (``harbor_exec.sandbox.agent_layer``):
+#: An in-container native agent's prebuilt layer (``harbor_exec.agents.native.layer``):
 #: its programs in ``bin/``, its Python packages in ``site/``, mounted read-only.
 AGENT_MOUNT: Final = "/opt/harbor-exec-agent"
 AGENT_SITE: Final = f"{AGENT_MOUNT}/site"

@@ -346,7 +346,7 @@ def _sample_payload(sample: RolloutSample | None) -> dict[str, Any]:
     return safe.model_dump(mode="json", include=set(SAMPLE_FIELDS))
 
 
-# The settings that keep litellm from using the network (as harbor_exec.trial.native
+# The settings that keep litellm from using the network (as harbor_exec.agents.native.config
 # gives Harbor's own agents; repeated here: this module imports no host code).
 LITELLM_OFFLINE_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_OFFLINE_MODE": "true"}
 

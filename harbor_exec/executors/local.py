@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.errors import HarborExecError
 from harbor_exec.executors.base import (
@@ -33,13 +34,11 @@ from harbor_exec.executors.base import (
 )
 from harbor_exec.executors.spec import (
     ModelEndpoint,
-    NativeAgentSpec,
     TrialContent,
     TrialSecrets,
     TrialSpec,
     trial_request,
 )
-from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.trial.task import Task
@@ -108,22 +107,20 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             relay = None
             mounts: list[Mount] = []
             model = handle.secrets.model
-            agent = handle.spec.agent
-            native = isinstance(agent, NativeAgentSpec)
-            # mini-swe-agent/opencode reach the relay from the container; the sample is the
-            # chat the relay saw (what the container writes is the agent's to rewrite).
-            in_container = isinstance(agent, NativeAgentSpec) and agent.in_container
+            use = handle.spec.agent.relay  # how this agent reaches the relay
             if model is not None:
-                relay = await stack.enter_async_context(self._relay(model, in_container))
-                if not native or in_container:  # terminus-2 dials it from this process
+                relay = await stack.enter_async_context(self._relay(model, use.record_chat))
+                if use.mount:
                     mounts.append(Mount(str(relay.directory), RELAY_DIR, read_only=True))
             request = trial_request(
                 handle.spec,
                 handle.secrets,
                 handle.content,
                 mounts=mounts,
-                relay_socket=str(relay.socket_path) if relay is not None and native else None,
-                relay_chat=_last_chat(relay) if relay is not None and in_container else None,
+                relay_socket=(
+                    str(relay.socket_path) if relay is not None and use.socket_path else None
+                ),
+                relay_chat=_last_chat(relay) if relay is not None and use.record_chat else None,
             )
 
             def work() -> TrialRun:

@@ -17,98 +17,21 @@ executor and the Ray node both build their trials through it.
 from __future__ import annotations
 
 import hashlib
+import secrets as secrets_module
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from harbor_exec.sandbox.agent_layer import AgentLayer
+from harbor_exec.agents.base import AgentInputs, AgentSpec
+from harbor_exec.agents.oracle import OracleAgentSpec
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.runtime import Mount
-from harbor_exec.trial.agents import (
-    Agent,
-    OracleAgent,
-    TestsVerifier,
-    WorkflowAgent,
-    grader_verifier,
-    tests_verifier,
-)
-from harbor_exec.trial.native import NativeAgent, is_in_container_agent
-from harbor_exec.trial.results import AgentInfo
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
-
-
-@dataclass(frozen=True)
-class OracleAgentSpec:
-    """Harbor's ``oracle``: runs the task's ``solution/solve.sh``."""
-
-    @property
-    def info(self) -> AgentInfo:
-        return OracleAgent.info
-
-
-@dataclass(frozen=True)
-class WorkflowAgentSpec:
-    """A bundled ``AgentWorkflow``: its files are the spec's ``bundle`` (the agent's
-    part: no grader, no grader config), its ``rollout.json`` is
-    ``TrialSecrets.agent_input``."""
-
-    name: str
-    version: str
-
-    @property
-    def info(self) -> AgentInfo:
-        return AgentInfo(name=self.name, version=self.version)
-
-
-@dataclass(frozen=True)
-class NativeAgentSpec:
-    """One of Harbor's own agents (``harbor_exec.trial.native``), run unchanged: its
-    name, model route and options (plain JSON values), its setup timeout and the
-    instruction. The relay token it uses as its key is ``TrialSecrets.model.token``."""
-
-    name: str
-    model_name: str
-    instruction: str = field(repr=False)
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    setup_timeout_sec: float | None = None
-    #: An in-container agent's prebuilt layer (``harbor_exec.sandbox.agent_layer``).
-    layer: AgentLayer | None = None
-
-    @property
-    def info(self) -> AgentInfo:
-        return self.agent("", None).info
-
-    @property
-    def in_container(self) -> bool:
-        """mini-swe-agent, opencode: run in the container, from their agent layer, via the
-        relay mount."""
-        return is_in_container_agent(self.name)
-
-    def agent(
-        self,
-        token: str,
-        relay_socket: str | None,
-        relay_path: str = "/v1",
-        relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
-    ) -> NativeAgent:
-        return NativeAgent(
-            name=self.name,
-            model_name=self.model_name,
-            instruction=self.instruction,
-            kwargs=self.kwargs,
-            setup_timeout_sec=self.setup_timeout_sec,
-            token=token,
-            relay_socket=relay_socket,
-            relay_path=relay_path,
-            relay_chat=relay_chat,
-        )
-
-
-AgentSpec = OracleAgentSpec | WorkflowAgentSpec | NativeAgentSpec
+from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
 
 #: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as
 #: ``/tests/rollout.json`` when given); "grader": the bundle's grader through a
@@ -136,6 +59,39 @@ class TrialSecrets:
     scrub: Sequence[str] = field(default=(), repr=False)  # removed from the trial dir
     agent_input: bytes | None = field(default=None, repr=False)  # a workflow's rollout.json
     verifier_input: bytes | None = field(default=None, repr=False)  # the grader's, with the label
+
+
+def model_endpoint(
+    url: str,
+    api_key: str | None,
+    extra_routes: tuple[str, ...] = (),
+    *,
+    field_name: str = "chat_completions_url",
+) -> ModelEndpoint:
+    """The upstream ``url`` (with the real ``api_key``, which only the relay holds) and
+    a fresh per-trial token; ValueError naming ``field_name`` unless ``url`` is an
+    absolute http(s) URL (the URL itself is not quoted: it may carry credentials)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{field_name} must be an absolute http(s) URL")
+    return ModelEndpoint(
+        url=url,
+        api_key=api_key,
+        token=secrets_module.token_urlsafe(32),
+        extra_routes=extra_routes,
+    )
+
+
+def native_scrub(model: ModelEndpoint) -> list[str]:
+    """What no file of a native agent's trial may hold: the real key, and the token
+    (the agent writes its key into its own trajectory)."""
+    return [value for value in (model.api_key, model.token) if value]
+
+
+def native_secrets(model: ModelEndpoint) -> TrialSecrets:
+    """A native agent's trial secrets (verified by the task's tests): ``model``, for
+    the relay the executor opens in front of it, and what to scrub."""
+    return TrialSecrets(model=model, scrub=native_scrub(model))
 
 
 @dataclass(frozen=True)
@@ -208,11 +164,12 @@ def trial_request(
     relay_socket: str | None = None,
     relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> TrialRequest:
-    """The runnable trial of ``spec`` on this machine: its agent and verifier built
-    from ``secrets`` and ``content``, with ``mounts`` in the agent's container (e.g.
-    the model relay); ``relay_socket``: the host path of the rollout's relay socket,
-    for a native agent that dials it from this process; ``relay_chat``: the relay's
-    record of the last chat call, for an in-container native agent's sample."""
+    """The runnable trial of ``spec`` on this machine: its agent (made by the spec's
+    agent kind, ``AgentSpec.agent``) and verifier built from ``secrets`` and
+    ``content``, with ``mounts`` in the agent's container (e.g. the model relay) and
+    the kind's prepared layer; ``relay_socket``: the host path of the rollout's relay
+    socket, and ``relay_chat``: the relay's record of the last chat call, each for an
+    agent whose ``AgentSpec.relay`` asks for it."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -221,27 +178,17 @@ def trial_request(
     deps = spec.deps
     if deps is not None and content.wheelhouse is not None:
         deps = replace(deps, wheelhouse=content.wheelhouse)
-    agent: Agent = OracleAgent()
-    agent_layer: AgentLayer | None = None
-    if isinstance(spec.agent, WorkflowAgentSpec):
-        if secrets.agent_input is None:
-            raise ValueError("a workflow trial needs its rollout input (TrialSecrets.agent_input)")
-        agent = WorkflowAgent(
-            name=spec.agent.name,
-            version=spec.agent.version,
-            bundle_files=content.bundle_files,
+    model = secrets.model
+    agent = spec.agent.agent(
+        AgentInputs(
+            model_token=None if model is None else model.token,
+            relay_path=urlsplit(model.url).path.rstrip("/") if model is not None else "/v1",
+            relay_socket=relay_socket,
+            relay_chat=relay_chat,
             rollout_input=secrets.agent_input,
+            bundle_files=content.bundle_files,
         )
-    elif isinstance(spec.agent, NativeAgentSpec):
-        model = secrets.model
-        if model is None:
-            raise ValueError("a native agent's trial needs its model endpoint (TrialSecrets.model)")
-        path = urlsplit(model.url).path.rstrip("/")
-        agent = spec.agent.agent(model.token, relay_socket, path, relay_chat)
-        if spec.agent.in_container:
-            # Prepared at prewarm or the backend's start; None makes the agent's setup
-            # fail, naming what is missing (nothing is fetched at trial time).
-            agent_layer = spec.agent.layer
+    )
     verifier: TestsVerifier | None = None
     if spec.verifier == "grader":
         if secrets.verifier_input is None:
@@ -267,23 +214,22 @@ def trial_request(
         secrets=list(secrets.scrub),
         mounts=mounts,
         deps=deps,
-        agent_layer=agent_layer,
+        agent_layer=spec.agent.layer,
         policy=spec.policy,
     )
 
 
 __all__ = [
-    "AgentSpec",
     "ModelEndpoint",
-    "NativeAgentSpec",
-    "OracleAgentSpec",
     "TrialContent",
     "TrialSecrets",
     "TrialSpec",
     "VerifierKind",
-    "WorkflowAgentSpec",
     "content_digest",
     "deps_key",
+    "model_endpoint",
+    "native_scrub",
+    "native_secrets",
     "task_key",
     "trial_request",
 ]

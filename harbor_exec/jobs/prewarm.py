@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from harbor_exec.agents.native.config import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
+from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.network.egress.plan import EgressSettings
-from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.native import IN_CONTAINER_AGENT_NAMES, is_in_container_agent
 from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
 

@@ -117,7 +117,7 @@ class ContainerSpec:
     #: The bundle's dependency environment (``harbor_exec.sandbox.deps``), mounted
     #: read-only at ``DEPS_MOUNT``; the runtime volume is mounted into every container.
     deps_volume: str | None = None
-    #: An in-container native agent's layer (``harbor_exec.sandbox.agent_layer``),
+    #: An in-container native agent's layer (``harbor_exec.agents.native.layer``),
     #: mounted read-only at ``AGENT_MOUNT``.
     agent_volume: str | None = None
     #: A per-trial network of ours (``create_network``) to join instead of the default

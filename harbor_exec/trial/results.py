@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, computed_field, field_serializer
 
+from harbor_exec.agents.base import AgentInfo
 from harbor_exec.container.exchange import json_depth
 from harbor_exec.container.redaction import redact
 from harbor_exec.errors import (
@@ -93,17 +94,6 @@ class ExceptionInfo(BaseModel):
             exception_traceback="".join(traceback.format_exception(exc)),
             occurred_at=utcnow(),
         )
-
-
-class ModelInfo(BaseModel):
-    name: str
-    provider: str | None = None
-
-
-class AgentInfo(BaseModel):
-    name: str
-    version: str
-    model_info: ModelInfo | None = None
 
 
 class AgentResult(BaseModel):

@@ -55,10 +55,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harbor_exec.agents.base import Agent
 from harbor_exec.errors import TaskConfigError, TrialError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.users import UnknownUserError
-from harbor_exec.trial.agents import Agent, TestsVerifier, TrialSession
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output
 from harbor_exec.trial.results import (
     StepResult,
@@ -67,7 +67,9 @@ from harbor_exec.trial.results import (
     VerifierResult,
     utcnow,
 )
+from harbor_exec.trial.session import TrialSession
 from harbor_exec.trial.task import StepConfig, Task, TaskStep
+from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
     from harbor_exec.trial.trial import Trial

@@ -51,6 +51,9 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from harbor_exec.agents.base import Agent, AgentRun
+from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
+from harbor_exec.agents.oracle import OracleAgent
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
 from harbor_exec.errors import (
@@ -75,7 +78,6 @@ from harbor_exec.errors import (
 from harbor_exec.network.egress.plan import ContainerKind, EgressSettings, TrialEgress, network_plan
 from harbor_exec.network.egress.policy import EgressMode
 from harbor_exec.network.packages.build_route import cache_build_options
-from harbor_exec.sandbox.agent_layer import AgentLayer, ensure_agent_layer
 from harbor_exec.sandbox.archives import (
     VERIFIER_OUTPUT_LIMITS,
     ArchiveEntry,
@@ -99,7 +101,6 @@ from harbor_exec.sandbox.runtime import (
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
-from harbor_exec.trial.agents import Agent, AgentRun, OracleAgent, TestsVerifier, TrialSession
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -112,8 +113,10 @@ from harbor_exec.trial.results import (
     parse_rewards,
     utcnow,
 )
+from harbor_exec.trial.session import TrialSession
 from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
 from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
+from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheService

@@ -37,6 +37,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from pydantic import Field
 
+from harbor_exec.agents.native.config import (
+    DEFAULT_MODEL_NAME,
+    NATIVE_AGENT_NAMES,
+    NativeAgentConfig,
+    check_agent_name,
+    is_in_container_agent,
+    is_native_agent,
+    native_agent_config,
+    set_litellm_offline,
+)
+from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
 from harbor_exec.authoring import (
     RolloutContext,
     RolloutErrorCategory,
@@ -67,7 +78,6 @@ from harbor_exec.executors.base import (
     TrialRun,
 )
 from harbor_exec.executors.local import LocalExecutor
-from harbor_exec.executors.native import NativeAgentConfig, native_agent_config
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
@@ -77,19 +87,10 @@ from harbor_exec.protocol import (
     QueueInfo,
     rollout_dir_name,
 )
-from harbor_exec.sandbox.agent_layer import AgentLayer, AgentLayerError
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
 from harbor_exec.sources.packages import PackageSource
-from harbor_exec.trial.native import (
-    DEFAULT_MODEL_NAME,
-    NATIVE_AGENT_NAMES,
-    check_agent_name,
-    is_in_container_agent,
-    is_native_agent,
-    set_litellm_offline,
-)
 from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
 
 if TYPE_CHECKING:
@@ -424,7 +425,7 @@ class HarborBackend(ExecutionBackend):
                 # Harbor's import (litellm's, mostly) takes seconds: now, not in the first
                 # rollout, and offline (no cost-map fetch, no tokenizer download).
                 set_litellm_offline()
-                importlib.import_module("harbor_exec.trial.native_env")
+                importlib.import_module("harbor_exec.agents.native.environment")
                 if is_in_container_agent(self.native.name):
                     self._prepare_agent_layer(self.native)
             has_grader = self._bundle_args["grader"] is not None

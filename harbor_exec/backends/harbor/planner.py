@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from harbor_exec.agents.base import AgentSpec
+from harbor_exec.agents.native.agent import native_agent_spec
+from harbor_exec.agents.native.config import NativeAgentConfig, check_model_name
+from harbor_exec.agents.oracle import OracleAgentSpec
+from harbor_exec.agents.workflow import WorkflowAgentSpec
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec
 from harbor_exec.backends.harbor.resolver import ResolvedTask, RolloutRejected
@@ -33,21 +38,17 @@ from harbor_exec.container.exchange import (
     RelayInput,
     RolloutInput,
 )
-from harbor_exec.executors.native import NativeAgentConfig, model_endpoint, native_agent_spec
 from harbor_exec.executors.spec import (
-    AgentSpec,
     ModelEndpoint,
-    OracleAgentSpec,
     TrialContent,
     TrialSecrets,
     TrialSpec,
     VerifierKind,
-    WorkflowAgentSpec,
+    model_endpoint,
 )
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.trial.native import check_model_name
 from harbor_exec.trial.trial import SandboxPolicy
 
 

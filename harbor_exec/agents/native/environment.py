@@ -1,8 +1,8 @@
-"""Harbor's ``BaseEnvironment`` over a harbor-exec ``TrialSession``, and the driver that
+"""Harbor's ``BaseEnvironment`` over a trial's session (``AgentSession``), and the driver that
 runs one of Harbor's agents (terminus-2, mini-swe-agent, opencode) on it, unchanged.
 
 Imported only when a native agent runs (the ``native`` extra: harbor >= 0.26, which
-needs Python >= 3.12); ``harbor_exec.trial.native`` makes litellm offline first.
+needs Python >= 3.12); ``harbor_exec.agents.native.agent`` makes litellm offline first.
 
 Exec semantics are Harbor's docker environment's: ``bash -c command`` as the user
 asked (else ``default_user``, the task's agent user), in ``cwd`` or the task's
@@ -24,10 +24,11 @@ import copy
 import json
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from harbor.agents.factory import AgentFactory
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -37,6 +38,9 @@ from harbor.models.agent.name import AgentName
 from harbor.models.task.config import EnvironmentConfig as HarborEnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
+from harbor_exec.agents.base import TASK_SHELL, AgentRun, AgentSession
+from harbor_exec.agents.native.config import FORCED_KWARGS, LITELLM_OFFLINE_ENV
+from harbor_exec.agents.native.layer import AGENT_MARKER, AGENT_PACKAGES
 from harbor_exec.container.exchange import (
     AGENT_BIN,
     AGENT_MOUNT,
@@ -55,12 +59,9 @@ from harbor_exec.errors import (
     CancelledError,
     HarborExecError,
 )
-from harbor_exec.sandbox.agent_layer import AGENT_MARKER, AGENT_PACKAGES
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, extract_archive, tree_entries
 from harbor_exec.sandbox.runtime_volume import RUNTIME_SHELL
 from harbor_exec.sandbox.users import ROOT_ID
-from harbor_exec.trial.agents import TASK_SHELL, AgentRun, TrialSession
-from harbor_exec.trial.native import FORCED_KWARGS, LITELLM_OFFLINE_ENV, NativeAgent
 
 #: How the runtime's busybox reports a command it killed on its deadline (SIGKILL).
 _KILLED = 128 + 9
@@ -68,6 +69,34 @@ _KILLED = 128 + 9
 _TMUX_FUNCTION = f'tmux() {{ {RUNTIME_TMUX} "$@"; }}; '
 #: How often the driver looks whether the trial cancelled the agent.
 _CANCEL_POLL_SEC = 0.1
+
+
+class NativeAgent(Protocol):
+    """What the driver reads of the agent it runs (``harbor_exec.agents.native.agent``'s
+    ``NativeAgent``, which imports this module only when it runs)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def instruction(self) -> str: ...
+    @property
+    def kwargs(self) -> Mapping[str, Any]: ...
+    @property
+    def setup_timeout_sec(self) -> float | None: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def relay_socket(self) -> str | None: ...
+    @property
+    def relay_path(self) -> str: ...
+    @property
+    def relay_chat(self) -> Callable[[], Mapping[str, Any] | None] | None: ...
+    @property
+    def cancelled(self) -> threading.Event: ...
+    @property
+    def in_container(self) -> bool: ...
 
 
 def _user(user: str | int | None) -> str:
@@ -81,7 +110,7 @@ class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is
     """The trial's started container, attached (harbor-exec's ``Trial`` owns it)."""
 
     def __init__(
-        self, session: TrialSession, programs: Mapping[str, str] | None = None, **kwargs: Any
+        self, session: AgentSession, programs: Mapping[str, str] | None = None, **kwargs: Any
     ) -> None:
         self._session = session
         # Each of ``programs`` (name: container path, e.g. an agent layer's launcher)
@@ -94,7 +123,7 @@ class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is
     @classmethod
     def of_session(
         cls,
-        session: TrialSession,
+        session: AgentSession,
         trial_paths: TrialPaths,
         programs: Mapping[str, str] | None = None,
         **kwargs: Any,
@@ -219,13 +248,13 @@ class HarborExecEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor is
 
 
 def run_native_agent(
-    agent: NativeAgent, session: TrialSession, timeout_sec: float | None
+    agent: NativeAgent, session: AgentSession, timeout_sec: float | None
 ) -> AgentRun:
     """Set up and run Harbor's ``agent.name`` against ``session``'s container (blocks)."""
     return asyncio.run(_drive(agent, session, timeout_sec))
 
 
-def _check_tmux(session: TrialSession) -> None:
+def _check_tmux(session: AgentSession) -> None:
     """Fail fast, naming what is missing, instead of letting Harbor try apt or curl."""
     try:
         result = session.runtime.exec(session.container_id, [RUNTIME_TMUX, "-V"], user=ROOT_ID)
@@ -242,7 +271,7 @@ def _check_tmux(session: TrialSession) -> None:
         )
 
 
-def _check_agent_layer(agent: NativeAgent, session: TrialSession) -> dict[str, str]:
+def _check_agent_layer(agent: NativeAgent, session: AgentSession) -> dict[str, str]:
     """The layer's programs (name: container path), or ``AgentSetupError`` naming what
     is missing: Harbor's install (curl, uv, PyPI) never runs in its place."""
     names = AGENT_PACKAGES[agent.name].program_names
@@ -274,7 +303,7 @@ _FORWARD = (
 )
 
 
-def _start_forwarder(agent: NativeAgent, session: TrialSession) -> int:
+def _start_forwarder(agent: NativeAgent, session: AgentSession) -> int:
     """Start the in-container forwarder (as the agent's user; the agent can only end
     it, and the trial's kill after the phase does); its port."""
     try:
@@ -360,7 +389,7 @@ def opencode_options(agent: NativeAgent, port: int) -> tuple[str, dict[str, Any]
     return f"{OPENCODE_PROVIDER}/{model_id}", {**agent.kwargs, "opencode_config": config}
 
 
-async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float | None) -> AgentRun:
+async def _drive(agent: NativeAgent, session: AgentSession, timeout_sec: float | None) -> AgentRun:
     if agent.relay_socket is None:
         raise AgentSetupError(
             f"{agent.name} needs the rollout's model relay on this machine (no relay socket)"
@@ -391,7 +420,7 @@ async def _drive(agent: NativeAgent, session: TrialSession, timeout_sec: float |
 
 async def _setup_and_run(
     agent: NativeAgent,
-    session: TrialSession,
+    session: AgentSession,
     timeout_sec: float | None,
     paths: TrialPaths,
     kwargs: dict[str, Any],

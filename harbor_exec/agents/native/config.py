@@ -1,44 +1,23 @@
-"""Harbor's own agents (terminus-2, mini-swe-agent, opencode) as trial agents, run unchanged.
+"""What a native agent is configured with, checked once before anything runs.
 
-``NativeAgent`` is the trial-side ``Agent``: plain values only (the agent's name,
-model route, options, the rollout's relay token and socket). Its ``run`` imports
-Harbor (the ``native`` extra, Python >= 3.12) only then, through
-``harbor_exec.trial.native_env``, which implements Harbor's ``BaseEnvironment`` over
-the trial's ``TrialSession`` and drives the agent's ``setup`` and ``run`` there.
-
-terminus-2 runs in the host process and reaches the model only through the
-rollout's relay, over a loopback listener (``127.0.0.1``) piped onto the relay's
-unix socket, with the per-rollout token as its key: the trainer's key never reaches
-it, the container needs no network, and nothing the agent writes holds the key.
-Inside the container terminus-2 needs only tmux, which comes from the read-only
-runtime (``RUNTIME_TMUX``), never from the image or an install.
-
-mini-swe-agent and opencode run inside the container, from their prebuilt read-only
-layer (``harbor_exec.sandbox.agent_layer``; Harbor's install step never runs), and reach
-the model through the runtime's in-container forwarder (``runner forward``, a
-loopback port piped onto the relay's socket mounted into the container), with the
-per-rollout token as its key: every command the model runs can read that token,
-never the trainer's key.
-
-The sample is the exact chat terminus-2 held (``store_all_messages``), with the
-token ids and logprobs of ``rollout_details`` when the upstream returned them. For
-an in-container agent, whose own files the model's commands can rewrite, it is the
-last chat call as the relay saw it (its messages, then the answer).
+The names harbor-exec runs (``NATIVE_AGENT_NAMES``; those inside the container,
+``IN_CONTAINER_AGENT_NAMES``), the checks on a model route and the user's options, and
+``NativeAgentConfig``: one of Harbor's agents as a backend's or ``harbor-exec run``'s
+agent (its name, model route, options, setup timeout, and an in-container agent's
+prepared layer).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
-import threading
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.agents import AgentRun, TrialSession
-from harbor_exec.trial.results import AgentInfo, ModelInfo
-from harbor_exec.trial.task import Task
+from harbor_exec.agents.native.layer import AgentLayer
 
 #: Harbor's agents harbor-exec runs (besides the oracle), by Harbor's names.
 NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2", "mini-swe-agent", "opencode")
@@ -118,65 +97,44 @@ def set_litellm_offline() -> None:
         os.environ.setdefault(key, value)
 
 
-@dataclass(frozen=True, kw_only=True)
-class NativeAgent:
-    """Harbor's agent ``name`` (terminus-2) over the trial's container (see module doc).
-
-    ``relay_socket`` is the host path of the rollout's relay socket and
-    ``relay_path`` the chat URL's path (``/v1``): the agent's ``api_base`` is a
-    loopback listener piped onto that socket, its key ``token``.
-    """
+@dataclass(frozen=True)
+class NativeAgentConfig:
+    """One of Harbor's own agents (``harbor_exec.agents.native``) as the backend's agent."""
 
     name: str
-    model_name: str
-    instruction: str = field(repr=False)
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    model_name: str = DEFAULT_MODEL_NAME
+    kwargs: dict[str, Any] = field(default_factory=dict)
     setup_timeout_sec: float | None = None
-    token: str = field(repr=False)
-    relay_socket: str | None = None
-    relay_path: str = "/v1"
-    #: In-container agents: the relay's record of the rollout's last chat call
-    #: (``ModelRelay.last_chat``), read once the agent is done.
-    relay_chat: Callable[[], Mapping[str, Any] | None] | None = field(
-        default=None, compare=False, repr=False
-    )
-    #: Set by ``cancel()`` (the trial's ``cancel``, from any thread): the agent's loop
-    #: runs on this trial's thread, in its own event loop, and stops at once.
-    cancelled: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    layer: AgentLayer | None = None  # an in-container agent's (mini-swe-agent, opencode)
 
-    def cancel(self) -> None:
-        self.cancelled.set()
 
-    @property
-    def in_container(self) -> bool:
-        return is_in_container_agent(self.name)
-
-    @property
-    def info(self) -> AgentInfo:
-        provider, _, model = self.model_name.partition("/")
-        return AgentInfo(
-            name=self.name,
-            version=_harbor_version(),
-            model_info=ModelInfo(name=model, provider=provider),
+def native_agent_config(
+    agent: str,
+    *,
+    model_name: str = DEFAULT_MODEL_NAME,
+    kwargs: Mapping[str, Any] | None = None,
+    setup_timeout_sec: float | None = None,
+) -> NativeAgentConfig:
+    """``agent`` (one of ``NATIVE_AGENT_NAMES``) configured; ValueError saying what is
+    wrong: an unknown name, Harbor missing, a model route other than ``openai/<id>``,
+    options harbor-exec sets itself, a setup timeout that is not positive."""
+    if not is_native_agent(agent):
+        raise ValueError(
+            f"unknown agent {agent!r}: Harbor's agents here are {', '.join(NATIVE_AGENT_NAMES)}"
         )
-
-    def files(self, task: Task) -> list[ArchiveEntry]:
-        return []
-
-    def run(self, session: TrialSession, timeout_sec: float | None) -> AgentRun:
-        set_litellm_offline()
-        from harbor_exec.trial.native_env import run_native_agent  # the native extra
-
-        return run_native_agent(self, session, timeout_sec)
-
-
-def _harbor_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"harbor-{version('harbor')}"
-    except PackageNotFoundError:
-        return "unknown"
+    if sys.version_info < (3, 12) or importlib.util.find_spec("harbor") is None:
+        raise ValueError(
+            f"agent {agent!r} needs Harbor (>= 0.26, Python >= 3.12): "
+            "pip install 'harbor-exec[native]'"
+        )
+    if setup_timeout_sec is not None and setup_timeout_sec <= 0:
+        raise ValueError("agent_setup_timeout_sec must be positive (or None)")
+    return NativeAgentConfig(
+        name=agent,
+        model_name=check_model_name(model_name),
+        kwargs=check_native_kwargs(kwargs or {}),
+        setup_timeout_sec=setup_timeout_sec,
+    )
 
 
 __all__ = [
@@ -186,11 +144,12 @@ __all__ = [
     "IN_CONTAINER_AGENT_NAMES",
     "LITELLM_OFFLINE_ENV",
     "NATIVE_AGENT_NAMES",
-    "NativeAgent",
+    "NativeAgentConfig",
     "check_agent_name",
     "check_model_name",
     "check_native_kwargs",
     "is_in_container_agent",
     "is_native_agent",
+    "native_agent_config",
     "set_litellm_offline",
 ]
