@@ -1,7 +1,7 @@
 """The real ``osmosis eval run`` (osmosis-ai[eval] 0.3.8) against a harbor-exec entrypoint.
 
 A throwaway Osmosis workspace (a git repository with ``rollouts/``, ``configs/eval/``,
-``configs/training/``, ``data/``) holds a rollout whose ``main.py`` is the README's
+``configs/training/``, ``data/``) holds a rollout whose ``main.py`` is docs/server.md's
 entrypoint verbatim. ``osmosis eval run --dataset-file`` (no login, no tunnel, no upload)
 syncs the rollout with ``uv``, starts the entrypoint through ``uv run --no-sync --project``
 with ``_OSMOSIS_ROLLOUT_PORT`` / ``_OSMOSIS_ROLLOUT_ARTIFACT_ROOT``, drives it with its own
@@ -31,11 +31,11 @@ from tests.fake_chat import FakeChat
 if sys.version_info < (3, 12):  # osmosis-ai 0.3.8 requires Python >= 3.12
     pytest.skip("osmosis-ai 0.3.8 is installed on Python >= 3.12 only", allow_module_level=True)
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SERVER_DOC = Path(__file__).resolve().parent.parent / "docs" / "server.md"
 VENV_BIN = Path(sys.executable).parent
 OSMOSIS = VENV_BIN / "osmosis"
 
-# The README's entrypoint ("With `osmosis eval run`"), verbatim.
+# docs/server.md's entrypoint ("With `osmosis eval run`"), verbatim.
 README_ENTRYPOINT = """\
 # rollouts/my_rollout/main.py
 from harbor_exec.backends.local import LocalBackend
@@ -169,7 +169,7 @@ def _rollout_environment(root: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.long(8)
 def test_osmosis_eval_run_keeps_rows_rewards_and_trajectories(tmp_path: Path) -> None:
-    assert README_ENTRYPOINT in README.read_text(), "the README's entrypoint changed"
+    assert README_ENTRYPOINT in SERVER_DOC.read_text(), "docs/server.md's entrypoint changed"
     assert OSMOSIS.is_file(), f"osmosis CLI missing at {OSMOSIS} (pip install -e '.[dev]')"
     assert (VENV_BIN / "uv").is_file(), f"uv missing at {VENV_BIN} (pip install -e '.[dev]')"
     ws = _workspace(tmp_path)
