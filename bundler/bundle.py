@@ -83,7 +83,7 @@ class Bundle:
         return self.root / MANIFEST_NAME
 
 
-def _bundle_from(root: Path, manifest: Manifest, *, cached: bool) -> Bundle:
+def bundle_from(root: Path, manifest: Manifest, *, cached: bool) -> Bundle:
     return Bundle(
         root=root,
         wheel=root / "wheel" / manifest.wheel.filename,
@@ -203,7 +203,7 @@ def _load_cached(root: Path) -> Bundle | None:
         # remove it and rebuild rather than fail on every call.
         shutil.rmtree(root, ignore_errors=True)
         return None
-    return _bundle_from(root, manifest, cached=True)
+    return bundle_from(root, manifest, cached=True)
 
 
 def _stage(project: Project, stage: Path) -> None:
@@ -284,9 +284,9 @@ def _build(
         manifest.write(bundle_dir / MANIFEST_NAME)
         root = cache / "bundles" / digest[:32]
         if publish(bundle_dir, root):
-            return _bundle_from(root, manifest, cached=False)
+            return bundle_from(root, manifest, cached=False)
         # A concurrent builder published the same inputs first: use theirs.
-        return _bundle_from(root, Manifest.read(root / MANIFEST_NAME), cached=True)
+        return bundle_from(root, Manifest.read(root / MANIFEST_NAME), cached=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from harbor_exec.bundler.bundle import Bundle, _bundle_from, build_bundle
+from harbor_exec.bundler.bundle import Bundle, bundle_from, build_bundle
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.manifest import MANIFEST_NAME, Manifest
 from harbor_exec.bundler.wheels import sha256_file
@@ -96,7 +96,7 @@ def _bundle_dir(root: Path, given: Path) -> Bundle:
         ) from None
     except (OSError, ValueError) as exc:
         raise BundleError(f"bundle {given}: unreadable {MANIFEST_NAME}: {exc}") from None
-    bundle = _bundle_from(root.resolve(), manifest, cached=True)
+    bundle = bundle_from(root.resolve(), manifest, cached=True)
     if given.is_file() and given.resolve() != bundle.wheel.resolve():
         raise BundleError(
             f"bundle {given}: {root / MANIFEST_NAME} names the wheel "
