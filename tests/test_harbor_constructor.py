@@ -414,6 +414,7 @@ def test_the_guides_task_mode_snippets_as_written(
         lifespan=backend.prewarm_lifespan(["task-a", "task-b"]),
     )
     assert app is not None and backend.task_mode == "dataset"
+    backend.executor = LocalExecutor(FakeRuntime())  # no engine: the fast suite runs without one
     backend.start()  # the bundle, built from the project found from MyWorkflow
     assert backend.bundle is not None
     assert backend.bundle.name == "arith_agent.workflow:ArithWorkflow"
