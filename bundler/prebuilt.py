@@ -26,7 +26,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from harbor_exec.bundler.bundle import Bundle, bundle_from, build_bundle
+from harbor_exec.bundler.bundle import Bundle, build_bundle, bundle_from
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.manifest import MANIFEST_NAME, Manifest
 from harbor_exec.bundler.wheels import sha256_file
