@@ -215,8 +215,15 @@ def test_a_git_task_runs_end_to_end_and_its_result_names_it(tmp_path: Path) -> N
     assert recorded["task_name"] == "hello"
 
 
-def test_serve_passes_the_git_options_to_the_backend(tmp_path: Path) -> None:
+def test_serve_passes_the_git_options_to_the_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
+
+    # No engine in the fast suite: record that serve starts the backend before it binds.
+    started: list[HarborBackend] = []
+    monkeypatch.setattr(HarborBackend, "start", lambda self: started.append(self))
 
     served = tmp_path / "served"
     served.mkdir()
@@ -228,5 +235,6 @@ def test_serve_passes_the_git_options_to_the_backend(tmp_path: Path) -> None:
         task_git_allow_unpinned=True,
     )
     backend = build_harbor_backend(options)
+    assert started == [backend]
     assert backend.resolver.git.allow == ("https://github.com/org/",)
     assert backend.resolver.git.allow_unpinned is True
