@@ -26,7 +26,8 @@ import docker.types
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.seccomp import SeccompProfiles
-from harbor_exec.trial.task import Task, discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.trial import (
     ContainerLimits,
     SandboxPolicy,

@@ -23,8 +23,8 @@ from harbor_exec.network.packages.service import PackageCacheService
 from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
 from tests.task_factory import make_compose_task, make_task
 from tests.test_package_cache_docker import (  # the mirror fixture and its helpers

@@ -26,7 +26,7 @@ from harbor_exec.sandbox.deps import DEPS_VOLUME_PREFIX
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
-from harbor_exec.trial.task import discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
 from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for, run_trial
 from tests.task_factory import make_task
 
@@ -449,7 +449,7 @@ def test_deps_in_image_bakes_the_install_into_a_layer_once(
     builds nothing; the separate verifier still gets the read-only volume."""
     from harbor_exec.bundler import build_bundle
     from harbor_exec.sandbox.deps import BAKED_IMAGE_REPO, DepsLayer
-    from harbor_exec.trial.task import load_task
+    from harbor_exec.tasks.task import load_task
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 
     bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)

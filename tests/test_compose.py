@@ -12,8 +12,8 @@ import pytest
 from harbor_exec.errors import EnvironmentStartError, TaskConfigError
 from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_TRIAL
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest, run_trial
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.task_factory import make_multi_step_task, make_task

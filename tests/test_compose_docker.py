@@ -18,8 +18,8 @@ import pytest
 
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, LABEL_MANAGED, LABEL_TRIAL
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
 from tests.server_utils import wait_until
 from tests.task_factory import make_compose_task as compose_task
@@ -155,7 +155,7 @@ _KILLED_TRIAL = """
 import sys
 from pathlib import Path
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import TrialRequest, run_trial
 run_trial(DockerRuntime(), TrialRequest(task=load_task(sys.argv[1]), trials_dir=Path(sys.argv[2]),
           trial_name=sys.argv[3]))

@@ -21,7 +21,7 @@ from harbor_exec.sandbox.archives import (
     extract_archive,
     write_archive,
 )
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_task

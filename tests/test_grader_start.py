@@ -22,7 +22,7 @@ from harbor_exec.container.exchange import (
     USER_CODE_DIR,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest
 from harbor_exec.trial.verifiers import GRADER_TEST_SH, grader_bundle_files, grader_verifier
 from harbor_exec.trial.verifiers import tests_verifier as task_tests_verifier

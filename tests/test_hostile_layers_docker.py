@@ -15,7 +15,7 @@ from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT, RUNTIME_MOUNT
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import TrialRequest, run_trial
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.task_factory import make_task

@@ -18,7 +18,8 @@ from harbor_exec.cli import sandbox
 from harbor_exec.errors import DiskBudgetExceededError, TrialPhase, is_exception, policy_for
 from harbor_exec.sandbox import disk
 from harbor_exec.sandbox.disk import WritableLayer, walk
-from harbor_exec.trial.task import EnvironmentConfig, load_task
+from harbor_exec.tasks.config import EnvironmentConfig
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,

@@ -17,8 +17,8 @@ from harbor_exec.cli.sandbox import SandboxOptions
 from harbor_exec.errors import DiskBudgetExceededError, is_exception
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,

@@ -14,6 +14,8 @@ from harbor_exec.agents.workflow import WorkflowAgent
 from harbor_exec.container.exchange import RolloutInput, frame_sample
 from harbor_exec.errors import TaskConfigError, TaskError
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.config import StepConfig, parse_task_config
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.results import StepResult, TrialResult, VerifierResult
 from harbor_exec.trial.steps import (
     join_samples,
@@ -22,7 +24,6 @@ from harbor_exec.trial.steps import (
     should_stop,
     step_verifier_mode,
 )
-from harbor_exec.trial.task import StepConfig, load_task, parse_task_config
 from harbor_exec.trial.trial import TrialRequest, run_trial
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_multi_step_task

@@ -21,7 +21,7 @@ import pytest
 from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import Task, load_task
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 

@@ -31,8 +31,8 @@ from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.server.app import create_rollout_server
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import (
     SandboxPolicy,
     TrialRequest,

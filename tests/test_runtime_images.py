@@ -28,7 +28,7 @@ from harbor_exec.container.exchange import RUNTIME_PYTHON
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_UID
 from harbor_exec.server.app import create_rollout_server
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import TrialRequest, run_trial
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.fake_chat import FakeChat

@@ -20,8 +20,8 @@ from harbor_exec.sandbox.cgroups import HostCgroup
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
 from harbor_exec.sandbox.seccomp import SeccompProfileError
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
 from tests.task_factory import make_task
 

@@ -23,8 +23,8 @@ from harbor_exec.executors.spec import (
     trial_request,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.outputs import read_agent_output, read_grader_output
-from harbor_exec.trial.task import load_task
 from tests.task_factory import make_task
 
 BUNDLE = [ArchiveEntry("/opt/harbor-exec/manifest.json", b"{}", 0o644)]

@@ -7,14 +7,9 @@ from pathlib import Path
 import pytest
 
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
-from harbor_exec.trial.task import (
-    NetworkMode,
-    discover_tasks,
-    load_task,
-    parse_task_config,
-    strip_canary,
-    task_dir_for_id,
-)
+from harbor_exec.tasks.config import NetworkMode, parse_task_config, strip_canary
+from harbor_exec.tasks.discovery import discover_tasks, task_dir_for_id
+from harbor_exec.tasks.task import load_task
 from tests.task_factory import make_task
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "tasks_examples" / "dataset"

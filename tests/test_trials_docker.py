@@ -13,8 +13,8 @@ from harbor_exec.errors import UnsafeTaskPathError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
 from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
 from tests.server_utils import wait_until
 from tests.task_factory import make_task

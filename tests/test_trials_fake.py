@@ -24,8 +24,8 @@ from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task, load_task
 from harbor_exec.trial.trial import (
     SandboxPolicy,
     Trial,

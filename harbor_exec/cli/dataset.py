@@ -46,7 +46,8 @@ from harbor_exec.sources.packages import (
     open_package_source,
 )
 from harbor_exec.sources.registry import RegistryError, fetch_dataset, find_dataset, read_registry
-from harbor_exec.trial.task import Discovery, Task, discover_tasks, load_task
+from harbor_exec.tasks.discovery import Discovery, discover_tasks
+from harbor_exec.tasks.task import Task, load_task
 
 if TYPE_CHECKING:
     from harbor_exec.executors.base import TrialExecutor

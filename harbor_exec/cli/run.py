@@ -48,7 +48,7 @@ from harbor_exec.cli.dataset import (
 )
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 
 __all__ = ["RunAgent", "check_run_agent", "run"]
 

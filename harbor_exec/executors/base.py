@@ -33,9 +33,9 @@ from harbor_exec.executors.spec import (
 from harbor_exec.network.usage import ModelUsage
 from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy
 
 if TYPE_CHECKING:

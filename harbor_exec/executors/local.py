@@ -41,7 +41,7 @@ from harbor_exec.executors.spec import (
 )
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from harbor_exec.agents.oracle import OracleAgentSpec
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.runtime import Mount
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
 

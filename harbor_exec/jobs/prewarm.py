@@ -33,7 +33,7 @@ from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
 
 if TYPE_CHECKING:

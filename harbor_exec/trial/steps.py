@@ -59,6 +59,8 @@ from harbor_exec.agents.base import Agent
 from harbor_exec.errors import TaskConfigError, TrialError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.users import UnknownUserError
+from harbor_exec.tasks.config import StepConfig
+from harbor_exec.tasks.task import Task, TaskStep
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output
 from harbor_exec.trial.results import (
     StepResult,
@@ -68,7 +70,6 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.session import TrialSession
-from harbor_exec.trial.task import StepConfig, Task, TaskStep
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:

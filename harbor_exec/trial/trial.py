@@ -101,6 +101,8 @@ from harbor_exec.sandbox.runtime import (
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
+from harbor_exec.tasks.config import EnvironmentConfig, HealthcheckConfig, resolve_env
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -115,7 +117,6 @@ from harbor_exec.trial.results import (
 )
 from harbor_exec.trial.session import TrialSession
 from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
-from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:

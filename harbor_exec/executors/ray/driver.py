@@ -51,8 +51,8 @@ from harbor_exec.executors.spec import (
 from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
 
 if TYPE_CHECKING:

@@ -38,9 +38,9 @@ from harbor_exec.executors.spec import TrialContent, TrialSecrets, TrialSpec, de
 from harbor_exec.network.usage import ModelUsage
 from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, ArchiveEntry, OutputLimits
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import SandboxPolicy
 
 if TYPE_CHECKING:
