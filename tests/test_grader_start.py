@@ -23,7 +23,8 @@ from harbor_exec.container.exchange import (
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.trial import Trial, TrialRequest
 from harbor_exec.trial.verifiers import GRADER_TEST_SH, grader_bundle_files, grader_verifier
 from harbor_exec.trial.verifiers import tests_verifier as task_tests_verifier
 from tests.fake_runtime import FakeRuntime

@@ -20,7 +20,7 @@ from harbor_exec.sandbox import disk
 from harbor_exec.sandbox.disk import WritableLayer, walk
 from harbor_exec.tasks.config import EnvironmentConfig
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.trial import (
+from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
     DEFAULT_NOFILE_LIMIT,
@@ -28,9 +28,8 @@ from harbor_exec.trial.trial import (
     DEFAULT_STORAGE_MB,
     ContainerLimits,
     SandboxPolicy,
-    TrialRequest,
-    run_trial,
 )
+from harbor_exec.trial.trial import TrialRequest, run_trial
 from tests.fake_runtime import HOLD, FakeContainer, FakeRuntime
 from tests.task_factory import DEFAULT_TOML, make_task
 

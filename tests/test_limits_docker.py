@@ -18,16 +18,15 @@ from harbor_exec.errors import DiskBudgetExceededError, is_exception
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import (
+from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
     DEFAULT_NOFILE_LIMIT,
     DEFAULT_SHM_MB,
     SandboxPolicy,
-    Trial,
-    TrialRequest,
 )
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

@@ -21,8 +21,9 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
 from harbor_exec.sandbox.seccomp import SeccompProfileError
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
+from harbor_exec.trial.trial import TrialRequest, run_trial
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

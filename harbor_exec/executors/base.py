@@ -35,8 +35,9 @@ from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy
+from harbor_exec.trial.trial import PhaseCallback
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService

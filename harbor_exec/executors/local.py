@@ -42,7 +42,8 @@ from harbor_exec.executors.spec import (
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.tasks.task import Task
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, Trial, ensure_task_image
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.runtime import Mount
 from harbor_exec.tasks.task import Task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.trial import TrialRequest
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
 
 #: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as

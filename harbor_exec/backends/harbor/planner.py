@@ -49,7 +49,7 @@ from harbor_exec.executors.spec import (
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.trial.trial import SandboxPolicy
+from harbor_exec.trial.policy import SandboxPolicy
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,9 @@ from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
+from harbor_exec.trial.trial import PhaseCallback, image_tag_for, new_trial_name
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport

@@ -40,8 +40,8 @@ from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, ArchiveEntry, O
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import SandboxPolicy
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport
