@@ -50,9 +50,10 @@ from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.trial import TrialRequest, image_tag_for
 from tests.package_upstream import sni_context
 
 CORPUS = Path(__file__).resolve().parent / "corpus"

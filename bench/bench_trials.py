@@ -28,8 +28,9 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.seccomp import SeccompProfiles
 from harbor_exec.tasks.discovery import discover_tasks
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, ensure_task_image, run_trial
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image
 
 ROOT = Path(__file__).resolve().parent.parent
 SECCOMP = SeccompProfiles()

@@ -25,8 +25,9 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
 from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.trial import TrialRequest, image_tag_for
 from tests.task_factory import make_compose_task, make_task
 from tests.test_package_cache_docker import (  # the mirror fixture and its helpers
     DEB,

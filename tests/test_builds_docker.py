@@ -27,7 +27,8 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
 from harbor_exec.tasks.discovery import discover_tasks
-from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,9 @@ from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_TRIAL
 from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.task_factory import make_multi_step_task, make_task
 

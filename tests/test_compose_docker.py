@@ -19,8 +19,9 @@ import pytest
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, LABEL_MANAGED, LABEL_TRIAL
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_compose_task as compose_task
 
@@ -156,7 +157,8 @@ import sys
 from pathlib import Path
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.trial import TrialRequest
 run_trial(DockerRuntime(), TrialRequest(task=load_task(sys.argv[1]), trials_dir=Path(sys.argv[2]),
           trial_name=sys.argv[3]))
 """

@@ -22,8 +22,9 @@ from harbor_exec.sandbox.archives import (
     write_archive,
 )
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_task
 

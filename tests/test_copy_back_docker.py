@@ -15,9 +15,10 @@ import pytest
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

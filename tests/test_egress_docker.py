@@ -22,8 +22,9 @@ import pytest
 from harbor_exec.network.egress.plan import REFUSED_LOG, EgressSettings
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 from tests.test_egress import _cert, _Server
 

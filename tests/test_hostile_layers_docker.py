@@ -16,7 +16,8 @@ from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT, RUNTIME_MOUN
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.task_factory import make_task
 

@@ -20,6 +20,7 @@ from harbor_exec.sandbox import disk
 from harbor_exec.sandbox.disk import WritableLayer, walk
 from harbor_exec.tasks.config import EnvironmentConfig
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
@@ -29,7 +30,7 @@ from harbor_exec.trial.policy import (
     ContainerLimits,
     SandboxPolicy,
 )
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import HOLD, FakeContainer, FakeRuntime
 from tests.task_factory import DEFAULT_TOML, make_task
 

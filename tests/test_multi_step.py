@@ -16,6 +16,7 @@ from harbor_exec.errors import TaskConfigError, TaskError
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.tasks.config import StepConfig, parse_task_config
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import create_trial, run_trial
 from harbor_exec.trial.results import StepResult, TrialResult, VerifierResult
 from harbor_exec.trial.steps import (
     join_samples,
@@ -24,7 +25,7 @@ from harbor_exec.trial.steps import (
     should_stop,
     step_verifier_mode,
 )
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_multi_step_task
 
@@ -429,9 +430,7 @@ def test_workflow_sample_covers_all_steps(tmp_path: Path) -> None:
     )
     request = TrialRequest(task=task, trials_dir=tmp_path / "trials", agent=agent)
     runtime = FakeRuntime(test=_reward_from_test, runner=runner)
-    from harbor_exec.trial.trial import Trial
-
-    trial = Trial(runtime, request)
+    trial = create_trial(runtime, request)
     result = trial.run()
     assert result.exception_info is None
     assert prompts == ["Step one: do it.\n", "Step two: do it.\n"]

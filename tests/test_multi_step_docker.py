@@ -26,8 +26,9 @@ from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve

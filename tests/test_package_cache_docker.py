@@ -36,9 +36,10 @@ from harbor_exec.network.packages.service import PackageCacheConfig, PackageCach
 from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.package_upstream import (
     AptSigner,
     Upstream,

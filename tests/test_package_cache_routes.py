@@ -33,8 +33,9 @@ from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, ensure_task_image, image_tag_for, run_trial
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image, image_tag_for
 from tests.fake_runtime import FakeRuntime
 from tests.server_utils import serve
 from tests.task_factory import make_task

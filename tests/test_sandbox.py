@@ -21,9 +21,10 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
 from harbor_exec.sandbox.seccomp import SeccompProfileError
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]

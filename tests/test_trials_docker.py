@@ -14,8 +14,9 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
 from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
 

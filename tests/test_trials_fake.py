@@ -25,9 +25,10 @@ from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from harbor_exec.trial.verifiers import grader_verifier
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task

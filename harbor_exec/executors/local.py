@@ -42,6 +42,7 @@ from harbor_exec.executors.spec import (
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 
@@ -125,7 +126,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             )
 
             def work() -> TrialRun:
-                trial = Trial(self.runtime, request, on_phase=handle.on_phase)
+                trial = create_trial(self.runtime, request, on_phase=handle.on_phase)
                 handle.trial = trial
                 if handle.cancelled.is_set():
                     trial.cancel()

@@ -29,6 +29,7 @@ from harbor_exec.errors import CancelledError, HarborExecError, TaskError, Trial
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
 from harbor_exec.trial.trial import Trial, new_trial_name
 
@@ -547,7 +548,7 @@ def run_job(
         if executor is not None:
             return run_remote(task, attempt, spec)
         assert runtime is not None
-        trial = Trial(
+        trial = create_trial(
             runtime,
             trial_request(spec),
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),

@@ -34,8 +34,9 @@ from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
-from harbor_exec.trial.trial import TrialRequest, ensure_task_image, run_trial
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheService

@@ -36,12 +36,10 @@ skipped or cut is noted in ``<trial>/copy-back.json``.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import re
 import secrets as secrets_module
-import shutil
 import tempfile
 import threading
 import time
@@ -49,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 from harbor_exec.agents.base import Agent, AgentRun
 from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
@@ -101,6 +99,7 @@ from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.tasks.config import EnvironmentConfig, HealthcheckConfig, resolve_env
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.artifacts import CONVENTION_DIR, TrialArtifacts, remove_path
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -115,7 +114,6 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.session import TrialSession
-from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
@@ -135,8 +133,6 @@ _NOTHING_HANDED_OVER = (
     .encode()
 )
 
-#: The agent's conventional publish dir (Harbor's implicit first artifact).
-CONVENTION_DIR = "/logs/artifacts"
 LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", CONVENTION_DIR)
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
@@ -205,7 +201,13 @@ class TrialRequest:
 
 
 class Trial:
-    """Runs one ``TrialRequest``; ``cancel()`` may be called from any thread."""
+    """Runs one ``TrialRequest`` of a single-step task; ``cancel()`` may be called from
+    any thread. A multi-step task runs as ``harbor_exec.trial.steps.MultiStepTrial``, this
+    class's subclass (``harbor_exec.trial.factory.create_trial`` picks the class), which
+    replaces ``run_phases`` and reads the task's steps through the methods below."""
+
+    #: Whether this class runs a task's ``[[steps]]`` (``MultiStepTrial`` does).
+    runs_steps: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -214,6 +216,11 @@ class Trial:
         *,
         on_phase: PhaseCallback | None = None,
     ) -> None:
+        if request.task.is_multi_step and not self.runs_steps:
+            raise TypeError(
+                f"{request.task.name} is a multi-step task: it runs as a MultiStepTrial "
+                "(harbor_exec.trial.factory.create_trial picks the class)"
+            )
         self.runtime = runtime
         self.request = request
         self.name = request.trial_name or new_trial_name(request.task.name)
@@ -232,11 +239,12 @@ class Trial:
         self._agent_logs_read = False
         #: One budget for everything the agent wrote (``SandboxPolicy.output``).
         self._agent_copy = ExtractReport()
-        self._accounts: ImageAccounts | None = None
-        self._default_user = ""
-        #: Declared artifacts' manifest rows, once collected (``_collect_artifacts``).
-        self._artifact_entries: list[dict[str, object]] | None = None
-        self._artifacts_carried: list[tuple[Path, str]] = []
+        self.accounts: ImageAccounts | None = None
+        self.default_user = ""
+        #: ``artifacts/``: ``/logs/artifacts`` and the declared ones, on the same budget.
+        self.artifacts = TrialArtifacts(
+            runtime, self.dir, limits=request.policy.output, budget=self._agent_copy
+        )
         self._verifier_copy = ExtractReport()
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
@@ -259,8 +267,6 @@ class Trial:
         #: one project per container that has them (a multi-step task's separate verifier
         #: gets its own while the agent's stays); the tracked container's is the last.
         self._composes: list[ComposeEnvironment] = []
-        #: A multi-step trial moved the outputs read so far into ``steps/<name>/``.
-        self._outputs_archived = False
 
     # ----------------------------------------------------------------- control
 
@@ -280,11 +286,11 @@ class Trial:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def _check_cancelled(self) -> None:
+    def check_cancelled(self) -> None:
         if self._cancelled.is_set():
             raise CancelledError("the trial was cancelled")
 
-    def _record(self, exc: BaseException) -> None:
+    def record(self, exc: BaseException) -> None:
         if self._exception is None:  # Harbor keeps only the first exception
             if isinstance(exc, EngineUnavailableError) and self._current_phase:
                 exc = exc.during(self._current_phase)
@@ -293,6 +299,44 @@ class Trial:
                 info.exception_message = redact(info.exception_message, self.request.secrets)
                 info.exception_traceback = redact(info.exception_traceback, self.request.secrets)
             self._exception = info
+
+    @property
+    def exception(self) -> ExceptionInfo | None:
+        """The first exception recorded (Harbor keeps only that one)."""
+        return self._exception
+
+    def take_exception(self) -> ExceptionInfo | None:
+        """The exception recorded so far, cleared: a multi-step trial's is each step's."""
+        exception, self._exception = self._exception, None
+        return exception
+
+    @property
+    def agent_sample(self) -> bytes | None:
+        """The sample the agent handed over as its exec ended (``AgentRun.sample``)."""
+        return self._agent_sample
+
+    def replace_agent_sample(self, sample: bytes) -> None:
+        """Make ``sample`` the rollout's (``agent/sample.json``, read again into
+        ``output``); the agent's host files are in their step's ``agent/`` already."""
+        self._host_files = {}
+        self._agent_sample = sample
+        self._pin_agent_sample()
+        self.output = TrialOutput(
+            agent=read_agent_output(self.dir, self.request.secrets), grader=self.output.grader
+        )
+
+    def begin_outputs(self) -> None:
+        """Fresh read-back state: the logs, artifacts and sample are read anew (each
+        step of a multi-step trial reads its own)."""
+        self._verifier_logs_read = self._agent_logs_read = False
+        self.artifacts.begin_step()
+        self._agent_sample, self._host_files = None, {}
+
+    def outputs_archived(self) -> None:
+        """What was read back so far was moved away (a step's, into ``steps/<name>/``):
+        nothing of it is read again at teardown."""
+        self._verifier_logs_read = self._agent_logs_read = True
+        self.artifacts.step_archived()
 
     def _phase(self, name: TrialPhase) -> None:
         self._current_phase = name
@@ -322,25 +366,14 @@ class Trial:
             egress = request.policy.egress
             self._package_cache.begin(egress.overrides, dns=egress.dns)
         try:
-            if task.is_multi_step:
-                check_steps_supported(self)
+            self.check_supported()
             session = self._environment(result)
             self._healthcheck(session)
-            if task.is_multi_step:
-                if self._exception is None:
-                    run_steps(self, session, result)
-            elif self._exception is None:
-                self._agent(session, result)
-            if not task.is_multi_step and self._should_verify():
-                assert session is not None
-                if self.verifier_mode == "separate":
-                    self._verify_separate(session, result)
-                else:
-                    self._verify_shared(session, result)
+            self.run_phases(session, result)
         except (HarborExecError, OSError) as exc:
-            self._record(exc if not self.cancelled else CancelledError("the trial was cancelled"))
+            self.record(exc if not self.cancelled else CancelledError("the trial was cancelled"))
         except BaseException as exc:  # keep the container accounting right on Ctrl-C too
-            self._record(CancelledError(f"interrupted: {type(exc).__name__}"))
+            self.record(CancelledError(f"interrupted: {type(exc).__name__}"))
             self._teardown(session)
             raise
         self._teardown(session)
@@ -349,6 +382,23 @@ class Trial:
         result.finished_at = utcnow()
         self._write(result)
         return result
+
+    def check_supported(self) -> None:
+        """Refuse, before anything is built, what this trial cannot run (nothing here)."""
+
+    def run_phases(self, session: TrialSession, result: TrialResult) -> None:
+        """The agent, then the verifier in the trial's mode."""
+        if self._exception is None:
+            self.run_agent(session, result)
+        if self.should_verify():
+            if self.verifier_mode == "separate":
+                self.verify_separate(session, result)
+            else:
+                self.verify_shared(session, result)
+
+    def verifier_for(self, task: Task) -> TestsVerifier:
+        """The verifier of ``task`` (the request's, else the task's own ``tests/``)."""
+        return self.request.verifier or TestsVerifier(task.tests_dir)
 
     def _cache_session(self) -> TrialPackageCache | None:
         service = self.request.policy.package_cache
@@ -464,7 +514,7 @@ class Trial:
         projects = len(self._composes)
         spec = self._compose_up(spec)
         with self._container_lock:
-            self._check_cancelled()
+            self.check_cancelled()
             container_id = self._container_id = self.runtime.create(spec)
         if len(self._composes) > projects:
             self._composes[-1].place_main_binds(container_id)
@@ -582,7 +632,7 @@ class Trial:
                     self.runtime, request.agent_layer, self.image
                 )
                 self.images_built += built
-            self._check_cancelled()
+            self.check_cancelled()
             container_id = self._create(
                 self._spec(self.image, env_config, kind="trial", mounts=request.mounts, gpus=gpus)
             )
@@ -606,7 +656,7 @@ class Trial:
                 self.runtime.put_archive(container_id, archive)
                 pending = None
             self.runtime.start(container_id)
-            self._check_cancelled()
+            self.check_cancelled()
         finally:
             timing.finished_at = utcnow()
         return TrialSession(
@@ -628,10 +678,10 @@ class Trial:
         task = self.request.task
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
-        if image == self.image and self._accounts is None:
+        if image == self.image and self.accounts is None:
             # The trial image's, read before anything ran: what later lookups resolve
             # against (the agent may rewrite the container's account files).
-            self._accounts, self._default_user = accounts, default
+            self.accounts, self.default_user = accounts, default
         resolved: dict[UserRole, str] = {}
         for role in roles:
             user = {"agent": task.agent_user, "verifier": task.verifier_user}.get(role)
@@ -650,9 +700,9 @@ class Trial:
         HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
         ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
         ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
-        self._run_healthcheck(session, self.request.task.config.environment.healthcheck)
+        self.run_healthcheck(session, self.request.task.config.environment.healthcheck)
 
-    def _run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
+    def run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
         if check is None:
             return
         start_period_end = time.monotonic() + check.start_period_sec
@@ -662,7 +712,7 @@ class Trial:
             ran = session.bash(
                 check.command, user=session.image_user, timeout_sec=check.timeout_sec
             )
-            self._check_cancelled()
+            self.check_cancelled()
             if ran.exit_code == 0 and not ran.timed_out:
                 return
             if not in_start_period:
@@ -674,9 +724,9 @@ class Trial:
                     )
             pause = check.start_interval_sec if in_start_period else check.interval_sec
             if self._cancelled.wait(pause):
-                self._check_cancelled()
+                self.check_cancelled()
 
-    def _agent(self, session: TrialSession, result: TrialResult) -> None:
+    def run_agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
         now = utcnow()
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
@@ -701,7 +751,7 @@ class Trial:
         except FileNotFoundError as exc:
             # The oracle without solution/solve.sh: Harbor records it and, the
             # policy saying "grade", still runs the verifier (reward 0, not none).
-            self._record(exc)
+            self.record(exc)
             run = AgentRun(exit_code=None, timed_out=False)
         finally:
             timing.finished_at = utcnow()
@@ -718,14 +768,14 @@ class Trial:
         if run.sample is not None:
             self._agent_sample = run.sample
         self._pin_agent_sample()
-        self._check_cancelled()
+        self.check_cancelled()
         # Harbor's place for them: after the agent, before anything is read back.
         self._run_collect_hooks(session.container_id)
         result.agent_result = AgentResult.model_validate(run.agent_result or {})
         if watch.exceeded is not None:
             used = watch.exceeded
             why = f" ({used.incomplete})" if used.incomplete else ""
-            self._record(
+            self.record(
                 DiskBudgetExceededError(
                     f"the agent wrote more than its {limits.storage_mb} MB disk budget "
                     f"(at least {used.bytes_used // _MIB} MB{why}); its processes were killed "
@@ -733,7 +783,7 @@ class Trial:
                 )
             )
         if run.timed_out:
-            self._record(
+            self.record(
                 AgentTimeoutError(
                     f"the agent ran past its {timeout:g}s timeout; its processes were killed "
                     "and the trial was verified anyway"
@@ -743,7 +793,7 @@ class Trial:
             (self.dir / "agent").mkdir(parents=True, exist_ok=True)
             (self.dir / "agent" / "exit-code.txt").write_text(f"{run.exit_code}\n")
 
-    def _should_verify(self) -> bool:
+    def should_verify(self) -> bool:
         if not self.request.verify or self._container_id is None or self.cancelled:
             return False
         if self._exception is None:
@@ -765,13 +815,13 @@ class Trial:
         """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
         read ``/logs/verifier`` through the engine and parse the reward."""
         task = self.request.task
-        verifier = step_verifier(self.request.verifier or TestsVerifier(task.tests_dir), task)
+        verifier = self.verifier_for(task)
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
         self._enter_egress("verifier", session.container_id)
         run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
-        self._check_cancelled()
+        self.check_cancelled()
         if run.timed_out:
             raise VerifierTimeoutError(
                 f"tests/test.sh ran past the {timeout:g}s verifier timeout; no reward"
@@ -784,8 +834,8 @@ class Trial:
         self._read_verifier_logs(session.container_id)
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
-    def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
-        self._collect_artifacts(session.container_id)
+    def verify_shared(self, session: TrialSession, result: TrialResult) -> None:
+        self.artifacts.collect(session.container_id, self.request.task)
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
@@ -800,19 +850,19 @@ class Trial:
                     return
                 self._run_verifier(session, result, started=timing.started_at)
         except TrialError as exc:
-            self._record(exc)
+            self.record(exc)
         finally:
             timing.finished_at = utcnow()
         if not self.cancelled:  # the verdict stands; now what the agent wrote
             self._read_agent_logs(session.container_id)
-        self._record_agent_overflow()
+        self.record_agent_overflow()
 
     def _revive(self, session: TrialSession) -> bool:
         """The agent ended its container: record it as the agent's outcome and start
         the container again (its files stay, none of its processes do) for the
         verifier. False, and the container removed (nothing is verified), when it
         cannot start."""
-        self._record(
+        self.record(
             AgentEndedContainerError(
                 "the agent's container stopped after it had started (its init was killed "
                 "or made to exit); it was restarted and verified"
@@ -825,7 +875,7 @@ class Trial:
             return False
         return True
 
-    def _verify_separate(
+    def verify_separate(
         self, session: TrialSession, result: TrialResult, *, keep_agent: bool = False
     ) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
@@ -857,11 +907,11 @@ class Trial:
                 handover.seek(0)
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
-                self._check_cancelled()
+                self.check_cancelled()
                 fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
-                self._record(exc)
+                self.record(exc)
             finally:
                 timing.finished_at = utcnow()
                 if agent_id is not None:  # the verifier's goes; the agent's is tracked again
@@ -870,7 +920,7 @@ class Trial:
                         self._container_id = agent_id
                     if self.cancelled:  # cancel() ran while the verifier's was the tracked one
                         self._remove_container()
-        self._record_agent_overflow()
+        self.record_agent_overflow()
 
     def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
         """Copy the agent's logs and declared artifacts out of its container and pack
@@ -882,8 +932,8 @@ class Trial:
         sources = [
             (local, path)
             for local, path in [
-                *self._convention_artifacts(),
-                *self._collect_artifacts(container_id),
+                *self.artifacts.convention_artifacts(),
+                *self.artifacts.collect(container_id, self.request.task),
             ]
             if not PurePosixPath(path).is_relative_to(BUNDLE_ROOT)
         ]
@@ -910,7 +960,7 @@ class Trial:
         for relative, data in self._host_files.items():
             target = self.dir / relative
             if target.exists() or target.is_symlink():
-                _remove_path(target)
+                remove_path(target)
             target.parent.mkdir(parents=True, exist_ok=True)
             text = data.decode("utf-8", errors="replace")
             target.write_text(redact(text, self.request.secrets), encoding="utf-8")
@@ -918,7 +968,7 @@ class Trial:
             return
         path = self.dir / AGENT_SAMPLE
         if path.exists() or path.is_symlink():
-            _remove_path(path)
+            remove_path(path)
         if self._agent_sample:
             path.parent.mkdir(parents=True, exist_ok=True)
             text = self._agent_sample.decode("utf-8", errors="replace")
@@ -943,73 +993,6 @@ class Trial:
             return built.tag, False
         return self.image, True
 
-    def _artifact_specs(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """The task's declared artifacts besides ``/logs/artifacts``, and the
-        excludes of ``/logs/artifacts`` (Harbor's implicit first entry, which an
-        explicit entry for it replaces)."""
-        specs = [
-            {"source": i} if isinstance(i, str) else dict(i) for i in self.request.task.artifacts
-        ]
-        declared = [s for s in specs if str(s.get("source") or "").rstrip("/") != CONVENTION_DIR]
-        explicit = [s for s in specs if s not in declared]
-        exclude = [str(e) for e in (explicit[0].get("exclude") or [])] if explicit else []
-        return declared, exclude
-
-    def _collect_artifacts(self, container_id: str) -> list[tuple[Path, str]]:
-        """Copy the task's declared ``artifacts`` out of the agent's container (on the
-        agent's budget, sanitized) into ``artifacts/``, where Harbor keeps them;
-        returns ``(host path, container path)`` of them for a verifier container.
-        Once per trial: after the agent, before any verifier (as Harbor does)."""
-        if self._artifact_entries is not None:
-            return self._artifacts_carried
-        limits, budget = self.request.policy.output, self._agent_copy
-        root = self.dir / "artifacts"
-        declared, _ = self._artifact_specs()
-        entries: list[dict[str, object]] = []
-        carried: list[tuple[Path, str]] = []
-        claimed = [self._convention_dir]
-        for spec in declared:
-            source = str(spec.get("source") or "")
-            exclude = [str(e) for e in spec.get("exclude") or []]
-            target = artifact_host_path(root, source, spec.get("destination"))
-            overlaps = any(
-                c == target or c in target.parents or target in c.parents for c in claimed
-            )
-            if (
-                not source.startswith("/")
-                or overlaps
-                or not target.resolve().is_relative_to(root.resolve())
-            ):
-                # Harbor keeps the first claimant of a host path; so do we.
-                entries.append(_manifest_entry(source, root, target, "skipped", exclude=exclude))
-                continue
-            claimed.append(target)
-            stream = self.runtime.get_archive(container_id, source)
-            if stream is None:
-                entries.append(_manifest_entry(source, root, target, "failed", exclude=exclude))
-                continue
-            cut_before = len(budget.truncated)
-            with tempfile.TemporaryDirectory(dir=self.dir) as scratch:
-                extract_archive(stream, Path(scratch), strip=0, limits=limits, report=budget)
-                fetched = Path(scratch) / PurePosixPath(source).name
-                _drop_excluded(fetched, exclude)
-                if target.exists():
-                    _remove_path(target)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if fetched.exists():
-                    shutil.move(str(fetched), target)
-            if target.is_file() or target.is_dir():
-                carried.append((target, source))
-            status = "ok" if target.exists() else "failed"
-            entry = _manifest_entry(source, root, target, status, exclude=exclude)
-            if budget.truncated[cut_before:] or budget.incomplete:
-                # Ours, beside Harbor's fields (its reader ignores extra keys).
-                entry["truncated"] = budget.truncated[cut_before:]
-                entry["budget_exceeded"] = budget.exceeded
-            entries.append(entry)
-        self._artifact_entries, self._artifacts_carried = entries, carried
-        return carried
-
     def _run_collect_hooks(self, container_id: str) -> None:
         """``[[verifier.collect]]`` hooks, once the agent's processes are stopped and
         before its logs and artifacts are read, as Harbor runs them: best effort (a
@@ -1017,13 +1000,13 @@ class Trial:
         ``timeout_sec``, as its ``user`` (resolved from the image's account files as
         read before the agent ran)."""
         hooks = self.request.task.config.verifier.collect
-        if not hooks or self._accounts is None:
+        if not hooks or self.accounts is None:
             return
         notes: list[str] = []
         for hook in hooks:
-            wanted = self._default_user if hook.user is None or str(hook.user) == "" else hook.user
+            wanted = self.default_user if hook.user is None or str(hook.user) == "" else hook.user
             try:
-                user = self._accounts.resolve(wanted)
+                user = self.accounts.resolve(wanted)
             except UnknownUserError as exc:
                 notes.append(f"{hook.command!r}: user {wanted!r}: {exc}")
                 continue
@@ -1035,36 +1018,9 @@ class Trial:
         if notes:
             (self.dir / "collect-hooks.txt").write_text("\n".join(notes) + "\n")
 
-    @property
-    def _convention_dir(self) -> Path:
-        """Where ``/logs/artifacts`` is read back to (Harbor's ``artifacts/logs/artifacts``)."""
-        return self.dir / "artifacts" / CONVENTION_DIR.lstrip("/")
-
-    def _convention_artifacts(self) -> list[tuple[Path, str]]:
-        """``/logs/artifacts``'s children as read back, for a verifier container; the
-        directory itself stays the verifier's, mode 777."""
-        convention = self._convention_dir
-        if not convention.is_dir():
-            return []
-        return [(path, f"{CONVENTION_DIR}/{path.name}") for path in convention.iterdir()]
-
-    def _write_artifact_manifest(self) -> None:
-        """Harbor's ``artifacts/manifest.json``: ``/logs/artifacts`` first, then each
-        declared artifact, once they were collected."""
-        if self._artifact_entries is None or self._outputs_archived:
-            return
-        root, convention = self.dir / "artifacts", self._convention_dir
-        status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
-        first = _manifest_entry(
-            CONVENTION_DIR, root, convention, status, is_dir=True, exclude=self._artifact_specs()[1]
-        )
-        root.mkdir(parents=True, exist_ok=True)
-        manifest = [first, *self._artifact_entries]
-        (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
-
     # ----------------------------------------------------------------- teardown
 
-    def _download_logs(self, container_id: str) -> None:
+    def download_logs(self, container_id: str) -> None:
         """Read back whatever of ``/logs`` is not read yet, the verifier's part first."""
         if not self._verifier_logs_read:
             self._read_verifier_logs(container_id)
@@ -1097,7 +1053,7 @@ class Trial:
         self._agent_logs_read = True
         stream = self.runtime.get_archive(container_id, "/logs")
         if stream is not None:
-            routes = {"agent": self.dir / "agent", "artifacts": self._convention_dir}
+            routes = {"agent": self.dir / "agent", "artifacts": self.artifacts.convention_dir}
             extract_archive(
                 stream,
                 self.dir,
@@ -1105,13 +1061,12 @@ class Trial:
                 report=self._agent_copy,
                 routes=routes,
             )
-            # An explicit ``/logs/artifacts`` entry's excludes, once, as it lands.
-            _drop_excluded(self._convention_dir, self._artifact_specs()[1])
+            self.artifacts.drop_convention_excludes(self.request.task)
         self._pin_agent_sample()  # the container's sample.json may have been rewritten
         secrets = self.request.secrets
         self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
 
-    def _record_agent_overflow(self) -> None:
+    def record_agent_overflow(self) -> None:
         """Record a spent agent budget (after the verifier's own outcome, which wins)."""
         copy = self._agent_copy
         if copy.incomplete:
@@ -1122,7 +1077,7 @@ class Trial:
                 "dirs": f"{limits.max_dirs} directories",
                 "entries": f"{limits.max_entries} entries",
             }.get(copy.exceeded or "", copy.exceeded)
-            self._record(
+            self.record(
                 AgentOutputLimitError(
                     f"the agent's /logs/agent, /logs/artifacts and artifacts went over the "
                     f"copy-back budget of {cap}; the rest was not read (the verifier's "
@@ -1158,10 +1113,10 @@ class Trial:
             return
         try:
             if not self.cancelled:
-                self._download_logs(container_id)
+                self.download_logs(container_id)
                 # As Harbor's recovery does when the trial stopped before its verifier.
-                self._collect_artifacts(container_id)
-                self._record_agent_overflow()
+                self.artifacts.collect(container_id, self.request.task)
+                self.record_agent_overflow()
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
         finally:
@@ -1171,11 +1126,11 @@ class Trial:
                 self.runtime.remove(container_id)
                 self._compose_down()
             except Exception as exc:
-                self._record(exc)
+                self.record(exc)
 
     def _write(self, result: TrialResult) -> None:
         self._write_copy_notes()
-        self._write_artifact_manifest()
+        self.artifacts.write_manifest(self.request.task)
         if self._exception is not None:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
@@ -1187,70 +1142,10 @@ def _elapsed(since: datetime | None) -> float:
     return 0.0 if since is None else (utcnow() - since).total_seconds()
 
 
-def _remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def artifact_host_path(root: Path, source: str, destination: object = None) -> Path:
-    """Where Harbor 0.26 keeps an artifact under ``artifacts/``: at its relative
-    ``destination``, else at its container path (``/app/x`` -> ``artifacts/app/x``);
-    ``..`` parts dropped, as Harbor drops them."""
-    path = PurePosixPath(str(destination) if destination else source)
-    parts = [part for part in path.parts if part not in ("", "/", "..")]
-    return root.joinpath(*parts)
-
-
-def _manifest_entry(
-    source: str,
-    root: Path,
-    target: Path,
-    status: str,
-    *,
-    is_dir: bool | None = None,
-    exclude: Sequence[str] = (),
-) -> dict[str, object]:
-    """One row of Harbor's ``artifacts/manifest.json`` (``ArtifactManifestEntry``)."""
-    if is_dir is None:
-        is_dir = target.is_dir() if target.exists() else not PurePosixPath(source).suffix
-    relative = target.relative_to(root).as_posix() if target.is_relative_to(root) else ""
-    return {
-        "source": source,
-        "destination": f"artifacts/{relative}" if relative not in ("", ".") else "artifacts",
-        "type": "directory" if is_dir else "file",
-        "status": status,
-        "service": None,
-        "exclude": list(exclude) if is_dir else [],
-    }
-
-
-def _drop_excluded(root: Path, patterns: Sequence[str]) -> None:
-    """Remove what an artifact's ``exclude`` globs match (relative paths or names)."""
-    if not patterns or not root.is_dir():
-        return
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        rel = path.relative_to(root).as_posix()
-        if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns):
-            _remove_path(path)
-
-
-def run_trial(
-    runtime: ContainerRuntime,
-    request: TrialRequest,
-    *,
-    on_phase: PhaseCallback | None = None,
-) -> TrialResult:
-    """Run one trial to completion (see ``Trial``)."""
-    return Trial(runtime, request, on_phase=on_phase).run()
-
-
 __all__ = [
     "Trial",
     "TrialRequest",
     "ensure_task_image",
     "image_tag_for",
     "new_trial_name",
-    "run_trial",
 ]
