@@ -51,7 +51,6 @@ def run_seeing_host_config(
     request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
     if policy is not None:
         request.policy = policy
-    trial = Trial(runtime, request)
     seen: dict[str, Any] = {}
 
     def on_phase(phase: str) -> None:
@@ -60,7 +59,7 @@ def run_seeing_host_config(
             (container,) = client.containers.list(filters={"label": label})
             seen.update(container.attrs["HostConfig"])
 
-    trial._on_phase = on_phase
+    trial = Trial(runtime, request, on_phase=on_phase)
     return trial.run(), seen
 
 

@@ -207,7 +207,6 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
     """
     seen: dict[str, object] = {}
     task = make_task(tmp_path, "limits", solve="sleep 1", toml=toml)
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
 
     import docker
 
@@ -220,7 +219,8 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
             seen["entrypoint"] = container.attrs["Config"]["Entrypoint"]
             seen["labels"] = container.labels
 
-    trial._on_phase = on_phase
+    request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "t")
+    trial = Trial(docker_runtime, request, on_phase=on_phase)
     result = trial.run()
     assert result.exception_info is None
     host = seen["host"]
@@ -259,14 +259,17 @@ def test_cancel_removes_the_container_within_a_second(
     task = make_task(
         tmp_path, "cancel-me", solve="sleep 300", toml="[agent]\ntimeout_sec = 120.0\n"
     )
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
     running = threading.Event()
-    trial._on_phase = lambda phase: running.set() if phase == "agent" else None
+    trial = Trial(
+        docker_runtime,
+        TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"),
+        on_phase=lambda phase: running.set() if phase == "agent" else None,
+    )
     results: list[TrialResult] = []
     worker = threading.Thread(target=lambda: results.append(trial.run()))
     worker.start()
     assert running.wait(30)
-    assert wait_until(lambda: runs_in(docker_runtime, trial._container_id, "sleep 300"), 30)
+    assert wait_until(lambda: runs_in(docker_runtime, trial.container_id, "sleep 300"), 30)
     started = time.monotonic()
     trial.cancel()
     trial.cancel()  # idempotent

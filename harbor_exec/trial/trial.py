@@ -283,6 +283,12 @@ class Trial:
         self._compose_down()
 
     @property
+    def container_id(self) -> str | None:
+        """The container the trial tracks now (None before it is created, once removed)."""
+        with self._container_lock:
+            return self._container_id
+
+    @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
