@@ -28,6 +28,7 @@ from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
 from harbor_exec.tasks.discovery import discover_tasks
 from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from tests.task_factory import make_task
 
@@ -154,7 +155,8 @@ def test_example_dataset_same_image_from_both_builders(
         # And both run the task's oracle trial to the same full reward.
         for image in (new, old):
             result = run_trial(
-                docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "t", image=image)
+                docker_runtime,
+                TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t", image=image)),
             )
             assert is_full_reward(result), (task.name, result.exception_info)
 
@@ -470,9 +472,8 @@ def test_deps_in_image_bakes_the_install_into_a_layer_once(
     )
     built: list[int] = []
     for _ in range(2):
-        request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "trials")
-        request.deps = deps
-        request.policy = replace(request.policy, deps_in_image=True)
+        spec = TrialSpec(task=load_task(task), trials_dir=tmp_path / "trials", deps=deps)
+        request = TrialRequest(replace(spec, policy=replace(spec.policy, deps_in_image=True)))
         trial = Trial(docker_runtime, request)
         result = trial.run()
         assert result.exception_info is None, result.exception_info

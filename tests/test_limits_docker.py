@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from harbor_exec.trial.policy import (
     SandboxPolicy,
 )
 from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 
@@ -48,9 +50,9 @@ def run_seeing_host_config(
     policy: SandboxPolicy | None = None,
 ) -> tuple[TrialResult, dict[str, Any]]:
     """Run a trial; the agent container's HostConfig, as the engine reports it."""
-    request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
     if policy is not None:
-        request.policy = policy
+        request.spec = replace(request.spec, policy=policy)
     seen: dict[str, Any] = {}
 
     def on_phase(phase: str) -> None:
@@ -189,7 +191,7 @@ def test_a_3_gib_write_stops_at_the_disk_budget(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     started = time.monotonic()
-    request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "t")
+    request = TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
     try:
         result = Trial(docker_runtime, request).run()
     finally:

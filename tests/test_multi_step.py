@@ -18,6 +18,7 @@ from harbor_exec.tasks.config import StepConfig, parse_task_config
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.factory import create_trial, run_trial
 from harbor_exec.trial.results import StepResult, TrialResult, VerifierResult
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.steps import (
     join_samples,
     min_reward_failure,
@@ -56,7 +57,7 @@ def step_rewards(result: TrialResult) -> list[object]:
 
 def _run(tmp_path: Path, task_dir: Path, runtime: FakeRuntime | None = None) -> TrialResult:
     runtime = runtime or FakeRuntime(test=_reward_from_test)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     return run_trial(runtime, request)
 
 
@@ -407,7 +408,7 @@ def test_native_agents_are_refused_for_steps(tmp_path: Path) -> None:
         def files(self, task: object) -> list[ArchiveEntry]:
             return []
 
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials", agent=Plain())  # type: ignore[arg-type]
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"), agent=Plain())  # type: ignore[arg-type]
     result = run_trial(FakeRuntime(), request)
     assert result.exception_info is not None
     assert "cannot run with the agent 'plain'" in result.exception_info.exception_message
@@ -428,7 +429,7 @@ def test_workflow_sample_covers_all_steps(tmp_path: Path) -> None:
     agent = WorkflowAgent(
         name="w", version="1", bundle_files=[], rollout_input=rollout.model_dump_json().encode()
     )
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials", agent=agent)
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"), agent=agent)
     runtime = FakeRuntime(test=_reward_from_test, runner=runner)
     trial = create_trial(runtime, request)
     result = trial.run()

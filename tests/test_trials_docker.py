@@ -16,6 +16,7 @@ from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials))
+    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials)))
 
 
 def trial_dir(trials: Path, result: TrialResult) -> Path:
@@ -219,7 +220,7 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
             seen["entrypoint"] = container.attrs["Config"]["Entrypoint"]
             seen["labels"] = container.labels
 
-    request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "t")
+    request = TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
     trial = Trial(docker_runtime, request, on_phase=on_phase)
     result = trial.run()
     assert result.exception_info is None
@@ -262,7 +263,7 @@ def test_cancel_removes_the_container_within_a_second(
     running = threading.Event()
     trial = Trial(
         docker_runtime,
-        TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"),
+        TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t")),
         on_phase=lambda phase: running.set() if phase == "agent" else None,
     )
     results: list[TrialResult] = []

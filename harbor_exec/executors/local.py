@@ -32,18 +32,13 @@ from harbor_exec.executors.base import (
     TrialHandle,
     TrialRun,
 )
-from harbor_exec.executors.spec import (
-    ModelEndpoint,
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-    trial_request,
-)
+from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets, trial_request
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)

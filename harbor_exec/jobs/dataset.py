@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from harbor_exec.errors import CancelledError, HarborExecError, TaskError, TrialPhase, is_exception
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec, trial_request
+from harbor_exec.executors.spec import TrialSecrets, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ def create_trial(
     on_phase: PhaseCallback | None = None,
 ) -> Trial:
     """The trial that runs ``request``: its task's kind picks the class."""
-    kind = MultiStepTrial if request.task.is_multi_step else Trial
+    kind = MultiStepTrial if request.spec.task.is_multi_step else Trial
     return kind(runtime, request, on_phase=on_phase)
 
 

@@ -163,7 +163,7 @@ class MultiStepTrial(Trial):
 
     def check_supported(self) -> None:
         """Refuse, before anything is built, what harbor-exec does not run for steps."""
-        task, request = self.request.task, self.request
+        task, request = self.request.spec.task, self.request
         for index, step in enumerate(task.steps, start=1):
             where = f"[[steps]] #{index} ({step.name!r})"
             own = task.step_dir(step.name) / "tests"
@@ -209,7 +209,8 @@ class MultiStepTrial(Trial):
         if self.exception is not None:
             return
         request = self.request
-        task, agent = request.task, request.agent
+        spec, agent = request.spec, request.agent
+        task = spec.task
         now = utcnow()
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
         result.step_results = []
@@ -223,7 +224,9 @@ class MultiStepTrial(Trial):
                 step_result = StepResult(step_name=step.name)
                 result.step_results.append(step_result)
                 view = task.for_step(step)
-                request.task, request.agent = view, _agent_for_step(agent, view)
+                # The trial reads the step's view of the task and its agent for the step.
+                request.spec = replace(spec, task=view)
+                request.agent = _agent_for_step(agent, view)
                 session.task = view
                 try:
                     last = step is task.steps[-1]
@@ -236,10 +239,10 @@ class MultiStepTrial(Trial):
                         samples.append(self.agent_sample)
                     self._archive_step(step)
                 tests_used = step_result.verifier is not None and not self._separate(step)
-                if should_stop(step.config, step_result, verify=request.verify):
+                if should_stop(step.config, step_result, verify=request.spec.verify):
                     break
         finally:
-            request.task, request.agent = task, agent
+            request.spec, request.agent = spec, agent
             session.task = task
         strategy = task.config.multi_step_reward_strategy
         result.verifier_result = select_reward(strategy, result.step_results)
@@ -252,11 +255,11 @@ class MultiStepTrial(Trial):
         """Whether ``step`` verifies in a fresh container (the operator's policy, the
         bundled grader's mode, else the step's or the task's ``environment_mode``)."""
         request = self.request
-        if request.policy.verifier_mode == "separate":
+        if request.spec.policy.verifier_mode == "separate":
             return True
         if request.verifier is not None and request.verifier.bundled_grader:
-            return request.policy.grader_verifier_mode == "separate"
-        return step_verifier_mode(request.task, step.config) == "separate"
+            return request.spec.policy.grader_verifier_mode == "separate"
+        return step_verifier_mode(request.spec.task, step.config) == "separate"
 
     def _run_step(
         self,
@@ -293,13 +296,13 @@ class MultiStepTrial(Trial):
             step_result.verifier_result = scratch.verifier_result
         else:
             self.download_logs(session.container_id)
-            self.artifacts.collect(session.container_id, self.request.task)
+            self.artifacts.collect(session.container_id, self.request.spec.task)
             self.record_agent_overflow()
 
     def _prepare_step(self, session: TrialSession, step: TaskStep, *, reset_tests: bool) -> None:
         """Harbor's ``_prepare_step``: reset the log dirs, place the step's files, copy its
         workdir, run its ``setup.sh`` and its healthcheck."""
-        view, runtime = self.request.task, self.runtime
+        view, runtime = self.request.spec.task, self.runtime
         self._resolve_step_users(session, view)
         entries = [ArchiveEntry("/logs/agent", None, 0o777, fresh=True)]
         if reset_tests:
@@ -351,7 +354,7 @@ class MultiStepTrial(Trial):
 
     def _archive_step(self, step: TaskStep) -> None:
         """Move what the step wrote under the trial dir into ``steps/<name>/``."""
-        self.artifacts.write_manifest(self.request.task)
+        self.artifacts.write_manifest(self.request.spec.task)
         target = self.dir / "steps" / step.name
         for part in _STEP_PARTS:
             source = self.dir / part

@@ -43,14 +43,14 @@ import secrets as secrets_module
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 from harbor_exec.agents.base import Agent, AgentRun
-from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
+from harbor_exec.agents.native.layer import ensure_agent_layer
 from harbor_exec.agents.oracle import OracleAgent
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
@@ -84,7 +84,7 @@ from harbor_exec.sandbox.archives import (
     tree_entries,
     write_archive,
 )
-from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
+from harbor_exec.sandbox.deps import bake_deps_into_image, ensure_deps_env
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -114,6 +114,7 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.session import TrialSession
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
@@ -178,26 +179,16 @@ def ensure_task_image(
 
 @dataclass
 class TrialRequest:
-    """Everything one trial needs; plain values only."""
+    """A runnable trial: its ``spec`` (what the trial is, plain data) and what this
+    machine made of it to run: the agent, the verifier, the values to scrub, the mounts
+    (``harbor_exec.executors.spec.trial_request`` makes one from a spec)."""
 
-    task: Task
-    trials_dir: Path
+    spec: TrialSpec
+    #: The agent that runs (the spec's agent kind made it; the oracle by default).
     agent: Agent = field(default_factory=OracleAgent)
     verifier: TestsVerifier | None = None  # None: the task's own tests/
-    verify: bool = True
-    trial_name: str | None = None
-    source: str | None = None
-    image: str | None = None  # run on this image instead of the task's own
-    agent_timeout_sec: float | None = None  # override [agent].timeout_sec
-    verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
-    labels: Mapping[str, str] = field(default_factory=dict)
-    rollout_id: str | None = None
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
-    deps: DepsLayer | None = None  # a bundle's dependency environment (its own volume)
-    #: An in-container native agent's prebuilt layer (its own volume, agent's container only).
-    agent_layer: AgentLayer | None = None
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
 class Trial:
@@ -216,15 +207,15 @@ class Trial:
         *,
         on_phase: PhaseCallback | None = None,
     ) -> None:
-        if request.task.is_multi_step and not self.runs_steps:
+        if request.spec.task.is_multi_step and not self.runs_steps:
             raise TypeError(
-                f"{request.task.name} is a multi-step task: it runs as a MultiStepTrial "
+                f"{request.spec.task.name} is a multi-step task: it runs as a MultiStepTrial "
                 "(harbor_exec.trial.factory.create_trial picks the class)"
             )
         self.runtime = runtime
         self.request = request
-        self.name = request.trial_name or new_trial_name(request.task.name)
-        self.dir = request.trials_dir / self.name
+        self.name = request.spec.trial_name or new_trial_name(request.spec.task.name)
+        self.dir = request.spec.trials_dir / self.name
         self.images_built = 0  # task image and dependency layer built by this trial
         self._on_phase = on_phase
         self._cancelled = threading.Event()
@@ -243,23 +234,23 @@ class Trial:
         self.default_user = ""
         #: ``artifacts/``: ``/logs/artifacts`` and the declared ones, on the same budget.
         self.artifacts = TrialArtifacts(
-            runtime, self.dir, limits=request.policy.output, budget=self._agent_copy
+            runtime, self.dir, limits=request.spec.policy.output, budget=self._agent_copy
         )
         self._verifier_copy = ExtractReport()
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
-        self.image = request.image or ""
+        self.image = request.spec.image or ""
         self.deps_volume: str | None = None  # the dependency environment, once ensured
         self.deps_baked = False  # ... and baked into ``self.image`` (``deps_in_image``)
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
         self.network_plan = network_plan(
-            request.task.config, separate_verifier=self.verifier_mode == "separate"
+            request.spec.task.config, separate_verifier=self.verifier_mode == "separate"
         )
         #: This trial's use of the server's package cache (None: not through it).
         self._package_cache = self._cache_session()
-        egress = request.policy.egress
+        egress = request.spec.policy.egress
         if self._package_cache is not None:
             egress = replace(egress, upstream=self._package_cache.upstream)
         self._egress = TrialEgress(self.name, self.dir, egress)
@@ -352,14 +343,14 @@ class Trial:
     # ----------------------------------------------------------------- run
 
     def run(self) -> TrialResult:
-        request, task = self.request, self.request.task
+        request, task = self.request, self.request.spec.task
         self.dir.mkdir(parents=True, exist_ok=True)
         result = TrialResult(
             task_name=task.name,
             trial_name=self.name,
             trial_uri=self.dir.resolve().as_uri(),
             task_id=task.origin or {"path": str(task.path)},
-            source=request.source,
+            source=request.spec.source,
             task_checksum=task.checksum(),
             config=self._config_summary(),
             agent_info=request.agent.info,
@@ -369,7 +360,7 @@ class Trial:
         )
         session: TrialSession | None = None
         if self._package_cache is not None:
-            egress = request.policy.egress
+            egress = request.spec.policy.egress
             self._package_cache.begin(egress.overrides, dns=egress.dns)
         try:
             self.check_supported()
@@ -407,18 +398,18 @@ class Trial:
         return self.request.verifier or TestsVerifier(task.tests_dir)
 
     def _cache_session(self) -> TrialPackageCache | None:
-        service = self.request.policy.package_cache
+        service = self.request.spec.policy.package_cache
         if service is None:
             return None
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
         from harbor_exec.network.packages.session import TrialPackageCache, wanted
 
-        if not wanted(service, self.request.task):
+        if not wanted(service, self.request.spec.task):
             return None
         phases = (self.network_plan.agent, self.network_plan.verifier)
         if all(p.mode is EgressMode.NO_NETWORK for p in phases):
             return None  # nothing to fetch, nothing to record
-        return TrialPackageCache(service, self.request.task)
+        return TrialPackageCache(service, self.request.spec.task)
 
     def _cached(self, kind: ContainerKind) -> bool:
         """Whether ``kind``'s container reaches the network through the package cache."""
@@ -427,28 +418,28 @@ class Trial:
         return any(p.mode is not EgressMode.NO_NETWORK for p in self.network_plan.phases(kind))
 
     def _config_summary(self) -> dict[str, object]:
-        request, config = self.request, self.request.task.config
+        request, config = self.request, self.request.spec.task.config
         return {
-            "task": {"path": str(request.task.path), "source": request.source},
+            "task": {"path": str(request.spec.task.path), "source": request.spec.source},
             "trial_name": self.name,
-            "trials_dir": str(request.trials_dir),
+            "trials_dir": str(request.spec.trials_dir),
             "agent": {"name": request.agent.info.name},
             "timeouts": {
-                "agent_sec": request.agent_timeout_sec or config.agent.timeout_sec,
-                "verifier_sec": request.verifier_timeout_sec or config.verifier.timeout_sec,
+                "agent_sec": request.spec.agent_timeout_sec or config.agent.timeout_sec,
+                "verifier_sec": request.spec.verifier_timeout_sec or config.verifier.timeout_sec,
                 "build_sec": config.environment.build_timeout_sec,
             },
-            "verify": request.verify,
+            "verify": request.spec.verify,
             "verifier_environment_mode": self.verifier_mode,
-            "rollout_id": request.rollout_id,
+            "rollout_id": request.spec.rollout_id,
         }
 
     def _choose_verifier_mode(self) -> VerifierMode:
-        if self.request.policy.verifier_mode == "separate":
+        if self.request.spec.policy.verifier_mode == "separate":
             return "separate"
         if self.request.verifier is not None and self.request.verifier.bundled_grader:
-            return self.request.policy.grader_verifier_mode
-        config = self.request.task.config.verifier
+            return self.request.spec.policy.grader_verifier_mode
+        config = self.request.spec.task.config.verifier
         if config.environment_mode in ("shared", "separate"):
             return "separate" if config.environment_mode == "separate" else "shared"
         return "separate" if config.environment is not None else "shared"
@@ -470,7 +461,7 @@ class Trial:
         mounts: Sequence[Mount],
         gpus: int = 0,
     ) -> ContainerSpec:
-        request, task, policy = self.request, self.request.task, self.request.policy
+        request, task, policy = self.request, self.request.spec.task, self.request.spec.policy
         image_labels = self.runtime.image_labels(image)
         label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
@@ -495,11 +486,11 @@ class Trial:
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
             labels={
-                **request.labels,
+                **request.spec.labels,
                 LABEL_TRIAL: self.name,
                 LABEL_TASK: task.name,
                 LABEL_KIND: kind,
-                **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
+                **({LABEL_ROLLOUT: request.spec.rollout_id} if request.spec.rollout_id else {}),
             },
             env=env,
             cpus=limits.cpus,
@@ -530,7 +521,7 @@ class Trial:
         """A compose task's sidecars, started around ``spec``'s container (the agent's,
         or a separate verifier's from the task's own environment, as Harbor starts a
         whole new project for it); ``spec`` joined to their network."""
-        task = self.request.task
+        task = self.request.spec.task
         verifier_env = task.config.verifier.environment
         if not is_compose_task(task) or (
             spec.labels.get(LABEL_KIND) == "verifier"
@@ -539,7 +530,7 @@ class Trial:
             )
         ):
             return spec
-        project, images, built = prepare_images(self.runtime, task, self.request.policy)
+        project, images, built = prepare_images(self.runtime, task, self.request.spec.policy)
         self.images_built += built
         compose = ComposeEnvironment(
             self.runtime,
@@ -567,7 +558,7 @@ class Trial:
         """Refuse, before anything is built, the ``[environment]`` fields Harbor 0.26
         refuses on its Docker environment (a TPU slice) or for agents without the
         capability (MCP servers, skills: the oracle ignores both, as in Harbor)."""
-        task = self.request.task
+        task = self.request.spec.task
         env = task.config.environment
         if env.tpu is not None:
             raise TaskConfigError(
@@ -599,7 +590,7 @@ class Trial:
     def _check_gpus(self) -> int:
         """GPUs to request; ``GpuUnavailableError`` before anything starts when the task
         needs some and the engine has none (Harbor refuses such tasks too)."""
-        env = self.request.task.config.environment
+        env = self.request.spec.task.config.environment
         wanted = env.gpus or 0
         if wanted <= 0:
             return 0
@@ -607,35 +598,37 @@ class Trial:
         if available == 0 or 0 < available < wanted:
             types = f" of type {', '.join(env.gpu_types)}" if env.gpu_types else ""
             raise GpuUnavailableError(
-                f"task {self.request.task.name}: [environment].gpus = {wanted}{types} but the "
+                f"task {self.request.spec.task.name}: [environment].gpus = {wanted}{types} but the "
                 f"Docker engine has {available if available > 0 else 'no'} GPU(s) to give "
                 "(install the NVIDIA container toolkit, or run this task elsewhere)"
             )
         return wanted
 
     def _environment(self, result: TrialResult) -> TrialSession:
-        request, task = self.request, self.request.task
+        request, task = self.request, self.request.spec.task
         env_config = task.config.environment
         self._phase(TrialPhase.ENVIRONMENT)
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
             self._check_environment_fields()
             gpus = self._check_gpus()
-            if request.image is None:
-                self.image, built = ensure_task_image(self.runtime, task, request.policy)
+            if request.spec.image is None:
+                self.image, built = ensure_task_image(self.runtime, task, request.spec.policy)
                 self.images_built += built
-            if request.deps is not None:
-                self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)
+            if request.spec.deps is not None:
+                self.deps_volume, built = ensure_deps_env(
+                    self.runtime, request.spec.deps, self.image
+                )
                 self.images_built += built
-                if request.policy.deps_in_image:
+                if request.spec.policy.deps_in_image:
                     self.image, built = bake_deps_into_image(
                         self.runtime, self.image, self.deps_volume, scratch=self.dir
                     )
                     self.images_built += built
                     self.deps_baked = True
-            if request.agent_layer is not None:
+            if request.spec.agent.layer is not None:
                 self.agent_volume, built = ensure_agent_layer(
-                    self.runtime, request.agent_layer, self.image
+                    self.runtime, request.spec.agent.layer, self.image
                 )
                 self.images_built += built
             self.check_cancelled()
@@ -681,7 +674,7 @@ class Trial:
         """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
         ``container_id`` (created from ``image``, not started). A user left unset is
         the image's USER, as in Harbor."""
-        task = self.request.task
+        task = self.request.spec.task
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
         if image == self.image and self.accounts is None:
@@ -697,7 +690,7 @@ class Trial:
             except UnknownUserError as exc:
                 where = f"[{role}].user" if wanted is user else f"the image {image}'s USER"
                 raise TaskConfigError(
-                    self.request.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
+                    self.request.spec.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
                 ) from None
         return resolved
 
@@ -706,7 +699,7 @@ class Trial:
         HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
         ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
         ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
-        self.run_healthcheck(session, self.request.task.config.environment.healthcheck)
+        self.run_healthcheck(session, self.request.spec.task.config.environment.healthcheck)
 
     def run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
         if check is None:
@@ -736,12 +729,12 @@ class Trial:
         request = self.request
         now = utcnow()
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
-        timeout = request.agent_timeout_sec
+        timeout = request.spec.agent_timeout_sec
         if timeout is None:
-            timeout = request.task.agent_timeout_sec
+            timeout = request.spec.task.agent_timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
-        limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
+        limits = ContainerLimits.resolve(request.spec.policy, request.spec.task.config.environment)
         watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
         self._enter_egress("agent", session.container_id)
         try:
@@ -800,15 +793,15 @@ class Trial:
             (self.dir / "agent" / "exit-code.txt").write_text(f"{run.exit_code}\n")
 
     def should_verify(self) -> bool:
-        if not self.request.verify or self._container_id is None or self.cancelled:
+        if not self.request.spec.verify or self._container_id is None or self.cancelled:
             return False
         if self._exception is None:
             return True
         return policy_for(self._exception.exception_type).should_grade
 
     def _verifier_timeout(self) -> float | None:
-        timeout = self.request.verifier_timeout_sec
-        return self.request.task.verifier_timeout_sec if timeout is None else timeout
+        timeout = self.request.spec.verifier_timeout_sec
+        return self.request.spec.task.verifier_timeout_sec if timeout is None else timeout
 
     def _run_verifier(
         self,
@@ -820,7 +813,7 @@ class Trial:
     ) -> None:
         """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
         read ``/logs/verifier`` through the engine and parse the reward."""
-        task = self.request.task
+        task = self.request.spec.task
         verifier = self.verifier_for(task)
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
@@ -841,7 +834,7 @@ class Trial:
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
     def verify_shared(self, session: TrialSession, result: TrialResult) -> None:
-        self.artifacts.collect(session.container_id, self.request.task)
+        self.artifacts.collect(session.container_id, self.request.spec.task)
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
@@ -891,7 +884,7 @@ class Trial:
         wrote is charged to the verifier's timeout or crowds its own outputs.
         ``keep_agent``: the agent's container stays for a later step (multi-step tasks);
         the verifier's is removed once it is done."""
-        task = self.request.task
+        task = self.request.spec.task
         agent_id: str | None = None
         with tempfile.TemporaryFile(dir=self.dir) as handover:
             self._pack_handover(session.container_id, handover)
@@ -939,7 +932,7 @@ class Trial:
             (local, path)
             for local, path in [
                 *self.artifacts.convention_artifacts(),
-                *self.artifacts.collect(container_id, self.request.task),
+                *self.artifacts.collect(container_id, self.request.spec.task),
             ]
             if not PurePosixPath(path).is_relative_to(BUNDLE_ROOT)
         ]
@@ -984,7 +977,7 @@ class Trial:
         """Harbor's order: ``[verifier.environment].docker_image``; an image built from
         ``tests/Dockerfile`` (both bundle the tests); else the trial's own image, with
         ``tests/`` uploaded. Returns ``(image, upload_tests)``."""
-        task = self.request.task
+        task = self.request.spec.task
         config = task.config.verifier.environment
         if config is not None and config.docker_image:
             self.runtime.ensure_present(config.docker_image)
@@ -1005,7 +998,7 @@ class Trial:
         failure is noted in ``collect-hooks.txt``, never the trial's), each under its
         ``timeout_sec``, as its ``user`` (resolved from the image's account files as
         read before the agent ran)."""
-        hooks = self.request.task.config.verifier.collect
+        hooks = self.request.spec.task.config.verifier.collect
         if not hooks or self.accounts is None:
             return
         notes: list[str] = []
@@ -1016,7 +1009,7 @@ class Trial:
             except UnknownUserError as exc:
                 notes.append(f"{hook.command!r}: user {wanted!r}: {exc}")
                 continue
-            session = TrialSession(self.runtime, container_id, self.request.task)
+            session = TrialSession(self.runtime, container_id, self.request.spec.task)
             ran = session.bash(hook.command, user=user, timeout_sec=hook.timeout_sec)
             if ran.timed_out or ran.exit_code != 0:
                 how = "timed out" if ran.timed_out else f"exited with code {ran.exit_code}"
@@ -1037,7 +1030,7 @@ class Trial:
         """``/logs/verifier`` into ``verifier/``, as its own archive on its own budget
         (``SandboxPolicy.verifier_output``), and the grader's exchange files."""
         self._verifier_logs_read = True
-        limits, report, target = self.request.policy.verifier_output, ExtractReport(), self.dir
+        limits, report, target = self.request.spec.policy.verifier_output, ExtractReport(), self.dir
         stream = self.runtime.get_archive(container_id, "/logs/verifier")
         if stream is not None:
             extract_archive(stream, target / "verifier", limits=limits, report=report)
@@ -1063,11 +1056,11 @@ class Trial:
             extract_archive(
                 stream,
                 self.dir,
-                limits=self.request.policy.output,
+                limits=self.request.spec.policy.output,
                 report=self._agent_copy,
                 routes=routes,
             )
-            self.artifacts.drop_convention_excludes(self.request.task)
+            self.artifacts.drop_convention_excludes(self.request.spec.task)
         self._pin_agent_sample()  # the container's sample.json may have been rewritten
         secrets = self.request.secrets
         self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
@@ -1076,7 +1069,7 @@ class Trial:
         """Record a spent agent budget (after the verifier's own outcome, which wins)."""
         copy = self._agent_copy
         if copy.incomplete:
-            limits = self.request.policy.output
+            limits = self.request.spec.policy.output
             cap = {
                 "bytes": f"{limits.max_total_bytes} bytes",
                 "files": f"{limits.max_files} files",
@@ -1121,7 +1114,7 @@ class Trial:
             if not self.cancelled:
                 self.download_logs(container_id)
                 # As Harbor's recovery does when the trial stopped before its verifier.
-                self.artifacts.collect(container_id, self.request.task)
+                self.artifacts.collect(container_id, self.request.spec.task)
                 self.record_agent_overflow()
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
@@ -1136,7 +1129,7 @@ class Trial:
 
     def _write(self, result: TrialResult) -> None:
         self._write_copy_notes()
-        self.artifacts.write_manifest(self.request.task)
+        self.artifacts.write_manifest(self.request.spec.task)
         if self._exception is not None:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
