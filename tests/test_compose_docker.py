@@ -163,9 +163,10 @@ from pathlib import Path
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
-run_trial(DockerRuntime(), TrialRequest(task=load_task(sys.argv[1]), trials_dir=Path(sys.argv[2]),
-          trial_name=sys.argv[3]))
+run_trial(DockerRuntime(), TrialRequest(TrialSpec(task=load_task(sys.argv[1]),
+          trials_dir=Path(sys.argv[2]), trial_name=sys.argv[3])))
 """
 
 
