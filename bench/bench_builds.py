@@ -26,7 +26,8 @@ from pathlib import Path
 
 from harbor_exec.jobs.prewarm import PrewarmOutcome, prewarm_tasks
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import Task, discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.trial import image_tag_for
 
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")

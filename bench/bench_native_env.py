@@ -45,7 +45,8 @@ from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
 from harbor_exec.container.exchange import RUNTIME_TMUX
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import Task, load_task
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 
@@ -172,7 +173,9 @@ def main() -> None:
             root / "tasks", "bench-native", dockerfile=f"FROM {BASE_IMAGE}\nWORKDIR /app\n"
         )
         agent = BenchAgent(args.turns, root / "scratch", runtime, with_harbor)
-        request = TrialRequest(task=load_task(task), trials_dir=root / "trials", agent=agent)
+        request = TrialRequest(
+            TrialSpec(task=load_task(task), trials_dir=root / "trials"), agent=agent
+        )
         result = Trial(runtime, request).run()
         assert result.exception_info is None, result.exception_info
     runtime.close()

@@ -41,8 +41,8 @@ from harbor_exec.network.packages.ca import LocalCA
 from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
 from harbor_exec.trial.trial import image_tag_for
 from tests.package_upstream import Upstream, serve_upstream, sni_context
 from tests.test_build_cache_docker import build_tasks

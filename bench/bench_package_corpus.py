@@ -49,9 +49,12 @@ from harbor_exec.network.packages.service import PackageCacheConfig, PackageCach
 from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest, image_tag_for
 from tests.package_upstream import sni_context
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
@@ -142,9 +145,11 @@ def _trial(
     result = run_trial(
         runtime,
         TrialRequest(
-            task=task,
-            trials_dir=trials,
-            policy=SandboxPolicy(package_cache=service, egress=egress),
+            TrialSpec(
+                task=task,
+                trials_dir=trials,
+                policy=SandboxPolicy(package_cache=service, egress=egress),
+            )
         ),
     )
     trial_dir = trials / result.trial_name

@@ -59,7 +59,7 @@ from bench.bench_package_corpus import (
 )
 from bench.harbor_docker import cache_route, compose_v2_available, remove_harbor_images
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 
 if TYPE_CHECKING:
     from harbor.models.trial.result import TrialResult as HarborResult

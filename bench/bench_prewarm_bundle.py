@@ -23,7 +23,7 @@ from pathlib import Path
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import build_bundle
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
 from harbor_exec.trial.trial import image_tag_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from pathlib import Path
 from harbor_exec.jobs.prewarm import PrewarmEvent, prewarm_tasks, tally
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
-from harbor_exec.trial.task import discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
 from harbor_exec.trial.trial import image_tag_for
 
 

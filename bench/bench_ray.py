@@ -28,8 +28,8 @@ TASK = ROOT / "tasks_examples" / "dataset" / "hello-shell"
 
 
 async def _batch(executor: object, count: int, concurrency: int, trials: Path) -> list[float]:
-    from harbor_exec.executors.spec import TrialSpec
-    from harbor_exec.trial.task import load_task
+    from harbor_exec.tasks.task import load_task
+    from harbor_exec.trial.spec import TrialSpec
 
     task = load_task(TASK)
     gate = asyncio.Semaphore(concurrency)

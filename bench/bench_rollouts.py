@@ -38,7 +38,7 @@ from harbor_exec.bundler import build_bundle  # noqa: E402
 from harbor_exec.client import RolloutClient  # noqa: E402
 from harbor_exec.sandbox.docker import DockerRuntime  # noqa: E402
 from harbor_exec.server.app import create_rollout_server  # noqa: E402
-from harbor_exec.trial.task import load_task  # noqa: E402
+from harbor_exec.tasks.task import load_task  # noqa: E402
 from harbor_exec.trial.trial import ensure_task_image  # noqa: E402
 from tests.fake_chat import FakeChat  # noqa: E402
 from tests.server_utils import serve, wait_until  # noqa: E402

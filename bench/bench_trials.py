@@ -26,14 +26,12 @@ import docker.types
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.seccomp import SeccompProfiles
-from harbor_exec.trial.task import Task, discover_tasks
-from harbor_exec.trial.trial import (
-    ContainerLimits,
-    SandboxPolicy,
-    TrialRequest,
-    ensure_task_image,
-    run_trial,
-)
+from harbor_exec.tasks.discovery import discover_tasks
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image
 
 ROOT = Path(__file__).resolve().parent.parent
 SECCOMP = SeccompProfiles()
@@ -115,7 +113,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="hx-bench-"))
 
     def ours(task: Task) -> None:
-        result = run_trial(runtime, TrialRequest(task=task, trials_dir=scratch))
+        result = run_trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=scratch)))
         assert result.reward_valid, (task.name, result.exception_info)
 
     def floor(task: Task) -> None:

@@ -23,9 +23,12 @@ from harbor_exec.network.packages.service import PackageCacheService
 from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_OWNER
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, image_tag_for, run_trial
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest, image_tag_for
 from tests.task_factory import make_compose_task, make_task
 from tests.test_package_cache_docker import (  # the mirror fixture and its helpers
     DEB,
@@ -253,7 +256,8 @@ def test_a_compose_tasks_sidecar_image_builds_through_the_cache(
     try:
         policy = SandboxPolicy(package_cache=service, egress=_egress(upstream))
         result = run_trial(
-            docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials", policy=policy)
+            docker_runtime,
+            TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy)),
         )
         assert result.exception_info is None, result.exception_info
         assert result.reward == 1.0

@@ -21,8 +21,9 @@ from harbor_exec.network.packages.service import PackageCacheConfig, PackageCach
 from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.runtime import LABEL_KIND
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, ensure_task_image
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.trial import ensure_task_image
 from tests.fake_runtime import FakeRuntime
 from tests.task_factory import make_task
 

@@ -26,8 +26,10 @@ from harbor_exec.sandbox.deps import DEPS_VOLUME_PREFIX
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.images import build_cache_report
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_MANAGED, ContainerSpec
-from harbor_exec.trial.task import discover_tasks
-from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for, run_trial
+from harbor_exec.tasks.discovery import discover_tasks
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +155,8 @@ def test_example_dataset_same_image_from_both_builders(
         # And both run the task's oracle trial to the same full reward.
         for image in (new, old):
             result = run_trial(
-                docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "t", image=image)
+                docker_runtime,
+                TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t", image=image)),
             )
             assert is_full_reward(result), (task.name, result.exception_info)
 
@@ -449,7 +452,7 @@ def test_deps_in_image_bakes_the_install_into_a_layer_once(
     builds nothing; the separate verifier still gets the read-only volume."""
     from harbor_exec.bundler import build_bundle
     from harbor_exec.sandbox.deps import BAKED_IMAGE_REPO, DepsLayer
-    from harbor_exec.trial.task import load_task
+    from harbor_exec.tasks.task import load_task
     from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 
     bundle = build_bundle(EXAMPLE_DIR, cache_dir=tmp_path / "bundles", **EXAMPLE_REFS)
@@ -469,9 +472,8 @@ def test_deps_in_image_bakes_the_install_into_a_layer_once(
     )
     built: list[int] = []
     for _ in range(2):
-        request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "trials")
-        request.deps = deps
-        request.policy = replace(request.policy, deps_in_image=True)
+        spec = TrialSpec(task=load_task(task), trials_dir=tmp_path / "trials", deps=deps)
+        request = TrialRequest(replace(spec, policy=replace(spec.policy, deps_in_image=True)))
         trial = Trial(docker_runtime, request)
         result = trial.run()
         assert result.exception_info is None, result.exception_info

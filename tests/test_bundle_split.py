@@ -30,8 +30,8 @@ from harbor_exec.bundler.split import split_bundle
 from harbor_exec.container.exchange import MANIFEST_PATH, USER_CODE_DIR
 from harbor_exec.executors.spec import trial_request
 from harbor_exec.protocol import ExecutionRequest
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import SandboxPolicy
 from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     EXAMPLE_REFS,
     GRADER_MODULE,

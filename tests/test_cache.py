@@ -8,7 +8,7 @@ import pytest
 
 from harbor_exec.bundler.cache import default_cache_dir
 from harbor_exec.cache import BUILD_LOGS, BUNDLES, SNAPSHOTS, cache_root
-from harbor_exec.trial.task import snapshot_task
+from harbor_exec.tasks.snapshots import snapshot_task
 
 
 def test_root_is_the_setting_else_the_user_cache(

@@ -12,9 +12,12 @@ import pytest
 from harbor_exec.errors import EnvironmentStartError, TaskConfigError
 from harbor_exec.jobs.prewarm import prewarm_one
 from harbor_exec.sandbox.runtime import LABEL_KIND, LABEL_TRIAL
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest, run_trial
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.task_factory import make_multi_step_task, make_task
 
@@ -121,7 +124,7 @@ def test_trial_starts_sidecars_first_on_the_trials_network_and_removes_everythin
     env = task.environment_dir.resolve()
     patch_model(monkeypatch, model(env, db=db(env)))
     runtime = FakeRuntime()
-    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials"))
+    result = run_trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials")))
     assert result.exception_info is None, result.exception_info
     containers = list(runtime.containers.values())
     sidecar, main = containers[0], containers[1]
@@ -147,7 +150,7 @@ def test_an_unhealthy_sidecar_fails_the_environment_and_leaves_nothing(
     env = task.environment_dir.resolve()
     patch_model(monkeypatch, model(env, db=db(env)))
     runtime = FakeRuntime(health=lambda container: "unhealthy")
-    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials"))
+    result = run_trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials")))
     assert result.exception_type == "EnvironmentStartError"
     assert all(c.removed for c in runtime.containers.values())
     assert runtime.networks == {} and runtime.trial_volumes == {}
@@ -161,7 +164,8 @@ def test_main_waits_until_its_dependency_is_healthy(
     healthy = threading.Event()
     runtime = FakeRuntime(health=lambda c: "healthy" if healthy.is_set() else "starting")
     worker = threading.Thread(
-        target=run_trial, args=(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
+        target=run_trial,
+        args=(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t"))),
     )
     worker.start()
     try:
@@ -183,7 +187,7 @@ def test_cancel_mid_agent_removes_sidecars_network_and_volumes(
     env = task.environment_dir.resolve()
     patch_model(monkeypatch, model(env, db=db(env)))
     runtime = FakeRuntime(solve=lambda container: HOLD)
-    trial = Trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
+    trial = Trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t")))
     worker = threading.Thread(target=trial.run)
     worker.start()
     assert runtime.gate.wait_held(1)
@@ -210,7 +214,7 @@ def test_no_network_task_gets_an_internal_network(
         return original(name, labels, internal=internal)
 
     runtime.create_network = record  # type: ignore[method-assign]
-    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
+    result = run_trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t")))
     assert result.exception_info is None, result.exception_info
     assert seen == [{"internal": "True"}]
 
@@ -232,7 +236,9 @@ def test_a_separate_verifier_gets_a_fresh_compose_project(
 
     runtime.create_network = record  # type: ignore[method-assign]
     policy = SandboxPolicy(verifier_mode="separate")
-    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t", policy=policy))
+    result = run_trial(
+        runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t", policy=policy))
+    )
     assert result.exception_info is None, result.exception_info
     assert result.verifier_environment_mode == "separate"
     kinds = [c.spec.labels[LABEL_KIND] for c in runtime.containers.values()]
@@ -282,7 +288,7 @@ def test_multi_step_separate_verifiers_keep_the_agents_project_and_leave_nothing
         return original(name, labels, internal=internal)
 
     runtime.create_network = record  # type: ignore[method-assign]
-    result = run_trial(runtime, TrialRequest(task=task, trials_dir=tmp_path / "t"))
+    result = run_trial(runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "t")))
     assert result.exception_info is None, result.exception_info
     assert [s.verifier_result.rewards for s in result.step_results or [] if s.verifier_result] == [
         {"reward": 1},

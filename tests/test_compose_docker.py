@@ -18,9 +18,11 @@ import pytest
 
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, LABEL_MANAGED, LABEL_TRIAL
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_compose_task as compose_task
 
@@ -39,7 +41,7 @@ def ours(trial: str) -> list[str]:
 
 
 def run(runtime: DockerRuntime, task: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(task=load_task(task), trials_dir=trials))
+    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task), trials_dir=trials)))
 
 
 def test_oracle_earns_1_through_its_sidecar_and_nothing_is_left(
@@ -95,7 +97,9 @@ def test_sidecar_hardening_limits_labels_and_order(
     limits and labels, on an internal-or-bridge network of the trial's own."""
     solve = "echo 42 > /app/expected; sleep 20"
     task = compose_task(tmp_path, "compose-inspect", solve=solve)
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
+    trial = Trial(
+        docker_runtime, TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
+    )
     worker = threading.Thread(target=trial.run)
     worker.start()
     client = docker.from_env()
@@ -133,7 +137,9 @@ def test_sidecar_hardening_limits_labels_and_order(
 
 def test_cancel_mid_agent_leaves_nothing(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
     task = compose_task(tmp_path, "compose-cancel", solve="sleep 60")
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
+    trial = Trial(
+        docker_runtime, TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
+    )
     results: list[TrialResult] = []
     worker = threading.Thread(target=lambda: results.append(trial.run()))
     worker.start()
@@ -155,10 +161,12 @@ _KILLED_TRIAL = """
 import sys
 from pathlib import Path
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
-run_trial(DockerRuntime(), TrialRequest(task=load_task(sys.argv[1]), trials_dir=Path(sys.argv[2]),
-          trial_name=sys.argv[3]))
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
+run_trial(DockerRuntime(), TrialRequest(TrialSpec(task=load_task(sys.argv[1]),
+          trials_dir=Path(sys.argv[2]), trial_name=sys.argv[3])))
 """
 
 

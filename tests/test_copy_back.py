@@ -10,6 +10,7 @@ import json
 import tarfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ from harbor_exec.sandbox.archives import (
     extract_archive,
     write_archive,
 )
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_task
 
@@ -189,8 +193,9 @@ def verdict_zero(container: FakeContainer) -> int:
 @pytest.mark.parametrize("mode", ["shared", "separate"])
 def test_agent_flood_is_the_agents_fault_and_the_verdict_stands(tmp_path: Path, mode: str) -> None:
     task_dir = make_task(tmp_path / "tasks", f"flood-{uuid.uuid4().hex[:6]}")
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_mode=mode, output=OutputLimits(max_files=10))  # type: ignore[arg-type]
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
+    policy = SandboxPolicy(verifier_mode=mode, output=OutputLimits(max_files=10))  # type: ignore[arg-type]
+    request.spec = replace(request.spec, policy=policy)
     result = run_trial(FakeRuntime(solve=flood, test=verdict_zero), request)
     assert result.verifier_environment_mode == mode
     assert result.exception_type == "AgentOutputLimitError"
@@ -207,8 +212,11 @@ def test_agent_flood_is_the_agents_fault_and_the_verdict_stands(tmp_path: Path, 
 
 def test_a_verifier_error_wins_over_the_agents_flood(tmp_path: Path) -> None:
     task_dir = make_task(tmp_path / "tasks", "flood-silent")
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_mode="separate", output=OutputLimits(max_files=10))
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
+    request.spec = replace(
+        request.spec,
+        policy=SandboxPolicy(verifier_mode="separate", output=OutputLimits(max_files=10)),
+    )
     result = run_trial(FakeRuntime(solve=flood, test=lambda container: 0), request)
     assert result.exception_type == "RewardFileNotFoundError"
 
@@ -221,8 +229,10 @@ def test_a_verifier_that_floods_its_own_dir_still_has_its_reward_read(tmp_path: 
         return 0
 
     task_dir = make_task(tmp_path / "tasks", "noisy-verifier")
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_output=OutputLimits(max_files=10))
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
+    request.spec = replace(
+        request.spec, policy=SandboxPolicy(verifier_output=OutputLimits(max_files=10))
+    )
     result = run_trial(FakeRuntime(test=noisy_test), request)
     assert result.exception_info is None, result.exception_info
     assert result.reward_valid and result.reward == 0.0

@@ -8,15 +8,19 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -65,8 +69,8 @@ def run_attack(
     task = make_task(
         tmp_path, name, solve=solve, test="echo 0 > /logs/verifier/reward.txt", toml=toml
     )
-    request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_mode=mode)  # type: ignore[arg-type]
+    request = TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "trials"))
+    request.spec = replace(request.spec, policy=SandboxPolicy(verifier_mode=mode))  # type: ignore[arg-type]
     started = time.monotonic()
     result = run_trial(runtime, request)
     return result, tmp_path / "trials" / result.trial_name, time.monotonic() - started

@@ -625,7 +625,7 @@ def test_the_task_format_loads_no_http_library() -> None:
     import sys
 
     code = (
-        "import sys, harbor_exec.trial.task\n"
+        "import sys, harbor_exec.tasks.discovery\n"
         "print(sorted(m for m in ('h11', 'httpcore', 'httpx') if m in sys.modules))"
     )
     ran = subprocess.run(

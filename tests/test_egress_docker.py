@@ -21,8 +21,11 @@ import pytest
 
 from harbor_exec.network.egress.plan import REFUSED_LOG, EgressSettings
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 from tests.test_egress import _cert, _Server
 
@@ -176,7 +179,7 @@ def _run_allowlisted(
     policy = SandboxPolicy(egress=EgressSettings(overrides=overrides, dns=False))
     trials = tmp_path / "trials"
     result = run_trial(
-        runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials, policy=policy)
+        runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials, policy=policy))
     )
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ from harbor_exec.container.exchange import (
     USER_CODE_DIR,
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, Trial, TrialRequest
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest
 from harbor_exec.trial.verifiers import GRADER_TEST_SH, grader_bundle_files, grader_verifier
 from harbor_exec.trial.verifiers import tests_verifier as task_tests_verifier
 from tests.fake_runtime import FakeRuntime
@@ -41,8 +44,8 @@ def mode_of(tmp_path: Path, *, grader: bool, toml: str | None = None, **policy: 
     verifier = (
         grader_verifier(b"{}", BUNDLE) if grader else task_tests_verifier(task.tests_dir, b"{}")
     )
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials", verifier=verifier)
-    request.policy = SandboxPolicy(**policy)  # type: ignore[arg-type]
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"), verifier=verifier)
+    request.spec = replace(request.spec, policy=SandboxPolicy(**policy))  # type: ignore[arg-type]
     return Trial(FakeRuntime(), request).verifier_mode
 
 

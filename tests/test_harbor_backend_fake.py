@@ -20,7 +20,7 @@ from harbor_exec.client import RolloutClient
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
 from harbor_exec.server.app import create_rollout_server
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import image_tag_for
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.server_utils import CHAT_URL, PROMPT, serve, wait_until

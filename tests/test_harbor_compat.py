@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harbor_exec.errors import TaskError
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent

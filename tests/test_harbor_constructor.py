@@ -30,8 +30,8 @@ from harbor_exec.client import RolloutClient
 from harbor_exec.container.exchange import MANIFEST_PATH, frame_sample
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.server.app import create_rollout_server
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import ContainerLimits
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import ContainerLimits
 from tests import bundle_utils
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS, setuptools_pyproject, write_project
 from tests.fake_runtime import FakeContainer, FakeRuntime

@@ -10,13 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.agents.native.layer import AgentLayer
+from harbor_exec.agents.oracle import OracleAgentSpec
 from harbor_exec.bundler import build_bundle
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.container.exchange import AGENT_MOUNT, DEPS_MOUNT, RUNTIME_MOUNT
 from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.task_factory import make_task
 
@@ -46,6 +50,18 @@ try() {{ if ( eval "$2" ) >/dev/null 2>&1; then echo "\\"$1\\": \\"ok\\","; else
 }} > /logs/agent/attack.json
 """
 
+
+class OracleWithLayer(OracleAgentSpec):
+    """Harbor's oracle, with a prepared agent layer that the trial mounts."""
+
+    def __init__(self, layer: AgentLayer) -> None:
+        self._layer = layer
+
+    @property
+    def layer(self) -> AgentLayer | None:
+        return self._layer
+
+
 SURVEY = f"""
 digest() {{ find {PATHS} -type f -print0 2>/dev/null | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64; }}
 echo "{{\\"digest\\": \\"$(digest)\\", \\"files\\": $(find {PATHS} -type f | wc -l)}}" > /logs/agent/survey.json
@@ -62,8 +78,9 @@ def test_a_root_agent_cannot_change_the_runtime_the_deps_or_an_agent_layer(
 
     def oracle(name: str, solve: str) -> dict[str, object]:
         task = make_task(tmp_path / "tasks", name, solve=solve)
-        request = TrialRequest(task=load_task(task), trials_dir=trials)
-        request.deps, request.agent_layer = deps, layer
+        agent = OracleWithLayer(layer)  # the oracle, with a native agent's layer mounted
+        spec = TrialSpec(task=load_task(task), trials_dir=trials, agent=agent, deps=deps)
+        request = TrialRequest(spec)
         result = run_trial(docker_runtime, request)
         assert result.exception_info is None, result.exception_info
         out = trials / result.trial_name / "agent"

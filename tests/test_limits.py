@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ from harbor_exec.cli import sandbox
 from harbor_exec.errors import DiskBudgetExceededError, TrialPhase, is_exception, policy_for
 from harbor_exec.sandbox import disk
 from harbor_exec.sandbox.disk import WritableLayer, walk
-from harbor_exec.trial.task import EnvironmentConfig, load_task
-from harbor_exec.trial.trial import (
+from harbor_exec.tasks.config import EnvironmentConfig
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
     DEFAULT_NOFILE_LIMIT,
@@ -27,9 +30,9 @@ from harbor_exec.trial.trial import (
     DEFAULT_STORAGE_MB,
     ContainerLimits,
     SandboxPolicy,
-    TrialRequest,
-    run_trial,
 )
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import HOLD, FakeContainer, FakeRuntime
 from tests.task_factory import DEFAULT_TOML, make_task
 
@@ -108,15 +111,18 @@ def test_trial_containers_carry_the_limits_agent_and_separate_verifier(tmp_path:
     toml = DEFAULT_TOML + "\n[environment]\nmemory_mb = 768\n"
     task = load_task(make_task(tmp_path / "tasks", "t", toml=toml))
     runtime = FakeRuntime()
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_mode="separate", default_cpus=1.25, nofile_limit=999)
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"))
+    request.spec = replace(
+        request.spec,
+        policy=SandboxPolicy(verifier_mode="separate", default_cpus=1.25, nofile_limit=999),
+    )
     result = run_trial(runtime, request)
     assert result.exception_info is None
     specs = [c.spec for c in runtime.containers.values()]
     assert len(specs) == 2  # the agent's container and the verifier's
     for spec in specs:
         assert (spec.cpus, spec.memory_mb, spec.nofile_limit) == (1.25, 768, 999)
-        assert spec.shm_mb == DEFAULT_SHM_MB and spec.pids_limit == request.policy.pids_limit
+        assert spec.shm_mb == DEFAULT_SHM_MB and spec.pids_limit == request.spec.policy.pids_limit
 
 
 def test_cli_help_documents_every_default_option() -> None:
@@ -146,7 +152,7 @@ def test_an_agent_past_its_disk_budget_is_stopped_and_graded(tmp_path: Path) -> 
     toml = DEFAULT_TOML + "\n[environment]\nstorage_mb = 2\n"
     task = load_task(make_task(tmp_path / "tasks", "t", toml=toml))
     runtime = FakeRuntime(solve=fill)
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"))
     started = time.monotonic()
     result = run_trial(runtime, request)
     assert time.monotonic() - started < 5  # not the gate's own limit
@@ -166,7 +172,9 @@ def test_an_agent_within_its_disk_budget_runs_on(tmp_path: Path) -> None:
 
     toml = DEFAULT_TOML + "\n[environment]\nstorage_mb = 2\n"
     task = load_task(make_task(tmp_path / "tasks", "t", toml=toml))
-    result = run_trial(FakeRuntime(solve=small), TrialRequest(task=task, trials_dir=tmp_path))
+    result = run_trial(
+        FakeRuntime(solve=small), TrialRequest(TrialSpec(task=task, trials_dir=tmp_path))
+    )
     assert result.exception_info is None
 
 

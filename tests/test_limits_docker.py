@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,17 @@ from harbor_exec.cli.sandbox import SandboxOptions
 from harbor_exec.errors import DiskBudgetExceededError, is_exception
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
-from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import (
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
     DEFAULT_NOFILE_LIMIT,
     DEFAULT_SHM_MB,
     SandboxPolicy,
-    Trial,
-    TrialRequest,
 )
+from harbor_exec.trial.results import TrialResult
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -49,10 +50,9 @@ def run_seeing_host_config(
     policy: SandboxPolicy | None = None,
 ) -> tuple[TrialResult, dict[str, Any]]:
     """Run a trial; the agent container's HostConfig, as the engine reports it."""
-    request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
     if policy is not None:
-        request.policy = policy
-    trial = Trial(runtime, request)
+        request.spec = replace(request.spec, policy=policy)
     seen: dict[str, Any] = {}
 
     def on_phase(phase: str) -> None:
@@ -61,7 +61,7 @@ def run_seeing_host_config(
             (container,) = client.containers.list(filters={"label": label})
             seen.update(container.attrs["HostConfig"])
 
-    trial._on_phase = on_phase
+    trial = Trial(runtime, request, on_phase=on_phase)
     return trial.run(), seen
 
 
@@ -191,7 +191,7 @@ def test_a_3_gib_write_stops_at_the_disk_budget(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     started = time.monotonic()
-    request = TrialRequest(task=load_task(task), trials_dir=tmp_path / "t")
+    request = TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
     try:
         result = Trial(docker_runtime, request).run()
     finally:

@@ -14,7 +14,11 @@ from harbor_exec.agents.workflow import WorkflowAgent
 from harbor_exec.container.exchange import RolloutInput, frame_sample
 from harbor_exec.errors import TaskConfigError, TaskError
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.config import StepConfig, parse_task_config
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import create_trial, run_trial
 from harbor_exec.trial.results import StepResult, TrialResult, VerifierResult
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.steps import (
     join_samples,
     min_reward_failure,
@@ -22,8 +26,7 @@ from harbor_exec.trial.steps import (
     should_stop,
     step_verifier_mode,
 )
-from harbor_exec.trial.task import StepConfig, load_task, parse_task_config
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_multi_step_task
 
@@ -54,7 +57,7 @@ def step_rewards(result: TrialResult) -> list[object]:
 
 def _run(tmp_path: Path, task_dir: Path, runtime: FakeRuntime | None = None) -> TrialResult:
     runtime = runtime or FakeRuntime(test=_reward_from_test)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     return run_trial(runtime, request)
 
 
@@ -405,7 +408,7 @@ def test_native_agents_are_refused_for_steps(tmp_path: Path) -> None:
         def files(self, task: object) -> list[ArchiveEntry]:
             return []
 
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials", agent=Plain())  # type: ignore[arg-type]
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"), agent=Plain())  # type: ignore[arg-type]
     result = run_trial(FakeRuntime(), request)
     assert result.exception_info is not None
     assert "cannot run with the agent 'plain'" in result.exception_info.exception_message
@@ -426,11 +429,9 @@ def test_workflow_sample_covers_all_steps(tmp_path: Path) -> None:
     agent = WorkflowAgent(
         name="w", version="1", bundle_files=[], rollout_input=rollout.model_dump_json().encode()
     )
-    request = TrialRequest(task=task, trials_dir=tmp_path / "trials", agent=agent)
+    request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"), agent=agent)
     runtime = FakeRuntime(test=_reward_from_test, runner=runner)
-    from harbor_exec.trial.trial import Trial
-
-    trial = Trial(runtime, request)
+    trial = create_trial(runtime, request)
     result = trial.run()
     assert result.exception_info is None
     assert prompts == ["Step one: do it.\n", "Step two: do it.\n"]

@@ -25,9 +25,11 @@ from harbor_exec.bundler import Bundle
 from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve
@@ -124,7 +126,7 @@ def separate_task(root: Path) -> Path:
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials))
+    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials)))
 
 
 def step_summary(steps: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:

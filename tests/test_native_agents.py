@@ -124,7 +124,7 @@ def test_a_native_trial_gets_the_token_never_the_key(tmp_path: Path) -> None:
     assert agent.relay_path == "/v1" and agent.relay_socket == "/tmp/hx-relay/r-x/relay.sock"
     assert agent.setup_timeout_sec == 30
     assert agent.kwargs == {"max_turns": 5, "collect_rollout_details": True}
-    assert agent.files(request.task) == []  # nothing of the agent's goes into the container
+    assert agent.files(request.spec.task) == []  # nothing of the agent's goes into the container
     assert request.mounts == ()  # the relay is dialled from the host, never mounted
 
 

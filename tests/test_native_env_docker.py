@@ -21,7 +21,8 @@ import pytest
 from harbor_exec.agents.base import AgentInfo, AgentRun, AgentSession
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.trial.task import Task, load_task
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.task_factory import make_task
 
@@ -114,7 +115,9 @@ def test_the_adapter_has_harbors_exec_and_file_semantics(
 ) -> None:
     task_dir = make_task(tmp_path / "tasks", "adapter")
     agent = ProbeAgent(tmp_path / "scratch")
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials", agent=agent)
+    request = TrialRequest(
+        TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"), agent=agent
+    )
     result = Trial(docker_runtime, request).run()
     assert result.exception_info is None, result.exception_info
     seen = agent.seen

@@ -191,7 +191,7 @@ def test_prewarm_installs_the_agent_layer_once_with_its_launchers(tmp_path: Path
     from harbor_exec.agents.native.layer import AGENT_MARKER, AgentLayer
     from harbor_exec.container.exchange import AGENT_BIN, AGENT_MOUNT
     from harbor_exec.jobs.prewarm import prepare_prewarm_agent, prewarm_tasks
-    from harbor_exec.trial.task import discover_tasks
+    from harbor_exec.tasks.discovery import discover_tasks
     from tests.fake_runtime import FakeRuntime
 
     for name in ("a", "b", "c"):

@@ -35,9 +35,12 @@ from harbor_exec.network.packages.ca import CA_KEY, LocalCA
 from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.package_upstream import (
     AptSigner,
     Upstream,
@@ -440,9 +443,11 @@ def _run(
     result = run_trial(
         runtime,
         TrialRequest(
-            task=load_task(task),
-            trials_dir=trials,
-            policy=SandboxPolicy(package_cache=service, egress=_egress(mirror), **policy),
+            TrialSpec(
+                task=load_task(task),
+                trials_dir=trials,
+                policy=SandboxPolicy(package_cache=service, egress=_egress(mirror), **policy),
+            )
         ),
     )
     return result, trials / result.trial_name

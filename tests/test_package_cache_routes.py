@@ -24,22 +24,19 @@ from harbor_exec.executors.ray.driver import RayExecutor
 from harbor_exec.executors.ray.node import NodeAgent, NodeCall, node_package_cache_config
 from harbor_exec.executors.ray.sealing import seal
 from harbor_exec.executors.ray.transfer import tar_dir
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec
+from harbor_exec.executors.spec import TrialSecrets
 from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
 from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.server.app import create_rollout_server
+from harbor_exec.tasks.task import Task, load_task
 from harbor_exec.trial import compose
-from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import (
-    SandboxPolicy,
-    TrialRequest,
-    ensure_task_image,
-    image_tag_for,
-    run_trial,
-)
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image, image_tag_for
 from tests.fake_runtime import FakeRuntime
 from tests.server_utils import serve
 from tests.task_factory import make_task
@@ -183,7 +180,7 @@ def test_a_compose_trial_builds_its_services_through_the_cache(
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
         policy = SandboxPolicy(package_cache=service)
-        request = TrialRequest(task=task, trials_dir=tmp_path / "trials", policy=policy)
+        request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy))
         result = run_trial(runtime, request)
         assert result.exception_info is None, result.exception_info
         db = service_tag(runtime)
@@ -347,7 +344,11 @@ def test_a_trial_runs_on_when_the_cache_cannot_mark_its_start_or_end(
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
         request = TrialRequest(
-            task=task, trials_dir=tmp_path / "trials", policy=SandboxPolicy(package_cache=service)
+            TrialSpec(
+                task=task,
+                trials_dir=tmp_path / "trials",
+                policy=SandboxPolicy(package_cache=service),
+            )
         )
         result = run_trial(runtime, request)
         assert result.exception_info is None, result.exception_info

@@ -33,7 +33,7 @@ from harbor_exec.sources.packages import (
     is_package_ref,
     read_manifest,
 )
-from harbor_exec.trial.task import load_task
+from harbor_exec.tasks.task import load_task
 from tests.package_utils import (
     FIB,
     HELLO,

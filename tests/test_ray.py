@@ -619,7 +619,7 @@ def test_package_cache_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> 
     the server runs none of its own; every node's gateway is gone at the end."""
     from harbor_exec.network.packages.ca import CA_KEY, LocalCA
     from harbor_exec.network.packages.session import RESULT_FILE
-    from harbor_exec.trial.task import load_task
+    from harbor_exec.tasks.task import load_task
     from harbor_exec.trial.trial import image_tag_for
     from tests.task_factory import make_task
 

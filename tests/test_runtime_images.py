@@ -28,8 +28,10 @@ from harbor_exec.container.exchange import RUNTIME_PYTHON
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime_volume import KEEP_ALIVE_UID
 from harbor_exec.server.app import create_rollout_server
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import TrialRequest, run_trial
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve
@@ -150,7 +152,9 @@ def test_a_root_agent_cannot_reach_the_init_the_keep_alive_or_the_runtime(
         dockerfile="FROM python:3.11-slim-bookworm\nWORKDIR /app\n",
     )
     trials = tmp_path / "trials"
-    result = run_trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=trials))
+    result = run_trial(
+        docker_runtime, TrialRequest(TrialSpec(task=load_task(task), trials_dir=trials))
+    )
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 0.0}
     attack = json.loads((trials / result.trial_name / "agent" / "attack.json").read_text())
     spared = {pid: p for pid, p in attack["processes"].items() if p["uid"] == KEEP_ALIVE_UID}

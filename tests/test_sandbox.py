@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,12 @@ from harbor_exec.sandbox.cgroups import HostCgroup
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES
 from harbor_exec.sandbox.seccomp import SeccompProfileError
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, default_pids_limit, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -34,9 +38,9 @@ CAP_BITS = {"NET_RAW": 13, "SYS_CHROOT": 18, "MKNOD": 27, "AUDIT_WRITE": 29, "SE
 def run(
     runtime: DockerRuntime, task_dir: Path, trials: Path, policy: SandboxPolicy | None = None
 ) -> TrialResult:
-    request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
     if policy is not None:
-        request.policy = policy
+        request.spec = replace(request.spec, policy=policy)
     return run_trial(runtime, request)
 
 
@@ -148,7 +152,9 @@ def test_symlink_added_after_load_never_reaches_the_container(
     task = load_task(task_dir)
     (task_dir / "tests" / "leak").symlink_to(secret)
     (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\necho 0 > /logs/verifier/reward.txt\n")
-    result = run_trial(docker_runtime, TrialRequest(task=task, trials_dir=tmp_path / "trials"))
+    result = run_trial(
+        docker_runtime, TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"))
+    )
     # The snapshot taken at load runs: neither the link nor the rewritten test.sh.
     assert rewards(result) == {"reward": 1.0}
     for path in (tmp_path / "trials").rglob("*"):

@@ -4,15 +4,19 @@ USER is not root. The recorded reward must stay the one ``test.sh`` wrote."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harbor_exec.errors import AgentEndedContainerError, TrialPhase, policy_for
 from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -31,9 +35,9 @@ def toml(agent_user: str | None = None, verifier_user: str | None = None) -> str
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path, mode: str = "shared") -> TrialResult:
-    request = TrialRequest(task=load_task(task_dir), trials_dir=trials)
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
     if mode == "separate":
-        request.policy = SandboxPolicy(verifier_mode="separate")
+        request.spec = replace(request.spec, policy=SandboxPolicy(verifier_mode="separate"))
     return run_trial(runtime, request)
 
 

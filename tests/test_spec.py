@@ -15,16 +15,11 @@ from harbor_exec.agents.oracle import OracleAgent
 from harbor_exec.agents.workflow import WorkflowAgent, WorkflowAgentSpec
 from harbor_exec.container.exchange import AGENT_SAMPLE, GRADER_ERROR, RUNNER_OUTPUT
 from harbor_exec.container.redaction import REDACTED
-from harbor_exec.executors.spec import (
-    ModelEndpoint,
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-    trial_request,
-)
+from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets, trial_request
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.outputs import read_agent_output, read_grader_output
-from harbor_exec.trial.task import load_task
+from harbor_exec.trial.spec import TrialSpec
 from tests.task_factory import make_task
 
 BUNDLE = [ArchiveEntry("/opt/harbor-exec/manifest.json", b"{}", 0o644)]
@@ -44,7 +39,7 @@ def spec_for(tmp_path: Path, **fields: object) -> TrialSpec:
 def test_the_oracle_spec_runs_the_oracle_on_the_tasks_own_tests(tmp_path: Path) -> None:
     request = trial_request(spec_for(tmp_path))
     assert isinstance(request.agent, OracleAgent)
-    assert request.verifier is None and request.trials_dir == tmp_path / "trials"
+    assert request.verifier is None and request.spec.trials_dir == tmp_path / "trials"
 
 
 def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path) -> None:
@@ -76,7 +71,7 @@ def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path)
     assert request.agent.info.name == "pkg:Flow"
     # The agent's container gets the agent part only; the grader part goes to the verifier.
     assert list(request.agent.bundle_files) == BUNDLE
-    assert request.task.root == elsewhere and request.trials_dir == tmp_path / "n"
+    assert request.spec.task.root == elsewhere and request.spec.trials_dir == tmp_path / "n"
     assert list(request.secrets) == [SECRET]
     assert request.verifier is not None
     paths = [entry.path for entry in request.verifier.generated]
@@ -95,7 +90,7 @@ def test_a_workflow_spec_travels_and_is_rebuilt_from_its_secrets(tmp_path: Path)
 def test_the_tasks_tests_get_the_graders_input(tmp_path: Path) -> None:
     request = trial_request(spec_for(tmp_path), TrialSecrets(verifier_input=b"{}"))
     assert request.verifier is not None
-    assert request.verifier.tests_dir == request.task.tests_dir
+    assert request.verifier.tests_dir == request.spec.task.tests_dir
     assert [e.path for e in request.verifier.generated] == ["/tests/rollout.json"]
 
 

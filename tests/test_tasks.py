@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from harbor_exec.errors import DatasetError, TaskConfigError, TaskError, UnsafeTaskPathError
-from harbor_exec.trial.task import (
-    NetworkMode,
-    discover_tasks,
-    load_task,
-    parse_task_config,
-    strip_canary,
-    task_dir_for_id,
-)
+from harbor_exec.tasks.config import NetworkMode, parse_task_config, strip_canary
+from harbor_exec.tasks.discovery import discover_tasks, task_dir_for_id
+from harbor_exec.tasks.task import load_task
 from tests.task_factory import make_task
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "tasks_examples" / "dataset"
@@ -146,3 +143,22 @@ def test_environment_digest_tracks_content(tmp_path: Path) -> None:
         make_task(tmp_path, "d3", dockerfile="FROM debian:bookworm-slim\n")
     ).environment_digest()
     assert first == same != other
+
+
+def test_the_task_format_loads_no_network_stack_and_nothing_above_it() -> None:
+    """Every module of ``harbor_exec.tasks``, imported alone: no h11, httpcore or httpx,
+    and no part of harbor_exec above the task format (the trial, agents, network)."""
+    code = (
+        "import sys\n"
+        "import harbor_exec.tasks.config, harbor_exec.tasks.discovery, harbor_exec.tasks.hosts\n"
+        "import harbor_exec.tasks.snapshots, harbor_exec.tasks.task\n"
+        "third = [m for m in ('h11', 'httpcore', 'httpx') if m in sys.modules]\n"
+        "above = sorted({m.split('.')[1] for m in sys.modules if m.startswith('harbor_exec.')}\n"
+        "    - {'tasks', 'errors', 'cache'})\n"
+        "print(third, above)"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[] []"

@@ -13,9 +13,11 @@ from harbor_exec.errors import UnsafeTaskPathError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import load_task
-from harbor_exec.trial.trial import Trial, TrialRequest, run_trial
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
 
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=trials))
+    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials)))
 
 
 def trial_dir(trials: Path, result: TrialResult) -> Path:
@@ -206,7 +208,6 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
     """
     seen: dict[str, object] = {}
     task = make_task(tmp_path, "limits", solve="sleep 1", toml=toml)
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
 
     import docker
 
@@ -219,7 +220,8 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
             seen["entrypoint"] = container.attrs["Config"]["Entrypoint"]
             seen["labels"] = container.labels
 
-    trial._on_phase = on_phase
+    request = TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t"))
+    trial = Trial(docker_runtime, request, on_phase=on_phase)
     result = trial.run()
     assert result.exception_info is None
     host = seen["host"]
@@ -258,14 +260,17 @@ def test_cancel_removes_the_container_within_a_second(
     task = make_task(
         tmp_path, "cancel-me", solve="sleep 300", toml="[agent]\ntimeout_sec = 120.0\n"
     )
-    trial = Trial(docker_runtime, TrialRequest(task=load_task(task), trials_dir=tmp_path / "t"))
     running = threading.Event()
-    trial._on_phase = lambda phase: running.set() if phase == "agent" else None
+    trial = Trial(
+        docker_runtime,
+        TrialRequest(TrialSpec(task=load_task(task), trials_dir=tmp_path / "t")),
+        on_phase=lambda phase: running.set() if phase == "agent" else None,
+    )
     results: list[TrialResult] = []
     worker = threading.Thread(target=lambda: results.append(trial.run()))
     worker.start()
     assert running.wait(30)
-    assert wait_until(lambda: runs_in(docker_runtime, trial._container_id, "sleep 300"), 30)
+    assert wait_until(lambda: runs_in(docker_runtime, trial.container_id, "sleep 300"), 30)
     started = time.monotonic()
     trial.cancel()
     trial.cancel()  # idempotent

@@ -7,7 +7,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +24,12 @@ from harbor_exec.executors.base import TrialRun
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.protocol import ExecutionRequest, RolloutErrorCategory, RolloutStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task, load_task
-from harbor_exec.trial.trial import (
-    SandboxPolicy,
-    Trial,
-    TrialRequest,
-    image_tag_for,
-    run_trial,
-)
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from harbor_exec.trial.verifiers import grader_verifier
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task
@@ -44,9 +41,9 @@ def trial(
     task_dir = make_task(
         tmp_path / "tasks", f"t{uuid.uuid4().hex[:6]}", **({"toml": toml} if toml else {})
     )
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     if policy:
-        request.policy = SandboxPolicy(**policy)  # type: ignore[arg-type]
+        request.spec = replace(request.spec, policy=SandboxPolicy(**policy))  # type: ignore[arg-type]
     return run_trial(runtime, request)
 
 
@@ -79,7 +76,9 @@ def test_build_failure_is_named_and_nothing_starts(tmp_path: Path) -> None:
     runtime = FakeRuntime()
     task_dir = make_task(tmp_path / "tasks", "broken")
     runtime.fail_builds.add(image_tag_for(load_task(task_dir)))
-    result = run_trial(runtime, TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "t"))
+    result = run_trial(
+        runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "t"))
+    )
     assert result.exception_type == "SandboxBuildFailedError"
     assert not runtime.containers and rewards(result) is None
 
@@ -278,8 +277,7 @@ def test_the_sample_is_the_one_handed_over_not_the_file_left_behind(tmp_path: Pa
     runtime = FakeRuntime(runner=runner, test=grade)
     task_dir = make_task(tmp_path / "tasks", "handed-over")
     request = TrialRequest(
-        task=load_task(task_dir),
-        trials_dir=tmp_path / "trials",
+        TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"),
         agent=WorkflowAgent(name="w", version="1", bundle_files=[], rollout_input=b"{}"),
         verifier=grader_verifier(b"{}", []),
     )
@@ -306,8 +304,10 @@ def test_no_frame_means_no_sample_whatever_the_file_says(tmp_path: Path) -> None
 
     runtime = FakeRuntime(runner=runner, test=grade)
     request = TrialRequest(
-        task=load_task(make_task(tmp_path / "tasks", "no-frame")),
-        trials_dir=tmp_path / "trials",
+        TrialSpec(
+            task=load_task(make_task(tmp_path / "tasks", "no-frame")),
+            trials_dir=tmp_path / "trials",
+        ),
         agent=WorkflowAgent(name="w", version="1", bundle_files=[], rollout_input=b"{}"),
         verifier=grader_verifier(b"{}", []),
     )
@@ -374,7 +374,7 @@ def test_a_task_without_solve_sh_is_still_verified(tmp_path: Path) -> None:
         container.write("/logs/verifier/reward.txt", "0\n")
         return 0
 
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     result = run_trial(FakeRuntime(test=test), request)
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "FileNotFoundError"
@@ -415,7 +415,7 @@ def test_declared_artifacts_are_kept_as_harbor_keeps_them(tmp_path: Path) -> Non
         return 0
 
     task_dir = make_task(tmp_path / "tasks", "declares", toml=ARTIFACTS_TOML)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     result = run_trial(FakeRuntime(solve=solve, test=test), request)
     assert result.exception_info is None, result.exception_info
     out = tmp_path / "trials" / result.trial_name / "artifacts"
@@ -525,7 +525,7 @@ def test_environment_fields_harbor_refuses_are_refused_by_name(
     for agent in (OracleAgent(), NamedAgent()):
         runtime = FakeRuntime()
         request = TrialRequest(
-            task=load_task(task_dir), trials_dir=tmp_path / "trials", agent=agent
+            TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"), agent=agent
         )
         result = run_trial(runtime, request)
         refused = not (oracle_runs and isinstance(agent, OracleAgent))
@@ -570,7 +570,7 @@ def test_collect_hooks_run_after_the_agent_and_before_the_artifacts(tmp_path: Pa
         return 1 if "broken-hook" in script else 0
 
     task_dir = make_task(tmp_path / "tasks", "collects", toml=COLLECT_TOML)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     result = run_trial(FakeRuntime(solve=solve, other=other), request)
     assert result.exception_info is None, result.exception_info  # a failed hook is no error
     out = tmp_path / "trials" / result.trial_name
@@ -582,7 +582,7 @@ def test_collect_hooks_run_after_the_agent_and_before_the_artifacts(tmp_path: Pa
 def test_a_collect_hook_for_a_sidecar_is_refused_by_name(tmp_path: Path) -> None:
     toml = COLLECT_TOML.replace('command = "broken-hook"', 'command = "dump"\nservice = "db"')
     task_dir = make_task(tmp_path / "tasks", "sidecar-hook", toml=toml)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     result = run_trial(FakeRuntime(), request)
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "TaskConfigError"
@@ -601,7 +601,7 @@ def test_an_explicit_logs_artifacts_entry_replaces_harbors_implicit_one(tmp_path
         return 0
 
     task_dir = make_task(tmp_path / "tasks", "explicit-convention", toml=toml)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
     result = run_trial(FakeRuntime(solve=solve), request)
     assert result.exception_info is None, result.exception_info
     out = tmp_path / "trials" / result.trial_name / "artifacts"
@@ -636,8 +636,8 @@ def test_a_collect_hook_runs_before_logs_artifacts_is_read_in_separate_mode(
         return 0
 
     task_dir = make_task(tmp_path / "tasks", "hook-separate", toml=toml)
-    request = TrialRequest(task=load_task(task_dir), trials_dir=tmp_path / "trials")
-    request.policy = SandboxPolicy(verifier_mode="separate")
+    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
+    request.spec = replace(request.spec, policy=SandboxPolicy(verifier_mode="separate"))
     result = run_trial(FakeRuntime(other=other, test=test), request)
     assert result.exception_info is None, result.exception_info
     out = tmp_path / "trials" / result.trial_name / "artifacts"

@@ -17,7 +17,7 @@ import pytest
 from harbor_exec.jobs.dataset import run_job
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
-from harbor_exec.trial.task import discover_tasks
+from harbor_exec.tasks.discovery import discover_tasks
 from tests.server_utils import runs_command, wait_until
 from tests.task_factory import make_task
 

@@ -26,7 +26,7 @@ from harbor_exec.agents.native.layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.runtime import ContainerRuntime, ExecResult
 from harbor_exec.sandbox.users import ROOT_ID
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 
 #: How Harbor runs the task's own scripts: the image's bash.
 TASK_SHELL = ("bash", "-c")

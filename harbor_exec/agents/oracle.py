@@ -14,7 +14,8 @@ from harbor_exec.agents.base import (
 )
 from harbor_exec.agents.native.layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry, tree_entries
-from harbor_exec.trial.task import Task, resolve_env
+from harbor_exec.tasks.config import resolve_env
+from harbor_exec.tasks.task import Task
 
 
 class OracleAgent:

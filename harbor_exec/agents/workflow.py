@@ -26,7 +26,7 @@ from harbor_exec.container.exchange import (
 )
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.runtime_volume import RUNTIME_SHELL
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli import sandbox
 from harbor_exec.cli.app import app
 from harbor_exec.errors import DatasetError, DockerUnavailableError, HarborExecError, TaskError
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec
+from harbor_exec.executors.spec import TrialSecrets
 from harbor_exec.jobs.dataset import (
     ORACLE_CONFIG,
     JobEvent,
@@ -46,7 +46,9 @@ from harbor_exec.sources.packages import (
     open_package_source,
 )
 from harbor_exec.sources.registry import RegistryError, fetch_dataset, find_dataset, read_registry
-from harbor_exec.trial.task import Discovery, Task, discover_tasks, load_task
+from harbor_exec.tasks.discovery import Discovery, discover_tasks
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.spec import TrialSpec
 
 if TYPE_CHECKING:
     from harbor_exec.executors.base import TrialExecutor

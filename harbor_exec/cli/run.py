@@ -46,9 +46,10 @@ from harbor_exec.cli.dataset import (
     run_dataset_job,
     select_dataset,
 )
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec, model_endpoint, native_secrets
+from harbor_exec.executors.spec import TrialSecrets, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.spec import TrialSpec
 
 __all__ = ["RunAgent", "check_run_agent", "run"]
 

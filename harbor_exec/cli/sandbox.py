@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from harbor_exec.sandbox.archives import OutputLimits
-from harbor_exec.trial.trial import (
+from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
     DEFAULT_MEMORY_MB,
     DEFAULT_NOFILE_LIMIT,

@@ -24,19 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
-from harbor_exec.executors.spec import (
-    ModelEndpoint,
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-)
+from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets
 from harbor_exec.network.usage import ModelUsage
 from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import PhaseCallback
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService

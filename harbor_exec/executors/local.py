@@ -32,17 +32,14 @@ from harbor_exec.executors.base import (
     TrialHandle,
     TrialRun,
 )
-from harbor_exec.executors.spec import (
-    ModelEndpoint,
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-    trial_request,
-)
+from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets, trial_request
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, Trial, ensure_task_image
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import create_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +121,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             )
 
             def work() -> TrialRun:
-                trial = Trial(self.runtime, request, on_phase=handle.on_phase)
+                trial = create_trial(self.runtime, request, on_phase=handle.on_phase)
                 handle.trial = trial
                 if handle.cancelled.is_set():
                     trial.cancel()

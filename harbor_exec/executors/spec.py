@@ -1,8 +1,8 @@
 """What a trial is, apart from where it runs (as uvicorn's ``Config`` is apart from its ``Server``).
 
-* ``TrialSpec``: plain, picklable, no secret. The task (its snapshot travels by
-  ``task_key``), the agent and the verifier as plain data, the workflow bundle and
-  its dependency layer by content key, the sandbox policy.
+* ``TrialSpec`` (``harbor_exec.trial.spec``): plain, picklable, no secret. The task
+  (its snapshot travels by ``task_key``), the agent and the verifier as plain data,
+  the workflow bundle and its dependency layer by content key, the sandbox policy.
 * ``TrialSecrets``: everything per-rollout that may hold a secret (the model
   endpoint with the trainer's key, the values to scrub, the agent's and the
   verifier's ``rollout.json``). The Ray driver seals it for one node.
@@ -10,33 +10,26 @@
   snapshot, the wheelhouse, the bundle's two parts: the agent's files and the
   grader's, which only the verifier side gets).
 
-``trial_request`` turns the three into the runnable ``TrialRequest``; the local
-executor and the Ray node both build their trials through it.
+``trial_request`` turns the three into the runnable ``TrialRequest`` (which holds the
+spec, with this machine's copies in it); the local executor and the Ray node both
+build their trials through it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets as secrets_module
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
-from harbor_exec.agents.base import AgentInputs, AgentSpec
-from harbor_exec.agents.oracle import OracleAgentSpec
+from harbor_exec.agents.base import AgentInputs
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.sandbox.deps import DepsLayer
 from harbor_exec.sandbox.runtime import Mount
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
-
-#: "tests": the task's own ``tests/`` (with ``TrialSecrets.verifier_input`` as
-#: ``/tests/rollout.json`` when given); "grader": the bundle's grader through a
-#: generated ``test.sh`` (for tasks without tests), from the spec's ``grader_bundle``.
-VerifierKind = Literal["tests", "grader"]
 
 
 @dataclass(frozen=True)
@@ -95,39 +88,6 @@ def native_secrets(model: ModelEndpoint) -> TrialSecrets:
 
 
 @dataclass(frozen=True)
-class TrialSpec:
-    """One trial as plain data (see module doc); ``trials_dir`` is where the
-    submitter keeps trial directories, whichever machine runs the trial."""
-
-    task: Task
-    trials_dir: Path
-    agent: AgentSpec = field(default_factory=OracleAgentSpec)
-    verifier: VerifierKind = "tests"
-    verify: bool = True
-    trial_name: str | None = None
-    source: str | None = None
-    image: str | None = None  # run on this image instead of the task's own
-    agent_timeout_sec: float | None = None  # override [agent].timeout_sec
-    verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
-    labels: Mapping[str, str] = field(default_factory=dict)
-    rollout_id: str | None = None
-    bundle: str | None = None  # content key of the bundle's agent part (the agent's files)
-    # Content key of the bundle's grader part (manifest and code with the grader's
-    # modules), set when the bundled grader verifies; never placed in the agent's container.
-    grader_bundle: str | None = None
-    deps: DepsLayer | None = None  # the bundle's dependency layer, built on the image
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
-
-    @property
-    def task_key(self) -> str:
-        return task_key(self.task)
-
-    @property
-    def deps_key(self) -> str | None:
-        return None if self.deps is None else deps_key(self.deps)
-
-
-@dataclass(frozen=True)
 class TrialContent:
     """This machine's copies of what a spec names by key, and where it writes trial
     directories (None: the spec's own paths; no bundle)."""
@@ -139,20 +99,6 @@ class TrialContent:
     trials_dir: Path | None = None
     # ``spec.grader_bundle``: the grader's part, placed only under GRADER_DIR by the verifier.
     grader_files: Sequence[ArchiveEntry] = field(default=(), repr=False)
-
-
-def content_digest(*parts: str) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-def task_key(task: Task) -> str:
-    """A task snapshot's content key (its directory is named by its hash)."""
-    return "t-" + content_digest(task.root.name, *task.digests, task.name)
-
-
-def deps_key(deps: DepsLayer) -> str:
-    """A dependency layer's wheelhouse content key (by requirement set)."""
-    return "d-" + content_digest(deps.requirements_digest, str(deps.wheelhouse))
 
 
 def trial_request(
@@ -198,24 +144,10 @@ def trial_request(
         verifier = grader_verifier(secrets.verifier_input, content.grader_files)
     elif secrets.verifier_input is not None:
         verifier = tests_verifier(task.tests_dir, secrets.verifier_input)
+    # This machine's copies of what the spec names by key.
+    local = replace(spec, task=task, trials_dir=content.trials_dir or spec.trials_dir, deps=deps)
     return TrialRequest(
-        task=task,
-        trials_dir=content.trials_dir or spec.trials_dir,
-        agent=agent,
-        verifier=verifier,
-        verify=spec.verify,
-        trial_name=spec.trial_name,
-        source=spec.source,
-        image=spec.image,
-        agent_timeout_sec=spec.agent_timeout_sec,
-        verifier_timeout_sec=spec.verifier_timeout_sec,
-        labels=spec.labels,
-        rollout_id=spec.rollout_id,
-        secrets=list(secrets.scrub),
-        mounts=mounts,
-        deps=deps,
-        agent_layer=spec.agent.layer,
-        policy=spec.policy,
+        local, agent=agent, verifier=verifier, secrets=list(secrets.scrub), mounts=mounts
     )
 
 
@@ -223,13 +155,8 @@ __all__ = [
     "ModelEndpoint",
     "TrialContent",
     "TrialSecrets",
-    "TrialSpec",
-    "VerifierKind",
-    "content_digest",
-    "deps_key",
     "model_endpoint",
     "native_scrub",
     "native_secrets",
-    "task_key",
     "trial_request",
 ]

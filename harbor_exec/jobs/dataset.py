@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from harbor_exec.errors import CancelledError, HarborExecError, TaskError, TrialPhase, is_exception
-from harbor_exec.executors.spec import TrialSecrets, TrialSpec, trial_request
+from harbor_exec.executors.spec import TrialSecrets, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
-from harbor_exec.trial.task import Task
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:
@@ -547,7 +549,7 @@ def run_job(
         if executor is not None:
             return run_remote(task, attempt, spec)
         assert runtime is not None
-        trial = Trial(
+        trial = create_trial(
             runtime,
             trial_request(spec),
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),

@@ -33,8 +33,11 @@ from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.sandbox.runtime import ContainerRuntime
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import SandboxPolicy, TrialRequest, ensure_task_image, run_trial
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.factory import run_trial
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from harbor_exec.trial.trial import TrialRequest, ensure_task_image
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheService
@@ -125,7 +128,7 @@ def _fill_cache(
     with tempfile.TemporaryDirectory(prefix="hx-prewarm-") as scratch:
         result = run_trial(
             runtime,
-            TrialRequest(task=task, trials_dir=Path(scratch), policy=policy),
+            TrialRequest(TrialSpec(task=task, trials_dir=Path(scratch), policy=policy)),
         )
         stats_file = Path(scratch) / result.trial_name / "package-cache.json"
         fetched = stats_file.read_text() if stats_file.exists() else ""

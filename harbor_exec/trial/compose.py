@@ -65,10 +65,11 @@ from harbor_exec.sandbox.runtime import (
     ServiceProcess,
     VolumeMount,
 )
-from harbor_exec.trial.task import Task, resolve_env
+from harbor_exec.tasks.config import resolve_env
+from harbor_exec.tasks.task import Task
 
 if TYPE_CHECKING:
-    from harbor_exec.trial.trial import SandboxPolicy
+    from harbor_exec.trial.policy import SandboxPolicy
 
 COMPOSE_FILE = "docker-compose.yaml"
 MAIN = "main"

@@ -12,7 +12,7 @@ from harbor_exec.agents.base import TASK_SHELL
 from harbor_exec.errors import AgentSetupError
 from harbor_exec.sandbox.runtime import ContainerRuntime, ExecResult
 from harbor_exec.sandbox.users import ROOT_ID, is_root
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 
 _NO_TAR = "harbor-exec:no-tar"
 _UPLOAD_FAILED = "harbor-exec:upload-failed"

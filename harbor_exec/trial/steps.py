@@ -1,4 +1,4 @@
-"""Multi-step tasks (``[[steps]]``), run as Harbor 0.26's ``MultiStepTrial`` runs them.
+"""Multi-step tasks (``[[steps]]``): ``MultiStepTrial``, as Harbor 0.26 runs them.
 
 One container for the whole trial; each step, in order:
 
@@ -10,11 +10,11 @@ One container for the whole trial; each step, in order:
    ``steps/<name>/workdir/`` copied into the container's working directory and its
    ``setup.sh`` run there (``bash <workdir>/setup.sh`` as the step's agent user; a
    non-zero exit is the step's ``RuntimeError``); the step's ``healthcheck``.
-2. agent: the trial's own agent phase (``Trial._agent``) under the step's
+2. agent: the trial's own agent phase (``Trial.run_agent``) under the step's
    ``[steps.agent].timeout_sec`` (else the task's) and user.
 3. verifier: the trial's own verifier in the step's mode (Harbor's
-   ``resolve_step_verifier_mode``): shared (``Trial._verify_shared``), or separate
-   (``Trial._verify_separate``: a fresh container with the step's artifacts; the
+   ``resolve_step_verifier_mode``): shared (``Trial.verify_shared``), or separate
+   (``Trial.verify_separate``: a fresh container with the step's artifacts; the
    agent's container stays for the next step, and is removed before the last
    step's verifier, as Harbor stops it). ``tests/`` and then ``steps/<name>/tests/``
    are placed at ``/tests``, under the step's ``[steps.verifier]`` timeout (Harbor
@@ -53,13 +53,14 @@ import shlex
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harbor_exec.agents.base import Agent
 from harbor_exec.errors import TaskConfigError, TrialError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.users import UnknownUserError
-from harbor_exec.trial.outputs import TrialOutput, read_agent_output
+from harbor_exec.tasks.config import StepConfig
+from harbor_exec.tasks.task import Task, TaskStep
 from harbor_exec.trial.results import (
     StepResult,
     TimingInfo,
@@ -68,11 +69,8 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.session import TrialSession
-from harbor_exec.trial.task import StepConfig, Task, TaskStep
+from harbor_exec.trial.trial import Trial
 from harbor_exec.trial.verifiers import TestsVerifier
-
-if TYPE_CHECKING:
-    from harbor_exec.trial.trial import Trial
 
 #: The trial-dir parts each step's outputs move out of, into ``steps/<name>/``.
 _STEP_PARTS = ("agent", "verifier", "artifacts")
@@ -87,42 +85,6 @@ def step_verifier_mode(task: Task, step: StepConfig) -> str:
         if config.environment is not None:
             return "separate"
     return "shared"
-
-
-def check_steps_supported(trial: Trial) -> None:
-    """Refuse, before anything is built, what harbor-exec does not run for steps."""
-    task, request = trial.request.task, trial.request
-    for index, step in enumerate(task.steps, start=1):
-        where = f"[[steps]] #{index} ({step.name!r})"
-        own = task.step_dir(step.name) / "tests"
-        if step.config.verifier.environment is not None or any(
-            (own / name).is_file() for name in ("Dockerfile", "docker-compose.yaml")
-        ):
-            raise TaskConfigError(
-                task.name,
-                f"{where}: a step's own verifier environment ([steps.verifier.environment] "
-                f"or steps/{step.name}/tests/Dockerfile) is not supported here; a separate "
-                "verifier runs in the task's ([verifier.environment], tests/Dockerfile or "
-                "environment/)",
-                file="task.toml",
-            )
-        for phase, config in (("agent", step.config.agent), ("verifier", step.config.verifier)):
-            if config.network_mode is not None or config.allowed_hosts is not None:
-                # The container's network is made once for every step; a step's own
-                # phase policy would need it changed mid-trial.
-                raise TaskConfigError(
-                    task.name,
-                    f"{where}: [steps.{phase}].network_mode/allowed_hosts is not supported "
-                    f"here; set the policy on the task's [{phase}] or [environment]",
-                    file="task.toml",
-                )
-    if not callable(getattr(request.agent, "for_step", None)):
-        raise TaskConfigError(
-            task.name,
-            f"multi-step tasks ([[steps]]) cannot run with the agent "
-            f"{request.agent.info.name!r} here (the oracle and bundled workflows can)",
-            file="task.toml",
-        )
 
 
 def step_verifier(verifier: TestsVerifier, task: Task) -> TestsVerifier:
@@ -193,200 +155,230 @@ def join_samples(samples: list[bytes]) -> bytes:
     return json.dumps({"messages": messages, "metrics": metrics, "extra_fields": extra}).encode()
 
 
-def run_steps(trial: Trial, session: TrialSession, result: TrialResult) -> None:
-    """Every step of ``trial``'s task in order, into ``result.step_results``, then the
-    trial's reward by the task's strategy."""
-    request = trial.request
-    task, agent = request.task, request.agent
-    now = utcnow()
-    result.agent_setup = TimingInfo(started_at=now, finished_at=now)
-    result.step_results = []
-    samples: list[bytes] = []
-    if session.pending_files is not None:  # before any step places its own files
-        trial.runtime.put_archive(session.container_id, session.pending_files)
-        session.pending_files = None
-    tests_used = False
-    try:
-        for step in task.steps:
-            step_result = StepResult(step_name=step.name)
-            result.step_results.append(step_result)
-            view = task.for_step(step)
-            trial.request.task, trial.request.agent = view, _agent_for_step(agent, view)
-            session.task = view
-            try:
-                last = step is task.steps[-1]
-                _run_step(trial, session, step, step_result, reset_tests=tests_used, last=last)
-            finally:
-                if step_result.exception_info is None and trial._exception is not None:
-                    step_result.exception_info = trial._exception
-                trial._exception = None
-                if trial._agent_sample is not None:
-                    samples.append(trial._agent_sample)
-                _archive_step(trial, step)
-            tests_used = step_result.verifier is not None and not _separate(trial, step)
-            if should_stop(step.config, step_result, verify=request.verify):
-                break
-    finally:
-        trial.request.task, trial.request.agent = task, agent
-        session.task = task
-    strategy = task.config.multi_step_reward_strategy
-    result.verifier_result = select_reward(strategy, result.step_results)
-    if samples:
-        trial._host_files = {}  # the last step's are in its own agent/ already
-        trial._agent_sample = join_samples(samples)
-        trial._pin_agent_sample()
-        trial.output = TrialOutput(
-            agent=read_agent_output(trial.dir, request.secrets), grader=trial.output.grader
+class MultiStepTrial(Trial):
+    """A trial of a multi-step task (Harbor 0.26's ``MultiStepTrial``): the trial's own
+    environment, agent, verifier and teardown, run once per step (see the module doc)."""
+
+    runs_steps = True
+
+    def check_supported(self) -> None:
+        """Refuse, before anything is built, what harbor-exec does not run for steps."""
+        task, request = self.request.spec.task, self.request
+        for index, step in enumerate(task.steps, start=1):
+            where = f"[[steps]] #{index} ({step.name!r})"
+            own = task.step_dir(step.name) / "tests"
+            if step.config.verifier.environment is not None or any(
+                (own / name).is_file() for name in ("Dockerfile", "docker-compose.yaml")
+            ):
+                raise TaskConfigError(
+                    task.name,
+                    f"{where}: a step's own verifier environment ([steps.verifier.environment] "
+                    f"or steps/{step.name}/tests/Dockerfile) is not supported here; a separate "
+                    "verifier runs in the task's ([verifier.environment], tests/Dockerfile or "
+                    "environment/)",
+                    file="task.toml",
+                )
+            for phase, config in (
+                ("agent", step.config.agent),
+                ("verifier", step.config.verifier),
+            ):
+                if config.network_mode is not None or config.allowed_hosts is not None:
+                    # The container's network is made once for every step; a step's own
+                    # phase policy would need it changed mid-trial.
+                    raise TaskConfigError(
+                        task.name,
+                        f"{where}: [steps.{phase}].network_mode/allowed_hosts is not supported "
+                        f"here; set the policy on the task's [{phase}] or [environment]",
+                        file="task.toml",
+                    )
+        if not callable(getattr(request.agent, "for_step", None)):
+            raise TaskConfigError(
+                task.name,
+                f"multi-step tasks ([[steps]]) cannot run with the agent "
+                f"{request.agent.info.name!r} here (the oracle and bundled workflows can)",
+                file="task.toml",
+            )
+
+    def verifier_for(self, task: Task) -> TestsVerifier:
+        """The step's ``tests/`` placed over the task's (see ``step_verifier``)."""
+        return step_verifier(super().verifier_for(task), task)
+
+    def run_phases(self, session: TrialSession, result: TrialResult) -> None:
+        """Every step of the task in order, into ``result.step_results``, then the
+        trial's reward by the task's strategy."""
+        if self.exception is not None:
+            return
+        request = self.request
+        spec, agent = request.spec, request.agent
+        task = spec.task
+        now = utcnow()
+        result.agent_setup = TimingInfo(started_at=now, finished_at=now)
+        result.step_results = []
+        samples: list[bytes] = []
+        if session.pending_files is not None:  # before any step places its own files
+            self.runtime.put_archive(session.container_id, session.pending_files)
+            session.pending_files = None
+        tests_used = False
+        try:
+            for step in task.steps:
+                step_result = StepResult(step_name=step.name)
+                result.step_results.append(step_result)
+                view = task.for_step(step)
+                # The trial reads the step's view of the task and its agent for the step.
+                request.spec = replace(spec, task=view)
+                request.agent = _agent_for_step(agent, view)
+                session.task = view
+                try:
+                    last = step is task.steps[-1]
+                    self._run_step(session, step, step_result, reset_tests=tests_used, last=last)
+                finally:
+                    exception = self.take_exception()
+                    if step_result.exception_info is None and exception is not None:
+                        step_result.exception_info = exception
+                    if self.agent_sample is not None:
+                        samples.append(self.agent_sample)
+                    self._archive_step(step)
+                tests_used = step_result.verifier is not None and not self._separate(step)
+                if should_stop(step.config, step_result, verify=request.spec.verify):
+                    break
+        finally:
+            request.spec, request.agent = spec, agent
+            session.task = task
+        strategy = task.config.multi_step_reward_strategy
+        result.verifier_result = select_reward(strategy, result.step_results)
+        if samples:
+            self.replace_agent_sample(join_samples(samples))
+        for part in _STEP_PARTS:
+            _remove_empty_tree(self.dir / part)
+
+    def _separate(self, step: TaskStep) -> bool:
+        """Whether ``step`` verifies in a fresh container (the operator's policy, the
+        bundled grader's mode, else the step's or the task's ``environment_mode``)."""
+        request = self.request
+        if request.spec.policy.verifier_mode == "separate":
+            return True
+        if request.verifier is not None and request.verifier.bundled_grader:
+            return request.spec.policy.grader_verifier_mode == "separate"
+        return step_verifier_mode(request.spec.task, step.config) == "separate"
+
+    def _run_step(
+        self,
+        session: TrialSession,
+        step: TaskStep,
+        step_result: StepResult,
+        *,
+        reset_tests: bool,
+        last: bool,
+    ) -> None:
+        self.begin_outputs()
+        for part in ("agent", "verifier"):
+            (self.dir / "steps" / step.name / part).mkdir(parents=True, exist_ok=True)
+        try:
+            self._prepare_step(session, step, reset_tests=reset_tests)
+        except (TrialError, RuntimeError) as exc:  # the step's: recorded on it, then it stops
+            self.check_cancelled()
+            self.record(exc)
+            return
+        scratch = TrialResult.model_construct()
+        self.run_agent(session, scratch)
+        step_result.agent_result, step_result.agent_execution = (
+            scratch.agent_result,
+            scratch.agent_execution,
         )
-    for part in _STEP_PARTS:
-        _remove_empty_tree(trial.dir / part)
+        if self.should_verify():
+            if self._separate(step):
+                # The agent's container stays for the next step; after the last, Harbor
+                # stops it before the verifier runs.
+                self.verify_separate(session, scratch, keep_agent=not last)
+            else:
+                self.verify_shared(session, scratch)
+            step_result.verifier = scratch.verifier
+            step_result.verifier_result = scratch.verifier_result
+        else:
+            self.download_logs(session.container_id)
+            self.artifacts.collect(session.container_id, self.request.spec.task)
+            self.record_agent_overflow()
+
+    def _prepare_step(self, session: TrialSession, step: TaskStep, *, reset_tests: bool) -> None:
+        """Harbor's ``_prepare_step``: reset the log dirs, place the step's files, copy its
+        workdir, run its ``setup.sh`` and its healthcheck."""
+        view, runtime = self.request.spec.task, self.runtime
+        self._resolve_step_users(session, view)
+        entries = [ArchiveEntry("/logs/agent", None, 0o777, fresh=True)]
+        if reset_tests:
+            entries += [
+                ArchiveEntry("/logs/verifier", None, 0o777, fresh=True),
+                ArchiveEntry("/tests", None, 0o755, fresh=True),
+            ]
+        entries += self.request.agent.files(view)
+        workdir_files = view.step_workdir
+        if workdir_files is not None and workdir_files.is_dir():
+            # The directory each exec starts in, as the step's agent user sees it.
+            ran = session.bash("pwd", user=session.agent_user, timeout_sec=60)
+            workdir = ran.output.decode(errors="replace").strip() or "/"
+            if not workdir.startswith("/"):
+                workdir = "/"
+            # (the first entry is the directory itself, there already; "/" stays "")
+            entries += tree_entries(workdir_files, workdir.rstrip("/"))[1:]
+        else:
+            workdir = ""
+        runtime.put_archive(session.container_id, build_archive(entries))
+        self.check_cancelled()
+        if workdir and (workdir_files is not None and (workdir_files / "setup.sh").is_file()):
+            script = f"{workdir.rstrip('/')}/setup.sh"
+            ran = session.bash(f"bash {shlex.quote(script)}", user=session.agent_user)
+            self.check_cancelled()
+            if ran.exit_code != 0 or ran.timed_out:
+                stderr = ran.errors.decode(errors="replace")[-2000:]
+                # Harbor's exception for it, recorded on the step.
+                raise RuntimeError(
+                    f"Step '{step.name}' setup.sh exited with code {ran.exit_code}: {stderr}"
+                )
+        self.run_healthcheck(session, step.config.healthcheck)
+
+    def _resolve_step_users(self, session: TrialSession, view: Task) -> None:
+        """The step's agent and verifier users (the step's, else the task's, else the
+        image's USER), resolved against the account files read before anything ran."""
+        accounts = self.accounts
+        if accounts is None:
+            return
+        for role, wanted in (("agent", view.agent_user), ("verifier", view.verifier_user)):
+            user = self.default_user if wanted is None or str(wanted) == "" else wanted
+            try:
+                resolved = accounts.resolve(user)
+            except UnknownUserError as exc:
+                raise TaskConfigError(
+                    view.name, f"[steps.{role}].user = {user!r}: {exc}", file="task.toml"
+                ) from None
+            setattr(session, f"{role}_user", resolved)
+
+    def _archive_step(self, step: TaskStep) -> None:
+        """Move what the step wrote under the trial dir into ``steps/<name>/``."""
+        self.artifacts.write_manifest(self.request.spec.task)
+        target = self.dir / "steps" / step.name
+        for part in _STEP_PARTS:
+            source = self.dir / part
+            if not source.exists():
+                continue
+            destination = target / part
+            destination.mkdir(parents=True, exist_ok=True)
+            for child in list(source.iterdir()):
+                moved = destination / child.name
+                if moved.exists() or moved.is_symlink():
+                    if moved.is_dir() and not moved.is_symlink():
+                        shutil.rmtree(moved)
+                    else:
+                        moved.unlink()
+                shutil.move(str(child), moved)
+        # Nothing of this step is read again at teardown (its reward is on the host).
+        self.outputs_archived()
 
 
 def _agent_for_step(agent: Agent, view: Task) -> Agent:
     for_step = getattr(agent, "for_step", None)
-    assert callable(for_step)  # check_steps_supported refused agents without it
+    assert callable(for_step)  # check_supported refused agents without it
     step_agent: Agent = for_step(view)
     return step_agent
-
-
-def _separate(trial: Trial, step: TaskStep) -> bool:
-    """Whether ``step`` verifies in a fresh container (the operator's policy, the
-    bundled grader's mode, else the step's or the task's ``environment_mode``)."""
-    request = trial.request
-    if request.policy.verifier_mode == "separate":
-        return True
-    if request.verifier is not None and request.verifier.bundled_grader:
-        return request.policy.grader_verifier_mode == "separate"
-    return step_verifier_mode(request.task, step.config) == "separate"
-
-
-def _run_step(
-    trial: Trial,
-    session: TrialSession,
-    step: TaskStep,
-    step_result: StepResult,
-    *,
-    reset_tests: bool,
-    last: bool,
-) -> None:
-    _begin_step_outputs(trial)
-    for part in ("agent", "verifier"):
-        (trial.dir / "steps" / step.name / part).mkdir(parents=True, exist_ok=True)
-    try:
-        _prepare_step(trial, session, step, reset_tests=reset_tests)
-    except (TrialError, RuntimeError) as exc:  # the step's: recorded on it, then it stops
-        trial._check_cancelled()
-        trial._record(exc)
-        return
-    scratch = TrialResult.model_construct()
-    trial._agent(session, scratch)
-    step_result.agent_result, step_result.agent_execution = (
-        scratch.agent_result,
-        scratch.agent_execution,
-    )
-    if trial._should_verify():
-        if _separate(trial, step):
-            # The agent's container stays for the next step; after the last, Harbor
-            # stops it before the verifier runs.
-            trial._verify_separate(session, scratch, keep_agent=not last)
-        else:
-            trial._verify_shared(session, scratch)
-        step_result.verifier = scratch.verifier
-        step_result.verifier_result = scratch.verifier_result
-    else:
-        trial._download_logs(session.container_id)
-        trial._collect_artifacts(session.container_id)
-        trial._record_agent_overflow()
-
-
-def _prepare_step(
-    trial: Trial, session: TrialSession, step: TaskStep, *, reset_tests: bool
-) -> None:
-    """Harbor's ``_prepare_step``: reset the log dirs, place the step's files, copy its
-    workdir, run its ``setup.sh`` and its healthcheck."""
-    view, runtime = trial.request.task, trial.runtime
-    _resolve_step_users(trial, session, view)
-    entries = [ArchiveEntry("/logs/agent", None, 0o777, fresh=True)]
-    if reset_tests:
-        entries += [
-            ArchiveEntry("/logs/verifier", None, 0o777, fresh=True),
-            ArchiveEntry("/tests", None, 0o755, fresh=True),
-        ]
-    entries += trial.request.agent.files(view)
-    workdir_files = view.step_workdir
-    if workdir_files is not None and workdir_files.is_dir():
-        # The directory each exec starts in, as the step's agent user sees it.
-        ran = session.bash("pwd", user=session.agent_user, timeout_sec=60)
-        workdir = ran.output.decode(errors="replace").strip() or "/"
-        if not workdir.startswith("/"):
-            workdir = "/"
-        # (the first entry is the directory itself, there already; "/" stays "")
-        entries += tree_entries(workdir_files, workdir.rstrip("/"))[1:]
-    else:
-        workdir = ""
-    runtime.put_archive(session.container_id, build_archive(entries))
-    trial._check_cancelled()
-    if workdir and (workdir_files is not None and (workdir_files / "setup.sh").is_file()):
-        script = f"{workdir.rstrip('/')}/setup.sh"
-        ran = session.bash(f"bash {shlex.quote(script)}", user=session.agent_user)
-        trial._check_cancelled()
-        if ran.exit_code != 0 or ran.timed_out:
-            stderr = ran.errors.decode(errors="replace")[-2000:]
-            # Harbor's exception for it, recorded on the step.
-            raise RuntimeError(
-                f"Step '{step.name}' setup.sh exited with code {ran.exit_code}: {stderr}"
-            )
-    trial._run_healthcheck(session, step.config.healthcheck)
-
-
-def _resolve_step_users(trial: Trial, session: TrialSession, view: Task) -> None:
-    """The step's agent and verifier users (the step's, else the task's, else the
-    image's USER), resolved against the account files read before anything ran."""
-    accounts = trial._accounts
-    if accounts is None:
-        return
-    for role, wanted in (("agent", view.agent_user), ("verifier", view.verifier_user)):
-        user = trial._default_user if wanted is None or str(wanted) == "" else wanted
-        try:
-            resolved = accounts.resolve(user)
-        except UnknownUserError as exc:
-            raise TaskConfigError(
-                view.name, f"[steps.{role}].user = {user!r}: {exc}", file="task.toml"
-            ) from None
-        setattr(session, f"{role}_user", resolved)
-
-
-def _begin_step_outputs(trial: Trial) -> None:
-    """Fresh per-step read-back state: each step's logs and artifacts are read anew."""
-    trial._outputs_archived = False
-    trial._verifier_logs_read = trial._agent_logs_read = False
-    trial._artifact_entries, trial._artifacts_carried = None, []
-    trial._agent_sample, trial._host_files = None, {}
-
-
-def _archive_step(trial: Trial, step: TaskStep) -> None:
-    """Move what the step wrote under the trial dir into ``steps/<name>/``."""
-    trial._write_artifact_manifest()
-    target = trial.dir / "steps" / step.name
-    for part in _STEP_PARTS:
-        source = trial.dir / part
-        if not source.exists():
-            continue
-        destination = target / part
-        destination.mkdir(parents=True, exist_ok=True)
-        for child in list(source.iterdir()):
-            moved = destination / child.name
-            if moved.exists() or moved.is_symlink():
-                if moved.is_dir() and not moved.is_symlink():
-                    shutil.rmtree(moved)
-                else:
-                    moved.unlink()
-            shutil.move(str(child), moved)
-    # Nothing of this step is read again at teardown (its reward is on the host).
-    trial._outputs_archived = True
-    trial._verifier_logs_read = trial._agent_logs_read = True
-    if trial._artifact_entries is None:
-        trial._artifact_entries = []
 
 
 def _remove_empty_tree(root: Path) -> None:
@@ -400,10 +392,9 @@ def _remove_empty_tree(root: Path) -> None:
 
 
 __all__ = [
-    "check_steps_supported",
+    "MultiStepTrial",
     "join_samples",
     "min_reward_failure",
-    "run_steps",
     "select_reward",
     "should_stop",
     "step_verifier",

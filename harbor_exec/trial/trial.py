@@ -36,23 +36,21 @@ skipped or cut is noted in ``<trial>/copy-back.json``.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import re
 import secrets as secrets_module
-import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from pathlib import Path, PurePosixPath
-from typing import IO, TYPE_CHECKING, Any, Literal
+from pathlib import PurePosixPath
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 from harbor_exec.agents.base import Agent, AgentRun
-from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
+from harbor_exec.agents.native.layer import ensure_agent_layer
 from harbor_exec.agents.oracle import OracleAgent
 from harbor_exec.container.exchange import AGENT_SAMPLE, BUNDLE_ROOT, ErrorDetail, ErrorFile
 from harbor_exec.container.redaction import redact, scrub_tree
@@ -75,20 +73,18 @@ from harbor_exec.errors import (
     VerifierTimeoutError,
     policy_for,
 )
-from harbor_exec.network.egress.plan import ContainerKind, EgressSettings, TrialEgress, network_plan
+from harbor_exec.network.egress.plan import ContainerKind, TrialEgress, network_plan
 from harbor_exec.network.egress.policy import EgressMode
 from harbor_exec.network.packages.build_route import cache_build_options
 from harbor_exec.sandbox.archives import (
-    VERIFIER_OUTPUT_LIMITS,
     ArchiveEntry,
     ExtractReport,
-    OutputLimits,
     build_archive,
     extract_archive,
     tree_entries,
     write_archive,
 )
-from harbor_exec.sandbox.deps import DepsLayer, bake_deps_into_image, ensure_deps_env
+from harbor_exec.sandbox.deps import bake_deps_into_image, ensure_deps_env
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
     LABEL_KIND,
@@ -101,9 +97,13 @@ from harbor_exec.sandbox.runtime import (
 )
 from harbor_exec.sandbox.seccomp import SECCOMP_ALLOW_LABEL, requested_syscalls
 from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
+from harbor_exec.tasks.config import EnvironmentConfig, HealthcheckConfig, resolve_env
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.artifacts import CONVENTION_DIR, TrialArtifacts, remove_path
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
+from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy, VerifierMode
 from harbor_exec.trial.results import (
     AgentResult,
     ExceptionInfo,
@@ -114,17 +114,14 @@ from harbor_exec.trial.results import (
     utcnow,
 )
 from harbor_exec.trial.session import TrialSession
-from harbor_exec.trial.steps import check_steps_supported, run_steps, step_verifier
-from harbor_exec.trial.task import EnvironmentConfig, HealthcheckConfig, Task, resolve_env
+from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
-    from harbor_exec.network.packages.service import PackageCacheService
     from harbor_exec.network.packages.session import TrialPackageCache
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
-VerifierMode = Literal["shared", "separate"]
 #: "image": the image's USER, as an exec without a user runs (Harbor's healthcheck).
 UserRole = Literal["agent", "verifier", "image"]
 logger = logging.getLogger(__name__)
@@ -137,100 +134,11 @@ _NOTHING_HANDED_OVER = (
     .encode()
 )
 
-#: The agent's conventional publish dir (Harbor's implicit first artifact).
-CONVENTION_DIR = "/logs/artifacts"
 LOG_DIRS = ("/logs", "/logs/agent", "/logs/verifier", CONVENTION_DIR)
 #: An image label naming capabilities (of ``DROPPED_CAPABILITIES``) the task needs back,
 #: e.g. ``LABEL harbor-exec.cap-add="SYS_CHROOT,MKNOD"`` in its Dockerfile.
 CAP_ADD_LABEL = "harbor-exec.cap-add"
 _MIB = 1024 * 1024
-
-
-def default_pids_limit(max_concurrent_trials: int, pid_max: int) -> int:
-    """A per-container pids limit under which twice ``max_concurrent_trials`` full
-    containers still leave a quarter of the host's ``pid_max`` free."""
-    share = int(pid_max * 0.75) // max(2 * max_concurrent_trials, 1)
-    return max(128, min(4096, share))
-
-
-#: Limits for tasks whose ``[environment]`` sets none (Harbor 0.26 defaults them to
-#: None, i.e. unlimited; one hostile rollout would then share the host's whole budget).
-DEFAULT_CPUS = 2.0
-DEFAULT_MEMORY_MB = 4096  # swap is never added: memory+swap equals this
-DEFAULT_STORAGE_MB = 10240  # the writable layer, /logs included
-DEFAULT_SHM_MB = 256  # /dev/shm (tmpfs: it counts against memory too)
-# Open files per process (soft and hard). Docker's own default is the daemon's, often
-# 1,048,576; this stays under the hard limit of daemons started without
-# CAP_SYS_RESOURCE or with a low LimitNOFILE (runc cannot raise it past theirs).
-DEFAULT_NOFILE_LIMIT = 16384
-
-
-@dataclass(frozen=True)
-class SandboxPolicy:
-    """The operator's settings for every trial container.
-
-    The ``default_*`` limits apply to tasks whose ``[environment]`` leaves the field
-    unset; a task's own ``cpus``, ``memory_mb`` and ``storage_mb`` win over them, and the
-    ``override_*`` ones (Harbor's ``EnvironmentConfig.override_*``) win over the task's
-    (see ``ContainerLimits.resolve``).
-    """
-
-    #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
-    #: None: each task's own ``[verifier].environment_mode``.
-    verifier_mode: VerifierMode | None = None
-    #: Where a bundled grader verifies, whatever the task says: "separate" unless asked,
-    #: since in the agent's container the files the grader's interpreter reads besides
-    #: the read-only runtime (``/etc/ld.so.preload``, ``/tmp``) are the agent's.
-    grader_verifier_mode: VerifierMode = "separate"
-    pids_limit: int = 4096
-    default_cpus: float = DEFAULT_CPUS
-    default_memory_mb: int = DEFAULT_MEMORY_MB
-    default_storage_mb: int = DEFAULT_STORAGE_MB
-    override_cpus: float | None = None
-    override_memory_mb: int | None = None
-    override_storage_mb: int | None = None
-    shm_mb: int = DEFAULT_SHM_MB
-    nofile_limit: int = DEFAULT_NOFILE_LIMIT
-    #: A bundle's dependencies baked into a layer of the task image for the agent's
-    #: container (osmosis-ai's ``patch_dockerfile_with_sdk=True``), instead of the
-    #: read-only volume (the default; verifier containers always get the volume).
-    deps_in_image: bool = False
-    #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
-    output: OutputLimits = field(default_factory=OutputLimits)
-    #: The server's package cache (``harbor_exec.network.packages.session``); None: off.
-    package_cache: PackageCacheService | None = field(default=None, compare=False)
-    #: The verifier's own ``/logs/verifier``, read first.
-    verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
-    #: Allowlisted networks' egress proxy (``harbor_exec.network.egress.plan``).
-    egress: EgressSettings = field(default_factory=EgressSettings)
-
-
-@dataclass(frozen=True)
-class ContainerLimits:
-    """The limits one container runs under: the operator's overrides, else the task's
-    own, else the operator's defaults."""
-
-    cpus: float
-    memory_mb: int
-    storage_mb: int
-    shm_mb: int
-    nofile_limit: int
-    pids_limit: int
-
-    @classmethod
-    def resolve(cls, policy: SandboxPolicy, env: EnvironmentConfig) -> ContainerLimits:
-        # Harbor leaves these None unless task.toml sets them, so "unset" is exact;
-        # 0 is as good as unset (Harbor's docker environment passes no limit for it).
-        memory_mb = policy.override_memory_mb or env.memory_mb or policy.default_memory_mb
-        cpus = policy.override_cpus or (float(env.cpus) if env.cpus else policy.default_cpus)
-        return cls(
-            cpus=cpus,
-            memory_mb=memory_mb,
-            storage_mb=policy.override_storage_mb or env.storage_mb or policy.default_storage_mb,
-            shm_mb=min(policy.shm_mb, memory_mb),  # tmpfs pages are memory
-            nofile_limit=policy.nofile_limit,
-            pids_limit=policy.pids_limit,
-        )
 
 
 def image_tag_for(task: Task) -> str:
@@ -271,30 +179,26 @@ def ensure_task_image(
 
 @dataclass
 class TrialRequest:
-    """Everything one trial needs; plain values only."""
+    """A runnable trial: its ``spec`` (what the trial is, plain data) and what this
+    machine made of it to run: the agent, the verifier, the values to scrub, the mounts
+    (``harbor_exec.executors.spec.trial_request`` makes one from a spec)."""
 
-    task: Task
-    trials_dir: Path
+    spec: TrialSpec
+    #: The agent that runs (the spec's agent kind made it; the oracle by default).
     agent: Agent = field(default_factory=OracleAgent)
     verifier: TestsVerifier | None = None  # None: the task's own tests/
-    verify: bool = True
-    trial_name: str | None = None
-    source: str | None = None
-    image: str | None = None  # run on this image instead of the task's own
-    agent_timeout_sec: float | None = None  # override [agent].timeout_sec
-    verifier_timeout_sec: float | None = None  # override [verifier].timeout_sec
-    labels: Mapping[str, str] = field(default_factory=dict)
-    rollout_id: str | None = None
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
-    deps: DepsLayer | None = None  # a bundle's dependency environment (its own volume)
-    #: An in-container native agent's prebuilt layer (its own volume, agent's container only).
-    agent_layer: AgentLayer | None = None
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
 
 
 class Trial:
-    """Runs one ``TrialRequest``; ``cancel()`` may be called from any thread."""
+    """Runs one ``TrialRequest`` of a single-step task; ``cancel()`` may be called from
+    any thread. A multi-step task runs as ``harbor_exec.trial.steps.MultiStepTrial``, this
+    class's subclass (``harbor_exec.trial.factory.create_trial`` picks the class), which
+    replaces ``run_phases`` and reads the task's steps through the methods below."""
+
+    #: Whether this class runs a task's ``[[steps]]`` (``MultiStepTrial`` does).
+    runs_steps: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -303,10 +207,15 @@ class Trial:
         *,
         on_phase: PhaseCallback | None = None,
     ) -> None:
+        if request.spec.task.is_multi_step and not self.runs_steps:
+            raise TypeError(
+                f"{request.spec.task.name} is a multi-step task: it runs as a MultiStepTrial "
+                "(harbor_exec.trial.factory.create_trial picks the class)"
+            )
         self.runtime = runtime
         self.request = request
-        self.name = request.trial_name or new_trial_name(request.task.name)
-        self.dir = request.trials_dir / self.name
+        self.name = request.spec.trial_name or new_trial_name(request.spec.task.name)
+        self.dir = request.spec.trials_dir / self.name
         self.images_built = 0  # task image and dependency layer built by this trial
         self._on_phase = on_phase
         self._cancelled = threading.Event()
@@ -321,26 +230,27 @@ class Trial:
         self._agent_logs_read = False
         #: One budget for everything the agent wrote (``SandboxPolicy.output``).
         self._agent_copy = ExtractReport()
-        self._accounts: ImageAccounts | None = None
-        self._default_user = ""
-        #: Declared artifacts' manifest rows, once collected (``_collect_artifacts``).
-        self._artifact_entries: list[dict[str, object]] | None = None
-        self._artifacts_carried: list[tuple[Path, str]] = []
+        self.accounts: ImageAccounts | None = None
+        self.default_user = ""
+        #: ``artifacts/``: ``/logs/artifacts`` and the declared ones, on the same budget.
+        self.artifacts = TrialArtifacts(
+            runtime, self.dir, limits=request.spec.policy.output, budget=self._agent_copy
+        )
         self._verifier_copy = ExtractReport()
         #: The exchange files, read as ``/logs`` comes back (see ``_download_logs``).
         self.output = TrialOutput()
-        self.image = request.image or ""
+        self.image = request.spec.image or ""
         self.deps_volume: str | None = None  # the dependency environment, once ensured
         self.deps_baked = False  # ... and baked into ``self.image`` (``deps_in_image``)
         self.agent_volume: str | None = None  # the agent's layer, once ensured
         self.verifier_mode: VerifierMode = self._choose_verifier_mode()
         self._current_phase: TrialPhase | None = None
         self.network_plan = network_plan(
-            request.task.config, separate_verifier=self.verifier_mode == "separate"
+            request.spec.task.config, separate_verifier=self.verifier_mode == "separate"
         )
         #: This trial's use of the server's package cache (None: not through it).
         self._package_cache = self._cache_session()
-        egress = request.policy.egress
+        egress = request.spec.policy.egress
         if self._package_cache is not None:
             egress = replace(egress, upstream=self._package_cache.upstream)
         self._egress = TrialEgress(self.name, self.dir, egress)
@@ -348,8 +258,6 @@ class Trial:
         #: one project per container that has them (a multi-step task's separate verifier
         #: gets its own while the agent's stays); the tracked container's is the last.
         self._composes: list[ComposeEnvironment] = []
-        #: A multi-step trial moved the outputs read so far into ``steps/<name>/``.
-        self._outputs_archived = False
 
     # ----------------------------------------------------------------- control
 
@@ -366,14 +274,20 @@ class Trial:
         self._compose_down()
 
     @property
+    def container_id(self) -> str | None:
+        """The container the trial tracks now (None before it is created, once removed)."""
+        with self._container_lock:
+            return self._container_id
+
+    @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def _check_cancelled(self) -> None:
+    def check_cancelled(self) -> None:
         if self._cancelled.is_set():
             raise CancelledError("the trial was cancelled")
 
-    def _record(self, exc: BaseException) -> None:
+    def record(self, exc: BaseException) -> None:
         if self._exception is None:  # Harbor keeps only the first exception
             if isinstance(exc, EngineUnavailableError) and self._current_phase:
                 exc = exc.during(self._current_phase)
@@ -383,6 +297,44 @@ class Trial:
                 info.exception_traceback = redact(info.exception_traceback, self.request.secrets)
             self._exception = info
 
+    @property
+    def exception(self) -> ExceptionInfo | None:
+        """The first exception recorded (Harbor keeps only that one)."""
+        return self._exception
+
+    def take_exception(self) -> ExceptionInfo | None:
+        """The exception recorded so far, cleared: a multi-step trial's is each step's."""
+        exception, self._exception = self._exception, None
+        return exception
+
+    @property
+    def agent_sample(self) -> bytes | None:
+        """The sample the agent handed over as its exec ended (``AgentRun.sample``)."""
+        return self._agent_sample
+
+    def replace_agent_sample(self, sample: bytes) -> None:
+        """Make ``sample`` the rollout's (``agent/sample.json``, read again into
+        ``output``); the agent's host files are in their step's ``agent/`` already."""
+        self._host_files = {}
+        self._agent_sample = sample
+        self._pin_agent_sample()
+        self.output = TrialOutput(
+            agent=read_agent_output(self.dir, self.request.secrets), grader=self.output.grader
+        )
+
+    def begin_outputs(self) -> None:
+        """Fresh read-back state: the logs, artifacts and sample are read anew (each
+        step of a multi-step trial reads its own)."""
+        self._verifier_logs_read = self._agent_logs_read = False
+        self.artifacts.begin_step()
+        self._agent_sample, self._host_files = None, {}
+
+    def outputs_archived(self) -> None:
+        """What was read back so far was moved away (a step's, into ``steps/<name>/``):
+        nothing of it is read again at teardown."""
+        self._verifier_logs_read = self._agent_logs_read = True
+        self.artifacts.step_archived()
+
     def _phase(self, name: TrialPhase) -> None:
         self._current_phase = name
         if self._on_phase is not None:
@@ -391,14 +343,14 @@ class Trial:
     # ----------------------------------------------------------------- run
 
     def run(self) -> TrialResult:
-        request, task = self.request, self.request.task
+        request, task = self.request, self.request.spec.task
         self.dir.mkdir(parents=True, exist_ok=True)
         result = TrialResult(
             task_name=task.name,
             trial_name=self.name,
             trial_uri=self.dir.resolve().as_uri(),
             task_id=task.origin or {"path": str(task.path)},
-            source=request.source,
+            source=request.spec.source,
             task_checksum=task.checksum(),
             config=self._config_summary(),
             agent_info=request.agent.info,
@@ -408,28 +360,17 @@ class Trial:
         )
         session: TrialSession | None = None
         if self._package_cache is not None:
-            egress = request.policy.egress
+            egress = request.spec.policy.egress
             self._package_cache.begin(egress.overrides, dns=egress.dns)
         try:
-            if task.is_multi_step:
-                check_steps_supported(self)
+            self.check_supported()
             session = self._environment(result)
             self._healthcheck(session)
-            if task.is_multi_step:
-                if self._exception is None:
-                    run_steps(self, session, result)
-            elif self._exception is None:
-                self._agent(session, result)
-            if not task.is_multi_step and self._should_verify():
-                assert session is not None
-                if self.verifier_mode == "separate":
-                    self._verify_separate(session, result)
-                else:
-                    self._verify_shared(session, result)
+            self.run_phases(session, result)
         except (HarborExecError, OSError) as exc:
-            self._record(exc if not self.cancelled else CancelledError("the trial was cancelled"))
+            self.record(exc if not self.cancelled else CancelledError("the trial was cancelled"))
         except BaseException as exc:  # keep the container accounting right on Ctrl-C too
-            self._record(CancelledError(f"interrupted: {type(exc).__name__}"))
+            self.record(CancelledError(f"interrupted: {type(exc).__name__}"))
             self._teardown(session)
             raise
         self._teardown(session)
@@ -439,19 +380,36 @@ class Trial:
         self._write(result)
         return result
 
+    def check_supported(self) -> None:
+        """Refuse, before anything is built, what this trial cannot run (nothing here)."""
+
+    def run_phases(self, session: TrialSession, result: TrialResult) -> None:
+        """The agent, then the verifier in the trial's mode."""
+        if self._exception is None:
+            self.run_agent(session, result)
+        if self.should_verify():
+            if self.verifier_mode == "separate":
+                self.verify_separate(session, result)
+            else:
+                self.verify_shared(session, result)
+
+    def verifier_for(self, task: Task) -> TestsVerifier:
+        """The verifier of ``task`` (the request's, else the task's own ``tests/``)."""
+        return self.request.verifier or TestsVerifier(task.tests_dir)
+
     def _cache_session(self) -> TrialPackageCache | None:
-        service = self.request.policy.package_cache
+        service = self.request.spec.policy.package_cache
         if service is None:
             return None
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
         from harbor_exec.network.packages.session import TrialPackageCache, wanted
 
-        if not wanted(service, self.request.task):
+        if not wanted(service, self.request.spec.task):
             return None
         phases = (self.network_plan.agent, self.network_plan.verifier)
         if all(p.mode is EgressMode.NO_NETWORK for p in phases):
             return None  # nothing to fetch, nothing to record
-        return TrialPackageCache(service, self.request.task)
+        return TrialPackageCache(service, self.request.spec.task)
 
     def _cached(self, kind: ContainerKind) -> bool:
         """Whether ``kind``'s container reaches the network through the package cache."""
@@ -460,28 +418,28 @@ class Trial:
         return any(p.mode is not EgressMode.NO_NETWORK for p in self.network_plan.phases(kind))
 
     def _config_summary(self) -> dict[str, object]:
-        request, config = self.request, self.request.task.config
+        request, config = self.request, self.request.spec.task.config
         return {
-            "task": {"path": str(request.task.path), "source": request.source},
+            "task": {"path": str(request.spec.task.path), "source": request.spec.source},
             "trial_name": self.name,
-            "trials_dir": str(request.trials_dir),
+            "trials_dir": str(request.spec.trials_dir),
             "agent": {"name": request.agent.info.name},
             "timeouts": {
-                "agent_sec": request.agent_timeout_sec or config.agent.timeout_sec,
-                "verifier_sec": request.verifier_timeout_sec or config.verifier.timeout_sec,
+                "agent_sec": request.spec.agent_timeout_sec or config.agent.timeout_sec,
+                "verifier_sec": request.spec.verifier_timeout_sec or config.verifier.timeout_sec,
                 "build_sec": config.environment.build_timeout_sec,
             },
-            "verify": request.verify,
+            "verify": request.spec.verify,
             "verifier_environment_mode": self.verifier_mode,
-            "rollout_id": request.rollout_id,
+            "rollout_id": request.spec.rollout_id,
         }
 
     def _choose_verifier_mode(self) -> VerifierMode:
-        if self.request.policy.verifier_mode == "separate":
+        if self.request.spec.policy.verifier_mode == "separate":
             return "separate"
         if self.request.verifier is not None and self.request.verifier.bundled_grader:
-            return self.request.policy.grader_verifier_mode
-        config = self.request.task.config.verifier
+            return self.request.spec.policy.grader_verifier_mode
+        config = self.request.spec.task.config.verifier
         if config.environment_mode in ("shared", "separate"):
             return "separate" if config.environment_mode == "separate" else "shared"
         return "separate" if config.environment is not None else "shared"
@@ -503,7 +461,7 @@ class Trial:
         mounts: Sequence[Mount],
         gpus: int = 0,
     ) -> ContainerSpec:
-        request, task, policy = self.request, self.request.task, self.request.policy
+        request, task, policy = self.request, self.request.spec.task, self.request.spec.policy
         image_labels = self.runtime.image_labels(image)
         label = image_labels.get(CAP_ADD_LABEL, "")
         wanted = {c.strip().upper().removeprefix("CAP_") for c in label.split(",") if c.strip()}
@@ -528,11 +486,11 @@ class Trial:
             image=image,
             name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
             labels={
-                **request.labels,
+                **request.spec.labels,
                 LABEL_TRIAL: self.name,
                 LABEL_TASK: task.name,
                 LABEL_KIND: kind,
-                **({LABEL_ROLLOUT: request.rollout_id} if request.rollout_id else {}),
+                **({LABEL_ROLLOUT: request.spec.rollout_id} if request.spec.rollout_id else {}),
             },
             env=env,
             cpus=limits.cpus,
@@ -553,7 +511,7 @@ class Trial:
         projects = len(self._composes)
         spec = self._compose_up(spec)
         with self._container_lock:
-            self._check_cancelled()
+            self.check_cancelled()
             container_id = self._container_id = self.runtime.create(spec)
         if len(self._composes) > projects:
             self._composes[-1].place_main_binds(container_id)
@@ -563,7 +521,7 @@ class Trial:
         """A compose task's sidecars, started around ``spec``'s container (the agent's,
         or a separate verifier's from the task's own environment, as Harbor starts a
         whole new project for it); ``spec`` joined to their network."""
-        task = self.request.task
+        task = self.request.spec.task
         verifier_env = task.config.verifier.environment
         if not is_compose_task(task) or (
             spec.labels.get(LABEL_KIND) == "verifier"
@@ -572,7 +530,7 @@ class Trial:
             )
         ):
             return spec
-        project, images, built = prepare_images(self.runtime, task, self.request.policy)
+        project, images, built = prepare_images(self.runtime, task, self.request.spec.policy)
         self.images_built += built
         compose = ComposeEnvironment(
             self.runtime,
@@ -600,7 +558,7 @@ class Trial:
         """Refuse, before anything is built, the ``[environment]`` fields Harbor 0.26
         refuses on its Docker environment (a TPU slice) or for agents without the
         capability (MCP servers, skills: the oracle ignores both, as in Harbor)."""
-        task = self.request.task
+        task = self.request.spec.task
         env = task.config.environment
         if env.tpu is not None:
             raise TaskConfigError(
@@ -632,7 +590,7 @@ class Trial:
     def _check_gpus(self) -> int:
         """GPUs to request; ``GpuUnavailableError`` before anything starts when the task
         needs some and the engine has none (Harbor refuses such tasks too)."""
-        env = self.request.task.config.environment
+        env = self.request.spec.task.config.environment
         wanted = env.gpus or 0
         if wanted <= 0:
             return 0
@@ -640,38 +598,40 @@ class Trial:
         if available == 0 or 0 < available < wanted:
             types = f" of type {', '.join(env.gpu_types)}" if env.gpu_types else ""
             raise GpuUnavailableError(
-                f"task {self.request.task.name}: [environment].gpus = {wanted}{types} but the "
+                f"task {self.request.spec.task.name}: [environment].gpus = {wanted}{types} but the "
                 f"Docker engine has {available if available > 0 else 'no'} GPU(s) to give "
                 "(install the NVIDIA container toolkit, or run this task elsewhere)"
             )
         return wanted
 
     def _environment(self, result: TrialResult) -> TrialSession:
-        request, task = self.request, self.request.task
+        request, task = self.request, self.request.spec.task
         env_config = task.config.environment
         self._phase(TrialPhase.ENVIRONMENT)
         timing = result.environment_setup = TimingInfo(started_at=utcnow())
         try:
             self._check_environment_fields()
             gpus = self._check_gpus()
-            if request.image is None:
-                self.image, built = ensure_task_image(self.runtime, task, request.policy)
+            if request.spec.image is None:
+                self.image, built = ensure_task_image(self.runtime, task, request.spec.policy)
                 self.images_built += built
-            if request.deps is not None:
-                self.deps_volume, built = ensure_deps_env(self.runtime, request.deps, self.image)
+            if request.spec.deps is not None:
+                self.deps_volume, built = ensure_deps_env(
+                    self.runtime, request.spec.deps, self.image
+                )
                 self.images_built += built
-                if request.policy.deps_in_image:
+                if request.spec.policy.deps_in_image:
                     self.image, built = bake_deps_into_image(
                         self.runtime, self.image, self.deps_volume, scratch=self.dir
                     )
                     self.images_built += built
                     self.deps_baked = True
-            if request.agent_layer is not None:
+            if request.spec.agent.layer is not None:
                 self.agent_volume, built = ensure_agent_layer(
-                    self.runtime, request.agent_layer, self.image
+                    self.runtime, request.spec.agent.layer, self.image
                 )
                 self.images_built += built
-            self._check_cancelled()
+            self.check_cancelled()
             container_id = self._create(
                 self._spec(self.image, env_config, kind="trial", mounts=request.mounts, gpus=gpus)
             )
@@ -695,7 +655,7 @@ class Trial:
                 self.runtime.put_archive(container_id, archive)
                 pending = None
             self.runtime.start(container_id)
-            self._check_cancelled()
+            self.check_cancelled()
         finally:
             timing.finished_at = utcnow()
         return TrialSession(
@@ -714,13 +674,13 @@ class Trial:
         """Each of ``roles``' user as numeric ``uid:gid``, from the account files of
         ``container_id`` (created from ``image``, not started). A user left unset is
         the image's USER, as in Harbor."""
-        task = self.request.task
+        task = self.request.spec.task
         accounts = self.runtime.image_accounts(image, container_id)
         default = self.runtime.image_user(image)
-        if image == self.image and self._accounts is None:
+        if image == self.image and self.accounts is None:
             # The trial image's, read before anything ran: what later lookups resolve
             # against (the agent may rewrite the container's account files).
-            self._accounts, self._default_user = accounts, default
+            self.accounts, self.default_user = accounts, default
         resolved: dict[UserRole, str] = {}
         for role in roles:
             user = {"agent": task.agent_user, "verifier": task.verifier_user}.get(role)
@@ -730,7 +690,7 @@ class Trial:
             except UnknownUserError as exc:
                 where = f"[{role}].user" if wanted is user else f"the image {image}'s USER"
                 raise TaskConfigError(
-                    self.request.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
+                    self.request.spec.task.name, f"{where} = {wanted!r}: {exc}", file="task.toml"
                 ) from None
         return resolved
 
@@ -739,9 +699,9 @@ class Trial:
         HEALTHCHECK's semantics): ``command`` until it exits 0; failures in the first
         ``start_period_sec`` do not count (retried every ``start_interval_sec``), then
         ``retries`` failures in a row (``interval_sec`` apart) are a ``HealthcheckError``."""
-        self._run_healthcheck(session, self.request.task.config.environment.healthcheck)
+        self.run_healthcheck(session, self.request.spec.task.config.environment.healthcheck)
 
-    def _run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
+    def run_healthcheck(self, session: TrialSession, check: HealthcheckConfig | None) -> None:
         if check is None:
             return
         start_period_end = time.monotonic() + check.start_period_sec
@@ -751,7 +711,7 @@ class Trial:
             ran = session.bash(
                 check.command, user=session.image_user, timeout_sec=check.timeout_sec
             )
-            self._check_cancelled()
+            self.check_cancelled()
             if ran.exit_code == 0 and not ran.timed_out:
                 return
             if not in_start_period:
@@ -763,18 +723,18 @@ class Trial:
                     )
             pause = check.start_interval_sec if in_start_period else check.interval_sec
             if self._cancelled.wait(pause):
-                self._check_cancelled()
+                self.check_cancelled()
 
-    def _agent(self, session: TrialSession, result: TrialResult) -> None:
+    def run_agent(self, session: TrialSession, result: TrialResult) -> None:
         request = self.request
         now = utcnow()
         result.agent_setup = TimingInfo(started_at=now, finished_at=now)
-        timeout = request.agent_timeout_sec
+        timeout = request.spec.agent_timeout_sec
         if timeout is None:
-            timeout = request.task.agent_timeout_sec
+            timeout = request.spec.task.agent_timeout_sec
         self._phase(TrialPhase.AGENT)
         timing = result.agent_execution = TimingInfo(started_at=utcnow())
-        limits = ContainerLimits.resolve(request.policy, request.task.config.environment)
+        limits = ContainerLimits.resolve(request.spec.policy, request.spec.task.config.environment)
         watch = DiskWatch(self.runtime, session.container_id, limits.storage_mb * _MIB)
         self._enter_egress("agent", session.container_id)
         try:
@@ -790,7 +750,7 @@ class Trial:
         except FileNotFoundError as exc:
             # The oracle without solution/solve.sh: Harbor records it and, the
             # policy saying "grade", still runs the verifier (reward 0, not none).
-            self._record(exc)
+            self.record(exc)
             run = AgentRun(exit_code=None, timed_out=False)
         finally:
             timing.finished_at = utcnow()
@@ -807,14 +767,14 @@ class Trial:
         if run.sample is not None:
             self._agent_sample = run.sample
         self._pin_agent_sample()
-        self._check_cancelled()
+        self.check_cancelled()
         # Harbor's place for them: after the agent, before anything is read back.
         self._run_collect_hooks(session.container_id)
         result.agent_result = AgentResult.model_validate(run.agent_result or {})
         if watch.exceeded is not None:
             used = watch.exceeded
             why = f" ({used.incomplete})" if used.incomplete else ""
-            self._record(
+            self.record(
                 DiskBudgetExceededError(
                     f"the agent wrote more than its {limits.storage_mb} MB disk budget "
                     f"(at least {used.bytes_used // _MIB} MB{why}); its processes were killed "
@@ -822,7 +782,7 @@ class Trial:
                 )
             )
         if run.timed_out:
-            self._record(
+            self.record(
                 AgentTimeoutError(
                     f"the agent ran past its {timeout:g}s timeout; its processes were killed "
                     "and the trial was verified anyway"
@@ -832,16 +792,16 @@ class Trial:
             (self.dir / "agent").mkdir(parents=True, exist_ok=True)
             (self.dir / "agent" / "exit-code.txt").write_text(f"{run.exit_code}\n")
 
-    def _should_verify(self) -> bool:
-        if not self.request.verify or self._container_id is None or self.cancelled:
+    def should_verify(self) -> bool:
+        if not self.request.spec.verify or self._container_id is None or self.cancelled:
             return False
         if self._exception is None:
             return True
         return policy_for(self._exception.exception_type).should_grade
 
     def _verifier_timeout(self) -> float | None:
-        timeout = self.request.verifier_timeout_sec
-        return self.request.task.verifier_timeout_sec if timeout is None else timeout
+        timeout = self.request.spec.verifier_timeout_sec
+        return self.request.spec.task.verifier_timeout_sec if timeout is None else timeout
 
     def _run_verifier(
         self,
@@ -853,14 +813,14 @@ class Trial:
     ) -> None:
         """Run ``test.sh`` in ``session`` (its timeout counted from ``started``), then
         read ``/logs/verifier`` through the engine and parse the reward."""
-        task = self.request.task
-        verifier = step_verifier(self.request.verifier or TestsVerifier(task.tests_dir), task)
+        task = self.request.spec.task
+        verifier = self.verifier_for(task)
         timeout = self._verifier_timeout()
         remaining = None if timeout is None else timeout - _elapsed(started)
         placed = self._agent_files(verifier)
         self._enter_egress("verifier", session.container_id)
         run = verifier.run(session, remaining, upload_tests=upload_tests, placed=placed)
-        self._check_cancelled()
+        self.check_cancelled()
         if run.timed_out:
             raise VerifierTimeoutError(
                 f"tests/test.sh ran past the {timeout:g}s verifier timeout; no reward"
@@ -873,8 +833,8 @@ class Trial:
         self._read_verifier_logs(session.container_id)
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
-    def _verify_shared(self, session: TrialSession, result: TrialResult) -> None:
-        self._collect_artifacts(session.container_id)
+    def verify_shared(self, session: TrialSession, result: TrialResult) -> None:
+        self.artifacts.collect(session.container_id, self.request.spec.task)
         self._phase(TrialPhase.VERIFIER)
         timing = result.verifier = TimingInfo(started_at=utcnow())
         try:
@@ -889,19 +849,19 @@ class Trial:
                     return
                 self._run_verifier(session, result, started=timing.started_at)
         except TrialError as exc:
-            self._record(exc)
+            self.record(exc)
         finally:
             timing.finished_at = utcnow()
         if not self.cancelled:  # the verdict stands; now what the agent wrote
             self._read_agent_logs(session.container_id)
-        self._record_agent_overflow()
+        self.record_agent_overflow()
 
     def _revive(self, session: TrialSession) -> bool:
         """The agent ended its container: record it as the agent's outcome and start
         the container again (its files stay, none of its processes do) for the
         verifier. False, and the container removed (nothing is verified), when it
         cannot start."""
-        self._record(
+        self.record(
             AgentEndedContainerError(
                 "the agent's container stopped after it had started (its init was killed "
                 "or made to exit); it was restarted and verified"
@@ -914,7 +874,7 @@ class Trial:
             return False
         return True
 
-    def _verify_separate(
+    def verify_separate(
         self, session: TrialSession, result: TrialResult, *, keep_agent: bool = False
     ) -> None:
         """Harbor 0.26's separate verifier: a fresh container that sees only the artifacts.
@@ -924,7 +884,7 @@ class Trial:
         wrote is charged to the verifier's timeout or crowds its own outputs.
         ``keep_agent``: the agent's container stays for a later step (multi-step tasks);
         the verifier's is removed once it is done."""
-        task = self.request.task
+        task = self.request.spec.task
         agent_id: str | None = None
         with tempfile.TemporaryFile(dir=self.dir) as handover:
             self._pack_handover(session.container_id, handover)
@@ -946,11 +906,11 @@ class Trial:
                 handover.seek(0)
                 self.runtime.put_archive(container_id, handover)
                 self.runtime.start(container_id)
-                self._check_cancelled()
+                self.check_cancelled()
                 fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
             except TrialError as exc:
-                self._record(exc)
+                self.record(exc)
             finally:
                 timing.finished_at = utcnow()
                 if agent_id is not None:  # the verifier's goes; the agent's is tracked again
@@ -959,7 +919,7 @@ class Trial:
                         self._container_id = agent_id
                     if self.cancelled:  # cancel() ran while the verifier's was the tracked one
                         self._remove_container()
-        self._record_agent_overflow()
+        self.record_agent_overflow()
 
     def _pack_handover(self, container_id: str, handover: IO[bytes]) -> None:
         """Copy the agent's logs and declared artifacts out of its container and pack
@@ -971,8 +931,8 @@ class Trial:
         sources = [
             (local, path)
             for local, path in [
-                *self._convention_artifacts(),
-                *self._collect_artifacts(container_id),
+                *self.artifacts.convention_artifacts(),
+                *self.artifacts.collect(container_id, self.request.spec.task),
             ]
             if not PurePosixPath(path).is_relative_to(BUNDLE_ROOT)
         ]
@@ -999,7 +959,7 @@ class Trial:
         for relative, data in self._host_files.items():
             target = self.dir / relative
             if target.exists() or target.is_symlink():
-                _remove_path(target)
+                remove_path(target)
             target.parent.mkdir(parents=True, exist_ok=True)
             text = data.decode("utf-8", errors="replace")
             target.write_text(redact(text, self.request.secrets), encoding="utf-8")
@@ -1007,7 +967,7 @@ class Trial:
             return
         path = self.dir / AGENT_SAMPLE
         if path.exists() or path.is_symlink():
-            _remove_path(path)
+            remove_path(path)
         if self._agent_sample:
             path.parent.mkdir(parents=True, exist_ok=True)
             text = self._agent_sample.decode("utf-8", errors="replace")
@@ -1017,7 +977,7 @@ class Trial:
         """Harbor's order: ``[verifier.environment].docker_image``; an image built from
         ``tests/Dockerfile`` (both bundle the tests); else the trial's own image, with
         ``tests/`` uploaded. Returns ``(image, upload_tests)``."""
-        task = self.request.task
+        task = self.request.spec.task
         config = task.config.verifier.environment
         if config is not None and config.docker_image:
             self.runtime.ensure_present(config.docker_image)
@@ -1032,91 +992,24 @@ class Trial:
             return built.tag, False
         return self.image, True
 
-    def _artifact_specs(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """The task's declared artifacts besides ``/logs/artifacts``, and the
-        excludes of ``/logs/artifacts`` (Harbor's implicit first entry, which an
-        explicit entry for it replaces)."""
-        specs = [
-            {"source": i} if isinstance(i, str) else dict(i) for i in self.request.task.artifacts
-        ]
-        declared = [s for s in specs if str(s.get("source") or "").rstrip("/") != CONVENTION_DIR]
-        explicit = [s for s in specs if s not in declared]
-        exclude = [str(e) for e in (explicit[0].get("exclude") or [])] if explicit else []
-        return declared, exclude
-
-    def _collect_artifacts(self, container_id: str) -> list[tuple[Path, str]]:
-        """Copy the task's declared ``artifacts`` out of the agent's container (on the
-        agent's budget, sanitized) into ``artifacts/``, where Harbor keeps them;
-        returns ``(host path, container path)`` of them for a verifier container.
-        Once per trial: after the agent, before any verifier (as Harbor does)."""
-        if self._artifact_entries is not None:
-            return self._artifacts_carried
-        limits, budget = self.request.policy.output, self._agent_copy
-        root = self.dir / "artifacts"
-        declared, _ = self._artifact_specs()
-        entries: list[dict[str, object]] = []
-        carried: list[tuple[Path, str]] = []
-        claimed = [self._convention_dir]
-        for spec in declared:
-            source = str(spec.get("source") or "")
-            exclude = [str(e) for e in spec.get("exclude") or []]
-            target = artifact_host_path(root, source, spec.get("destination"))
-            overlaps = any(
-                c == target or c in target.parents or target in c.parents for c in claimed
-            )
-            if (
-                not source.startswith("/")
-                or overlaps
-                or not target.resolve().is_relative_to(root.resolve())
-            ):
-                # Harbor keeps the first claimant of a host path; so do we.
-                entries.append(_manifest_entry(source, root, target, "skipped", exclude=exclude))
-                continue
-            claimed.append(target)
-            stream = self.runtime.get_archive(container_id, source)
-            if stream is None:
-                entries.append(_manifest_entry(source, root, target, "failed", exclude=exclude))
-                continue
-            cut_before = len(budget.truncated)
-            with tempfile.TemporaryDirectory(dir=self.dir) as scratch:
-                extract_archive(stream, Path(scratch), strip=0, limits=limits, report=budget)
-                fetched = Path(scratch) / PurePosixPath(source).name
-                _drop_excluded(fetched, exclude)
-                if target.exists():
-                    _remove_path(target)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if fetched.exists():
-                    shutil.move(str(fetched), target)
-            if target.is_file() or target.is_dir():
-                carried.append((target, source))
-            status = "ok" if target.exists() else "failed"
-            entry = _manifest_entry(source, root, target, status, exclude=exclude)
-            if budget.truncated[cut_before:] or budget.incomplete:
-                # Ours, beside Harbor's fields (its reader ignores extra keys).
-                entry["truncated"] = budget.truncated[cut_before:]
-                entry["budget_exceeded"] = budget.exceeded
-            entries.append(entry)
-        self._artifact_entries, self._artifacts_carried = entries, carried
-        return carried
-
     def _run_collect_hooks(self, container_id: str) -> None:
         """``[[verifier.collect]]`` hooks, once the agent's processes are stopped and
         before its logs and artifacts are read, as Harbor runs them: best effort (a
         failure is noted in ``collect-hooks.txt``, never the trial's), each under its
         ``timeout_sec``, as its ``user`` (resolved from the image's account files as
         read before the agent ran)."""
-        hooks = self.request.task.config.verifier.collect
-        if not hooks or self._accounts is None:
+        hooks = self.request.spec.task.config.verifier.collect
+        if not hooks or self.accounts is None:
             return
         notes: list[str] = []
         for hook in hooks:
-            wanted = self._default_user if hook.user is None or str(hook.user) == "" else hook.user
+            wanted = self.default_user if hook.user is None or str(hook.user) == "" else hook.user
             try:
-                user = self._accounts.resolve(wanted)
+                user = self.accounts.resolve(wanted)
             except UnknownUserError as exc:
                 notes.append(f"{hook.command!r}: user {wanted!r}: {exc}")
                 continue
-            session = TrialSession(self.runtime, container_id, self.request.task)
+            session = TrialSession(self.runtime, container_id, self.request.spec.task)
             ran = session.bash(hook.command, user=user, timeout_sec=hook.timeout_sec)
             if ran.timed_out or ran.exit_code != 0:
                 how = "timed out" if ran.timed_out else f"exited with code {ran.exit_code}"
@@ -1124,36 +1017,9 @@ class Trial:
         if notes:
             (self.dir / "collect-hooks.txt").write_text("\n".join(notes) + "\n")
 
-    @property
-    def _convention_dir(self) -> Path:
-        """Where ``/logs/artifacts`` is read back to (Harbor's ``artifacts/logs/artifacts``)."""
-        return self.dir / "artifacts" / CONVENTION_DIR.lstrip("/")
-
-    def _convention_artifacts(self) -> list[tuple[Path, str]]:
-        """``/logs/artifacts``'s children as read back, for a verifier container; the
-        directory itself stays the verifier's, mode 777."""
-        convention = self._convention_dir
-        if not convention.is_dir():
-            return []
-        return [(path, f"{CONVENTION_DIR}/{path.name}") for path in convention.iterdir()]
-
-    def _write_artifact_manifest(self) -> None:
-        """Harbor's ``artifacts/manifest.json``: ``/logs/artifacts`` first, then each
-        declared artifact, once they were collected."""
-        if self._artifact_entries is None or self._outputs_archived:
-            return
-        root, convention = self.dir / "artifacts", self._convention_dir
-        status = "ok" if convention.is_dir() and any(convention.iterdir()) else "empty"
-        first = _manifest_entry(
-            CONVENTION_DIR, root, convention, status, is_dir=True, exclude=self._artifact_specs()[1]
-        )
-        root.mkdir(parents=True, exist_ok=True)
-        manifest = [first, *self._artifact_entries]
-        (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
-
     # ----------------------------------------------------------------- teardown
 
-    def _download_logs(self, container_id: str) -> None:
+    def download_logs(self, container_id: str) -> None:
         """Read back whatever of ``/logs`` is not read yet, the verifier's part first."""
         if not self._verifier_logs_read:
             self._read_verifier_logs(container_id)
@@ -1164,7 +1030,7 @@ class Trial:
         """``/logs/verifier`` into ``verifier/``, as its own archive on its own budget
         (``SandboxPolicy.verifier_output``), and the grader's exchange files."""
         self._verifier_logs_read = True
-        limits, report, target = self.request.policy.verifier_output, ExtractReport(), self.dir
+        limits, report, target = self.request.spec.policy.verifier_output, ExtractReport(), self.dir
         stream = self.runtime.get_archive(container_id, "/logs/verifier")
         if stream is not None:
             extract_archive(stream, target / "verifier", limits=limits, report=report)
@@ -1186,32 +1052,31 @@ class Trial:
         self._agent_logs_read = True
         stream = self.runtime.get_archive(container_id, "/logs")
         if stream is not None:
-            routes = {"agent": self.dir / "agent", "artifacts": self._convention_dir}
+            routes = {"agent": self.dir / "agent", "artifacts": self.artifacts.convention_dir}
             extract_archive(
                 stream,
                 self.dir,
-                limits=self.request.policy.output,
+                limits=self.request.spec.policy.output,
                 report=self._agent_copy,
                 routes=routes,
             )
-            # An explicit ``/logs/artifacts`` entry's excludes, once, as it lands.
-            _drop_excluded(self._convention_dir, self._artifact_specs()[1])
+            self.artifacts.drop_convention_excludes(self.request.spec.task)
         self._pin_agent_sample()  # the container's sample.json may have been rewritten
         secrets = self.request.secrets
         self.output = replace(self.output, agent=read_agent_output(self.dir, secrets))
 
-    def _record_agent_overflow(self) -> None:
+    def record_agent_overflow(self) -> None:
         """Record a spent agent budget (after the verifier's own outcome, which wins)."""
         copy = self._agent_copy
         if copy.incomplete:
-            limits = self.request.policy.output
+            limits = self.request.spec.policy.output
             cap = {
                 "bytes": f"{limits.max_total_bytes} bytes",
                 "files": f"{limits.max_files} files",
                 "dirs": f"{limits.max_dirs} directories",
                 "entries": f"{limits.max_entries} entries",
             }.get(copy.exceeded or "", copy.exceeded)
-            self._record(
+            self.record(
                 AgentOutputLimitError(
                     f"the agent's /logs/agent, /logs/artifacts and artifacts went over the "
                     f"copy-back budget of {cap}; the rest was not read (the verifier's "
@@ -1247,10 +1112,10 @@ class Trial:
             return
         try:
             if not self.cancelled:
-                self._download_logs(container_id)
+                self.download_logs(container_id)
                 # As Harbor's recovery does when the trial stopped before its verifier.
-                self._collect_artifacts(container_id)
-                self._record_agent_overflow()
+                self.artifacts.collect(container_id, self.request.spec.task)
+                self.record_agent_overflow()
         except (HarborExecError, OSError):
             pass  # logs are best effort once the trial is over
         finally:
@@ -1260,11 +1125,11 @@ class Trial:
                 self.runtime.remove(container_id)
                 self._compose_down()
             except Exception as exc:
-                self._record(exc)
+                self.record(exc)
 
     def _write(self, result: TrialResult) -> None:
         self._write_copy_notes()
-        self._write_artifact_manifest()
+        self.artifacts.write_manifest(self.request.spec.task)
         if self._exception is not None:
             (self.dir / "exception.txt").write_text(self._exception.exception_traceback)
         result.write(self.dir)
@@ -1276,77 +1141,10 @@ def _elapsed(since: datetime | None) -> float:
     return 0.0 if since is None else (utcnow() - since).total_seconds()
 
 
-def _remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def artifact_host_path(root: Path, source: str, destination: object = None) -> Path:
-    """Where Harbor 0.26 keeps an artifact under ``artifacts/``: at its relative
-    ``destination``, else at its container path (``/app/x`` -> ``artifacts/app/x``);
-    ``..`` parts dropped, as Harbor drops them."""
-    path = PurePosixPath(str(destination) if destination else source)
-    parts = [part for part in path.parts if part not in ("", "/", "..")]
-    return root.joinpath(*parts)
-
-
-def _manifest_entry(
-    source: str,
-    root: Path,
-    target: Path,
-    status: str,
-    *,
-    is_dir: bool | None = None,
-    exclude: Sequence[str] = (),
-) -> dict[str, object]:
-    """One row of Harbor's ``artifacts/manifest.json`` (``ArtifactManifestEntry``)."""
-    if is_dir is None:
-        is_dir = target.is_dir() if target.exists() else not PurePosixPath(source).suffix
-    relative = target.relative_to(root).as_posix() if target.is_relative_to(root) else ""
-    return {
-        "source": source,
-        "destination": f"artifacts/{relative}" if relative not in ("", ".") else "artifacts",
-        "type": "directory" if is_dir else "file",
-        "status": status,
-        "service": None,
-        "exclude": list(exclude) if is_dir else [],
-    }
-
-
-def _drop_excluded(root: Path, patterns: Sequence[str]) -> None:
-    """Remove what an artifact's ``exclude`` globs match (relative paths or names)."""
-    if not patterns or not root.is_dir():
-        return
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        rel = path.relative_to(root).as_posix()
-        if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.name, p) for p in patterns):
-            _remove_path(path)
-
-
-def run_trial(
-    runtime: ContainerRuntime,
-    request: TrialRequest,
-    *,
-    on_phase: PhaseCallback | None = None,
-) -> TrialResult:
-    """Run one trial to completion (see ``Trial``)."""
-    return Trial(runtime, request, on_phase=on_phase).run()
-
-
 __all__ = [
-    "DEFAULT_CPUS",
-    "DEFAULT_MEMORY_MB",
-    "DEFAULT_NOFILE_LIMIT",
-    "DEFAULT_SHM_MB",
-    "DEFAULT_STORAGE_MB",
-    "ContainerLimits",
-    "SandboxPolicy",
     "Trial",
     "TrialRequest",
     "ensure_task_image",
     "image_tag_for",
     "new_trial_name",
-    "run_trial",
 ]

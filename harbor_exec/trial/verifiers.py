@@ -29,8 +29,8 @@ from harbor_exec.container.exchange import (
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.runtime_volume import RUNTIME_SHELL
 from harbor_exec.sandbox.users import numeric_ids
+from harbor_exec.tasks.config import resolve_env
 from harbor_exec.trial.session import TrialSession
-from harbor_exec.trial.task import resolve_env
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from harbor_exec.agents.native.config import (
 )
 from harbor_exec.agents.native.layer import AgentLayer
 from harbor_exec.sandbox.archives import ArchiveEntry
-from harbor_exec.trial.task import Task
+from harbor_exec.tasks.task import Task
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -91,7 +91,7 @@ from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
 from harbor_exec.sources.packages import PackageSource
-from harbor_exec.trial.trial import SandboxPolicy, default_pids_limit
+from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
 
 if TYPE_CHECKING:
     from harbor_exec.bundler import Bundle  # the bundler extra: workflows only

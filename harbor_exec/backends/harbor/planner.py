@@ -38,18 +38,12 @@ from harbor_exec.container.exchange import (
     RelayInput,
     RolloutInput,
 )
-from harbor_exec.executors.spec import (
-    ModelEndpoint,
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-    VerifierKind,
-    model_endpoint,
-)
+from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets, model_endpoint
 from harbor_exec.protocol import ExecutionRequest, rollout_dir_name
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
-from harbor_exec.trial.trial import SandboxPolicy
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec, VerifierKind
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,9 @@ from harbor_exec.errors import DatasetError, TaskError
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.git import GitTaskError, GitTaskRefused, GitTaskSource
 from harbor_exec.sources.packages import PackageError, PackageSource, fetch_task, is_package_ref
-from harbor_exec.trial.task import (
-    Task,
-    discover_tasks,
-    load_task,
-    task_dir_for_id,
-    task_fingerprint,
-)
+from harbor_exec.tasks.discovery import discover_tasks, task_dir_for_id
+from harbor_exec.tasks.snapshots import task_fingerprint
+from harbor_exec.tasks.task import Task, load_task
 
 TaskMode = Literal["template", "dataset"]
 

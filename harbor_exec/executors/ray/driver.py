@@ -41,19 +41,15 @@ from harbor_exec.executors.base import (
 from harbor_exec.executors.ray.node import NodeAgent, NodeCall, NodeInfo, NodePrewarm, NodeTrialRun
 from harbor_exec.executors.ray.sealing import seal
 from harbor_exec.executors.ray.transfer import tar_dir, untar
-from harbor_exec.executors.spec import (
-    TrialContent,
-    TrialSecrets,
-    TrialSpec,
-    deps_key,
-    task_key,
-)
+from harbor_exec.executors.spec import TrialContent, TrialSecrets
 from harbor_exec.protocol import NodeStatus
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import PhaseCallback, SandboxPolicy, image_tag_for, new_trial_name
+from harbor_exec.trial.spec import TrialSpec, deps_key, task_key
+from harbor_exec.trial.trial import PhaseCallback, image_tag_for, new_trial_name
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport

@@ -34,14 +34,15 @@ from harbor_exec.executors.base import ExecutorHealth, TrialHandle
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.executors.ray.sealing import Opener
 from harbor_exec.executors.ray.transfer import materialize, tar_dir
-from harbor_exec.executors.spec import TrialContent, TrialSecrets, TrialSpec, deps_key, task_key
+from harbor_exec.executors.spec import TrialContent, TrialSecrets
 from harbor_exec.network.usage import ModelUsage
 from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, ArchiveEntry, OutputLimits
 from harbor_exec.sandbox.deps import DepsLayer
+from harbor_exec.tasks.task import Task
 from harbor_exec.trial.outputs import TrialOutput
+from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.task import Task
-from harbor_exec.trial.trial import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec, deps_key, task_key
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport

@@ -24,10 +24,10 @@ unless the destination came from the operator's resolver override.
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final
+
+from harbor_exec.tasks.hosts import IPAddress, ip_literal, normalize_allowed_hosts
 
 __all__ = [
     "EgressMode",
@@ -38,12 +38,6 @@ __all__ = [
     "normalize_host",
 ]
 
-_LABEL: Final = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-_INVALID: Final = (
-    "allowed_hosts entries must be hostnames, IP addresses, or IP CIDR ranges, "
-    "not URLs, ports, or paths"
-)
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -55,78 +49,24 @@ class EgressMode(StrEnum):
     ALLOWLIST = "allowlist"
 
 
-def _address(text: str) -> IPAddress | None:
-    if "%" in text:
-        return None
-    try:
-        return ipaddress.ip_address(text)
-    except ValueError:
-        return None
-
-
-def _normalize_entry(entry: str) -> str:
-    host = entry.strip().lower().rstrip(".")
-    if not host:
-        raise ValueError("allowed_hosts entries must be non-empty hostnames")
-    if "/" in host:
-        try:
-            return ipaddress.ip_network(host, strict=True).compressed
-        except ValueError:
-            raise ValueError(f"{_INVALID}: {entry!r}") from None
-    if ":" in host:
-        address = _address(host)
-        if address is None or address.version != 6:
-            raise ValueError(f"{_INVALID}: {entry!r}")
-        return address.compressed
-    if "[" in host or "]" in host:
-        raise ValueError(f"{_INVALID}: {entry!r}")
-    name = host
-    if host.startswith("*."):
-        name = host[2:]
-        if not name:
-            raise ValueError("allowed_hosts wildcard entries must include a hostname suffix")
-        if _address(name) is not None:
-            raise ValueError(
-                "allowed_hosts wildcard entries must target hostnames, not IP address "
-                f"literals: {entry!r}"
-            )
-    elif "*" in host:
-        raise ValueError(
-            f"allowed_hosts wildcard entries must use a leading '*.' prefix: {entry!r}"
-        )
-    if not all(_LABEL.match(label) for label in name.split(".")):
-        raise ValueError(
-            "allowed_hosts entries must be IP addresses, IP CIDR ranges, or valid hostnames "
-            "or leading wildcard host patterns containing only letters, digits, hyphens, "
-            f"and dots: {entry!r}"
-        )
-    return host
-
-
-def normalize_allowed_hosts(hosts: list[str] | tuple[str, ...]) -> list[str]:
-    """Harbor's validation and normalisation of ``allowed_hosts`` (ValueError naming
-    the entry at fault)."""
-    return [_normalize_entry(host) for host in hosts]
-
-
 def normalize_host(host: str) -> str:
     """A requested host as the policy compares it: lower case, no trailing dot, no
     IPv6 brackets, an address in its compressed form."""
     host = host.strip().lower().rstrip(".")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    address = _address(host)
+    address = ip_literal(host)
     return address.compressed if address is not None else host
 
 
 def is_address(text: str) -> bool:
     """Whether ``text`` is an IP address literal (no brackets, no zone)."""
-    return _address(text) is not None
+    return ip_literal(text) is not None
 
 
 def is_forbidden_address(address: str) -> bool:
     """Whether ``address`` (an IP literal) is not a public internet address."""
-    parsed = _address(address)
+    parsed = ip_literal(address)
     if parsed is None:
         return True
     if isinstance(parsed, ipaddress.IPv6Address):
@@ -162,7 +102,7 @@ class EgressPolicy:
                 suffixes.append(entry[1:])  # ".example.com"
             elif "/" in entry:
                 networks.append(ipaddress.ip_network(entry))
-            elif (address := _address(entry)) is not None:
+            elif (address := ip_literal(entry)) is not None:
                 addresses.add(address)
             else:
                 names.add(entry)
@@ -182,7 +122,7 @@ class EgressPolicy:
         if self.mode is EgressMode.NO_NETWORK:
             return False
         host = normalize_host(host)
-        address = _address(host)
+        address = ip_literal(host)
         if address is not None:
             return address in self._addresses or any(
                 address in network for network in self._networks
