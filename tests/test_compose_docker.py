@@ -19,12 +19,12 @@ import pytest
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import DROPPED_CAPABILITIES, LABEL_MANAGED, LABEL_TRIAL
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_compose_task as compose_task
+from tests.trial_utils import run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -38,10 +38,6 @@ def ours(trial: str) -> list[str]:
     found += [f"volume {v['Name']}" for v in client.api.volumes(filters=label).get("Volumes") or []]
     client.close()
     return found
-
-
-def run(runtime: DockerRuntime, task: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task), trials_dir=trials)))
 
 
 def test_oracle_earns_1_through_its_sidecar_and_nothing_is_left(
@@ -58,7 +54,7 @@ volumes:
   cache:
 """,
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"reward": 1.0}
@@ -70,7 +66,7 @@ volumes:
 
 def test_a_broken_sidecar_earns_0(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
     task = compose_task(tmp_path, "compose-broken", command="exec sleep 600", healthcheck=False)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"reward": 0.0}
@@ -84,7 +80,7 @@ def test_compose_with_a_dockerfile_runs_its_compose_file_and_main_can_be_built_e
     answers); and a main built from ``build: ./main`` without environment/Dockerfile."""
     for name, dockerfile in (("compose-both", True), ("compose-main-dir", False)):
         task = compose_task(tmp_path, name, dockerfile=dockerfile)
-        result = run(docker_runtime, task, tmp_path / "trials")
+        result = run_task(docker_runtime, task, tmp_path / "trials")
         assert result.verifier_result is not None, result.exception_info
         assert result.verifier_result.rewards == {"reward": 1.0}, name
 
@@ -222,7 +218,7 @@ def test_a_separate_verifier_gets_sidecars_of_its_own(
         environment_mode = "separate"
     """
     task = compose_task(tmp_path, "compose-separate", toml=toml)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.verifier_environment_mode == "separate"
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None
@@ -249,7 +245,7 @@ def test_a_no_network_task_reaches_its_sidecar_on_an_internal_network(
         true
     """
     task = compose_task(tmp_path, "compose-offline", toml=toml, solve=solve)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"reward": 1.0}
@@ -262,7 +258,7 @@ def test_a_sidecar_that_exits_fails_the_environment_and_leaves_nothing(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
     task = compose_task(tmp_path, "compose-exits", command="exit 3")
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_type == "EnvironmentStartError"
     assert result.exception_info is not None
     assert "'db'" in result.exception_info.exception_message
@@ -318,7 +314,7 @@ def test_harbor_and_harbor_exec_agree_on_compose_rewards(
             )
         mine = {}
         for task_dir in sorted(dataset.iterdir()):
-            ran = run(docker_runtime, task_dir, tmp_path / "trials")
+            ran = run_task(docker_runtime, task_dir, tmp_path / "trials")
             mine_rewards = ran.verifier_result.rewards if ran.verifier_result else None
             mine[ran.task_name] = (mine_rewards, ran.exception_type)
         assert theirs == mine

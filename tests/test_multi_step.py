@@ -29,6 +29,7 @@ from harbor_exec.trial.steps import (
 from harbor_exec.trial.trial import TrialRequest
 from tests.fake_runtime import FakeContainer, FakeRuntime
 from tests.task_factory import make_multi_step_task
+from tests.trial_utils import run_task
 
 
 def _reward_from_test(container: FakeContainer) -> int:
@@ -57,8 +58,7 @@ def step_rewards(result: TrialResult) -> list[object]:
 
 def _run(tmp_path: Path, task_dir: Path, runtime: FakeRuntime | None = None) -> TrialResult:
     runtime = runtime or FakeRuntime(test=_reward_from_test)
-    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
-    return run_trial(runtime, request)
+    return run_task(runtime, task_dir, tmp_path / "trials")
 
 
 # ----------------------------------------------------------------- parsing

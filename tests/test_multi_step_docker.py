@@ -25,16 +25,12 @@ from harbor_exec.bundler import Bundle
 from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
-from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.factory import run_trial
-from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.spec import TrialSpec
-from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve
 from tests.task_factory import make_multi_step_task
 from tests.test_multi_step import step_rewards
+from tests.trial_utils import run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -125,10 +121,6 @@ def separate_task(root: Path) -> Path:
     )
 
 
-def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials)))
-
-
 def step_summary(steps: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
     """What Harbor and harbor-exec must agree on, per step."""
     return [
@@ -151,7 +143,7 @@ def step_summary(steps: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
 def test_oracle_passes_every_step(
     docker_runtime: DockerRuntime, tmp_path: Path, strategy: str | None, expected: dict[str, float]
 ) -> None:
-    result = run(docker_runtime, three_step_task(tmp_path, strategy), tmp_path / "trials")
+    result = run_task(docker_runtime, three_step_task(tmp_path, strategy), tmp_path / "trials")
     assert result.exception_type is None, result.first_exception
     assert result.step_results is not None
     assert [
@@ -174,7 +166,7 @@ def test_oracle_passes_every_step(
 
 
 def test_failed_gate_stops_later_steps(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
-    result = run(docker_runtime, gated_task(tmp_path), tmp_path / "trials")
+    result = run_task(docker_runtime, gated_task(tmp_path), tmp_path / "trials")
     assert result.step_results is not None
     assert [s.step_name for s in result.step_results] == ["slow"]
     slow = result.step_results[0]
@@ -211,7 +203,7 @@ def test_later_step_cannot_change_an_earlier_reward(
         },
         dockerfile=DOCKERFILE,
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert step_rewards(result) == [
         {"reward": 1},
         {"reward": 1},
@@ -256,7 +248,7 @@ def harbor_run(task: Path, jobs: Path) -> dict[str, Any]:
 
 
 def test_separate_verifiers_per_step(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
-    result = run(docker_runtime, separate_task(tmp_path), tmp_path / "trials")
+    result = run_task(docker_runtime, separate_task(tmp_path), tmp_path / "trials")
     assert step_rewards(result) == [
         {"reward": 1},
         {"reward": 1},
@@ -275,7 +267,7 @@ def test_side_by_side_with_harbor(
         (
             tmp_path
             / "trials"
-            / run(docker_runtime, task, tmp_path / "trials").trial_name
+            / run_task(docker_runtime, task, tmp_path / "trials").trial_name
             / "result.json"
         ).read_text()
     )

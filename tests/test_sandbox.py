@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,28 +23,15 @@ from harbor_exec.sandbox.seccomp import SeccompProfileError
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
-from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
+from tests.trial_utils import rewards, run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 # Linux capability numbers (include/uapi/linux/capability.h).
 CAP_BITS = {"NET_RAW": 13, "SYS_CHROOT": 18, "MKNOD": 27, "AUDIT_WRITE": 29, "SETFCAP": 31}
-
-
-def run(
-    runtime: DockerRuntime, task_dir: Path, trials: Path, policy: SandboxPolicy | None = None
-) -> TrialResult:
-    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
-    if policy is not None:
-        request.spec = replace(request.spec, policy=policy)
-    return run_trial(runtime, request)
-
-
-def rewards(result: TrialResult) -> dict[str, float | int] | None:
-    return result.verifier_result.rewards if result.verifier_result else None
 
 
 @pytest.fixture(params=["host-cgroup", "engine-restart"])
@@ -78,7 +64,7 @@ def test_detached_background_writers_die_before_the_verifier(
         sleep 1
     """
     task = make_task(tmp_path, "bg-writer", solve=solve, test=test)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 0.0}
     procs = (tmp_path / "trials" / result.trial_name / "verifier" / "procs.txt").read_text()
@@ -106,13 +92,13 @@ def test_replaced_tar_rm_and_cat_cannot_forge_the_reward(
         done
     """
     task = make_task(tmp_path, "forge", solve=solve, test="echo 0 > /logs/verifier/reward.txt")
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 0.0}
 
     # A test.sh that writes nothing must not inherit the planted reward files.
     silent = make_task(tmp_path, "forge-silent", solve=solve, test="true")
-    result = run(docker_runtime, silent, tmp_path / "trials")
+    result = run_task(docker_runtime, silent, tmp_path / "trials")
     assert result.exception_type == "RewardFileNotFoundError"
     assert rewards(result) is None
 
@@ -131,7 +117,7 @@ def test_fork_bomb_is_dead_before_test_sh(docker_runtime: DockerRuntime, tmp_pat
     toml = "[agent]\ntimeout_sec = 4.0\n[verifier]\ntimeout_sec = 30.0\n"
     task = make_task(tmp_path, "fork-bomb", solve=solve, test=test, toml=toml)
     started = time.monotonic()
-    result = run(docker_runtime, task, tmp_path / "trials", SandboxPolicy(pids_limit=256))
+    result = run_task(docker_runtime, task, tmp_path / "trials", SandboxPolicy(pids_limit=256))
     assert time.monotonic() - started < 60
     assert result.exception_type == "AgentTimeoutError"
     assert rewards(result) == {"reward": 1.0}, (
@@ -173,7 +159,7 @@ def test_hostile_output_is_bounded(docker_runtime: DockerRuntime, tmp_path: Path
     cap = 1 << 20
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS
     before = _rss_kib("VmRSS")
-    result = run(
+    result = run_task(
         docker_runtime,
         task,
         tmp_path / "trials",
@@ -205,7 +191,7 @@ def test_huge_reward_file_is_a_named_error_fast(
     """
     task = make_task(tmp_path, "huge-reward", test=test)
     started = time.monotonic()
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert time.monotonic() - started < 30
     assert result.exception_type == "VerifierOutputParseError"
     assert result.exception_info is not None
@@ -217,7 +203,7 @@ def test_capabilities_are_dropped_and_can_be_asked_back(
 ) -> None:
     solve = "grep CapEff /proc/self/status | awk '{print $2}' > /logs/agent/capeff"
     plain = make_task(tmp_path, "caps", solve=solve)
-    result = run(docker_runtime, plain, tmp_path / "trials")
+    result = run_task(docker_runtime, plain, tmp_path / "trials")
     capeff = int((tmp_path / "trials" / result.trial_name / "agent" / "capeff").read_text(), 16)
     for name in DROPPED_CAPABILITIES:
         assert not capeff & (1 << CAP_BITS[name]), name
@@ -225,7 +211,7 @@ def test_capabilities_are_dropped_and_can_be_asked_back(
 
     dockerfile = 'FROM debian:bookworm-slim\nLABEL harbor-exec.cap-add="SYS_CHROOT, NET_ADMIN"\nWORKDIR /app\n'
     asking = make_task(tmp_path, "caps-back", solve=solve, dockerfile=dockerfile)
-    result = run(docker_runtime, asking, tmp_path / "trials")
+    result = run_task(docker_runtime, asking, tmp_path / "trials")
     capeff = int((tmp_path / "trials" / result.trial_name / "agent" / "capeff").read_text(), 16)
     assert capeff & (1 << CAP_BITS["SYS_CHROOT"])
     assert not capeff & (1 << 12)  # NET_ADMIN is not one we give back
@@ -281,7 +267,7 @@ def test_separate_verifier_sees_only_the_artifacts(
         "FROM debian:bookworm-slim\nRUN mkdir -p /opt/verifier-tool /app && "
         "echo ok > /opt/verifier-tool/marker\nCOPY . /tests/\n"
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.verifier_environment_mode == "separate"
     assert rewards(result) == {"reward": 1.0}
@@ -310,9 +296,9 @@ def test_forced_separate_mode_hides_the_agents_files(
         else echo 1 > /logs/verifier/reward.txt; fi
     """
     task = make_task(tmp_path, "force-separate", solve=solve, test=test)
-    shared = run(docker_runtime, task, tmp_path / "trials")
+    shared = run_task(docker_runtime, task, tmp_path / "trials")
     assert shared.verifier_environment_mode == "shared" and rewards(shared) == {"reward": 0.0}
-    separate = run(
+    separate = run_task(
         docker_runtime, task, tmp_path / "trials", SandboxPolicy(verifier_mode="separate")
     )
     assert separate.verifier_environment_mode == "separate"
@@ -357,7 +343,7 @@ environment_mode = "separate"
     """
     task = make_task(tmp_path, "hostile-artifacts", solve=solve, test=test, toml=toml)
     policy = SandboxPolicy(output=OutputLimits(max_file_bytes=1 << 20))
-    result = run(docker_runtime, task, tmp_path / "trials", policy)
+    result = run_task(docker_runtime, task, tmp_path / "trials", policy)
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 1.0}
     kept = tmp_path / "trials" / result.trial_name / "artifacts" / "app"
@@ -416,7 +402,7 @@ def test_ptrace_of_the_keep_alive_is_denied(
         toml=toml,
         dockerfile=_PYTHON_IMAGE,
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 0.0}
     trial = tmp_path / "trials" / result.trial_name
@@ -441,7 +427,7 @@ def test_a_task_can_ask_for_ptrace_back(docker_runtime: DockerRuntime, tmp_path:
         test=_LIST_AND_FAIL,
         dockerfile=dockerfile,
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     found = (tmp_path / "trials" / result.trial_name / "agent" / "ptrace.txt").read_text()
     assert found.split()[:2] == ["attach=0", "errno=0"], found
@@ -464,7 +450,7 @@ def test_a_planted_sleep_never_runs(
     """
     test = "[ -e /tmp/planted-ran ] && echo ran > /logs/verifier/marker.txt\n" + _LIST_AND_FAIL
     task = make_task(tmp_path, "planted-sleep", solve=solve, test=test)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert rewards(result) == {"reward": 0.0}
     trial = tmp_path / "trials" / result.trial_name
@@ -478,7 +464,7 @@ def test_deleting_sleep_is_no_environment_error(
     solve = "rm -f /usr/local/bin/sleep /usr/bin/sleep /bin/sleep"
     test = "! command -v sleep && echo 1 > /logs/verifier/reward.txt"
     task = make_task(tmp_path, "no-sleep", solve=solve, test=test)
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.reward == 1.0
 

@@ -4,20 +4,16 @@ USER is not root. The recorded reward must stay the one ``test.sh`` wrote."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harbor_exec.errors import AgentEndedContainerError, TrialPhase, policy_for
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
-from harbor_exec.trial.spec import TrialSpec
-from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
+from tests.trial_utils import rewards, run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
@@ -35,14 +31,7 @@ def toml(agent_user: str | None = None, verifier_user: str | None = None) -> str
 
 
 def run(runtime: DockerRuntime, task_dir: Path, trials: Path, mode: str = "shared") -> TrialResult:
-    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials))
-    if mode == "separate":
-        request.spec = replace(request.spec, policy=SandboxPolicy(verifier_mode="separate"))
-    return run_trial(runtime, request)
-
-
-def rewards(result: TrialResult) -> dict[str, float | int] | None:
-    return result.verifier_result.rewards if result.verifier_result else None
+    return run_task(runtime, task_dir, trials, SandboxPolicy(verifier_mode=mode))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])

@@ -14,18 +14,14 @@ from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
 from harbor_exec.sandbox.runtime_volume import INIT_COMMAND
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.factory import run_trial
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, TrialRequest
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
+from tests.trial_utils import run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
-
-
-def run(runtime: DockerRuntime, task_dir: Path, trials: Path) -> TrialResult:
-    return run_trial(runtime, TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=trials)))
 
 
 def trial_dir(trials: Path, result: TrialResult) -> Path:
@@ -49,7 +45,7 @@ def test_oracle_trial_layout_and_result(docker_runtime: DockerRuntime, tmp_path:
             echo 1 > /logs/verifier/reward.txt
         """,
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1.0}
     out = trial_dir(tmp_path / "trials", result)
@@ -75,7 +71,7 @@ def test_build_failure_is_named_with_log_tail(
         "build-fails",
         dockerfile="FROM debian:bookworm-slim\nRUN echo about-to-fail && exit 42\n",
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_type == "SandboxBuildFailedError"
     assert result.exception_info is not None
     message = result.exception_info.exception_message
@@ -99,7 +95,7 @@ def test_build_failure_is_named_with_log_tail(
 def test_bad_reward_files(
     docker_runtime: DockerRuntime, tmp_path: Path, name: str, test: str, exception: str
 ) -> None:
-    result = run(docker_runtime, make_task(tmp_path, name, test=test), tmp_path / "trials")
+    result = run_task(docker_runtime, make_task(tmp_path, name, test=test), tmp_path / "trials")
     assert result.exception_type == exception
     assert not result.reward_valid and result.reward is None
     assert result.exception_info is not None and result.exception_info.exception_message
@@ -110,7 +106,7 @@ def test_reward_json_wins_over_reward_txt(docker_runtime: DockerRuntime, tmp_pat
         echo 0.25 > /logs/verifier/reward.txt
         echo '{"a": 1, "b": 0.5, "c": true}' > /logs/verifier/reward.json
     """
-    result = run(docker_runtime, make_task(tmp_path, "both", test=test), tmp_path / "trials")
+    result = run_task(docker_runtime, make_task(tmp_path, "both", test=test), tmp_path / "trials")
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"a": 1, "b": 0.5, "c": 1.0}
 
@@ -134,7 +130,7 @@ def test_hung_agent_is_killed_then_verified(docker_runtime: DockerRuntime, tmp_p
     """
     toml = "[agent]\ntimeout_sec = 2.0\n[verifier]\ntimeout_sec = 30.0\n"
     started = time.monotonic()
-    result = run(
+    result = run_task(
         docker_runtime,
         make_task(tmp_path, "agent-hang", solve=solve, test=test, toml=toml),
         tmp_path / "trials",
@@ -155,7 +151,7 @@ def test_hung_verifier_times_out_without_reward(
         tmp_path, "verifier-hang", test="sleep 300; echo 1 > /logs/verifier/reward.txt", toml=toml
     )
     started = time.monotonic()
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert time.monotonic() - started < 20
     assert result.exception_type == "VerifierTimeoutError"
     assert result.verifier_result is None and not result.reward_valid
@@ -170,7 +166,7 @@ def test_nonzero_solve_exit_is_recorded_and_still_verified(
         solve="echo done > /app/done; exit 7",
         test="[ -f /app/done ] && echo 1 > /logs/verifier/reward.txt",
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None and result.reward == 1.0
     assert (
         trial_dir(tmp_path / "trials", result) / "agent" / "exit-code.txt"
@@ -183,7 +179,7 @@ def test_planted_reward_is_ignored(docker_runtime: DockerRuntime, tmp_path: Path
         echo 1 > /logs/verifier/reward.txt
     """
     task = make_task(tmp_path, "plant", solve=solve, test="echo 0 > /logs/verifier/reward.txt")
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"reward": 0.0}
 
@@ -314,7 +310,7 @@ def test_non_root_users_and_an_image_without_tar(
     """
     solve = 'echo "$(id -un)" > /logs/agent/who; echo 1 > /tmp/solved'
     test = '[ "$(cat /logs/agent/who)" = nobody ] && [ "$(id -un)" = nobody ] && [ -f /tmp/solved ] && echo 1 > /logs/verifier/reward.txt'
-    result = run(
+    result = run_task(
         docker_runtime,
         make_task(tmp_path, "nobody", solve=solve, test=test, toml=toml),
         tmp_path / "trials",
@@ -327,7 +323,7 @@ def test_non_root_users_and_an_image_without_tar(
         solve="echo done > /app/done",
         test="[ -f /app/done ] && ! command -v tar && echo 1 > /logs/verifier/reward.txt",
     )
-    result = run(docker_runtime, no_tar, tmp_path / "trials")
+    result = run_task(docker_runtime, no_tar, tmp_path / "trials")
     assert result.exception_info is None and result.reward == 1.0
     assert (tmp_path / "trials" / result.trial_name / "verifier" / "test-stdout.txt").is_file()
 
@@ -359,7 +355,7 @@ def test_healthcheck_runs_in_the_container_before_the_agent(
         solve="cp /tmp/probes /app/probes-seen",
         test='[ "$(cat /app/probes-seen)" = 3 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt',
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     if passes:
         assert result.exception_info is None, result.exception_info
         assert result.verifier_result is not None
@@ -395,7 +391,7 @@ command = "mkdir -p /srv && wc -l < /app/state.txt > /srv/snapshot.txt"
         solve="printf 'a\\nb\\nc\\n' > /app/state.txt",
         test='[ "$(cat /srv/snapshot.txt)" = 3 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt',
     )
-    result = run(docker_runtime, task, tmp_path / "trials")
+    result = run_task(docker_runtime, task, tmp_path / "trials")
     assert result.exception_info is None, result.exception_info
     assert result.verifier_result is not None
     assert result.verifier_result.rewards == {"reward": 1.0}

@@ -33,6 +33,7 @@ from harbor_exec.trial.trial import Trial, TrialRequest, image_tag_for
 from harbor_exec.trial.verifiers import grader_verifier
 from tests.fake_runtime import HANG, FakeContainer, FakeRuntime
 from tests.task_factory import make_task
+from tests.trial_utils import rewards, run_task
 
 
 def trial(
@@ -41,14 +42,8 @@ def trial(
     task_dir = make_task(
         tmp_path / "tasks", f"t{uuid.uuid4().hex[:6]}", **({"toml": toml} if toml else {})
     )
-    request = TrialRequest(TrialSpec(task=load_task(task_dir), trials_dir=tmp_path / "trials"))
-    if policy:
-        request.spec = replace(request.spec, policy=SandboxPolicy(**policy))  # type: ignore[arg-type]
-    return run_trial(runtime, request)
-
-
-def rewards(result: TrialResult) -> object:
-    return result.verifier_result.rewards if result.verifier_result else None
+    sandbox = SandboxPolicy(**policy) if policy else None  # type: ignore[arg-type]
+    return run_task(runtime, task_dir, tmp_path / "trials", sandbox)
 
 
 def test_phases_in_harbor_order(tmp_path: Path) -> None:
