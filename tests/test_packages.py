@@ -10,14 +10,12 @@ import subprocess
 import sys
 import tarfile
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskResolver
-from harbor_exec.cli import app, commands
 from harbor_exec.jobs.dataset import harbor_job_config, harbor_trial_config
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.packages import (
@@ -34,6 +32,7 @@ from harbor_exec.sources.packages import (
     read_manifest,
 )
 from harbor_exec.tasks.task import load_task
+from tests.cli_utils import CliResult, invoke
 from tests.package_utils import (
     FIB,
     HELLO,
@@ -289,18 +288,8 @@ def test_local_dataset_toml_digests_are_checked(tmp_path: Path) -> None:
     assert "digest mismatch" in done.output and good in done.output
 
 
-@dataclass
-class CliResult:
-    exit_code: int
-    output: str  # its words, one space apart (a long line may have wrapped)
-
-
 def cli(*args: str) -> CliResult:
-    """The CLI in this process, with no engine to reach and no package source set."""
-    assert commands  # registered on ``app``
-    env = {"DOCKER_HOST": "unix:///nonexistent", "HARBOR_EXEC_PACKAGE_SOURCE": None}
-    result = CliRunner().invoke(app, list(args), env=env, terminal_width=1000)
-    return CliResult(result.exit_code, " ".join(result.output.split()))
+    return invoke(*args)
 
 
 def test_cli_package_choices_are_checked_before_anything_runs(

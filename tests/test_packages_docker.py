@@ -5,10 +5,7 @@ whose content does not match its digest is refused before any image or container
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,22 +15,11 @@ import pytest
 
 from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
 from harbor_exec.server.app import create_rollout_server
+from tests.cli_utils import run_cli
 from tests.package_utils import HELLO, add_dataset, add_task
 from tests.server_utils import serve, task_rollout
 
-CLI = [sys.executable, "-m", "harbor_exec.cli"]
-ROOT = Path(__file__).resolve().parents[1]
-
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    # This checkout's harbor_exec, whatever the venv has installed.
-    env = {**os.environ, "COLUMNS": "1000", "NO_COLOR": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("HARBOR_EXEC_PACKAGE_SOURCE", None)
-    return subprocess.run(
-        [*CLI, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600
-    )
 
 
 def trial_results(job: Path) -> list[dict[str, Any]]:

@@ -4,15 +4,13 @@ variable's name belongs (never echoed). No Docker here."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from harbor_exec.cli import commands  # noqa: F401  (registers the commands)
-from harbor_exec.cli.app import app
 from harbor_exec.cli.run import check_run_agent
+from tests.cli_utils import invoke
 from tests.task_factory import make_task
 
 KEY = "sk-never-shown-4c1d2e"
@@ -20,10 +18,8 @@ BASE = "http://127.0.0.1:9/v1"
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    result = CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "300", **(env or {})})
-    # Rich wraps the error box: one line of words is what a user reads.
-    text = re.sub(r"[\s│╭╮╰╯─]+", " ", result.output)
-    return result.exit_code, text
+    result = invoke("run", *args, env=dict(env or {}))
+    return result.exit_code, result.output
 
 
 @pytest.fixture

@@ -8,14 +8,13 @@ that running the job again resumes it (nothing runs twice) unless the agent chan
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests import cli_utils
 from tests.scripted_chat import ScriptedChat, terminus_reply
 from tests.task_factory import make_task
 
@@ -40,15 +39,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", KEY_ENV: KEY}
-    return subprocess.run(
-        [sys.executable, "-m", "harbor_exec.cli", "run", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return cli_utils.run_cli("run", *args, cwd=cwd, env={KEY_ENV: KEY}, timeout=300)
 
 
 def files_holding(root: Path, needle: str) -> list[str]:
