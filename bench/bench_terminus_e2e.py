@@ -42,7 +42,7 @@ from bench.harbor_docker import (
 )
 from harbor_exec.agents.native.config import LITELLM_OFFLINE_ENV
 from harbor_exec.sandbox.docker import DockerRuntime
-from tests.scripted_chat import ScriptedChat, terminus_reply
+from tests.fake_chat import ScriptedChat, terminus_reply
 from tests.task_factory import make_task
 
 TARGET = 0.5

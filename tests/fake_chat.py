@@ -14,6 +14,19 @@ A request with ``"stream": true`` gets server-sent events as OpenAI sends them
 is set and not released, the stream pauses after its first chunk. ``padding``
 adds that many bytes to the answer's content (in 1 KiB chunks when streaming);
 ``usage_extra`` is merged into every answer's ``usage`` (e.g. cached tokens, a cost).
+
+``ScriptedChat(replies)``, the same server for Harbor's agents, answers each chat call
+with the next scripted assistant content (the last one repeats once they run out; a reply
+that is a dict is the whole assistant message, e.g. ``tool_call_reply``'s). With
+``token_ids=True`` every answer also carries vLLM's fields (``prompt_token_ids``,
+``choices[0].token_ids`` and ``choices[0].logprobs.content``), which terminus-2's
+``collect_rollout_details`` reads; ``ids_of(i)`` are the ones answer ``i`` carried. With
+``cached_tokens`` every ``usage`` also says that many prompt tokens were cached. With
+``per_conversation=True`` the script restarts for each conversation (the reply is the one
+for the number of assistant messages the request holds), so several agents can share one
+endpoint at once, and an answer's ``id`` is that step's (``chatcmpl-<step>``). A streamed
+request (opencode's) gets the same answer as chunks: the message as one delta, then the
+finish reason, then ``usage``.
 """
 
 from __future__ import annotations
@@ -29,7 +42,16 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-__all__ = ["ChatRequest", "FakeChat", "Mode", "solve"]
+__all__ = [
+    "ChatRequest",
+    "FakeChat",
+    "Mode",
+    "ScriptedChat",
+    "env_value_sent_back",
+    "solve",
+    "terminus_reply",
+    "tool_call_reply",
+]
 
 # "unauthorized" answers 401 quoting the Authorization header it got, as careless servers do.
 Mode = Literal["correct", "wrong", "no_answer", "error", "slow", "unauthorized"]
@@ -96,6 +118,8 @@ class _QuietServer(ThreadingHTTPServer):
 class FakeChat:
     """The endpoint; use as a context manager (starts and stops its server thread)."""
 
+    URL_PREFIX = ""
+
     def __init__(self, mode: Mode = "correct") -> None:
         self.mode: Mode = mode
         self.requests: list[ChatRequest] = []
@@ -112,7 +136,7 @@ class FakeChat:
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"http://{host!s}:{port}{self.URL_PREFIX}"
 
     @property
     def authorizations(self) -> list[str | None]:
@@ -286,3 +310,152 @@ class FakeChat:
                 pass  # keep test output quiet
 
         return Handler
+
+
+def tool_call_reply(command: str, *, call_id: str, text: str = "Running a command.") -> Any:
+    """An assistant message calling the ``bash`` tool (mini-swe-agent 2.x's format)."""
+    return {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "bash", "arguments": json.dumps({"command": command})},
+            }
+        ],
+    }
+
+
+def terminus_reply(
+    *, keystrokes: list[str] | None = None, task_complete: bool = False, duration: float = 0.3
+) -> str:
+    """An answer in terminus-2's JSON format."""
+    return json.dumps(
+        {
+            "analysis": "Looking at the terminal.",
+            "plan": "Do what the task asks." if keystrokes else "Finish.",
+            "commands": [{"keystrokes": k, "duration": duration} for k in keystrokes or []],
+            "task_complete": task_complete,
+        }
+    )
+
+
+class ScriptedChat(FakeChat):
+    """See module doc: the same server, answering from a script."""
+
+    URL_PREFIX = "/v1"
+    PROMPT_TOKENS = 11
+    COMPLETION_TOKENS = 5
+
+    def __init__(
+        self,
+        replies: list[Any],
+        *,
+        token_ids: bool = False,
+        cached_tokens: int | None = None,
+        per_conversation: bool = False,
+    ) -> None:
+        super().__init__()
+        self.replies = list(replies)
+        self.token_ids = token_ids
+        self.cached_tokens = cached_tokens
+        self.per_conversation = per_conversation
+        self.answers: list[Any] = []
+        #: Set once the first request arrived (tests wait on it, not on a poll).
+        self.asked = threading.Event()
+
+    def __enter__(self) -> ScriptedChat:
+        super().__enter__()
+        return self
+
+    def ids_of(self, turn: int) -> tuple[list[int], list[int], list[float]]:
+        """The prompt token ids, completion token ids and logprobs of answer ``turn``."""
+        base = 1000 * (turn + 1)
+        prompt = [base + i for i in range(self.PROMPT_TOKENS)]
+        completion = [base + 500 + i for i in range(self.COMPLETION_TOKENS)]
+        logprobs = [-0.1 * (i + 1) for i in range(self.COMPLETION_TOKENS)]
+        return prompt, completion, logprobs
+
+    def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            turn = len(self.answers)
+            step = turn
+            if self.per_conversation:
+                messages = body.get("messages") or []
+                step = sum(1 for m in messages if m.get("role") == "assistant")
+            content = self.replies[min(step, len(self.replies) - 1)]
+            self.answers.append(content)
+        self.asked.set()
+        message = (
+            content if isinstance(content, dict) else {"role": "assistant", "content": content}
+        )
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+        }
+        answer: dict[str, Any] = {
+            "id": f"chatcmpl-{step}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", "scripted"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": self.PROMPT_TOKENS,
+                "completion_tokens": self.COMPLETION_TOKENS,
+                "total_tokens": self.PROMPT_TOKENS + self.COMPLETION_TOKENS,
+            },
+        }
+        if self.cached_tokens is not None:
+            answer["usage"]["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.token_ids:
+            prompt, completion, logprobs = self.ids_of(turn)
+            answer["prompt_token_ids"] = prompt
+            choice["token_ids"] = completion
+            choice["logprobs"] = {
+                "content": [
+                    {"token": f"t{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(completion, logprobs, strict=True)
+                ]
+            }
+        return 200, answer
+
+    def _events(self, body: dict[str, Any], answer: dict[str, Any]) -> Iterator[bytes]:
+        """``answer`` as the chunks of a stream: the message as one delta, the finish, usage."""
+        choice = answer["choices"][0]
+        delta = dict(choice["message"])
+        if delta.get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+            ]
+        head = {k: answer[k] for k in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk"
+        for event in (
+            {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            {
+                **head,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
+            },
+            {**head, "choices": [], "usage": answer["usage"]},
+        ):
+            yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def env_value_sent_back(messages: list[dict[str, Any]], name: str) -> str | None:
+    """``name``'s value in the ``env`` output a tool message carried back to the model
+    (plain text, or a JSON ``{"output": ...}`` as mini-swe-agent sends it)."""
+    for message in messages:
+        if message.get("role") != "tool":
+            continue
+        content = message.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        try:
+            output = str(json.loads(text)["output"])
+        except (ValueError, KeyError, TypeError):
+            output = text
+        for line in output.splitlines():
+            if line.startswith(f"{name}="):
+                return line.partition("=")[2]
+    return None

@@ -5,7 +5,7 @@ JSON object ``{"url", "key", "rollouts": [{"metadata", "label", "prompt", "cance
 "script"}``; prints one JSON line: the results, in order, what ``/health`` said, and the
 Authorization headers the model endpoint saw. A fake chat endpoint (``tests.fake_chat``)
 answers the workflows' model calls; with ``script`` (a list of replies) a
-``tests.scripted_chat.ScriptedChat`` does (for Harbor's agents).
+``tests.fake_chat.ScriptedChat`` does (for Harbor's agents).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any
 import httpx
 from osmosis_ai.rollout.client import RolloutClient
 
-from tests.fake_chat import FakeChat
-from tests.scripted_chat import ScriptedChat
+from tests.fake_chat import FakeChat, ScriptedChat
 
 
 async def one(

@@ -31,7 +31,7 @@ from tests.bundle_utils import (  # noqa: F401  (fixtures are used by name)
     flit_pyproject,
     write_project,
 )
-from tests.scripted_chat import ScriptedChat, terminus_reply
+from tests.fake_chat import ScriptedChat, terminus_reply
 from tests.server_utils import serve, wait_until
 from tests.task_factory import make_task
 

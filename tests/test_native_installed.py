@@ -28,7 +28,7 @@ from harbor_exec.agents.native.layer import AGENT_PACKAGES, launcher
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.container.exchange import AGENT_SITE, RUNTIME_PYTHON
 from harbor_exec.network.relay import ModelRelay
-from tests.scripted_chat import ScriptedChat, tool_call_reply
+from tests.fake_chat import ScriptedChat, tool_call_reply
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
-from tests.scripted_chat import ScriptedChat, env_value_sent_back, tool_call_reply
+from tests.fake_chat import ScriptedChat, env_value_sent_back, tool_call_reply
 from tests.server_utils import serve
 from tests.task_factory import make_task
 from tests.test_native_agents_docker import KEY, files_holding, rollout

@@ -42,7 +42,7 @@ from harbor_exec.bundler.errors import BundleError
 from harbor_exec.bundler.npm import REGISTRY_ENV, fetch_npm_member
 from harbor_exec.container.exchange import RUNTIME_LIB, RUNTIME_LOADER
 from harbor_exec.network.relay import ModelRelay
-from tests.scripted_chat import ScriptedChat, tool_call_reply
+from tests.fake_chat import ScriptedChat, tool_call_reply
 from tests.task_factory import make_task
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.fake_chat import ScriptedChat
 from tests.osmosis_side_by_side import comparable, run_osmosis_rollout
-from tests.scripted_chat import ScriptedChat
 from tests.server_utils import serve
 
 if sys.version_info < (3, 12):

@@ -26,8 +26,8 @@ from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import Bundle, build_bundle
 from harbor_exec.server.app import create_rollout_server
 from tests.bundle_utils import bundle_cache
+from tests.fake_chat import ScriptedChat
 from tests.osmosis_side_by_side import comparable, run_osmosis_rollout, template_without_tests
-from tests.scripted_chat import ScriptedChat
 from tests.server_utils import serve
 from tests.test_osmosis_agents_sdk import AGENTS_REFS, PROJECT, add_call
 

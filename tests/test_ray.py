@@ -289,7 +289,7 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
 def test_terminus_2_rollouts_on_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
     """Harbor's terminus-2 runs on the node that runs the trial, dialling that node's
     relay for the rollout: the model sees the token, the endpoint the real key."""
-    from tests.scripted_chat import terminus_reply
+    from tests.fake_chat import terminus_reply
 
     url = ray_cluster.serve(
         tmp_path / "terminus",

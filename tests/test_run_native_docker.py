@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import cli_utils
-from tests.scripted_chat import ScriptedChat, terminus_reply
+from tests.fake_chat import ScriptedChat, terminus_reply
 from tests.task_factory import make_task
 
 KEY = "sk-real-" + uuid.uuid4().hex
