@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from harbor_exec.backends.harbor.resolver import RolloutRejected, TaskResolver
-from harbor_exec.cli import app, commands
+from harbor_exec.cli.app import app
 from harbor_exec.jobs.dataset import harbor_job_config, harbor_trial_config
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.packages import (
@@ -297,7 +297,6 @@ class CliResult:
 
 def cli(*args: str) -> CliResult:
     """The CLI in this process, with no engine to reach and no package source set."""
-    assert commands  # registered on ``app``
     env = {"DOCKER_HOST": "unix:///nonexistent", "HARBOR_EXEC_PACKAGE_SOURCE": None}
     result = CliRunner().invoke(app, list(args), env=env, terminal_width=1000)
     return CliResult(result.exit_code, " ".join(result.output.split()))

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from harbor_exec.cli import commands  # noqa: F401  (registers the commands)
 from harbor_exec.cli.app import app
 from harbor_exec.cli.run import check_run_agent
 from tests.task_factory import make_task
