@@ -213,13 +213,13 @@ def run(
     n_attempts: NAttemptsOption = 1,
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
     default_cpus: DefaultCpusOption = _SANDBOX.default_cpus,
     default_memory_mb: DefaultMemoryOption = _SANDBOX.default_memory_mb,
     default_storage_mb: DefaultStorageOption = _SANDBOX.default_storage_mb,
     default_shm_mb: DefaultShmOption = _SANDBOX.default_shm_mb,
     default_nofile: DefaultNofileOption = _SANDBOX.default_nofile,
     max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
+    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
 ) -> None:
     """Run Harbor's agent with a model on every task, as Harbor's job layout (pass@k,
     mean reward, tokens); exit 0 once every trial ran, whatever the rewards."""
