@@ -9,13 +9,19 @@ is declared twice.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from harbor_exec.agents.native.config import NATIVE_AGENT_NAMES
+from harbor_exec.backends.harbor.config import DEFAULT_MAX_LOG_BYTES, SandboxConfig
+from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sources.packages import PACKAGE_SOURCE_ENV
 
 # The help panels, in the order a reader meets them.
@@ -279,6 +285,78 @@ MaxLogBytesOption = Annotated[
     ),
 ]
 
+_SANDBOX = SandboxConfig()
+#: The sandbox and limits options, by parameter: (declaration, default). A command
+#: decorated with ``takes_sandbox`` gets them all, read into one ``sandbox: SandboxConfig``.
+SANDBOX_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "default_cpus": (DefaultCpusOption, _SANDBOX.default_cpus),
+    "default_memory_mb": (DefaultMemoryOption, _SANDBOX.default_memory_mb),
+    "default_storage_mb": (DefaultStorageOption, _SANDBOX.default_storage_mb),
+    "default_shm_mb": (DefaultShmOption, _SANDBOX.default_shm_mb),
+    "default_nofile": (DefaultNofileOption, _SANDBOX.default_nofile),
+    "max_log_bytes": (MaxLogBytesOption, DEFAULT_MAX_LOG_BYTES),
+    "verifier_mode": (VerifierModeOption, VerifierModeChoice.TASK),
+    "grader_verifier_mode": (GraderVerifierModeOption, GraderVerifierModeChoice.SEPARATE),
+}
+
+
+def sandbox_config(values: dict[str, Any]) -> SandboxConfig:
+    """The ``SandboxConfig`` the sandbox and limits options describe."""
+    grader = values.get("grader_verifier_mode", GraderVerifierModeChoice.SEPARATE)
+    return SandboxConfig(
+        verifier_mode="separate" if values["verifier_mode"] == "separate" else "task",
+        grader_verifier_mode="shared" if grader == "shared" else "separate",
+        default_cpus=values["default_cpus"],
+        default_memory_mb=values["default_memory_mb"],
+        default_storage_mb=values["default_storage_mb"],
+        default_shm_mb=values["default_shm_mb"],
+        default_nofile=values["default_nofile"],
+        output=OutputLimits(max_file_bytes=values["max_log_bytes"]),
+    )
+
+
+def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command with a ``sandbox: SandboxConfig`` parameter takes the sandbox and limits
+    options in its place (``--grader-verifier-mode`` too with ``grader``): one list of
+    them, here, for every command."""
+    names = [name for name in SANDBOX_OPTIONS if grader or name != "grader_verifier_mode"]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        hints = typing.get_type_hints(command, include_extras=True)
+        added = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=SANDBOX_OPTIONS[name][0],
+                default=SANDBOX_OPTIONS[name][1],
+            )
+            for name in names
+        ]
+
+        @functools.wraps(command)
+        def with_sandbox(*args: Any, **kwargs: Any) -> None:
+            values = {name: kwargs.pop(name) for name in names}
+            command(*args, sandbox=sandbox_config(values), **kwargs)
+
+        # In the place of ``sandbox``: the help shows the panels in the parameters' order.
+        parameters: list[inspect.Parameter] = []
+        for parameter in inspect.signature(command).parameters.values():
+            if parameter.name == "sandbox":
+                parameters += added
+            else:
+                parameters.append(
+                    parameter.replace(
+                        kind=inspect.Parameter.KEYWORD_ONLY,
+                        annotation=hints.get(parameter.name, parameter.annotation),
+                    )
+                )
+        with_sandbox.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        with_sandbox.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_sandbox
+
+    return decorate
+
+
 # ---- Network and cache ----
 
 DEFAULT_PACKAGE_CACHE_MAX_GB = 20.0
@@ -345,6 +423,7 @@ __all__ = [
     "NETWORK",
     "RAY",
     "SANDBOX",
+    "SANDBOX_OPTIONS",
     "SERVER",
     "TASKS",
     "AgentKwargOption",
@@ -382,4 +461,6 @@ __all__ = [
     "TasksPathArgument",
     "VerifierModeChoice",
     "VerifierModeOption",
+    "sandbox_config",
+    "takes_sandbox",
 ]

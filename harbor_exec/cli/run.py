@@ -32,7 +32,7 @@ from harbor_exec.agents.native.config import (
     set_litellm_offline,
 )
 from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
-from harbor_exec.backends.harbor.config import DEFAULT_MAX_LOG_BYTES, SandboxConfig
+from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.cli.helpers import (
     console,
     open_runtime,
@@ -47,14 +47,8 @@ from harbor_exec.cli.options import (
     AgentKwargOption,
     AllowUnpinnedOption,
     DatasetRefOption,
-    DefaultCpusOption,
-    DefaultMemoryOption,
-    DefaultNofileOption,
-    DefaultShmOption,
-    DefaultStorageOption,
     JobNameOption,
     JobsDirOption,
-    MaxLogBytesOption,
     NAttemptsOption,
     NConcurrentOption,
     PackageSourceOption,
@@ -65,12 +59,10 @@ from harbor_exec.cli.options import (
     RunModelNameOption,
     TaskRefOption,
     TasksPathArgument,
-    VerifierModeChoice,
-    VerifierModeOption,
+    takes_sandbox,
 )
 from harbor_exec.executors.spec import TrialSecrets, TrialSpec, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
-from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.trial.task import Task
 
 __all__ = ["RunAgent", "check_run_agent", "run"]
@@ -178,6 +170,7 @@ def check_run_agent(
     return RunAgent(config, api_base, api_key, api_key_env)
 
 
+@takes_sandbox()
 def run(
     agent: RunAgentOption,
     model_name: RunModelNameOption,
@@ -213,13 +206,7 @@ def run(
     n_attempts: NAttemptsOption = 1,
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
-    default_cpus: DefaultCpusOption = _SANDBOX.default_cpus,
-    default_memory_mb: DefaultMemoryOption = _SANDBOX.default_memory_mb,
-    default_storage_mb: DefaultStorageOption = _SANDBOX.default_storage_mb,
-    default_shm_mb: DefaultShmOption = _SANDBOX.default_shm_mb,
-    default_nofile: DefaultNofileOption = _SANDBOX.default_nofile,
-    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
+    sandbox: SandboxConfig = _SANDBOX,
 ) -> None:
     """Run Harbor's agent with a model on every task, as Harbor's job layout (pass@k,
     mean reward, tokens); exit 0 once every trial ran, whatever the rewards."""
@@ -248,15 +235,6 @@ def run(
     runtime = open_runtime()
     from harbor_exec.executors.local import LocalExecutor  # the server extra (the relay)
 
-    sandbox = SandboxConfig(
-        verifier_mode="separate" if verifier_mode is VerifierModeChoice.SEPARATE else "task",
-        default_cpus=default_cpus,
-        default_memory_mb=default_memory_mb,
-        default_storage_mb=default_storage_mb,
-        default_shm_mb=default_shm_mb,
-        default_nofile=default_nofile,
-        output=OutputLimits(max_file_bytes=max_log_bytes),
-    )
     policy = sandbox.policy(max_concurrent_trials=n_concurrent, pid_max=runtime.pid_max)
     outcome = run_dataset_job(
         "run",

@@ -22,7 +22,6 @@ import typer
 
 from harbor_exec.backends.harbor.config import (
     DEFAULT_MAX_CONCURRENT_TRIALS,
-    DEFAULT_MAX_LOG_BYTES,
     AgentChoice,
     Capacity,
     HarborConfig,
@@ -38,14 +37,6 @@ from harbor_exec.cli.options import (
     SERVER,
     TASKS,
     AgentKwargOption,
-    DefaultCpusOption,
-    DefaultMemoryOption,
-    DefaultNofileOption,
-    DefaultShmOption,
-    DefaultStorageOption,
-    GraderVerifierModeChoice,
-    GraderVerifierModeOption,
-    MaxLogBytesOption,
     PackageCacheDirOption,
     PackageCacheMaxGbOption,
     PackageSourceOption,
@@ -55,10 +46,8 @@ from harbor_exec.cli.options import (
     ServeAllowUnpinnedOption,
     ServeModelNameOption,
     ServePackageCacheOption,
-    VerifierModeChoice,
-    VerifierModeOption,
+    takes_sandbox,
 )
-from harbor_exec.sandbox.archives import OutputLimits
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "harbor_config_of", "serve"]
 
@@ -251,6 +240,7 @@ def _api_key(variable: str | None) -> str | None:
     return value
 
 
+@takes_sandbox(grader=True)
 def serve(
     tasks_dir: Annotated[
         Path | None,
@@ -310,14 +300,7 @@ def serve(
             rich_help_panel=AGENT, help="The workflow's project (default: found from --agent)."
         ),
     ] = None,
-    default_cpus: DefaultCpusOption = _SANDBOX.default_cpus,
-    default_memory_mb: DefaultMemoryOption = _SANDBOX.default_memory_mb,
-    default_storage_mb: DefaultStorageOption = _SANDBOX.default_storage_mb,
-    default_shm_mb: DefaultShmOption = _SANDBOX.default_shm_mb,
-    default_nofile: DefaultNofileOption = _SANDBOX.default_nofile,
-    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
-    grader_verifier_mode: GraderVerifierModeOption = GraderVerifierModeChoice.SEPARATE,
+    sandbox: SandboxConfig = _SANDBOX,
     relay_allow_route: Annotated[
         list[str] | None,
         typer.Option(
@@ -441,18 +424,7 @@ def serve(
         task_git_allow=list(task_git_allow or []),
         task_git_allow_unpinned=task_git_allow_unpinned,
         package_source=package_source,
-        sandbox=SandboxConfig(
-            verifier_mode="separate" if verifier_mode is VerifierModeChoice.SEPARATE else "task",
-            grader_verifier_mode=(
-                "shared" if grader_verifier_mode is GraderVerifierModeChoice.SHARED else "separate"
-            ),
-            default_cpus=default_cpus,
-            default_memory_mb=default_memory_mb,
-            default_storage_mb=default_storage_mb,
-            default_shm_mb=default_shm_mb,
-            default_nofile=default_nofile,
-            output=OutputLimits(max_file_bytes=max_log_bytes),
-        ),
+        sandbox=sandbox,
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,
         prewarm_jobs=prewarm_jobs,

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import typer
 
-from harbor_exec.backends.harbor.config import DEFAULT_MAX_LOG_BYTES, SandboxConfig
+from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.cli.helpers import open_ray_executor, open_runtime, run_dataset_job, select_dataset
 from harbor_exec.cli.options import (
     DEFAULT_JOBS_DIR,
     DEFAULT_N_CONCURRENT,
     AllowUnpinnedOption,
     DatasetRefOption,
-    DefaultCpusOption,
-    DefaultMemoryOption,
-    DefaultNofileOption,
-    DefaultShmOption,
-    DefaultStorageOption,
     JobNameOption,
     JobsDirOption,
-    MaxLogBytesOption,
     NAttemptsOption,
     NConcurrentOption,
     PackageSourceOption,
@@ -28,15 +22,14 @@ from harbor_exec.cli.options import (
     RegistryUrlOption,
     TaskRefOption,
     TasksPathArgument,
-    VerifierModeChoice,
-    VerifierModeOption,
+    takes_sandbox,
 )
 from harbor_exec.executors.spec import TrialSpec
-from harbor_exec.sandbox.archives import OutputLimits
 
 _SANDBOX = SandboxConfig()
 
 
+@takes_sandbox()
 def validate(
     path: TasksPathArgument = None,
     dataset: DatasetRefOption = None,
@@ -49,13 +42,7 @@ def validate(
     n_attempts: NAttemptsOption = 1,
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
-    default_cpus: DefaultCpusOption = _SANDBOX.default_cpus,
-    default_memory_mb: DefaultMemoryOption = _SANDBOX.default_memory_mb,
-    default_storage_mb: DefaultStorageOption = _SANDBOX.default_storage_mb,
-    default_shm_mb: DefaultShmOption = _SANDBOX.default_shm_mb,
-    default_nofile: DefaultNofileOption = _SANDBOX.default_nofile,
-    max_log_bytes: MaxLogBytesOption = DEFAULT_MAX_LOG_BYTES,
-    verifier_mode: VerifierModeOption = VerifierModeChoice.TASK,
+    sandbox: SandboxConfig = _SANDBOX,
     ray: RayOption = None,
 ) -> None:
     """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
@@ -70,15 +57,6 @@ def validate(
     )
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
-    sandbox = SandboxConfig(
-        verifier_mode="separate" if verifier_mode is VerifierModeChoice.SEPARATE else "task",
-        default_cpus=default_cpus,
-        default_memory_mb=default_memory_mb,
-        default_storage_mb=default_storage_mb,
-        default_shm_mb=default_shm_mb,
-        default_nofile=default_nofile,
-        output=OutputLimits(max_file_bytes=max_log_bytes),
-    )
     engine = executor if executor is not None else runtime
     assert engine is not None
     policy = sandbox.policy(max_concurrent_trials=n_concurrent, pid_max=engine.pid_max)
