@@ -106,11 +106,29 @@ ServeAllowUnpinnedOption = Annotated[
 # ---- Job: validate's and run's trials and where they are written ----
 
 DEFAULT_N_CONCURRENT = 4
-NConcurrentOption = Annotated[int, typer.Option("-n", "--n-concurrent", min=1, rich_help_panel=JOB)]
-NAttemptsOption = Annotated[int, typer.Option("-k", "--n-attempts", min=1, rich_help_panel=JOB)]
+NConcurrentOption = Annotated[
+    int,
+    typer.Option("-n", "--n-concurrent", min=1, rich_help_panel=JOB, help="Trials run at once."),
+]
+NAttemptsOption = Annotated[
+    int,
+    typer.Option(
+        "-k", "--n-attempts", min=1, rich_help_panel=JOB, help="Trials per task (pass@k)."
+    ),
+]
 DEFAULT_JOBS_DIR = Path("jobs")
-JobsDirOption = Annotated[Path, typer.Option("--jobs-dir", rich_help_panel=JOB)]
-JobNameOption = Annotated[str | None, typer.Option("--job-name", rich_help_panel=JOB)]
+JobsDirOption = Annotated[
+    Path, typer.Option("--jobs-dir", rich_help_panel=JOB, help="Where job directories go.")
+]
+JobNameOption = Annotated[
+    str | None,
+    typer.Option(
+        "--job-name",
+        rich_help_panel=JOB,
+        help="The job's directory name (default: the start time); an existing job of "
+        "that name is resumed, its finished trials kept.",
+    ),
+]
 
 # ---- Agent: what runs, and with which model ----
 
