@@ -119,3 +119,26 @@ def test_an_80_column_help_shows_every_option_name_whole(command: str) -> None:
         for name in (*param.opts, *param.secondary_opts):
             if name.startswith("-"):
                 assert name in shown, f"{command} --help cuts {name}"
+
+
+def test_the_sandbox_options_make_one_sandbox_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve``'s sandbox and limits options arrive as one ``SandboxConfig``; none given,
+    it is ``SandboxConfig()``'s defaults."""
+    import harbor_exec.server.run as server_run
+    from harbor_exec.backends.harbor.config import SandboxConfig
+    from harbor_exec.cli import serve
+
+    seen: list[serve.ServeOptions] = []
+    monkeypatch.setattr(serve, "build_app", lambda options, api_key: seen.append(options))
+    monkeypatch.setattr(server_run, "serve_app", lambda *args, **kwargs: None)
+    asked = ["--verifier-mode", "separate", "--grader-verifier-mode", "shared"]
+    asked += ["--default-cpus", "1.5", "--default-nofile", "999", "--max-log-bytes", "2048"]
+    for args in (["serve", "--tasks-dir", "."], ["serve", "--tasks-dir", ".", *asked]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    default, given = (options.sandbox for options in seen)
+    assert default == SandboxConfig()
+    assert (given.verifier_mode, given.grader_verifier_mode) == ("separate", "shared")
+    assert (given.default_cpus, given.default_nofile) == (1.5, 999)
+    assert given.output.max_file_bytes == 2048
+    assert given.default_memory_mb == SandboxConfig().default_memory_mb
