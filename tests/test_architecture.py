@@ -218,14 +218,6 @@ def test_entry_points_import_lazily_from_the_top() -> None:
 MODULES = dict(_modules())
 ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
-# Circles and private accesses that existed when these checks were written (issue 34), each
-# to be removed as it is fixed: the lists only shrink (a test below fails on an entry that no
-# longer occurs), and anything not listed fails.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"harbor_exec.cli.dataset", "harbor_exec.cli.serve"}),
-}
-KNOWN_PRIVATE_ACCESS: set[tuple[str, str]] = set()
-
 
 def _target_modules(node: ast.Import | ast.ImportFrom) -> list[tuple[str, list[str]]]:
     """(module, names taken from it) for one import of harbor_exec, submodules resolved."""
@@ -306,7 +298,7 @@ def _circles_inside_parts() -> set[frozenset[str]]:
 
 
 def test_no_import_circles_inside_a_part() -> None:
-    new = {group for group in _circles_inside_parts() if group not in KNOWN_CIRCLES}
+    new = _circles_inside_parts()
     assert not new, "import circles inside a part (TYPE_CHECKING imports included):\n" + "\n".join(
         " <-> ".join(sorted(group)) for group in new
     )
@@ -351,15 +343,10 @@ def _private_accesses() -> set[tuple[str, str]]:
 
 
 def test_no_module_touches_another_modules_private_names() -> None:
-    new = sorted(_private_accesses() - KNOWN_PRIVATE_ACCESS)
+    new = sorted(_private_accesses())
     assert not new, "private names used from another module:\n" + "\n".join(
         f"{module} uses {name}" for module, name in new
     )
-
-
-def test_the_known_lists_only_shrink() -> None:
-    assert _circles_inside_parts() >= KNOWN_CIRCLES, "a known circle is gone: remove it"
-    assert _private_accesses() >= KNOWN_PRIVATE_ACCESS, "a known access is gone: remove it"
 
 
 def test_every_part_and_subfolder_has_its_row_in_the_map() -> None:

@@ -192,7 +192,6 @@ def test_a_grader_that_imports_the_workflow_splits(tmp_path: Path) -> None:
 
 
 def test_harbor_exec_bundle_prints_the_refusal_and_exits_1(tmp_path: Path) -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
     from harbor_exec.cli.app import app
 
     root = project(tmp_path / "p", flow="from .judge import Judge\n" + FLOW)

@@ -526,7 +526,6 @@ def test_target_requirements_evaluate_markers_for_the_target() -> None:
 
 
 def test_cli_bundle_prints_what_it_built(example_bundle: Bundle, bundle_cache: Path) -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
     from harbor_exec.cli.app import app
 
     result = CliRunner().invoke(
@@ -555,7 +554,6 @@ def test_cli_bundle_prints_what_it_built(example_bundle: Bundle, bundle_cache: P
 
 
 def test_cli_bundle_error_exits_1(tmp_path: Path) -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
     from harbor_exec.cli.app import app
 
     result = CliRunner().invoke(
@@ -569,7 +567,6 @@ def test_cli_bundle_error_exits_1(tmp_path: Path) -> None:
 
 
 def test_cli_bundle_json_output(example_bundle: Bundle, bundle_cache: Path) -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
     from harbor_exec.cli.app import app
 
     result = CliRunner().invoke(

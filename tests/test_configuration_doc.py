@@ -4,7 +4,6 @@ the commands. ``python -m tests.test_configuration_doc`` rewrites the table."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,8 @@ END = "<!-- every-default: end -->"
 
 
 def _commands() -> dict[str, Any]:
-    from harbor_exec.cli import main  # noqa: F401  (the package registers the commands)
-    from harbor_exec.cli.app import app
+    from harbor_exec.cli.app import app  # registers every command
 
-    with contextlib.suppress(ImportError):  # where commands register by import
-        from harbor_exec.cli import commands  # noqa: F401
     group = typer.main.get_group(app)
     return {name: group.commands[name] for name in COMMANDS}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.cli.sandbox import GraderVerifierModeChoice, SandboxOptions
+from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.container import runner
 from harbor_exec.container.exchange import (
     GRADER_CODE_DIR,
@@ -61,10 +61,10 @@ def test_a_bundled_grader_verifies_in_a_separate_container_by_default(tmp_path: 
 
 
 def test_serve_and_harbor_backend_default_to_the_separate_grader(tmp_path: Path) -> None:
-    assert SandboxOptions().policy(max_concurrent_trials=1, pid_max=4096).grader_verifier_mode == (
+    assert SandboxConfig().policy(max_concurrent_trials=1, pid_max=4096).grader_verifier_mode == (
         "separate"
     )
-    asked = SandboxOptions(grader_verifier_mode=GraderVerifierModeChoice.SHARED)
+    asked = SandboxConfig(grader_verifier_mode="shared")
     assert asked.policy(max_concurrent_trials=1, pid_max=4096).grader_verifier_mode == "shared"
     backend = HarborBackend(tasks_dir=tmp_path, runtime=FakeRuntime())
     assert backend.policy.grader_verifier_mode == "separate"

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from harbor_exec.backends.harbor.backend import HarborBackend
-from harbor_exec.cli import sandbox
+from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.errors import DiskBudgetExceededError, TrialPhase, is_exception, policy_for
 from harbor_exec.sandbox import disk
 from harbor_exec.sandbox.disk import WritableLayer, walk
@@ -73,7 +73,7 @@ def test_harbors_deprecated_size_keys_still_set_the_limits() -> None:
 
 
 def test_operator_defaults_replace_the_built_in_ones() -> None:
-    options = sandbox.SandboxOptions(
+    options = SandboxConfig(
         default_cpus=1.5,
         default_memory_mb=1024,
         default_storage_mb=2048,
@@ -126,7 +126,6 @@ def test_trial_containers_carry_the_limits_agent_and_separate_verifier(tmp_path:
 
 
 def test_cli_help_documents_every_default_option() -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers the commands)
     from harbor_exec.cli.app import app
 
     for command in ("serve", "validate"):

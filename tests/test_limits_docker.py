@@ -14,7 +14,7 @@ from typing import Any
 import docker
 import pytest
 
-from harbor_exec.cli.sandbox import SandboxOptions
+from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.errors import DiskBudgetExceededError, is_exception
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
@@ -122,7 +122,7 @@ def test_more_cpus_than_the_engine_has_get_every_cpu(
 def test_operator_defaults_override_the_built_in_ones(
     docker_runtime: DockerRuntime, client: docker.DockerClient, tmp_path: Path
 ) -> None:
-    options = SandboxOptions(
+    options = SandboxConfig(
         default_cpus=1.5, default_memory_mb=1024, default_shm_mb=32, default_nofile=4096
     )
     policy = options.policy(max_concurrent_trials=4, pid_max=docker_runtime.pid_max())

@@ -14,7 +14,7 @@ from harbor_exec.agents.native.config import AGENT_NAMES, check_model_name
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.backends.harbor.resolver import RolloutRejected
-from harbor_exec.cli.serve import parse_agent_kwargs
+from harbor_exec.cli.helpers import parse_agent_kwargs
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.executors.spec import trial_request
 from harbor_exec.protocol import ExecutionRequest

@@ -589,7 +589,6 @@ def test_server_metrics_show_the_package_cache() -> None:
 def test_serve_option_and_backend_build_one_service(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    import harbor_exec.cli.commands  # noqa: F401 - registers the commands
     from harbor_exec.cli.app import app
     from harbor_exec.cli.serve import ServeOptions, package_cache_config
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.cli import commands  # noqa: F401  (registers the commands)
 from harbor_exec.cli.run import check_run_agent
 from tests.cli_utils import invoke
 from tests.task_factory import make_task

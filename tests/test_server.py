@@ -878,7 +878,6 @@ def test_serve_falls_back_without_uvloop_or_httptools(monkeypatch: pytest.Monkey
     ],
 )  # fmt: skip
 def test_cli_serve_explains_bad_options(arguments: list[str], message: str) -> None:
-    from harbor_exec.cli import commands  # noqa: F401  (registers every command)
     from harbor_exec.cli.app import app
 
     # In-process: every one of these is refused before a server would start.

@@ -1,16 +1,24 @@
 """Command-line entry point: ``harbor-exec``.
 
-Each command lives in its own module and registers itself on the shared app.
+Each command lives in its own module; ``app.py`` registers them on the app by name,
+and ``import harbor_exec.cli`` loads none of them until ``main`` (or ``app``) is asked for.
 """
 
-from harbor_exec.cli.app import app
+from typing import Any
 
 
 def main() -> None:
-    # Imported here so that ``import harbor_exec.cli`` stays cheap.
-    from harbor_exec.cli import commands  # noqa: F401
+    from harbor_exec.cli.app import app
 
     app()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from harbor_exec.cli.app import app
+
+        return app
+    raise AttributeError(name)
 
 
 __all__ = ["app", "main"]

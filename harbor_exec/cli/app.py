@@ -1,6 +1,16 @@
-"""The ``harbor-exec`` typer application; command modules register on it."""
+"""The ``harbor-exec`` typer application, every command registered here by name."""
 
 import typer
+
+from harbor_exec.cli import help as cli_help
+from harbor_exec.cli.bundle import bundle
+from harbor_exec.cli.images import images_app
+from harbor_exec.cli.prewarm import prewarm
+from harbor_exec.cli.run import run
+from harbor_exec.cli.serve import serve
+from harbor_exec.cli.validate import validate
+
+cli_help.install()  # option names whole at any width (cli/help.py)
 
 app = typer.Typer(
     name="harbor-exec",
@@ -8,3 +18,9 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
+app.command()(validate)
+app.command()(prewarm)
+app.command()(run)
+app.add_typer(images_app, name="images")
+app.command()(bundle)
+app.command()(serve)

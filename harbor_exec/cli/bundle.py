@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harbor_exec.cli.app import app
 from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
 
 _REF_HELP = "a 'module:attr' ref inside the project's package"
@@ -26,7 +25,6 @@ def _size(n: int) -> str:
     return f"{n / (1024 * 1024):.1f} MiB"
 
 
-@app.command()
 def bundle(
     code_dir: Annotated[Path, typer.Argument(help="the project dir (holds pyproject.toml)")],
     workflow: Annotated[str, typer.Option(help=f"the AgentWorkflow class: {_REF_HELP}")],

@@ -8,8 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from harbor_exec.cli.app import app
-from harbor_exec.cli.dataset import console, open_runtime
+from harbor_exec.cli.helpers import console, open_runtime
 from harbor_exec.sandbox.images import (
     MIRROR_ENV,
     BootstrapError,
@@ -20,7 +19,6 @@ from harbor_exec.sandbox.images import (
 from harbor_exec.sandbox.runtime_build import RuntimeBuildError
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
-app.add_typer(images_app, name="images")
 
 
 @images_app.command("bootstrap")

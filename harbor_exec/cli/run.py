@@ -32,19 +32,34 @@ from harbor_exec.agents.native.config import (
     set_litellm_offline,
 )
 from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
-from harbor_exec.cli import sandbox
-from harbor_exec.cli.app import app
-from harbor_exec.cli.dataset import (
+from harbor_exec.backends.harbor.config import SandboxConfig
+from harbor_exec.cli.helpers import (
+    console,
+    open_runtime,
+    parse_agent_kwargs,
+    run_dataset_job,
+    select_dataset,
+)
+from harbor_exec.cli.options import (
+    AGENT,
+    DEFAULT_JOBS_DIR,
+    DEFAULT_N_CONCURRENT,
+    AgentKwargOption,
     AllowUnpinnedOption,
     DatasetRefOption,
+    JobNameOption,
+    JobsDirOption,
+    NAttemptsOption,
+    NConcurrentOption,
     PackageSourceOption,
     RegistryPathOption,
     RegistryUrlOption,
+    RunAgentOption,
+    RunAgentSetupTimeoutOption,
+    RunModelNameOption,
     TaskRefOption,
-    console,
-    open_runtime,
-    run_dataset_job,
-    select_dataset,
+    TasksPathArgument,
+    takes_sandbox,
 )
 from harbor_exec.executors.spec import TrialSecrets, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
@@ -52,6 +67,8 @@ from harbor_exec.tasks.task import Task
 from harbor_exec.trial.spec import TrialSpec
 
 __all__ = ["RunAgent", "check_run_agent", "run"]
+
+_SANDBOX = SandboxConfig()
 
 #: A shell variable's name: what ``--api-key-env`` takes (a key never is one).
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -109,8 +126,6 @@ def check_run_agent(
 ) -> RunAgent:
     """``run``'s agent options, checked before anything starts; ``typer.BadParameter``
     naming the flag otherwise."""
-    from harbor_exec.cli.serve import parse_agent_kwargs
-
     if not is_native_agent(agent):
         hint = " (the oracle is `harbor-exec validate`)" if agent == "oracle" else ""
         raise typer.BadParameter(
@@ -156,24 +171,15 @@ def check_run_agent(
     return RunAgent(config, api_base, api_key, api_key_env)
 
 
-@app.command()
+@takes_sandbox()
 def run(
-    agent: Annotated[
-        str,
-        typer.Option(
-            "--agent", "-a", help=f"Harbor's agent to run: {', '.join(NATIVE_AGENT_NAMES)}."
-        ),
-    ],
-    model_name: Annotated[
-        str,
-        typer.Option(
-            "--model-name", "-m", help="The model route, openai/<id> (an OpenAI-compatible API)."
-        ),
-    ],
+    agent: RunAgentOption,
+    model_name: RunModelNameOption,
     api_base: Annotated[
         str,
         typer.Option(
             "--api-base",
+            rich_help_panel=AGENT,
             help="The model's OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1); "
             "each trial reaches it only through its own relay.",
         ),
@@ -183,41 +189,25 @@ def run(
         typer.Option(
             "--api-key-env",
             metavar="VAR",
+            rich_help_panel=AGENT,
             help="The environment variable holding the model's key (never the key itself; "
             "without it, calls carry no key).",
         ),
     ] = None,
-    agent_kwarg: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--agent-kwarg",
-            metavar="KEY=VALUE",
-            help="An option of the agent (VALUE as JSON when it parses); repeatable.",
-        ),
-    ] = None,
-    agent_setup_timeout_sec: Annotated[
-        float | None, typer.Option(min=0.001, help="The agent's setup timeout.")
-    ] = None,
-    path: Annotated[
-        Path | None, typer.Argument(help="A task directory or a dataset of tasks.")
-    ] = None,
+    agent_kwarg: AgentKwargOption = None,
+    agent_setup_timeout_sec: RunAgentSetupTimeoutOption = None,
+    path: TasksPathArgument = None,
     dataset: DatasetRefOption = None,
     task: TaskRefOption = None,
     package_source: PackageSourceOption = None,
     registry_path: RegistryPathOption = None,
     registry_url: RegistryUrlOption = None,
     task_git_allow_unpinned: AllowUnpinnedOption = False,
-    n_concurrent: Annotated[int, typer.Option("-n", "--n-concurrent", min=1)] = 4,
-    n_attempts: Annotated[int, typer.Option("-k", "--n-attempts", min=1)] = 1,
-    jobs_dir: Annotated[Path, typer.Option("--jobs-dir")] = Path("jobs"),
-    job_name: Annotated[str | None, typer.Option("--job-name")] = None,
-    verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
-    default_cpus: sandbox.DefaultCpusOption = sandbox.DEFAULT_CPUS,
-    default_memory_mb: sandbox.DefaultMemoryOption = sandbox.DEFAULT_MEMORY_MB,
-    default_storage_mb: sandbox.DefaultStorageOption = sandbox.DEFAULT_STORAGE_MB,
-    default_shm_mb: sandbox.DefaultShmOption = sandbox.DEFAULT_SHM_MB,
-    default_nofile: sandbox.DefaultNofileOption = sandbox.DEFAULT_NOFILE_LIMIT,
-    max_log_bytes: sandbox.MaxLogBytesOption = sandbox.DEFAULT_MAX_LOG_BYTES,
+    n_concurrent: NConcurrentOption = DEFAULT_N_CONCURRENT,
+    n_attempts: NAttemptsOption = 1,
+    jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
+    job_name: JobNameOption = None,
+    sandbox: SandboxConfig = _SANDBOX,
 ) -> None:
     """Run Harbor's agent with a model on every task, as Harbor's job layout (pass@k,
     mean reward, tokens); exit 0 once every trial ran, whatever the rewards."""
@@ -246,16 +236,7 @@ def run(
     runtime = open_runtime()
     from harbor_exec.executors.local import LocalExecutor  # the server extra (the relay)
 
-    options = sandbox.SandboxOptions(
-        verifier_mode,
-        default_cpus,
-        default_memory_mb,
-        max_log_bytes,
-        default_storage_mb=default_storage_mb,
-        default_shm_mb=default_shm_mb,
-        default_nofile=default_nofile,
-    )
-    policy = options.policy(max_concurrent_trials=n_concurrent, pid_max=runtime.pid_max())
+    policy = sandbox.policy(max_concurrent_trials=n_concurrent, pid_max=runtime.pid_max)
     outcome = run_dataset_job(
         "run",
         selected,

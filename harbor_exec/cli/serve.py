@@ -13,20 +13,45 @@ backends can be chosen from more options without touching the rest.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from harbor_exec.cli import sandbox
-from harbor_exec.cli.app import app
-from harbor_exec.cli.dataset import PackageSourceOption
-from harbor_exec.cli.sandbox import SandboxOptions
+from harbor_exec.backends.harbor.config import (
+    DEFAULT_MAX_CONCURRENT_TRIALS,
+    AgentChoice,
+    Capacity,
+    HarborConfig,
+    Paths,
+    SandboxConfig,
+    TaskSources,
+)
+from harbor_exec.cli.helpers import open_ray_executor, parse_agent_kwargs
+from harbor_exec.cli.options import (
+    AGENT,
+    DEFAULT_PACKAGE_CACHE_MAX_GB,
+    NETWORK,
+    SERVER,
+    TASKS,
+    AgentKwargOption,
+    PackageCacheDirOption,
+    PackageCacheMaxGbOption,
+    PackageSourceOption,
+    RayOption,
+    ServeAgentOption,
+    ServeAgentSetupTimeoutOption,
+    ServeAllowUnpinnedOption,
+    ServeModelNameOption,
+    ServePackageCacheOption,
+    takes_sandbox,
+)
 
-__all__ = ["ServeOptions", "build_app", "build_backend", "serve"]
+__all__ = ["ServeOptions", "build_app", "build_backend", "harbor_config_of", "serve"]
+
+_SANDBOX = SandboxConfig()
 
 
 @dataclass
@@ -43,7 +68,7 @@ class ServeOptions:
     agent: str | None = None
     code_dir: Path | None = None
     trials_dir: Path | None = None
-    max_concurrent_trials: int = 4
+    max_concurrent_trials: int = DEFAULT_MAX_CONCURRENT_TRIALS
     max_queue_depth: int | None = None
     retry_after_sec: int = 5  # server.service.DEFAULT_RETRY_AFTER_SEC
     prewarm: bool = False
@@ -52,7 +77,7 @@ class ServeOptions:
     task_git_allow: list[str] = field(default_factory=list)
     task_git_allow_unpinned: bool = False
     package_source: str | None = None  # metadata.harbor_task org/name@ref come from here
-    sandbox: SandboxOptions = field(default_factory=SandboxOptions)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     data_dir: Path | None = None
     max_timeout_sec: float | None = None
     prewarm_jobs: int | None = None
@@ -62,7 +87,7 @@ class ServeOptions:
     relay_extra_routes: list[str] = field(default_factory=list)
     # The package cache (--package-cache): off unless asked (docs/package-cache.md).
     package_cache: bool = False
-    package_cache_max_gb: float = 20.0
+    package_cache_max_gb: float = DEFAULT_PACKAGE_CACHE_MAX_GB
     package_cache_dir: Path | None = None
     # Harbor's own agents (--agent terminus-2): the model route, options and setup timeout.
     model_name: str | None = None
@@ -70,91 +95,20 @@ class ServeOptions:
     agent_setup_timeout_sec: float | None = None
 
 
-def parse_agent_kwargs(pairs: list[str]) -> dict[str, Any]:
-    """``k=v`` pairs as options: ``v`` as JSON when it parses (numbers, booleans,
-    objects), else the string itself."""
-    kwargs: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(
-                f"expected key=value, got {pair!r}", param_hint="--agent-kwarg"
-            )
-        try:
-            kwargs[key.strip()] = json.loads(value)
-        except ValueError:
-            kwargs[key.strip()] = value
-    return kwargs
-
-
-def open_ray_executor(address: str) -> Any:
-    """A connected ``RayExecutor``, or a clear message and exit code 2."""
-    try:
-        from harbor_exec.executors.ray import RayExecutor, RayUnavailableError
-    except ImportError as exc:  # pragma: no cover - the extra is missing
-        typer.echo(
-            f"error: --ray needs the ray extra (pip install 'harbor-exec[ray]'): {exc}", err=True
-        )
-        raise typer.Exit(2) from None
-    executor = RayExecutor(address)
-    try:
-        executor.connect()
-    except RayUnavailableError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    return executor
-
-
 def build_harbor_backend(options: ServeOptions) -> Any:
     """``HarborBackend`` for ``--tasks-dir``; bundle and Docker errors end the command."""
     from harbor_exec.backends.harbor.backend import HarborBackend
     from harbor_exec.bundler.errors import BundleError
     from harbor_exec.errors import DockerUnavailableError
-    from harbor_exec.sources.packages import PackageError, open_package_source
+    from harbor_exec.sources.packages import PackageError
 
     if options.workflow is not None:
         raise typer.BadParameter("with --tasks-dir, name the workflow with --agent module:Class")
     if options.task_mode not in ("template", "dataset"):
         raise typer.BadParameter("--task-mode must be 'template' or 'dataset'")
-    native: dict[str, Any] = {}
-    if options.model_name is not None:
-        native["model_name"] = options.model_name
-    if options.agent_kwargs:
-        native["native_agent_kwargs"] = parse_agent_kwargs(options.agent_kwargs)
-    if options.agent_setup_timeout_sec is not None:
-        native["agent_setup_timeout_sec"] = options.agent_setup_timeout_sec
     executor = open_ray_executor(options.ray) if options.ray else None
     try:
-        backend = HarborBackend(
-            executor=executor,
-            tasks_dir=options.tasks_dir or Path("."),
-            task_mode="dataset" if options.task_mode == "dataset" else "template",
-            agent=options.agent or "oracle",
-            workflow_config=options.workflow_config,
-            grader=options.grader,
-            grader_config=options.grader_config,
-            code_dir=options.code_dir,
-            trials_dir=options.trials_dir,
-            artifacts_dir=options.artifact_root,
-            max_concurrent_trials=options.max_concurrent_trials,
-            max_queue_depth=options.max_queue_depth,
-            task_roots=options.task_roots,
-            task_env_allow=options.task_env_allow,
-            task_git_allow=options.task_git_allow,
-            task_git_allow_unpinned=options.task_git_allow_unpinned,
-            package_source=open_package_source(options.package_source),
-            verifier_mode="separate" if options.sandbox.separate_verifier else "task",
-            grader_verifier_mode="shared" if options.sandbox.shared_grader else "separate",
-            default_cpus=options.sandbox.default_cpus,
-            default_memory_mb=options.sandbox.default_memory_mb,
-            default_storage_mb=options.sandbox.default_storage_mb,
-            default_shm_mb=options.sandbox.default_shm_mb,
-            default_nofile=options.sandbox.default_nofile,
-            output_limits=options.sandbox.output_limits,
-            relay_extra_routes=options.relay_extra_routes,
-            package_cache=package_cache_config(options),
-            **native,
-        )
+        backend = HarborBackend(harbor_config_of(options), executor=executor)
         # Build the bundle and open the engine now: their errors end `serve` before it binds.
         backend.start()
         return backend
@@ -166,6 +120,41 @@ def build_harbor_backend(options: ServeOptions) -> Any:
         raise typer.Exit(2) from None
     except (ImportError, ValueError, TypeError, PackageError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+def harbor_config_of(options: ServeOptions) -> HarborConfig:
+    """The ``HarborConfig`` ``serve --tasks-dir`` describes (PackageError for a package
+    source that cannot be opened)."""
+    from harbor_exec.sources.packages import open_package_source
+
+    agent = AgentChoice(
+        agent=options.agent or "oracle",
+        workflow_config=options.workflow_config,
+        grader=options.grader,
+        grader_config=options.grader_config,
+        code_dir=options.code_dir,
+        relay_extra_routes=tuple(options.relay_extra_routes),
+        native_agent_kwargs=parse_agent_kwargs(options.agent_kwargs) or None,
+        agent_setup_timeout_sec=options.agent_setup_timeout_sec,
+    )
+    if options.model_name is not None:
+        agent = replace(agent, model_name=options.model_name)
+    return HarborConfig(
+        tasks=TaskSources(
+            options.tasks_dir or Path("."),
+            task_mode="dataset" if options.task_mode == "dataset" else "template",
+            task_roots=tuple(options.task_roots),
+            task_env_allow=tuple(options.task_env_allow),
+            task_git_allow=tuple(options.task_git_allow),
+            task_git_allow_unpinned=options.task_git_allow_unpinned,
+            package_source=open_package_source(options.package_source),
+        ),
+        agent=agent,
+        sandbox=options.sandbox,
+        capacity=Capacity(options.max_concurrent_trials, options.max_queue_depth),
+        package_cache=package_cache_config(options),
+        paths=Paths(trials_dir=options.trials_dir, artifacts_dir=options.artifact_root),
+    )
 
 
 def package_cache_config(options: ServeOptions) -> Any:
@@ -251,163 +240,162 @@ def _api_key(variable: str | None) -> str | None:
     return value
 
 
-@app.command()
+@takes_sandbox(grader=True)
 def serve(
-    workflow: Annotated[
-        str | None, typer.Option(help="AgentWorkflow class as module:Class.")
-    ] = None,
-    grader: Annotated[str | None, typer.Option(help="Grader class as module:Class.")] = None,
-    workflow_config: Annotated[
-        str | None, typer.Option(help="AgentWorkflowConfig instance as module:attr.")
-    ] = None,
-    grader_config: Annotated[
-        str | None, typer.Option(help="GraderConfig instance as module:attr.")
-    ] = None,
-    app_ref: Annotated[
-        str | None,
-        typer.Option("--app", help="A rollout server app built in code, as module:attr."),
-    ] = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[
-        int | None,
-        typer.Option(help="Port to listen on [default: $_OSMOSIS_ROLLOUT_PORT, else 8000]."),
-    ] = None,
-    api_key_env: Annotated[
-        str | None,
-        typer.Option(help="Name of an environment variable holding the bearer key to require."),
-    ] = None,
-    artifact_root: Annotated[
-        Path | None,
-        typer.Option(help="Where per-rollout artifacts and trajectories go."),
-    ] = None,
-    access_log: Annotated[bool, typer.Option(help="Log every HTTP request.")] = False,
     tasks_dir: Annotated[
         Path | None,
-        typer.Option(help="Harbor task (template mode) or dataset dir: run rollouts in Docker."),
-    ] = None,
-    task_mode: Annotated[str, typer.Option(help="template or dataset.")] = "template",
-    agent: Annotated[
-        str | None,
         typer.Option(
-            help="With --tasks-dir: oracle, terminus-2, mini-swe-agent, opencode (Harbor's "
-            "own agents), or an AgentWorkflow module:Class."
+            rich_help_panel=TASKS,
+            help="Harbor task (template mode) or dataset dir: run rollouts in Docker.",
         ),
     ] = None,
-    model_name: Annotated[
-        str | None,
-        typer.Option(
-            help="With a native --agent: the model route, openai/<id> [default: "
-            "openai/osmosis-rollout]; a rollout's metadata.harbor_model overrides it."
-        ),
-    ] = None,
-    agent_kwarg: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="KEY=VALUE",
-            help="With a native --agent: an option of the agent (VALUE as JSON when it "
-            "parses, e.g. max_turns=30, collect_rollout_details=true; repeatable).",
-        ),
-    ] = None,
-    agent_setup_timeout_sec: Annotated[
-        float | None,
-        typer.Option(help="With a native --agent: the agent's setup timeout."),
-    ] = None,
-    code_dir: Annotated[
-        Path | None, typer.Option(help="The workflow's project (default: found from --agent).")
-    ] = None,
-    trials_dir: Annotated[Path | None, typer.Option(help="Where trial directories go.")] = None,
-    max_concurrent_trials: Annotated[int, typer.Option(min=1)] = 4,
-    max_queue_depth: Annotated[
-        int | None, typer.Option(min=1, help="Answer 429 once this many rollouts wait.")
-    ] = None,
-    retry_after: Annotated[
-        int,
-        typer.Option(min=1, help="Seconds a 429 (or 503) asks clients to wait (Retry-After)."),
-    ] = 5,
-    prewarm: Annotated[bool, typer.Option(help="Build every task image before serving.")] = False,
+    task_mode: Annotated[
+        str, typer.Option(rich_help_panel=TASKS, help="template or dataset.")
+    ] = "template",
     task_root: Annotated[
         list[Path] | None,
-        typer.Option(help="Another directory metadata.harbor_task may point into (repeatable)."),
+        typer.Option(
+            rich_help_panel=TASKS,
+            help="Another directory metadata.harbor_task may point into (repeatable).",
+        ),
     ] = None,
     task_env_allow: Annotated[
         list[str] | None,
-        typer.Option(help="A host variable ${VAR} in a request-named task may read (repeatable)."),
+        typer.Option(
+            rich_help_panel=TASKS,
+            help="A host variable ${VAR} in a request-named task may read (repeatable).",
+        ),
     ] = None,
     task_git_allow: Annotated[
         list[str] | None,
         typer.Option(
-            help="A URL prefix metadata.git_url may fetch tasks from (repeatable; none by default)."
+            rich_help_panel=TASKS,
+            help="A URL prefix metadata.git_url may fetch tasks from (repeatable; none by "
+            "default).",
         ),
     ] = None,
-    task_git_allow_unpinned: Annotated[
-        bool,
-        typer.Option(help="Run git tasks without git_commit_id (the remote's HEAD at the time)."),
-    ] = False,
+    task_git_allow_unpinned: ServeAllowUnpinnedOption = False,
     package_source: PackageSourceOption = None,
-    verifier_mode: sandbox.VerifierModeOption = sandbox.VerifierModeChoice.TASK,
-    grader_verifier_mode: sandbox.GraderVerifierModeOption = (
-        sandbox.GraderVerifierModeChoice.SEPARATE
-    ),
-    default_cpus: sandbox.DefaultCpusOption = sandbox.DEFAULT_CPUS,
-    default_memory_mb: sandbox.DefaultMemoryOption = sandbox.DEFAULT_MEMORY_MB,
-    default_storage_mb: sandbox.DefaultStorageOption = sandbox.DEFAULT_STORAGE_MB,
-    default_shm_mb: sandbox.DefaultShmOption = sandbox.DEFAULT_SHM_MB,
-    default_nofile: sandbox.DefaultNofileOption = sandbox.DEFAULT_NOFILE_LIMIT,
-    max_log_bytes: sandbox.MaxLogBytesOption = sandbox.DEFAULT_MAX_LOG_BYTES,
-    data_dir: Annotated[
+    workflow: Annotated[
+        str | None, typer.Option(rich_help_panel=AGENT, help="AgentWorkflow class as module:Class.")
+    ] = None,
+    grader: Annotated[
+        str | None, typer.Option(rich_help_panel=AGENT, help="Grader class as module:Class.")
+    ] = None,
+    workflow_config: Annotated[
+        str | None,
+        typer.Option(rich_help_panel=AGENT, help="AgentWorkflowConfig instance as module:attr."),
+    ] = None,
+    grader_config: Annotated[
+        str | None,
+        typer.Option(rich_help_panel=AGENT, help="GraderConfig instance as module:attr."),
+    ] = None,
+    agent: ServeAgentOption = None,
+    model_name: ServeModelNameOption = None,
+    agent_kwarg: AgentKwargOption = None,
+    agent_setup_timeout_sec: ServeAgentSetupTimeoutOption = None,
+    code_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where admitted rollouts are kept (SQLite) so a restart loses none; one "
-            "server per dir [default: $HARBOR_EXEC_DATA_DIR, else "
-            "~/.local/state/harbor-exec/server/port-<PORT>, one per port]."
+            rich_help_panel=AGENT, help="The workflow's project (default: found from --agent)."
         ),
     ] = None,
-    max_timeout_sec: Annotated[
-        float | None,
-        typer.Option(help="Largest agent/grader timeout a request may ask for [default: 86400]."),
-    ] = None,
-    prewarm_jobs: Annotated[
-        int | None,
-        typer.Option(min=1, help="Images --prewarm builds at once (default: engine CPUs)."),
-    ] = None,
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            metavar="ADDRESS",
-            help="Run trials on the nodes of this Ray cluster (host:port of its head, or "
-            "'auto'); nodes offer slots with the harbor_exec_trial resource (docs/ray.md).",
-        ),
-    ] = None,
+    sandbox: SandboxConfig = _SANDBOX,
     relay_allow_route: Annotated[
         list[str] | None,
         typer.Option(
+            rich_help_panel=NETWORK,
             metavar="PATH",
             help="With --tasks-dir and a workflow: another POST route the model relay "
             "forwards, relative to the model URL's path, e.g. /completions (repeatable; "
             "only /chat/completions otherwise).",
         ),
     ] = None,
-    package_cache: Annotated[
-        bool,
+    package_cache: ServePackageCacheOption = False,
+    package_cache_max_gb: PackageCacheMaxGbOption = DEFAULT_PACKAGE_CACHE_MAX_GB,
+    package_cache_dir: PackageCacheDirOption = None,
+    app_ref: Annotated[
+        str | None,
         typer.Option(
-            "--package-cache/--no-package-cache",
-            help="With --tasks-dir: public-network trials reach the internet through a "
-            "host-side package cache (apt, PyPI, npm, HTTPS files; a local CA only trial "
-            "containers trust); a task opts out with [metadata] harbor_exec_package_cache "
-            "= false (docs/package-cache.md).",
-        ),
-    ] = False,
-    package_cache_max_gb: Annotated[
-        float, typer.Option(min=0.001, help="The package cache's bound (GB, LRU eviction).")
-    ] = 20.0,
-    package_cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Where the package cache keeps its store and CA (default: the harbor-exec "
-            "cache dir)."
+            "--app",
+            rich_help_panel=SERVER,
+            help="A rollout server app built in code, as module:attr.",
         ),
     ] = None,
+    host: Annotated[
+        str, typer.Option(rich_help_panel=SERVER, help="Interface to listen on.")
+    ] = "127.0.0.1",
+    port: Annotated[
+        int | None,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="Port to listen on \\[default: $_OSMOSIS_ROLLOUT_PORT, else 8000].",
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="Name of an environment variable holding the bearer key to require.",
+        ),
+    ] = None,
+    artifact_root: Annotated[
+        Path | None,
+        typer.Option(
+            rich_help_panel=SERVER, help="Where per-rollout artifacts and trajectories go."
+        ),
+    ] = None,
+    access_log: Annotated[
+        bool, typer.Option(rich_help_panel=SERVER, help="Log every HTTP request.")
+    ] = False,
+    trials_dir: Annotated[
+        Path | None, typer.Option(rich_help_panel=SERVER, help="Where trial directories go.")
+    ] = None,
+    max_concurrent_trials: Annotated[
+        int, typer.Option(rich_help_panel=SERVER, min=1, help="Trials run at once.")
+    ] = DEFAULT_MAX_CONCURRENT_TRIALS,
+    max_queue_depth: Annotated[
+        int | None,
+        typer.Option(
+            rich_help_panel=SERVER, min=1, help="Answer 429 once this many rollouts wait."
+        ),
+    ] = None,
+    retry_after: Annotated[
+        int,
+        typer.Option(
+            rich_help_panel=SERVER,
+            min=1,
+            help="Seconds a 429 (or 503) asks clients to wait (Retry-After).",
+        ),
+    ] = 5,
+    prewarm: Annotated[
+        bool, typer.Option(rich_help_panel=SERVER, help="Build every task image before serving.")
+    ] = False,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="Where admitted rollouts are kept (SQLite) so a restart loses none; one "
+            "server per dir \\[default: $HARBOR_EXEC_DATA_DIR, else "
+            "~/.local/state/harbor-exec/server/port-<PORT>, one per port].",
+        ),
+    ] = None,
+    max_timeout_sec: Annotated[
+        float | None,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="Largest agent/grader timeout a request may ask for \\[default: 86400].",
+        ),
+    ] = None,
+    prewarm_jobs: Annotated[
+        int | None,
+        typer.Option(
+            rich_help_panel=SERVER,
+            min=1,
+            help="Images --prewarm builds at once (default: engine CPUs).",
+        ),
+    ] = None,
+    ray: RayOption = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
@@ -436,16 +424,7 @@ def serve(
         task_git_allow=list(task_git_allow or []),
         task_git_allow_unpinned=task_git_allow_unpinned,
         package_source=package_source,
-        sandbox=SandboxOptions(
-            verifier_mode,
-            default_cpus,
-            default_memory_mb,
-            max_log_bytes,
-            default_storage_mb=default_storage_mb,
-            default_shm_mb=default_shm_mb,
-            default_nofile=default_nofile,
-            grader_verifier_mode=grader_verifier_mode,
-        ),
+        sandbox=sandbox,
         data_dir=data_dir,
         max_timeout_sec=max_timeout_sec,
         prewarm_jobs=prewarm_jobs,

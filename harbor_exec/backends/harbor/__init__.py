@@ -1,7 +1,9 @@
 """HarborBackend: each rollout a Docker trial of a Harbor task.
 
-``resolver`` (request to task), ``planner`` (task to trial spec), ``outcomes``
-(trial result to rollout outcome) and ``backend`` (their composition).
+``config`` (``HarborConfig``: the one configuration every entry point builds),
+``constructor`` (osmosis-ai's keywords read into it), ``resolver`` (request to task),
+``planner`` (task to trial spec), ``outcomes`` (trial result to rollout outcome) and
+``backend`` (their composition).
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.backends.harbor.config import HarborConfig
 
-__all__ = ["HarborBackend"]
+__all__ = ["HarborBackend", "HarborConfig"]
 
 
 if not TYPE_CHECKING:  # mypy sees the import above
@@ -22,4 +25,8 @@ if not TYPE_CHECKING:  # mypy sees the import above
             from harbor_exec.backends.harbor.backend import HarborBackend
 
             return HarborBackend
+        if name == "HarborConfig":
+            from harbor_exec.backends.harbor.config import HarborConfig
+
+            return HarborConfig
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,23 +28,18 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 from pydantic import Field
 
 from harbor_exec.agents.native.config import (
-    DEFAULT_MODEL_NAME,
-    NATIVE_AGENT_NAMES,
     NativeAgentConfig,
-    check_agent_name,
     is_in_container_agent,
-    is_native_agent,
-    native_agent_config,
     set_litellm_offline,
 )
 from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
@@ -55,12 +50,8 @@ from harbor_exec.authoring import (
     get_rollout_context,
 )
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
-from harbor_exec.backends.harbor.constructor import (
-    EnvironmentSettings,
-    environment_settings,
-    orchestrator_concurrency,
-    reject_unknown_keywords,
-)
+from harbor_exec.backends.harbor.config import HarborConfig, check_agent_choice
+from harbor_exec.backends.harbor.constructor import HarborKeywords, harbor_config
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
     PreparedBundle,
@@ -87,20 +78,15 @@ from harbor_exec.protocol import (
     QueueInfo,
     rollout_dir_name,
 )
-from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
 from harbor_exec.sources.packages import PackageSource
-from harbor_exec.trial.policy import SandboxPolicy, default_pids_limit
+from harbor_exec.trial.policy import SandboxPolicy
 
 if TYPE_CHECKING:
-    from harbor_exec.bundler import Bundle  # the bundler extra: workflows only
-    from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+    from harbor_exec.network.packages.service import PackageCacheService
 
 logger = logging.getLogger(__name__)
-
-#: Trials run at once when neither max_concurrent_trials nor an orchestrator says.
-DEFAULT_MAX_CONCURRENT_TRIALS = 4
 
 
 #: A native agent's ATIF trajectory (Harbor's ``trajectory.json``), kept beside the
@@ -142,6 +128,41 @@ class _Pending:
     cancel_requested: bool = False
 
 
+def _checked_routes(routes: Sequence[str]) -> tuple[str, ...]:
+    """The relay's extra routes, each checked (ValueError naming a bad one)."""
+    if not routes:
+        return ()
+    from harbor_exec.network.relay import check_extra_route  # the server extra
+
+    return tuple(check_extra_route(route) for route in routes)
+
+
+def _task_resolver(tasks_path: Path, config: HarborConfig, *, written: list[Path]) -> TaskResolver:
+    """The resolver of ``config.tasks``; ``written`` are directories this backend writes."""
+    sources = config.tasks
+    git = GitTaskSource(
+        allow=sources.task_git_allow, allow_unpinned=sources.task_git_allow_unpinned
+    )
+    packages = sources.package_source
+    if isinstance(packages, str):
+        packages = PackageSource(packages)
+    written = [*written, git.cache_dir]
+    if packages is not None:
+        written.append(packages.cache_dir)
+    return TaskResolver(
+        tasks_path,
+        task_mode=sources.task_mode,
+        task_roots=list(sources.task_roots),
+        # Never a task root: a rollout could plant a task there for the next one.
+        written_roots=written,
+        git=git,
+        packages=packages,
+        env_allow=sources.task_env_allow,
+        # A bundled grader verifies tasks without tests/; known once the bundle is built.
+        require_tests=config.agent.grader is None,
+    )
+
+
 class HarborBackend(ExecutionBackend):
     """Runs each rollout as an isolated Docker trial of a Harbor task (see module doc).
 
@@ -154,242 +175,42 @@ class HarborBackend(ExecutionBackend):
 
     def __init__(
         self,
+        config: HarborConfig | None = None,
+        /,
         *,
-        tasks_dir: str | Path,
-        task_mode: TaskMode = "template",
-        agent: str | type | None = None,
-        workflow_config: Any = None,
-        grader: str | type | None = None,
-        grader_config: Any = None,
-        code_dir: str | Path | None = None,
-        bundle: Bundle | str | Path | None = None,
-        trials_dir: str | Path | None = None,
-        artifacts_dir: str | Path | None = None,
-        cleanup_successful_trials: bool = True,
-        max_concurrent_trials: int | None = None,
-        max_queue_depth: int | None = None,
-        orchestrator: object = None,
-        environment_config: object = None,
-        patch_dockerfile_with_sdk: bool | None = None,
         runtime: ContainerEngine | None = None,
         executor: TrialExecutor | None = None,
-        task_roots: Sequence[str | Path] = (),
-        task_env_allow: Sequence[str] = (),
-        task_git_allow: Sequence[str] = (),
-        task_git_allow_unpinned: bool = False,
-        package_source: str | PackageSource | None = None,
-        verifier_mode: Literal["task", "separate"] = "task",
-        grader_verifier_mode: Literal["separate", "shared"] = "separate",
-        default_cpus: float | None = None,
-        default_memory_mb: int | None = None,
-        default_storage_mb: int | None = None,
-        default_shm_mb: int | None = None,
-        default_nofile: int | None = None,
-        pids_limit: int | None = None,
-        output_limits: OutputLimits | None = None,
-        relay_extra_routes: Sequence[str] = (),
-        package_cache: PackageCacheConfig | None = None,
-        native_agent_kwargs: Mapping[str, Any] | None = None,
-        model_name: str = DEFAULT_MODEL_NAME,
-        agent_setup_timeout_sec: float | None = None,
-        **unknown: object,
+        **keywords: Unpack[HarborKeywords],
     ) -> None:
-        """The keywords of osmosis-ai 0.3.8's ``HarborBackend`` (the migration guide's
-        constructor) are taken as docs/migrating-from-osmosis.md tabulates; in short:
-
-        ``orchestrator``: a Harbor ``TrialQueue`` (or any object with ``n_concurrent``):
-        its ``n_concurrent`` is ``max_concurrent_trials`` (default 4; both given and
-        different: ValueError). Trials do not run through it: hooks added to it are not
-        called, and a queue with retries (``retry_config.max_retries`` > 0) is refused.
-
-        ``environment_config``: Harbor's ``EnvironmentConfig`` (or a dict of its fields):
-        ``override_cpus``/``override_memory_mb``/``override_storage_mb`` replace every
-        task's own, as in Harbor; ``force_build`` is ignored (tasks with a Dockerfile are
-        always built from it, cached by content); any other field not at Harbor's default
-        is a ValueError naming it (``delete=False`` included: containers are always
-        removed; ``cleanup_successful_trials=False`` keeps trial files).
-
-        ``bundle``: a ``Bundle`` (``build_bundle``), or a path: a bundle directory, its
-        wheel, or a bundle wheel built by osmosis-ai's SDK (``bundler.prebuilt``); the
-        workflow and grader are then the bundle's (``agent`` may be omitted; given, it must
-        be the bundle's workflow).
-
-        ``patch_dockerfile_with_sdk``: where a workflow's dependencies live in the agent's
-        container. False/None (the default): installed once, by the runtime's Python,
-        into a volume keyed by the requirement set alone and mounted read-only
-        (``sandbox.deps``); the task image stays untouched. True: that same install is
-        baked into a layer on top of each task image (``bake_deps_into_image``, once per
-        image and requirement set), as osmosis-ai patches the Dockerfile; verifier
-        containers keep the volume. ``True`` without a bundle is a ValueError, as in
-        osmosis-ai.
-
-        Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
-        TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
-
-        ``agent``: "oracle" (the default without a bundle), one of Harbor's own agents,
-        run unchanged (``NATIVE_AGENT_NAMES``: "terminus-2", on this host;
-        "mini-swe-agent" and "opencode", inside the trial's container from a prebuilt
-        read-only agent layer fetched at ``start()`` or prewarm; each reaches the model
-        only through the rollout's relay, with the per-rollout token as its key), or a
-        workflow (a class or ``module:attr``). A native agent takes
-        ``native_agent_kwargs`` (its options), ``model_name`` (an ``openai/<id>`` route; a rollout's
-        ``metadata["harbor_model"]`` overrides it) and ``agent_setup_timeout_sec`` (the
-        bound on its install). A workflow has no in-container setup to bound (its
-        bundle is copied in, its dependencies are prebuilt): there
-        ``agent_setup_timeout_sec`` is accepted and has no effect.
-
-        ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
-        task from (none by default), pinned by ``git_commit_id`` unless
-        ``task_git_allow_unpinned``.
-
-        ``package_source``: where a rollout's ``metadata.harbor_task`` ``org/name[@ref]``
-        (a Harbor package) comes from: a directory laid out as Harbor's package cache or
-        a mirror URL (``harbor_exec.sources.packages``); none by default, when packages
-        are refused as a path outside the served roots is.
-        ``package_cache``: the server's package cache (docs/package-cache.md); None: off.
-
-        ``relay_extra_routes``: POST routes under the model URL's path (e.g.
-        ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
-
-        ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
-        "separate" (always a fresh container). ``grader_verifier_mode``: where the
-        bundled grader verifies; "shared" (the agent's container) only when asked,
-        being weaker: there what the grader's interpreter reads besides the read-only
-        runtime (``/etc/ld.so.preload``, ``/tmp``, ...) is the agent's."""
-        reject_unknown_keywords(unknown)
-        if orchestrator is not None:
-            concurrency = orchestrator_concurrency(orchestrator)
-            if max_concurrent_trials is not None and max_concurrent_trials != concurrency:
-                raise ValueError(
-                    f"max_concurrent_trials={max_concurrent_trials} conflicts with the "
-                    f"orchestrator's n_concurrent={concurrency}: pass one of them"
-                )
-            max_concurrent_trials = concurrency
-        elif max_concurrent_trials is None:
-            max_concurrent_trials = DEFAULT_MAX_CONCURRENT_TRIALS
-        overrides = (
-            environment_settings(environment_config)
-            if environment_config is not None
-            else EnvironmentSettings()
-        )
-        if agent is None:
-            agent = "oracle" if bundle is None else None
-        if max_queue_depth is not None and max_queue_depth < 1:
-            raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
-        if max_concurrent_trials < 1:
-            raise ValueError("max_concurrent_trials must be at least 1")
-        if verifier_mode not in ("task", "separate"):
-            raise ValueError(f"verifier_mode must be 'task' or 'separate'; got {verifier_mode!r}")
-        if grader_verifier_mode not in ("separate", "shared"):
-            raise ValueError(
-                f"grader_verifier_mode must be 'separate' or 'shared'; got {grader_verifier_mode!r}"
-            )
-        if relay_extra_routes:
-            from harbor_exec.network.relay import check_extra_route  # the server extra
-
-            self.relay_extra_routes = tuple(check_extra_route(r) for r in relay_extra_routes)
-        else:
-            self.relay_extra_routes = ()
-        tasks_path = Path(tasks_dir).resolve()
+        """``HarborBackend(config)``, or osmosis-ai 0.3.8's keywords
+        (``HarborBackend(tasks_dir=..., agent=...)``: ``constructor.harbor_config``
+        reads them into the one ``HarborConfig``). ``runtime`` or ``executor``: where
+        trials run (default: a ``LocalExecutor`` on this machine's engine)."""
+        if config is None:
+            config = harbor_config(**keywords)
+        elif keywords:
+            raise TypeError("HarborBackend(config) takes no other settings: put them in config")
+        self.config = config
+        self.relay_extra_routes = _checked_routes(config.agent.relay_extra_routes)
+        tasks_path = config.tasks.tasks_dir.resolve()
         if not tasks_path.is_dir():
             raise ValueError(f"tasks_dir {tasks_path} is not a directory")
-        check_agent_name(agent)
-        self.is_oracle = agent == "oracle"
-        if isinstance(bundle, str | Path):
-            # Checked now, cheaply; the bundle itself is read (or, for an osmosis-ai wheel,
-            # bundled here) by start().
-            from harbor_exec.bundler.prebuilt import check_bundle_path  # the bundler extra
-
-            check_bundle_path(bundle)
-        if self.is_oracle and bundle is not None:
-            raise ValueError("the oracle runs no bundle: pass agent= a workflow, or omit it")
-        if self.is_oracle and grader is not None:
-            raise ValueError("a bundled grader needs a workflow agent (the oracle has no bundle)")
-        self.native: NativeAgentConfig | None = None
-        if is_native_agent(agent):
-            if workflow_config is not None:
-                raise ValueError(
-                    f"workflow_config is a workflow's; the native agent {agent!r} takes "
-                    "native_agent_kwargs"
-                )
-            self.native = native_agent_config(
-                str(agent),
-                model_name=model_name,
-                kwargs=native_agent_kwargs,
-                setup_timeout_sec=agent_setup_timeout_sec,
-            )
-        elif native_agent_kwargs:
-            raise ValueError(
-                f"native_agent_kwargs are for Harbor's own agents ({', '.join(NATIVE_AGENT_NAMES)})"
-                "; a workflow takes workflow_config"
-            )
-        elif agent_setup_timeout_sec is not None and agent_setup_timeout_sec <= 0:
-            raise ValueError("agent_setup_timeout_sec must be positive (or None)")
-        if patch_dockerfile_with_sdk and (
-            self.is_oracle or (self.native is not None and grader is None)
-        ):
-            # As osmosis-ai: without a workflow or a grader there is no bundle to install.
-            raise ValueError("patch_dockerfile_with_sdk requires a bundle (a workflow or grader)")
-        self.max_concurrent_trials = max_concurrent_trials
-        self.max_queue_depth = max_queue_depth
-        self.cleanup_successful_trials = cleanup_successful_trials
+        self.native = check_agent_choice(config.agent, deps_in_image=config.sandbox.deps_in_image)
+        self.is_oracle = config.agent.agent == "oracle"
+        self.max_concurrent_trials = config.capacity.max_concurrent_trials
+        self.max_queue_depth = config.capacity.max_queue_depth
+        self.cleanup_successful_trials = config.paths.cleanup_successful_trials
         base = Path(tempfile.gettempdir()) / "harbor-exec" / tasks_path.name
-        self.trials_dir = Path(trials_dir) if trials_dir else base / "trials"
+        self.trials_dir = config.paths.trials_dir or base / "trials"
         # The same root the server writes trajectories and diagnostics to, by default.
-        self.artifacts_dir = Path(artifacts_dir) if artifacts_dir else default_artifact_root()
-        git = GitTaskSource(allow=tuple(task_git_allow), allow_unpinned=task_git_allow_unpinned)
-        packages = (
-            PackageSource(package_source) if isinstance(package_source, str) else package_source
+        self.artifacts_dir = config.paths.artifacts_dir or default_artifact_root()
+        self.resolver = _task_resolver(
+            tasks_path, config, written=[self.trials_dir, self.artifacts_dir]
         )
-        written = [self.trials_dir, self.artifacts_dir, git.cache_dir]
-        if packages is not None:
-            written.append(packages.cache_dir)
-        self.resolver = TaskResolver(
-            tasks_path,
-            task_mode=task_mode,
-            task_roots=[Path(r) for r in task_roots],
-            # Never a task root: a rollout could plant a task there for the next one.
-            written_roots=written,
-            git=git,
-            packages=packages,
-            env_allow=task_env_allow,
-            # A bundled grader verifies tasks without tests/; known once the bundle is built.
-            require_tests=grader is None,
-        )
+        agent = config.agent.agent
         self.agent_name = (
             "oracle" if self.is_oracle else str(getattr(agent, "__name__", agent or "bundle"))
         )
-        self._bundle_args: dict[str, Any] = {
-            "workflow_config": workflow_config,
-            "grader": grader,
-            "grader_config": grader_config,
-            "code_dir": code_dir,
-            "bundle": bundle,
-        }
-        self._agent = agent
-        self._policy_args: dict[str, Any] = {
-            "verifier_mode": "separate" if verifier_mode == "separate" else None,
-            "grader_verifier_mode": grader_verifier_mode,
-            "pids_limit": pids_limit,
-            "output": output_limits or OutputLimits(),
-            # The workflow's dependencies in a layer of the task image (its container);
-            # a grader's stay in the volume of the verifier's.
-            "deps_in_image": bool(patch_dockerfile_with_sdk) and self.native is None,
-        }
-        # None: SandboxPolicy's documented default.
-        for key, value in (
-            ("override_cpus", overrides.override_cpus),
-            ("override_memory_mb", overrides.override_memory_mb),
-            ("override_storage_mb", overrides.override_storage_mb),
-            ("default_cpus", default_cpus),
-            ("default_memory_mb", default_memory_mb),
-            ("default_storage_mb", default_storage_mb),
-            ("shm_mb", default_shm_mb),
-            ("nofile_limit", default_nofile),
-        ):
-            if value is not None:
-                self._policy_args[key] = value
-        self._package_cache_config = package_cache
         self.package_cache: PackageCacheService | None = None
         self.executor: TrialExecutor = executor or LocalExecutor(runtime)
         self.bundle: PreparedBundle | None = None
@@ -400,7 +221,7 @@ class HarborBackend(ExecutionBackend):
         self._reserved: set[str] = set()
         #: Finished rollouts' terminal states for ``rollout_status``, oldest first.
         self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._slots = asyncio.Semaphore(max_concurrent_trials)
+        self._slots = asyncio.Semaphore(self.max_concurrent_trials)
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
         self.image_builds = 0  # task images and dependency layers built for this backend
@@ -428,32 +249,43 @@ class HarborBackend(ExecutionBackend):
                 importlib.import_module("harbor_exec.agents.native.environment")
                 if is_in_container_agent(self.native.name):
                     self._prepare_agent_layer(self.native)
-            has_grader = self._bundle_args["grader"] is not None
-            if self.native is not None and (has_grader or self._bundle_args["bundle"] is not None):
+            choice = self.config.agent
+            bundle_args: dict[str, Any] = {
+                "workflow_config": choice.workflow_config,
+                "grader": choice.grader,
+                "grader_config": choice.grader_config,
+                "code_dir": choice.code_dir,
+                "bundle": choice.bundle,
+            }
+            if self.native is not None and (choice.grader is not None or choice.bundle is not None):
                 # A grader-only bundle: Harbor's agent is no workflow.
-                self.bundle = prepare_bundle(None, **self._bundle_args)
+                self.bundle = prepare_bundle(None, **bundle_args)
                 self.resolver.require_tests = False
             elif not self.is_oracle and self.native is None:
                 # agent None: the workflow is the prebuilt bundle's own.
                 self.bundle = prepare_bundle(
-                    self._agent, agent_from_bundle=self._agent is None, **self._bundle_args
+                    choice.agent, agent_from_bundle=choice.agent is None, **bundle_args
                 )
                 self.agent_name = self.bundle.name
                 self.resolver.require_tests = not self.bundle.has_grader
-            args = dict(self._policy_args)
-            if self._package_cache_config is not None and self.package_cache is None:
+            cache_config = self.config.package_cache
+            if cache_config is not None and self.package_cache is None:
                 # None on Ray: each node runs a cache of its own from the config.
-                self.package_cache = self.executor.package_cache_service(self._package_cache_config)
-            args["package_cache"] = self.package_cache
-            if args["pids_limit"] is None:
-                args["pids_limit"] = default_pids_limit(
-                    self.max_concurrent_trials, self.executor.pid_max()
-                )
+                self.package_cache = self.executor.package_cache_service(cache_config)
+            sandbox = self.config.sandbox
+            if self.native is not None:
+                # A grader's dependencies stay in the volume of the verifier's container.
+                sandbox = replace(sandbox, deps_in_image=False)
+            policy = sandbox.policy(
+                max_concurrent_trials=self.max_concurrent_trials,
+                pid_max=self.executor.pid_max,
+            )
+            policy = replace(policy, package_cache=self.package_cache)
             self.trials_dir.mkdir(parents=True, exist_ok=True)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
             self.planner = TrialPlanner(
                 bundle=self.bundle,
-                policy=SandboxPolicy(**args),
+                policy=policy,
                 trials_dir=self.trials_dir,
                 relay_extra_routes=self.relay_extra_routes,
                 native=self.native,

@@ -2,17 +2,36 @@
 
 One job: turn what the migration guide's constructor passes (a Harbor ``TrialQueue`` as
 ``orchestrator=``, Harbor's ``EnvironmentConfig`` as ``environment_config=``, the removed
-v0.2 keywords) into this backend's settings, or refuse with a message naming the field
-and what to use instead. Harbor itself is not imported (it is an optional extra): its
-objects are read by attribute, and a dict of ``EnvironmentConfig`` fields works as well.
+v0.2 keywords) into the one ``HarborConfig`` (``harbor_config``), or refuse with a
+message naming the field and what to use instead. Harbor itself is not imported (it is
+an optional extra): its objects are read by attribute, and a dict of
+``EnvironmentConfig`` fields works as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+from harbor_exec.agents.native.config import DEFAULT_MODEL_NAME
+from harbor_exec.backends.harbor.config import (
+    AgentChoice,
+    Capacity,
+    HarborConfig,
+    Paths,
+    SandboxConfig,
+    TaskSources,
+)
+from harbor_exec.backends.harbor.resolver import TaskMode
+
+if TYPE_CHECKING:
+    from harbor_exec.bundler.bundle import Bundle
+    from harbor_exec.network.packages.service import PackageCacheConfig
+    from harbor_exec.sandbox.archives import OutputLimits
+    from harbor_exec.sources.packages import PackageSource
 
 #: v0.2 (and v0.3-only) keywords this backend does not take, with what replaces them.
 REPLACED_KEYWORDS: dict[str, str] = {
@@ -172,4 +191,217 @@ def environment_settings(config: object) -> EnvironmentSettings:
         override_cpus=float(cpus) if cpus is not None else None,
         override_memory_mb=int(memory) if memory is not None else None,
         override_storage_mb=int(storage) if storage is not None else None,
+    )
+
+
+class HarborKeywords(TypedDict, total=False):
+    """osmosis-ai 0.3.8's ``HarborBackend`` keywords, typed (``harbor_config`` reads them)."""
+
+    tasks_dir: str | Path  # required (``harbor_config`` says so when it is missing)
+    task_mode: TaskMode
+    agent: str | type | None
+    workflow_config: Any
+    grader: str | type | None
+    grader_config: Any
+    code_dir: str | Path | None
+    bundle: Bundle | str | Path | None
+    trials_dir: str | Path | None
+    artifacts_dir: str | Path | None
+    cleanup_successful_trials: bool
+    max_concurrent_trials: int | None
+    max_queue_depth: int | None
+    orchestrator: object
+    environment_config: object
+    patch_dockerfile_with_sdk: bool | None
+    task_roots: Sequence[str | Path]
+    task_env_allow: Sequence[str]
+    task_git_allow: Sequence[str]
+    task_git_allow_unpinned: bool
+    package_source: str | PackageSource | None
+    verifier_mode: Literal["task", "separate"]
+    grader_verifier_mode: Literal["separate", "shared"]
+    default_cpus: float | None
+    default_memory_mb: int | None
+    default_storage_mb: int | None
+    default_shm_mb: int | None
+    default_nofile: int | None
+    pids_limit: int | None
+    output_limits: OutputLimits | None
+    relay_extra_routes: Sequence[str]
+    package_cache: PackageCacheConfig | None
+    native_agent_kwargs: Mapping[str, Any] | None
+    model_name: str
+    agent_setup_timeout_sec: float | None
+
+
+def harbor_config(
+    *,
+    tasks_dir: str | Path,
+    task_mode: TaskMode = "template",
+    agent: str | type | None = None,
+    workflow_config: Any = None,
+    grader: str | type | None = None,
+    grader_config: Any = None,
+    code_dir: str | Path | None = None,
+    bundle: Bundle | str | Path | None = None,
+    trials_dir: str | Path | None = None,
+    artifacts_dir: str | Path | None = None,
+    cleanup_successful_trials: bool = True,
+    max_concurrent_trials: int | None = None,
+    max_queue_depth: int | None = None,
+    orchestrator: object = None,
+    environment_config: object = None,
+    patch_dockerfile_with_sdk: bool | None = None,
+    task_roots: Sequence[str | Path] = (),
+    task_env_allow: Sequence[str] = (),
+    task_git_allow: Sequence[str] = (),
+    task_git_allow_unpinned: bool = False,
+    package_source: str | PackageSource | None = None,
+    verifier_mode: Literal["task", "separate"] = "task",
+    grader_verifier_mode: Literal["separate", "shared"] = "separate",
+    default_cpus: float | None = None,
+    default_memory_mb: int | None = None,
+    default_storage_mb: int | None = None,
+    default_shm_mb: int | None = None,
+    default_nofile: int | None = None,
+    pids_limit: int | None = None,
+    output_limits: OutputLimits | None = None,
+    relay_extra_routes: Sequence[str] = (),
+    package_cache: PackageCacheConfig | None = None,
+    native_agent_kwargs: Mapping[str, Any] | None = None,
+    model_name: str = DEFAULT_MODEL_NAME,
+    agent_setup_timeout_sec: float | None = None,
+    **unknown: object,
+) -> HarborConfig:
+    """The ``HarborConfig`` of osmosis-ai 0.3.8's ``HarborBackend`` keywords (the migration
+    guide's constructor, ``HarborBackend(**keywords)``), taken as
+    docs/migrating-from-osmosis.md tabulates; in short:
+
+    ``orchestrator``: a Harbor ``TrialQueue`` (or any object with ``n_concurrent``):
+    its ``n_concurrent`` is ``max_concurrent_trials`` (default 4; both given and
+    different: ValueError). Trials do not run through it: hooks added to it are not
+    called, and a queue with retries (``retry_config.max_retries`` > 0) is refused.
+
+    ``environment_config``: Harbor's ``EnvironmentConfig`` (or a dict of its fields):
+    ``override_cpus``/``override_memory_mb``/``override_storage_mb`` replace every
+    task's own, as in Harbor; ``force_build`` is ignored (tasks with a Dockerfile are
+    always built from it, cached by content); any other field not at Harbor's default
+    is a ValueError naming it (``delete=False`` included: containers are always
+    removed; ``cleanup_successful_trials=False`` keeps trial files).
+
+    ``bundle``: a ``Bundle`` (``build_bundle``), or a path: a bundle directory, its
+    wheel, or a bundle wheel built by osmosis-ai's SDK (``bundler.prebuilt``); the
+    workflow and grader are then the bundle's (``agent`` may be omitted; given, it must
+    be the bundle's workflow).
+
+    ``patch_dockerfile_with_sdk``: where a workflow's dependencies live in the agent's
+    container. False/None (the default): installed once, by the runtime's Python,
+    into a volume keyed by the requirement set alone and mounted read-only
+    (``sandbox.deps``); the task image stays untouched. True: that same install is
+    baked into a layer on top of each task image (``bake_deps_into_image``, once per
+    image and requirement set), as osmosis-ai patches the Dockerfile; verifier
+    containers keep the volume. ``True`` without a bundle is a ValueError, as in
+    osmosis-ai.
+
+    Removed v0.2 keywords (``task_dir``, ``user_code_dir``, ``workflow``, ...) raise
+    TypeError saying what replaces them (``constructor.REPLACED_KEYWORDS``).
+
+    ``agent``: "oracle" (the default without a bundle), one of Harbor's own agents,
+    run unchanged (``NATIVE_AGENT_NAMES``: "terminus-2", on this host;
+    "mini-swe-agent" and "opencode", inside the trial's container from a prebuilt
+    read-only agent layer fetched at ``start()`` or prewarm; each reaches the model
+    only through the rollout's relay, with the per-rollout token as its key), or a
+    workflow (a class or ``module:attr``). A native agent takes
+    ``native_agent_kwargs`` (its options), ``model_name`` (an ``openai/<id>`` route; a rollout's
+    ``metadata["harbor_model"]`` overrides it) and ``agent_setup_timeout_sec`` (the
+    bound on its install). A workflow has no in-container setup to bound (its
+    bundle is copied in, its dependencies are prebuilt): there
+    ``agent_setup_timeout_sec`` is accepted and has no effect.
+
+    ``task_git_allow``: URL prefixes a rollout's ``metadata.git_url`` may fetch a
+    task from (none by default), pinned by ``git_commit_id`` unless
+    ``task_git_allow_unpinned``.
+
+    ``package_source``: where a rollout's ``metadata.harbor_task`` ``org/name[@ref]``
+    (a Harbor package) comes from: a directory laid out as Harbor's package cache or
+    a mirror URL (``harbor_exec.sources.packages``); none by default, when packages
+    are refused as a path outside the served roots is.
+    ``package_cache``: the server's package cache (docs/package-cache.md); None: off.
+
+    ``relay_extra_routes``: POST routes under the model URL's path (e.g.
+    ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
+
+    ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
+    "separate" (always a fresh container). ``grader_verifier_mode``: where the
+    bundled grader verifies; "shared" (the agent's container) only when asked,
+    being weaker: there what the grader's interpreter reads besides the read-only
+    runtime (``/etc/ld.so.preload``, ``/tmp``, ...) is the agent's."""
+    reject_unknown_keywords(unknown)
+    if orchestrator is not None:
+        concurrency = orchestrator_concurrency(orchestrator)
+        if max_concurrent_trials is not None and max_concurrent_trials != concurrency:
+            raise ValueError(
+                f"max_concurrent_trials={max_concurrent_trials} conflicts with the "
+                f"orchestrator's n_concurrent={concurrency}: pass one of them"
+            )
+        max_concurrent_trials = concurrency
+    overrides = (
+        environment_settings(environment_config)
+        if environment_config is not None
+        else EnvironmentSettings()
+    )
+    capacity = Capacity(max_queue_depth=max_queue_depth)
+    if max_concurrent_trials is not None:
+        capacity = Capacity(max_concurrent_trials, max_queue_depth)
+    # A keyword left out (None) keeps SandboxConfig's default.
+    defaults = SandboxConfig()
+    sandbox = SandboxConfig(
+        verifier_mode=verifier_mode,
+        grader_verifier_mode=grader_verifier_mode,
+        default_cpus=defaults.default_cpus if default_cpus is None else default_cpus,
+        default_memory_mb=(
+            defaults.default_memory_mb if default_memory_mb is None else default_memory_mb
+        ),
+        default_storage_mb=(
+            defaults.default_storage_mb if default_storage_mb is None else default_storage_mb
+        ),
+        default_shm_mb=defaults.default_shm_mb if default_shm_mb is None else default_shm_mb,
+        default_nofile=defaults.default_nofile if default_nofile is None else default_nofile,
+        output=output_limits or defaults.output,
+        pids_limit=pids_limit,
+        override_cpus=overrides.override_cpus,
+        override_memory_mb=overrides.override_memory_mb,
+        override_storage_mb=overrides.override_storage_mb,
+        deps_in_image=bool(patch_dockerfile_with_sdk),
+    )
+    return HarborConfig(
+        tasks=TaskSources(
+            Path(tasks_dir),
+            task_mode=task_mode,
+            task_roots=tuple(Path(root) for root in task_roots),
+            task_env_allow=tuple(task_env_allow),
+            task_git_allow=tuple(task_git_allow),
+            task_git_allow_unpinned=task_git_allow_unpinned,
+            package_source=package_source,
+        ),
+        agent=AgentChoice(
+            agent=("oracle" if bundle is None else None) if agent is None else agent,
+            workflow_config=workflow_config,
+            grader=grader,
+            grader_config=grader_config,
+            code_dir=Path(code_dir) if code_dir is not None else None,
+            bundle=bundle,
+            native_agent_kwargs=dict(native_agent_kwargs) if native_agent_kwargs else None,
+            model_name=model_name,
+            agent_setup_timeout_sec=agent_setup_timeout_sec,
+            relay_extra_routes=tuple(relay_extra_routes),
+        ),
+        sandbox=sandbox,
+        capacity=capacity,
+        package_cache=package_cache,
+        paths=Paths(
+            trials_dir=Path(trials_dir) if trials_dir else None,
+            artifacts_dir=Path(artifacts_dir) if artifacts_dir else None,
+            cleanup_successful_trials=cleanup_successful_trials,
+        ),
     )

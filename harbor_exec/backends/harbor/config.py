@@ -1,0 +1,233 @@
+"""One typed, frozen configuration of a harbor-exec deployment, whatever builds it.
+
+``serve`` builds a ``HarborConfig`` from its option groups (``cli/options.py``),
+``validate`` and ``run`` build its ``SandboxConfig`` from the same groups, osmosis-ai's
+keyword constructor (``constructor.harbor_config``) builds it from the guide's keywords,
+and ``HarborBackend`` takes it. Each part says one thing: where tasks come from, which
+agent runs, what a container may do and use, how many trials run, the package cache,
+and where files go. Everything here is plain data: a live service (the package cache's,
+an egress upstream) is made from it where trials run, never kept in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from harbor_exec.agents.native.config import (
+    DEFAULT_MODEL_NAME,
+    NATIVE_AGENT_NAMES,
+    NativeAgentConfig,
+    check_agent_name,
+    is_native_agent,
+    native_agent_config,
+)
+from harbor_exec.backends.harbor.resolver import TaskMode
+from harbor_exec.sandbox.archives import OutputLimits
+from harbor_exec.trial.policy import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_NOFILE_LIMIT,
+    DEFAULT_SHM_MB,
+    DEFAULT_STORAGE_MB,
+    SandboxPolicy,
+    default_pids_limit,
+)
+
+if TYPE_CHECKING:
+    from harbor_exec.bundler.bundle import Bundle
+    from harbor_exec.network.packages.service import PackageCacheConfig
+    from harbor_exec.sources.packages import PackageSource
+
+#: Trials run at once unless told otherwise (``--max-concurrent-trials``, ``-n``).
+DEFAULT_MAX_CONCURRENT_TRIALS = 4
+#: What ``--max-log-bytes`` caps unless told otherwise.
+DEFAULT_MAX_LOG_BYTES = OutputLimits().max_file_bytes
+
+
+@dataclass(frozen=True)
+class TaskSources:
+    """Where a rollout's task comes from: the served directory, other roots it may name,
+    git remotes and a package source it may fetch from, and the host variables it may read."""
+
+    tasks_dir: Path
+    task_mode: TaskMode = "template"
+    task_roots: tuple[Path, ...] = ()
+    task_env_allow: tuple[str, ...] = ()
+    task_git_allow: tuple[str, ...] = ()
+    task_git_allow_unpinned: bool = False
+    #: Where ``metadata.harbor_task`` ``org/name[@ref]`` packages come from; None: refused.
+    package_source: str | PackageSource | None = None
+
+
+@dataclass(frozen=True)
+class AgentChoice:
+    """What runs in a trial: the oracle, one of Harbor's own agents with its model route
+    and options, or a bundled workflow (with its grader and configs)."""
+
+    #: "oracle", a native agent's name, a workflow class or ``module:attr``; None: the
+    #: prebuilt bundle's own workflow.
+    agent: str | type | None = "oracle"
+    workflow_config: Any = None
+    grader: str | type | None = None
+    grader_config: Any = None
+    code_dir: Path | None = None
+    bundle: Bundle | str | Path | None = None
+    native_agent_kwargs: dict[str, Any] | None = None
+    model_name: str = DEFAULT_MODEL_NAME
+    agent_setup_timeout_sec: float | None = None
+    #: POST routes a workflow's relay forwards besides ``/chat/completions``.
+    relay_extra_routes: tuple[str, ...] = ()
+
+
+def check_agent_choice(choice: AgentChoice, *, deps_in_image: bool) -> NativeAgentConfig | None:
+    """The native agent's config when ``choice`` names one of Harbor's agents, else None;
+    ValueError (or TypeError) when the choice's parts do not go together."""
+    agent = choice.agent
+    check_agent_name(agent)
+    is_oracle = agent == "oracle"
+    if isinstance(choice.bundle, str | Path):
+        # Checked now, cheaply; the bundle itself is read (or, for an osmosis-ai wheel,
+        # bundled here) by start().
+        from harbor_exec.bundler.prebuilt import check_bundle_path  # the bundler extra
+
+        check_bundle_path(choice.bundle)
+    if is_oracle and choice.bundle is not None:
+        raise ValueError("the oracle runs no bundle: pass agent= a workflow, or omit it")
+    if is_oracle and choice.grader is not None:
+        raise ValueError("a bundled grader needs a workflow agent (the oracle has no bundle)")
+    native = None
+    if is_native_agent(agent):
+        if choice.workflow_config is not None:
+            raise ValueError(
+                f"workflow_config is a workflow's; the native agent {agent!r} takes "
+                "native_agent_kwargs"
+            )
+        native = native_agent_config(
+            str(agent),
+            model_name=choice.model_name,
+            kwargs=choice.native_agent_kwargs,
+            setup_timeout_sec=choice.agent_setup_timeout_sec,
+        )
+    elif choice.native_agent_kwargs:
+        raise ValueError(
+            f"native_agent_kwargs are for Harbor's own agents ({', '.join(NATIVE_AGENT_NAMES)})"
+            "; a workflow takes workflow_config"
+        )
+    elif choice.agent_setup_timeout_sec is not None and choice.agent_setup_timeout_sec <= 0:
+        raise ValueError("agent_setup_timeout_sec must be positive (or None)")
+    if deps_in_image and (is_oracle or (native is not None and choice.grader is None)):
+        # As osmosis-ai: without a workflow or a grader there is no bundle to install.
+        raise ValueError("patch_dockerfile_with_sdk requires a bundle (a workflow or grader)")
+    return native
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """What every trial container may do and use. ``policy`` makes the trial's
+    ``SandboxPolicy`` of it, the one place the two meet."""
+
+    verifier_mode: Literal["task", "separate"] = "task"
+    grader_verifier_mode: Literal["separate", "shared"] = "separate"
+    default_cpus: float = DEFAULT_CPUS
+    default_memory_mb: int = DEFAULT_MEMORY_MB
+    default_storage_mb: int = DEFAULT_STORAGE_MB
+    default_shm_mb: int = DEFAULT_SHM_MB
+    default_nofile: int = DEFAULT_NOFILE_LIMIT
+    output: OutputLimits = field(default_factory=OutputLimits)
+    #: None: from the trials run at once and the engine's ``pid_max``.
+    pids_limit: int | None = None
+    #: Harbor's ``EnvironmentConfig.override_*``: replace every task's own.
+    override_cpus: float | None = None
+    override_memory_mb: int | None = None
+    override_storage_mb: int | None = None
+    #: The workflow's dependencies baked into the task image (``patch_dockerfile_with_sdk``).
+    deps_in_image: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verifier_mode not in ("task", "separate"):
+            raise ValueError(
+                f"verifier_mode must be 'task' or 'separate'; got {self.verifier_mode!r}"
+            )
+        if self.grader_verifier_mode not in ("separate", "shared"):
+            raise ValueError(
+                "grader_verifier_mode must be 'separate' or 'shared'; "
+                f"got {self.grader_verifier_mode!r}"
+            )
+
+    def policy(
+        self, *, max_concurrent_trials: int, pid_max: int | Callable[[], int]
+    ) -> SandboxPolicy:
+        """The trial's ``SandboxPolicy``; ``pid_max`` (the engine's, or how to ask it) is
+        read only when no ``pids_limit`` was given."""
+        pids = self.pids_limit
+        if pids is None:
+            engine_pid_max = pid_max if isinstance(pid_max, int) else pid_max()
+            pids = default_pids_limit(max_concurrent_trials, engine_pid_max)
+        return SandboxPolicy(
+            verifier_mode="separate" if self.verifier_mode == "separate" else None,
+            grader_verifier_mode=self.grader_verifier_mode,
+            pids_limit=pids,
+            default_cpus=self.default_cpus,
+            default_memory_mb=self.default_memory_mb,
+            default_storage_mb=self.default_storage_mb,
+            override_cpus=self.override_cpus,
+            override_memory_mb=self.override_memory_mb,
+            override_storage_mb=self.override_storage_mb,
+            shm_mb=self.default_shm_mb,
+            nofile_limit=self.default_nofile,
+            deps_in_image=self.deps_in_image,
+            output=self.output,
+        )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How many trials run at once, and how many rollouts may wait (None: no bound)."""
+
+    max_concurrent_trials: int = DEFAULT_MAX_CONCURRENT_TRIALS
+    max_queue_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue_depth is not None and self.max_queue_depth < 1:
+            raise ValueError("max_queue_depth must be at least 1 (or None for no limit)")
+        if self.max_concurrent_trials < 1:
+            raise ValueError("max_concurrent_trials must be at least 1")
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where trials and artifacts are written (None: the defaults ``HarborBackend`` names)."""
+
+    trials_dir: Path | None = None
+    artifacts_dir: Path | None = None
+    #: False keeps a successful trial's files.
+    cleanup_successful_trials: bool = True
+
+
+@dataclass(frozen=True)
+class HarborConfig:
+    """Everything ``HarborBackend`` is configured with."""
+
+    tasks: TaskSources
+    agent: AgentChoice = field(default_factory=AgentChoice)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    capacity: Capacity = field(default_factory=Capacity)
+    #: The package cache's settings (the live service is made by the executor); None: off.
+    package_cache: PackageCacheConfig | None = None
+    paths: Paths = field(default_factory=Paths)
+
+
+__all__ = [
+    "DEFAULT_MAX_CONCURRENT_TRIALS",
+    "DEFAULT_MAX_LOG_BYTES",
+    "AgentChoice",
+    "Capacity",
+    "HarborConfig",
+    "Paths",
+    "SandboxConfig",
+    "TaskSources",
+    "check_agent_choice",
+]

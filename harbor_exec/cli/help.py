@@ -1,0 +1,104 @@
+"""Option panels whose names are never cut, whatever the terminal's width.
+
+typer's own panel gives a flag's ``--no-`` form a column of its own and lets rich shrink
+every column alike when the terminal is narrow, so at 80 columns a long pair such as
+``--task-git-allow-unpinned/--no-task-git-allow-unpinned`` lost its ends. Here a flag's
+names stand one above the other in one column that never wraps, and only the type and
+help columns give way. ``install`` puts it in typer's place (argument panels keep typer's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer.rich_utils as rich_utils
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from typer._click.types import _NumberRangeBase  # typer carries its own click
+from typer.core import TyperArgument, TyperOption
+
+_typer_panel = rich_utils._print_options_panel
+
+
+def _names(param: Any) -> Text:
+    names = Text()
+    longs = [name for name in param.opts if name.startswith("--")]
+    negatives = [name for name in param.secondary_opts if name.startswith("--")]
+    names.append_text(rich_utils.highlighter(", ".join(longs)))
+    for negative in negatives:
+        names.append("\n")
+        names.append_text(rich_utils.negative_highlighter(negative))
+    return names
+
+
+def _shorts(param: Any) -> str:
+    return ",".join(
+        name for name in (*param.opts, *param.secondary_opts) if not name.startswith("--")
+    )
+
+
+def _types(param: Any, ctx: Any) -> Text:
+    types = Text(style=rich_utils.STYLE_TYPES, overflow="fold")
+    metavar = param.make_metavar(ctx=ctx)
+    if metavar and "bool" not in metavar.lower():
+        types.append(metavar)
+    if isinstance(param.type, _NumberRangeBase):
+        described = param.type._describe_range()
+        if described:
+            types.append(rich_utils.RANGE_STRING.format(described))
+    return rich_utils.types_highlighter(types)
+
+
+def options_panel(
+    *,
+    name: str,
+    params: list[TyperOption] | list[TyperArgument],
+    ctx: Any,
+    markup_mode: Any,
+    console: Console,
+) -> None:
+    """One help panel: required mark, names, short names, type, help."""
+    if not params or any(isinstance(param, TyperArgument) for param in params):
+        _typer_panel(name=name, params=params, ctx=ctx, markup_mode=markup_mode, console=console)
+        return
+    table = Table(
+        highlight=True,
+        show_header=False,
+        expand=True,
+        box=None,
+        pad_edge=rich_utils.STYLE_OPTIONS_TABLE_PAD_EDGE,
+        padding=rich_utils.STYLE_OPTIONS_TABLE_PADDING,
+    )
+    required = any(param.required for param in params)
+    if required:
+        table.add_column(no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column(no_wrap=True)
+    table.add_column()
+    table.add_column(ratio=1)
+    for param in params:
+        row: list[Any] = [
+            _names(param),
+            _shorts(param),
+            _types(param, ctx),
+            rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode),
+        ]
+        if required:
+            mark = rich_utils.REQUIRED_SHORT_STRING if param.required else ""
+            row.insert(0, Text(mark, style=rich_utils.STYLE_REQUIRED_SHORT))
+        table.add_row(*row)
+    console.print(
+        Panel(
+            table,
+            border_style=rich_utils.STYLE_OPTIONS_PANEL_BORDER,
+            title=name,
+            title_align=rich_utils.ALIGN_OPTIONS_PANEL,
+        )
+    )
+
+
+def install() -> None:
+    """Make typer print option panels with ``options_panel``."""
+    rich_utils._print_options_panel = options_panel

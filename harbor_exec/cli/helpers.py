@@ -1,0 +1,379 @@
+"""What the commands share: the console, the engine and Ray opened or a clear exit,
+the tasks a job runs (``select_dataset``), ``run_dataset_job`` (the job display
+``validate`` and ``run`` share) and ``parse_agent_kwargs``."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harbor_exec.errors import DatasetError, DockerUnavailableError, TaskError
+from harbor_exec.executors.spec import TrialSecrets
+from harbor_exec.jobs.dataset import (
+    ORACLE_CONFIG,
+    JobEvent,
+    JobInterrupted,
+    JobOutcome,
+    JobResumeError,
+    is_full_reward,
+    run_job,
+    summary_rows,
+)
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.sources.packages import (
+    PACKAGE_SOURCE_ENV,
+    FetchedPackage,
+    PackageError,
+    check_local_manifest,
+    fetch_dataset_package,
+    fetch_task,
+    open_package_source,
+)
+from harbor_exec.sources.registry import RegistryError, fetch_dataset, find_dataset, read_registry
+from harbor_exec.tasks.discovery import Discovery, discover_tasks
+from harbor_exec.tasks.task import Task, load_task
+from harbor_exec.trial.spec import TrialSpec
+
+if TYPE_CHECKING:
+    from harbor_exec.executors.base import TrialExecutor
+
+console = Console()
+
+
+def open_runtime() -> DockerRuntime:
+    """The Docker runtime, or a clear message and exit code 2 when the engine is missing."""
+    try:
+        runtime = DockerRuntime()
+    except DockerUnavailableError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    reaped = runtime.reap_orphans()
+    if reaped:
+        console.print(f"removed {len(reaped)} container(s) left by a dead harbor-exec process")
+    return runtime
+
+
+def load_dataset(path: Path) -> Discovery:
+    try:
+        return discover_tasks(path)
+    except DatasetError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+
+
+@dataclass(frozen=True)
+class SelectedDataset:
+    """What a job runs: its tasks, its name, and Harbor's ``datasets`` entry for it."""
+
+    discovery: Discovery
+    name: str
+    config: dict[str, Any] | None  # None: no dataset (``-t``: ``tasks_config``)
+    path: Path | None = None
+    #: Harbor's job ``tasks`` entries (``-t``).
+    tasks_config: list[dict[str, Any]] | None = None
+
+
+def select_dataset(
+    path: Path | None,
+    ref: str | None,
+    registry_path: Path | None,
+    registry_url: str | None,
+    allow_unpinned: bool,
+    *,
+    task: str | None = None,
+    package_source: str | None = None,
+) -> SelectedDataset:
+    """PATH, ``-d name@version`` from a registry, ``-d org/name@ref`` or ``-t
+    org/name@ref`` from the package source, as ``harbor run`` takes them; a bad
+    choice, a failed fetch or a digest mismatch is exit 2 with the reason, before
+    anything runs."""
+    if sum(x is not None for x in (path, ref, task)) != 1:
+        usage_error(
+            "give a task or dataset PATH, or -d NAME[@VERSION] with a registry, or -t/-d "
+            "ORG/NAME[@REF] with a package source"
+        )
+    package = ref is not None and "/" in ref.partition("@")[0]
+    if (path is not None or task is not None or package) and (registry_path or registry_url):
+        usage_error("--registry-path and --registry-url go with -d NAME[@VERSION] only")
+    if path is not None:
+        root = path.resolve()
+        discovery = load_dataset(path)
+        try:
+            check_local_manifest(
+                root, [t.path for t in discovery.tasks], [t.name for t in discovery.tasks]
+            )
+        except PackageError as exc:
+            usage_error(str(exc))
+        return SelectedDataset(discovery, root.name, {"path": str(root)}, root)
+    if task is not None or package:
+        return _select_package(task, ref if package else None, package_source)
+    assert ref is not None
+    if (registry_path is None) == (registry_url is None):
+        usage_error("-d needs exactly one of --registry-path and --registry-url")
+    try:
+        datasets = read_registry(path=registry_path, url=registry_url)
+        dataset = find_dataset(datasets, ref)
+        fetched = fetch_dataset(dataset, allow_unpinned=allow_unpinned)
+    except RegistryError as exc:
+        usage_error(str(exc))
+    tasks: list[Task] = []
+    broken: list[TaskError] = []
+    for item in fetched:
+        try:
+            loaded = load_task(item.directory)
+        except TaskError as exc:
+            broken.append(exc)
+            continue
+        origin = {
+            "git_url": str(item.task.git_url),
+            "git_commit_id": item.commit,
+            "path": item.task.path,
+        }
+        tasks.append(replace(loaded, origin=origin))
+    registry: dict[str, Any] = (
+        {"path": str(registry_path.resolve())} if registry_path else {"url": registry_url}
+    )
+    config = {"name": dataset.name, "version": dataset.version, "registry": registry}
+    return SelectedDataset(Discovery(tasks=tasks, broken=broken), dataset.name, config)
+
+
+def _select_package(task: str | None, dataset: str | None, location: str | None) -> SelectedDataset:
+    """``-t org/name@ref`` or ``-d org/name@ref``: fetched and checked through the
+    operator's package source; recorded as Harbor records package tasks."""
+    flag = "-t" if task is not None else "-d"
+    try:
+        source = open_package_source(location)
+        if source is None:
+            usage_error(
+                f"{flag} {task or dataset} is a Harbor package: name where packages come "
+                f"from with --package-source DIR|URL (or ${PACKAGE_SOURCE_ENV})"
+            )
+        if task is not None:
+            fetched = fetch_task(source, task)
+            ok, error = _load_package_task(fetched)
+            discovery = Discovery(tasks=[ok] if ok else [], broken=[error] if error else [])
+            entry = {
+                "name": fetched.ref.full_name,
+                "ref": fetched.ref.ref,
+                "digest": fetched.digest,
+                "package_source": source.location,
+            }
+            return SelectedDataset(discovery, "adhoc", None, tasks_config=[entry])
+        assert dataset is not None
+        fetched_dataset = fetch_dataset_package(source, dataset)
+    except PackageError as exc:
+        usage_error(str(exc))
+    tasks: list[Task] = []
+    broken: list[TaskError] = []
+    for item in fetched_dataset.tasks:
+        ok, error = _load_package_task(item)
+        if ok is not None:
+            tasks.append(ok)
+        if error is not None:
+            broken.append(error)
+    name = fetched_dataset.package.ref.full_name
+    config = {
+        "name": name,
+        "ref": fetched_dataset.package.digest,
+        "package_source": source.location,
+    }
+    return SelectedDataset(Discovery(tasks=tasks, broken=broken), name, config)
+
+
+def _load_package_task(fetched: FetchedPackage) -> tuple[Task | None, TaskError | None]:
+    try:
+        task = load_task(fetched.directory)
+    except TaskError as exc:
+        return None, exc
+    return replace(task, origin=fetched.task_id), None
+
+
+def usage_error(message: str) -> NoReturn:
+    console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(2)
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, handled like Ctrl-C (cancel, remove containers, write the job)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_like_ctrl_c() -> Iterator[None]:
+    """Job schedulers and ``timeout`` send SIGTERM, closed terminals SIGHUP: both
+    interrupt the job the way Ctrl-C does instead of killing it mid-trial."""
+
+    received: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if received:
+            return  # already cancelling: a second signal must not cut the clean-up short
+        received.append(signum)
+        raise _Signalled(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def print_summary(command: str, outcome: JobOutcome) -> None:
+    table = Table(title=f"{command}: {outcome.job_dir}")
+    table.add_column("task")
+    table.add_column("reward", justify="right")
+    table.add_column("time", justify="right")
+    table.add_column("result")
+    for row in summary_rows(outcome):
+        rewards = row["rewards"]
+        reward = ", ".join(f"{k}={v:g}" for k, v in rewards.items()) if rewards else "-"
+        seconds = f"{row['seconds']:.1f}s" if row["seconds"] is not None else "-"
+        verdict = (
+            "[green]passed[/green]" if row["passed"] else f"[red]{escape(row['reason'])}[/red]"
+        )
+        table.add_row(row["task"], reward, seconds, verdict)
+    console.print(table)
+    n_passed = sum(1 for row in summary_rows(outcome) if row["passed"])
+    n_rows = len(summary_rows(outcome))
+    console.print(
+        f"{n_passed}/{n_rows} passed; images built: {outcome.images_built}; "
+        f"job result: {outcome.job_dir / 'result.json'}"
+    )
+
+
+def run_dataset_job(
+    command: str,
+    selected: SelectedDataset,
+    runtime: DockerRuntime | None,
+    *,
+    jobs_dir: Path,
+    job_name: str | None,
+    n_concurrent: int,
+    n_attempts: int,
+    make_spec: Callable[[Task, Path], TrialSpec],
+    executor: TrialExecutor | None = None,
+    agent: Mapping[str, Any] = ORACLE_CONFIG,
+    make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
+) -> JobOutcome:
+    """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
+    (exit 128+signal), resume errors as exit 2, and the summary table at the end."""
+    counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
+    progress = Progress(
+        TextColumn(f"[bold]{command}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    total = len(selected.discovery.tasks) * n_attempts
+    bar = progress.add_task("trials", total=total, counts="")
+
+    def on_event(event: JobEvent) -> None:
+        if event.kind == "queued":
+            counts["queued"] += 1
+        elif event.kind == "phase" and event.phase == "environment":
+            counts["queued"] -= 1
+            counts["running"] += 1
+        elif event.kind == "finished" and event.result is not None:
+            counts["running"] -= 1
+            passed = is_full_reward(event.result)
+            counts["passed" if passed else "failed"] += 1
+            progress.advance(bar)
+            mark = "[green]passed[/green]" if passed else "[red]failed[/red]"
+            progress.console.print(f"{mark} {event.task.name}")
+        progress.update(
+            bar,
+            counts=" ".join(f"{k} {v}" for k, v in counts.items()),
+        )
+
+    signum = int(signal.SIGINT)
+    try:
+        with _signals_like_ctrl_c(), progress:
+            outcome = run_job(
+                runtime,
+                selected.discovery.tasks,
+                jobs_dir=jobs_dir,
+                job_name=job_name,
+                n_concurrent=n_concurrent,
+                n_attempts=n_attempts,
+                dataset_name=selected.name,
+                dataset_path=selected.path,
+                dataset_config=selected.config,
+                tasks_config=selected.tasks_config,
+                invalid_tasks=selected.discovery.broken,
+                make_spec=make_spec,
+                on_event=on_event,
+                executor=executor,
+                agent=agent,
+                make_secrets=make_secrets,
+            )
+    except JobResumeError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    except JobInterrupted as interrupted:
+        if isinstance(interrupted.cause, _Signalled):
+            signum = interrupted.cause.signum
+        left = runtime.remove_owned() if runtime is not None else 0
+        console.print(
+            f"[yellow]interrupted ({signal.Signals(signum).name})[/yellow]: running trials "
+            "were cancelled and their containers "
+            f"removed ({left} removed at exit); partial job result in "
+            f"{interrupted.outcome.job_dir / 'result.json'}"
+        )
+        raise typer.Exit(128 + signum) from None
+    if outcome.reused:
+        console.print(f"resumed: kept {outcome.reused} finished trial(s) of job {outcome.job_dir}")
+    print_summary(command, outcome)
+    return outcome
+
+
+def open_ray_executor(address: str) -> Any:
+    """A connected ``RayExecutor``, or a clear message and exit code 2."""
+    try:
+        from harbor_exec.executors.ray import RayExecutor, RayUnavailableError
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        typer.echo(
+            f"error: --ray needs the ray extra (pip install 'harbor-exec[ray]'): {exc}", err=True
+        )
+        raise typer.Exit(2) from None
+    executor = RayExecutor(address)
+    try:
+        executor.connect()
+    except RayUnavailableError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    return executor
+
+
+def parse_agent_kwargs(pairs: list[str]) -> dict[str, Any]:
+    """``k=v`` pairs as options: ``v`` as JSON when it parses (numbers, booleans,
+    objects), else the string itself."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(
+                f"expected key=value, got {pair!r}", param_hint="--agent-kwarg"
+            )
+        try:
+            kwargs[key.strip()] = json.loads(value)
+        except ValueError:
+            kwargs[key.strip()] = value
+    return kwargs

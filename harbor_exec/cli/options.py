@@ -1,0 +1,484 @@
+"""Every option the commands share, declared once, with the help panel it shows in.
+
+A command takes an option by naming its type here (``dataset: DatasetRefOption = None``)
+and its default from here or from the configuration it builds; an option two commands
+spell alike but mean differently (``--agent``, ``--api-key-env``) has one declaration per
+meaning, both here, so that ``tests/test_cli_options.py`` can check that nothing shared
+is declared twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from harbor_exec.agents.native.config import NATIVE_AGENT_NAMES
+from harbor_exec.backends.harbor.config import DEFAULT_MAX_LOG_BYTES, SandboxConfig
+from harbor_exec.sandbox.archives import OutputLimits
+from harbor_exec.sources.packages import PACKAGE_SOURCE_ENV
+
+# The help panels, in the order a reader meets them.
+TASKS = "Tasks"
+JOB = "Job"
+AGENT = "Agent"
+LIMITS = "Limits"
+SANDBOX = "Sandbox"
+NETWORK = "Network and cache"
+SERVER = "Server"
+RAY = "Ray"
+
+# ---- Tasks: where they come from ----
+
+TasksPathArgument = Annotated[
+    Path | None, typer.Argument(help="A task directory or a dataset of tasks.", show_default=False)
+]
+DatasetRefOption = Annotated[
+    str | None,
+    typer.Option(
+        "-d",
+        "--dataset",
+        metavar="NAME[@VERSION]|ORG/NAME[@REF]",
+        rich_help_panel=TASKS,
+        help="Instead of PATH: a dataset of Harbor's JSON registry (--registry-path or "
+        "--registry-url; its tasks fetched from git by commit), or a dataset package "
+        "org/name@ref from --package-source (every task digest checked).",
+    ),
+]
+TaskRefOption = Annotated[
+    str | None,
+    typer.Option(
+        "-t",
+        "--task",
+        metavar="ORG/NAME[@REF]",
+        rich_help_panel=TASKS,
+        help="Instead of PATH: one task package (ref: latest, a tag, a revision or "
+        "sha256:<hex>) from --package-source, its digest checked.",
+    ),
+]
+PackageSourceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--package-source",
+        metavar="DIR|URL",
+        envvar=PACKAGE_SOURCE_ENV,
+        rich_help_panel=TASKS,
+        help="Where Harbor packages (org/name@ref) come from: a directory laid out as "
+        "Harbor's package cache, or a mirror URL (docs/datasets.md).",
+    ),
+]
+RegistryPathOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--registry-path",
+        rich_help_panel=TASKS,
+        help="A registry JSON file (Harbor's format).",
+    ),
+]
+RegistryUrlOption = Annotated[
+    str | None,
+    typer.Option("--registry-url", rich_help_panel=TASKS, help="A registry JSON file's URL."),
+]
+AllowUnpinnedOption = Annotated[
+    bool,
+    typer.Option(
+        "--task-git-allow-unpinned",
+        rich_help_panel=TASKS,
+        help="Run a registry task without a full git_commit_id at its remote's HEAD.",
+    ),
+]
+# ``serve``'s spelling has its ``--no-`` form: kept, as every option keeps its names.
+ServeAllowUnpinnedOption = Annotated[
+    bool,
+    typer.Option(
+        "--task-git-allow-unpinned/--no-task-git-allow-unpinned",
+        rich_help_panel=TASKS,
+        help="Run git tasks without git_commit_id (the remote's HEAD at the time).",
+    ),
+]
+
+# ---- Job: validate's and run's trials and where they are written ----
+
+DEFAULT_N_CONCURRENT = 4
+NConcurrentOption = Annotated[
+    int,
+    typer.Option("-n", "--n-concurrent", min=1, rich_help_panel=JOB, help="Trials run at once."),
+]
+NAttemptsOption = Annotated[
+    int,
+    typer.Option(
+        "-k", "--n-attempts", min=1, rich_help_panel=JOB, help="Trials per task (pass@k)."
+    ),
+]
+DEFAULT_JOBS_DIR = Path("jobs")
+JobsDirOption = Annotated[
+    Path, typer.Option("--jobs-dir", rich_help_panel=JOB, help="Where job directories go.")
+]
+JobNameOption = Annotated[
+    str | None,
+    typer.Option(
+        "--job-name",
+        rich_help_panel=JOB,
+        help="The job's directory name (default: the start time); an existing job of "
+        "that name is resumed, its finished trials kept.",
+    ),
+]
+
+# ---- Agent: what runs, and with which model ----
+
+RunAgentOption = Annotated[
+    str,
+    typer.Option(
+        "--agent",
+        "-a",
+        rich_help_panel=AGENT,
+        help=f"Harbor's agent to run: {', '.join(NATIVE_AGENT_NAMES)}.",
+    ),
+]
+ServeAgentOption = Annotated[
+    str | None,
+    typer.Option(
+        "--agent",
+        rich_help_panel=AGENT,
+        help="With --tasks-dir: oracle, terminus-2, mini-swe-agent, opencode (Harbor's "
+        "own agents), or an AgentWorkflow module:Class.",
+    ),
+]
+PrewarmAgentOption = Annotated[
+    str | None,
+    typer.Option(
+        "--agent",
+        rich_help_panel=AGENT,
+        help="Also prepare this in-container native agent's layer (mini-swe-agent, "
+        "opencode): its wheels (and opencode's binary) are fetched now, its volume "
+        "installed with the first task.",
+    ),
+]
+RunModelNameOption = Annotated[
+    str,
+    typer.Option(
+        "--model-name",
+        "-m",
+        rich_help_panel=AGENT,
+        help="The model route, openai/<id> (an OpenAI-compatible API).",
+    ),
+]
+ServeModelNameOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model-name",
+        rich_help_panel=AGENT,
+        help="With a native --agent: the model route, openai/<id> \\[default: "
+        "openai/osmosis-rollout]; a rollout's metadata.harbor_model overrides it.",
+    ),
+]
+AgentKwargOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent-kwarg",
+        metavar="KEY=VALUE",
+        rich_help_panel=AGENT,
+        help="With a native --agent: an option of the agent (VALUE as JSON when it "
+        "parses, e.g. max_turns=30, collect_rollout_details=true; repeatable).",
+    ),
+]
+# ``run`` checks the bound as the command line is read; ``serve``'s is checked by the
+# backend (a workflow agent accepts any value and ignores it).
+RunAgentSetupTimeoutOption = Annotated[
+    float | None,
+    typer.Option(
+        "--agent-setup-timeout-sec",
+        min=0.001,
+        rich_help_panel=AGENT,
+        help="The agent's setup timeout.",
+    ),
+]
+ServeAgentSetupTimeoutOption = Annotated[
+    float | None,
+    typer.Option(
+        "--agent-setup-timeout-sec",
+        rich_help_panel=AGENT,
+        help="With a native --agent: the agent's setup timeout.",
+    ),
+]
+
+# ---- Sandbox: where verifiers run; Limits: what a container may use ----
+
+
+class VerifierModeChoice(StrEnum):
+    """Where verifiers run: as each task says, or always in a fresh container."""
+
+    TASK = "task"
+    SEPARATE = "separate"
+
+
+VerifierModeOption = Annotated[
+    VerifierModeChoice,
+    typer.Option(
+        "--verifier-mode",
+        rich_help_panel=SANDBOX,
+        help="task: each task's own \\[verifier].environment_mode; separate: every verifier "
+        "runs in a fresh container that sees only the artifacts (recommended for RL).",
+    ),
+]
+
+
+class GraderVerifierModeChoice(StrEnum):
+    """Where a bundled grader verifies: a fresh container, or (asked for) the agent's."""
+
+    SEPARATE = "separate"
+    SHARED = "shared"
+
+
+GraderVerifierModeOption = Annotated[
+    GraderVerifierModeChoice,
+    typer.Option(
+        "--grader-verifier-mode",
+        rich_help_panel=SANDBOX,
+        help="Where a bundled grader verifies: separate (a fresh container, the default) or "
+        "shared (the agent's container: weaker, the files the grader's interpreter reads "
+        "besides the read-only runtime, such as /etc/ld.so.preload, are the agent's).",
+    ),
+]
+DefaultCpusOption = Annotated[
+    float,
+    typer.Option(
+        "--default-cpus",
+        min=0.01,
+        rich_help_panel=LIMITS,
+        help="CPUs for tasks that set no \\[environment].cpus.",
+    ),
+]
+DefaultMemoryOption = Annotated[
+    int,
+    typer.Option(
+        "--default-memory-mb",
+        min=16,
+        rich_help_panel=LIMITS,
+        help="Memory (MB) for tasks that set no \\[environment].memory_mb; never any swap.",
+    ),
+]
+DefaultStorageOption = Annotated[
+    int,
+    typer.Option(
+        "--default-storage-mb",
+        min=16,
+        rich_help_panel=LIMITS,
+        help="Disk (MB) a container may write (writable layer and /logs) for tasks that set "
+        "no \\[environment].storage_mb; past it the agent is stopped (DiskBudgetExceededError).",
+    ),
+]
+DefaultShmOption = Annotated[
+    int,
+    typer.Option(
+        "--default-shm-mb",
+        min=1,
+        rich_help_panel=LIMITS,
+        help="Size (MB) of /dev/shm, at most the container's memory.",
+    ),
+]
+DefaultNofileOption = Annotated[
+    int,
+    typer.Option(
+        "--default-nofile",
+        min=64,
+        rich_help_panel=LIMITS,
+        help="Open files per process in a container (nofile ulimit).",
+    ),
+]
+MaxLogBytesOption = Annotated[
+    int,
+    typer.Option(
+        "--max-log-bytes",
+        min=1024,
+        rich_help_panel=LIMITS,
+        help="Cap on each file copied back from a container (oracle.txt, test-stdout.txt, "
+        "artifacts); the tail is kept after a marker.",
+    ),
+]
+
+_SANDBOX = SandboxConfig()
+#: The sandbox and limits options, by parameter: (declaration, default). A command
+#: decorated with ``takes_sandbox`` gets them all, read into one ``sandbox: SandboxConfig``.
+SANDBOX_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "default_cpus": (DefaultCpusOption, _SANDBOX.default_cpus),
+    "default_memory_mb": (DefaultMemoryOption, _SANDBOX.default_memory_mb),
+    "default_storage_mb": (DefaultStorageOption, _SANDBOX.default_storage_mb),
+    "default_shm_mb": (DefaultShmOption, _SANDBOX.default_shm_mb),
+    "default_nofile": (DefaultNofileOption, _SANDBOX.default_nofile),
+    "max_log_bytes": (MaxLogBytesOption, DEFAULT_MAX_LOG_BYTES),
+    "verifier_mode": (VerifierModeOption, VerifierModeChoice.TASK),
+    "grader_verifier_mode": (GraderVerifierModeOption, GraderVerifierModeChoice.SEPARATE),
+}
+
+
+def sandbox_config(values: dict[str, Any]) -> SandboxConfig:
+    """The ``SandboxConfig`` the sandbox and limits options describe."""
+    grader = values.get("grader_verifier_mode", GraderVerifierModeChoice.SEPARATE)
+    return SandboxConfig(
+        verifier_mode="separate" if values["verifier_mode"] == "separate" else "task",
+        grader_verifier_mode="shared" if grader == "shared" else "separate",
+        default_cpus=values["default_cpus"],
+        default_memory_mb=values["default_memory_mb"],
+        default_storage_mb=values["default_storage_mb"],
+        default_shm_mb=values["default_shm_mb"],
+        default_nofile=values["default_nofile"],
+        output=OutputLimits(max_file_bytes=values["max_log_bytes"]),
+    )
+
+
+def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command with a ``sandbox: SandboxConfig`` parameter takes the sandbox and limits
+    options in its place (``--grader-verifier-mode`` too with ``grader``): one list of
+    them, here, for every command."""
+    names = [name for name in SANDBOX_OPTIONS if grader or name != "grader_verifier_mode"]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        hints = typing.get_type_hints(command, include_extras=True)
+        added = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=SANDBOX_OPTIONS[name][0],
+                default=SANDBOX_OPTIONS[name][1],
+            )
+            for name in names
+        ]
+
+        @functools.wraps(command)
+        def with_sandbox(*args: Any, **kwargs: Any) -> None:
+            values = {name: kwargs.pop(name) for name in names}
+            command(*args, sandbox=sandbox_config(values), **kwargs)
+
+        # In the place of ``sandbox``: the help shows the panels in the parameters' order.
+        parameters: list[inspect.Parameter] = []
+        for parameter in inspect.signature(command).parameters.values():
+            if parameter.name == "sandbox":
+                parameters += added
+            else:
+                parameters.append(
+                    parameter.replace(
+                        kind=inspect.Parameter.KEYWORD_ONLY,
+                        annotation=hints.get(parameter.name, parameter.annotation),
+                    )
+                )
+        with_sandbox.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        with_sandbox.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_sandbox
+
+    return decorate
+
+
+# ---- Network and cache ----
+
+DEFAULT_PACKAGE_CACHE_MAX_GB = 20.0
+ServePackageCacheOption = Annotated[
+    bool,
+    typer.Option(
+        "--package-cache/--no-package-cache",
+        rich_help_panel=NETWORK,
+        help="With --tasks-dir: public-network trials reach the internet through a "
+        "host-side package cache (apt, PyPI, npm, HTTPS files; a local CA only trial "
+        "containers trust); a task opts out with \\[metadata] harbor_exec_package_cache "
+        "= false (docs/package-cache.md).",
+    ),
+]
+PrewarmPackageCacheOption = Annotated[
+    bool,
+    typer.Option(
+        "--package-cache",
+        rich_help_panel=NETWORK,
+        help="Build the images through the package cache (what RUN steps fetch over "
+        "HTTP and HTTPS, apt, pip, npm and files, is fetched once; "
+        "docs/package-cache.md); with --ray, each node's own. Implied by "
+        "--run-verifier. Not while a server uses the cache.",
+    ),
+]
+PackageCacheMaxGbOption = Annotated[
+    float,
+    typer.Option(
+        "--package-cache-max-gb",
+        min=0.001,
+        rich_help_panel=NETWORK,
+        help="The package cache's bound (GB, LRU eviction).",
+    ),
+]
+PackageCacheDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--package-cache-dir",
+        rich_help_panel=NETWORK,
+        help="Where the package cache keeps its store and CA (default: the harbor-exec cache dir).",
+    ),
+]
+
+# ---- Ray ----
+
+RayOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        metavar="ADDRESS",
+        rich_help_panel=RAY,
+        help="Run on the trial nodes of this Ray cluster (host:port of its head, or "
+        "'auto'); nodes offer slots with the harbor_exec_trial resource (docs/ray.md).",
+    ),
+]
+
+__all__ = [
+    "AGENT",
+    "DEFAULT_JOBS_DIR",
+    "DEFAULT_N_CONCURRENT",
+    "DEFAULT_PACKAGE_CACHE_MAX_GB",
+    "JOB",
+    "LIMITS",
+    "NETWORK",
+    "RAY",
+    "SANDBOX",
+    "SANDBOX_OPTIONS",
+    "SERVER",
+    "TASKS",
+    "AgentKwargOption",
+    "AllowUnpinnedOption",
+    "DatasetRefOption",
+    "DefaultCpusOption",
+    "DefaultMemoryOption",
+    "DefaultNofileOption",
+    "DefaultShmOption",
+    "DefaultStorageOption",
+    "GraderVerifierModeChoice",
+    "GraderVerifierModeOption",
+    "JobNameOption",
+    "JobsDirOption",
+    "MaxLogBytesOption",
+    "NAttemptsOption",
+    "NConcurrentOption",
+    "PackageCacheDirOption",
+    "PackageCacheMaxGbOption",
+    "PackageSourceOption",
+    "PrewarmAgentOption",
+    "PrewarmPackageCacheOption",
+    "RayOption",
+    "RegistryPathOption",
+    "RegistryUrlOption",
+    "RunAgentOption",
+    "RunAgentSetupTimeoutOption",
+    "RunModelNameOption",
+    "ServeAgentOption",
+    "ServeAgentSetupTimeoutOption",
+    "ServeAllowUnpinnedOption",
+    "ServeModelNameOption",
+    "ServePackageCacheOption",
+    "TaskRefOption",
+    "TasksPathArgument",
+    "VerifierModeChoice",
+    "VerifierModeOption",
+    "sandbox_config",
+    "takes_sandbox",
+]

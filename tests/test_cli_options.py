@@ -1,0 +1,144 @@
+"""The commands' options: every name shown whole in an 80-column help, and every option
+two commands share declared once, in ``harbor_exec/cli/options.py``."""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Any
+
+import pytest
+import typer.main
+from typer.models import OptionInfo
+from typer.testing import CliRunner
+
+from harbor_exec.cli import options
+from harbor_exec.cli.app import app
+
+COMMANDS = ("validate", "run", "serve", "prewarm")
+
+#: Options more than one of the commands take, each declared once in ``cli/options.py``.
+SHARED = {
+    "--dataset": {"validate", "run"},
+    "--task": {"validate", "run"},
+    "--package-source": {"validate", "run", "serve"},
+    "--registry-path": {"validate", "run"},
+    "--registry-url": {"validate", "run"},
+    "--task-git-allow-unpinned": {"validate", "run", "serve"},
+    "--n-concurrent": {"validate", "run", "prewarm"},
+    "--n-attempts": {"validate", "run"},
+    "--jobs-dir": {"validate", "run"},
+    "--job-name": {"validate", "run"},
+    "--verifier-mode": {"validate", "run", "serve"},
+    "--default-cpus": {"validate", "run", "serve"},
+    "--default-memory-mb": {"validate", "run", "serve"},
+    "--default-storage-mb": {"validate", "run", "serve"},
+    "--default-shm-mb": {"validate", "run", "serve"},
+    "--default-nofile": {"validate", "run", "serve"},
+    "--max-log-bytes": {"validate", "run", "serve"},
+    "--ray": {"validate", "serve", "prewarm"},
+    "--agent": {"run", "serve", "prewarm"},
+    "--model-name": {"run", "serve"},
+    "--api-key-env": {"run", "serve"},
+    "--agent-kwarg": {"run", "serve"},
+    "--agent-setup-timeout-sec": {"run", "serve"},
+    "--package-cache": {"serve", "prewarm"},
+    "--package-cache-max-gb": {"serve", "prewarm"},
+    "--package-cache-dir": {"serve", "prewarm"},
+}
+#: Shared names whose meaning differs by command (one declaration per meaning, all in
+#: ``cli/options.py``, except ``--api-key-env``: the model's key for ``run``, the
+#: server's bearer key for ``serve``, each declared by its command), and prewarm's
+#: ``-n``/``--n-concurrent``, an alias of its ``--jobs``.
+DIFFERENT_MEANINGS = {
+    "--agent",
+    "--model-name",
+    "--api-key-env",
+    "--agent-setup-timeout-sec",
+    "--task-git-allow-unpinned",
+    "--package-cache",
+    "--n-concurrent",
+}
+COMMAND_OWN = {("--api-key-env", "run"), ("--api-key-env", "serve"), ("--n-concurrent", "prewarm")}
+
+
+def _commands() -> dict[str, Any]:
+    group = typer.main.get_group(app)
+    return {name: group.commands[name] for name in COMMANDS}
+
+
+def _declarations() -> dict[str, dict[str, OptionInfo]]:
+    """Per option name, per command: the ``typer.Option`` that declares it."""
+    found: dict[str, dict[str, OptionInfo]] = {}
+    for name, command in _commands().items():
+        hints = typing.get_type_hints(command.callback, include_extras=True)
+        for param in command.params:
+            infos = [
+                meta
+                for meta in getattr(hints[param.name], "__metadata__", ())
+                if isinstance(meta, OptionInfo)
+            ]
+            for spelled in param.opts:
+                if spelled.startswith("--") and infos:
+                    found.setdefault(spelled, {})[name] = infos[0]
+    return found
+
+
+def _from_options_module() -> set[int]:
+    return {
+        id(meta)
+        for value in vars(options).values()
+        for meta in getattr(value, "__metadata__", ())
+        if isinstance(meta, OptionInfo)
+    }
+
+
+def test_the_shared_options_are_the_ones_listed() -> None:
+    shared = {opt: set(by) for opt, by in _declarations().items() if len(by) > 1}
+    assert shared == SHARED
+
+
+@pytest.mark.parametrize("option", sorted(SHARED))
+def test_a_shared_option_is_declared_once_in_the_options_module(option: str) -> None:
+    by_command = _declarations()[option]
+    declared_here = _from_options_module()
+    for command, info in by_command.items():
+        if (option, command) not in COMMAND_OWN:
+            assert id(info) in declared_here, f"{command} {option} is declared outside options.py"
+    if option not in DIFFERENT_MEANINGS:
+        assert len({id(info) for info in by_command.values()}) == 1, option
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_80_column_help_shows_every_option_name_whole(command: str) -> None:
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    shown = set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", result.output))
+    for param in _commands()[command].params:
+        for name in (*param.opts, *param.secondary_opts):
+            if name.startswith("-"):
+                assert name in shown, f"{command} --help cuts {name}"
+
+
+def test_the_sandbox_options_make_one_sandbox_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve``'s sandbox and limits options arrive as one ``SandboxConfig``; none given,
+    it is ``SandboxConfig()``'s defaults."""
+    import harbor_exec.server.run as server_run
+    from harbor_exec.backends.harbor.config import SandboxConfig
+    from harbor_exec.cli import serve
+
+    seen: list[serve.ServeOptions] = []
+    monkeypatch.setattr(serve, "build_app", lambda options, api_key: seen.append(options))
+    monkeypatch.setattr(server_run, "serve_app", lambda *args, **kwargs: None)
+    asked = ["--verifier-mode", "separate", "--grader-verifier-mode", "shared"]
+    asked += ["--default-cpus", "1.5", "--default-nofile", "999", "--max-log-bytes", "2048"]
+    for args in (["serve", "--tasks-dir", "."], ["serve", "--tasks-dir", ".", *asked]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    default, given = (options.sandbox for options in seen)
+    assert default == SandboxConfig()
+    assert (given.verifier_mode, given.grader_verifier_mode) == ("separate", "shared")
+    assert (given.default_cpus, given.default_nofile) == (1.5, 999)
+    assert given.output.max_file_bytes == 2048
+    assert given.default_memory_mb == SandboxConfig().default_memory_mb
