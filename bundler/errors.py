@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harbor_exec.errors import HarborExecError
+
 __all__ = [
     "BundleBuildError",
     "BundleError",
@@ -33,7 +35,7 @@ def output_tail(output: str, lines: int = _TAIL_LINES) -> str:
     return tail
 
 
-class BundleError(Exception):
+class BundleError(HarborExecError):
     """Base class: the bundle could not be built. ``str(exc)`` is the whole story."""
 
 

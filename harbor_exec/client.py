@@ -47,6 +47,7 @@ from harbor_exec._client_http import (
     Transport,
     default_transport,
 )
+from harbor_exec.errors import HarborExecError
 from harbor_exec.protocol import (
     FEATURES_HEADER,
     POLLING_LEASE_HEADER,
@@ -97,11 +98,11 @@ _STATUS_ORDER: Final = {
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
 
-class RolloutAdmissionTimeoutError(TimeoutError):
+class RolloutAdmissionTimeoutError(HarborExecError, TimeoutError):
     """``POST /rollout`` kept answering 429 until ``admission_timeout_sec`` ran out."""
 
 
-class RolloutProtocolError(RuntimeError):
+class RolloutProtocolError(HarborExecError, RuntimeError):
     """The server answered something the protocol does not allow here (see ``status_code``)."""
 
     def __init__(self, message: str, *, status_code: int) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from harbor_exec.errors import HarborExecError
+
 # --------------------------------------------------------------------------- container paths
 
 LOGS_DIR: Final = "/logs"
@@ -88,7 +90,7 @@ _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
-class ExchangeJSONError(ValueError):
+class ExchangeJSONError(HarborExecError, ValueError):
     """A JSON document from a container is too big, too deep, or not JSON."""
 
 

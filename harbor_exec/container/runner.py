@@ -160,6 +160,7 @@ from harbor_exec.container.forward import (
     run_forward,
 )
 from harbor_exec.container.redaction import redact
+from harbor_exec.errors import HarborExecError
 from harbor_exec.protocol import categorize_exception
 
 __all__ = [
@@ -237,7 +238,7 @@ class RunnerPaths:
         return self.logs_dir / "artifacts"
 
 
-class SetupError(Exception):
+class SetupError(HarborExecError):
     """The job could not start: the message says which file or ref, and why."""
 
 

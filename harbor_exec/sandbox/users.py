@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harbor_exec.errors import HarborExecError
+
 ROOT_ID = "0:0"
 #: What a trial reads; each file is small, but an image's is still bounded.
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group")
 MAX_ACCOUNT_FILE_BYTES = 4 * 2**20
 
 
-class UnknownUserError(ValueError):
+class UnknownUserError(HarborExecError, ValueError):
     """A user (or group) name the image's account files do not define."""
 
 

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final
 
+from harbor_exec.errors import HarborExecError
 from harbor_exec.protocol import TERMINAL_STATUSES, RolloutErrorCategory, RolloutStatus
 
 __all__ = ["DuplicateRolloutError", "FinalResult", "RolloutEntry", "RolloutRegistry"]
@@ -30,7 +31,7 @@ __all__ = ["DuplicateRolloutError", "FinalResult", "RolloutEntry", "RolloutRegis
 _HEAP_COMPACT_MIN_DEAD: Final = 1024
 
 
-class DuplicateRolloutError(KeyError):
+class DuplicateRolloutError(HarborExecError, KeyError):
     """The rollout id is active or still retained."""
 
 

@@ -37,6 +37,7 @@ from harbor_exec.container.exchange import (
     RUNTIME_LOADER,
     RUNTIME_PYTHON,
 )
+from harbor_exec.errors import HarborExecError
 from harbor_exec.sandbox.deps import WheelInstall, install_wheels
 from harbor_exec.sandbox.runtime import ContainerRuntime
 
@@ -126,7 +127,7 @@ AGENT_PACKAGES: Mapping[str, AgentPackage] = {
 }
 
 
-class AgentLayerError(RuntimeError):
+class AgentLayerError(HarborExecError, RuntimeError):
     """The agent's layer cannot be prepared here (no such agent, or the download failed)."""
 
 

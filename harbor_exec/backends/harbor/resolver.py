@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from harbor_exec.errors import DatasetError, TaskError
+from harbor_exec.errors import DatasetError, HarborExecError, TaskError
 from harbor_exec.protocol import ExecutionRequest
 from harbor_exec.sources.git import GitTaskError, GitTaskRefused, GitTaskSource
 from harbor_exec.sources.packages import PackageError, PackageSource, fetch_task, is_package_ref
@@ -37,7 +37,7 @@ from harbor_exec.tasks.task import Task, load_task
 TaskMode = Literal["template", "dataset"]
 
 
-class RolloutRejected(ValueError):
+class RolloutRejected(HarborExecError, ValueError):
     """A request that cannot run; becomes a ``validation_error`` naming the field."""
 
 

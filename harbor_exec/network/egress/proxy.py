@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import h11
 import httpcore
 
+from harbor_exec.errors import HarborExecError
 from harbor_exec.network.egress.policy import (
     EgressMode,
     EgressPolicy,
@@ -129,7 +130,7 @@ class EgressStats:
     logged: int = 0
 
 
-class EgressRefused(Exception):
+class EgressRefused(HarborExecError):
     """A destination the proxy must not reach; ``reason`` goes to the refusal log."""
 
     def __init__(self, reason: str) -> None:
