@@ -384,3 +384,28 @@ def test_the_maps_floor_table_is_the_spine() -> None:
             documented.setdefault(part, int(cells[0]) - 1)
     assert documented == {part: FLOOR_OF[part] for part in documented}
     assert set(documented) == set(FLOOR_OF), set(FLOOR_OF) ^ set(documented)
+
+
+def test_readme_is_a_front_page_whose_links_all_resolve() -> None:
+    """README.md stays short; every relative link in it and in docs/ names a file that exists
+    (and, with an anchor, a heading of that file)."""
+    readme = ROOT / "README.md"
+    assert len(readme.read_text(encoding="utf-8").splitlines()) <= 250
+    broken = []
+    for page in [readme, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"(https?:|mailto:)", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md":
+                headings = {
+                    re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+                    for line in linked.read_text(encoding="utf-8").splitlines()
+                    if line.startswith("#")
+                }
+                if anchor not in headings:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
