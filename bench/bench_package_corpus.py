@@ -145,11 +145,8 @@ def _trial(
     result = run_trial(
         runtime,
         TrialRequest(
-            TrialSpec(
-                task=task,
-                trials_dir=trials,
-                policy=SandboxPolicy(package_cache=service, egress=egress),
-            )
+            TrialSpec(task=task, trials_dir=trials, policy=SandboxPolicy(egress=egress)),
+            package_cache=service,
         ),
     )
     trial_dir = trials / result.trial_name

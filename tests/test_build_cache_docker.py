@@ -254,10 +254,13 @@ def test_a_compose_tasks_sidecar_image_builds_through_the_cache(
     tags = [compose._build_tag(task, s) for s in project.services.values() if s.build]
     assert len(tags) == 2  # main and db
     try:
-        policy = SandboxPolicy(package_cache=service, egress=_egress(upstream))
+        policy = SandboxPolicy(egress=_egress(upstream))
         result = run_trial(
             docker_runtime,
-            TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy)),
+            TrialRequest(
+                TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy),
+                package_cache=service,
+            ),
         )
         assert result.exception_info is None, result.exception_info
         assert result.reward == 1.0

@@ -12,6 +12,7 @@ import pytest
 from harbor_exec.container.forward import main as forward_main
 from harbor_exec.network.egress.container import EGRESS_MOUNT
 from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
+from harbor_exec.network.packages.build_route import build_cache
 from harbor_exec.network.packages.build_trust import (
     TRUST_CONTEXT_DIR,
     rewrite_dockerfile,
@@ -22,7 +23,6 @@ from harbor_exec.network.packages.trust import trust_env
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.runtime import LABEL_KIND
 from harbor_exec.tasks.task import load_task
-from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.trial import ensure_task_image
 from tests.fake_runtime import FakeRuntime
 from tests.task_factory import make_task
@@ -48,17 +48,17 @@ def test_the_forwarder_refuses_a_missing_socket_on_any_host(tmp_path: Path) -> N
 def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None:
     runtime = FakeRuntime()
     service = PackageCacheService(PackageCacheConfig(root=tmp_path / "cache"))
-    policy = SandboxPolicy(package_cache=service)
+    cache = build_cache(service)
     out = load_task(
         make_task(tmp_path, "out", toml="[metadata]\nharbor_exec_package_cache = false\n")
     )
     cached = load_task(make_task(tmp_path, "in", dockerfile="FROM debian:bookworm-slim\nRUN x\n"))
     try:
-        tag, built = ensure_task_image(runtime, out, policy)
+        tag, built = ensure_task_image(runtime, out, cache)
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.containers == {}  # no gateway for a build that does not use it
         assert runtime.build_context_files[tag] == {}
-        tag, built = ensure_task_image(runtime, cached, policy)
+        tag, built = ensure_task_image(runtime, cached, cache)
         # The proxy arguments, and the CA's for the steps (ARGs, with the public trust
         # files and the rewritten Dockerfile in the context: build_trust).
         assert built and runtime.build_args[tag] == {**build_proxy_args(), **trust_env()}
@@ -66,7 +66,7 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
         assert cached.dockerfile is not None
         assert files.pop("Dockerfile") == rewrite_dockerfile(cached.dockerfile.read_text()).encode()
         assert files == trust_context_files(service.trust_dir)
-        assert ensure_task_image(runtime, cached, policy) == (tag, False)
+        assert ensure_task_image(runtime, cached, cache) == (tag, False)
         [(gateway_id, gateway)] = runtime.containers.items()
         # The build's RUN steps share the gateway's namespace: loopback and the proxy.
         assert runtime.build_networks[tag] == f"container:{gateway_id}"
@@ -88,7 +88,7 @@ def test_a_buildkit_only_dockerfile_builds_outside_the_cache(tmp_path: Path) -> 
     mounts = "FROM debian:bookworm-slim\nRUN --mount=type=cache,target=/var/cache/apt true\n"
     task = load_task(make_task(tmp_path, "mounts", dockerfile=mounts))
     try:
-        tag, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        tag, built = ensure_task_image(runtime, task, build_cache(service))
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.containers == {}
     finally:
@@ -115,9 +115,7 @@ def test_a_build_that_cannot_trust_the_cache_builds_outside_it(
         (root / "environment" / context_dir).mkdir()
         (root / "environment" / context_dir / "ca-bundle.pem").write_text("the task's own\n")
     try:
-        tag, built = ensure_task_image(
-            runtime, load_task(root), SandboxPolicy(package_cache=service)
-        )
+        tag, built = ensure_task_image(runtime, load_task(root), build_cache(service))
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
         assert runtime.build_context_files[tag] == {} and runtime.containers == {}
     finally:

@@ -446,8 +446,9 @@ def _run(
             TrialSpec(
                 task=load_task(task),
                 trials_dir=trials,
-                policy=SandboxPolicy(package_cache=service, egress=_egress(mirror), **policy),
-            )
+                policy=SandboxPolicy(egress=_egress(mirror), **policy),
+            ),
+            package_cache=service,
         ),
     )
     return result, trials / result.trial_name

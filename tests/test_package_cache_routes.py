@@ -26,6 +26,7 @@ from harbor_exec.executors.ray.sealing import seal
 from harbor_exec.executors.ray.transfer import tar_dir
 from harbor_exec.executors.spec import TrialSecrets
 from harbor_exec.network.packages.build_gateway import KIND, build_proxy_args
+from harbor_exec.network.packages.build_route import build_cache
 from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 from harbor_exec.network.packages.session import RESULT_FILE
 from harbor_exec.network.packages.trust import trust_env
@@ -118,7 +119,7 @@ def test_compose_service_images_build_through_the_cache(
     task = compose_task(tmp_path, monkeypatch)
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
-        image, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        image, built = ensure_task_image(runtime, task, build_cache(service))
         assert built and image == compose.main_image_tag(task)
         network = gateway_network(runtime)
         db = service_tag(runtime)
@@ -142,7 +143,7 @@ def test_a_compose_service_whose_own_args_set_a_ca_variable_builds_outside_the_c
     task = compose_task(tmp_path, monkeypatch, db_args={"SSL_CERT_FILE": "/etc/ssl/db.pem"})
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
-        image, built = ensure_task_image(runtime, task, SandboxPolicy(package_cache=service))
+        image, built = ensure_task_image(runtime, task, build_cache(service))
         assert built
         db = service_tag(runtime)
         assert runtime.build_args[image] == CACHED_BUILD_ARGS
@@ -164,8 +165,7 @@ def test_compose_service_images_without_the_cache_keep_their_own_args(
         task = compose_task(tmp_path / str(policy_cache), monkeypatch, toml)
         runtime = FakeRuntime()
         with cache_service(tmp_path) as service:
-            policy = SandboxPolicy(package_cache=service if policy_cache else None)
-            ensure_task_image(runtime, task, policy)
+            ensure_task_image(runtime, task, build_cache(service if policy_cache else None))
             db = service_tag(runtime)
             assert runtime.build_args[db] == {"HTTP_PROXY": OWN_PROXY, "FLAVOUR": "mint"}
             assert runtime.build_args[compose.main_image_tag(task)] == {}
@@ -179,8 +179,8 @@ def test_a_compose_trial_builds_its_services_through_the_cache(
     task = compose_task(tmp_path, monkeypatch)
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
-        policy = SandboxPolicy(package_cache=service)
-        request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy))
+        spec = TrialSpec(task=task, trials_dir=tmp_path / "trials")
+        request = TrialRequest(spec, package_cache=service)
         result = run_trial(runtime, request)
         assert result.exception_info is None, result.exception_info
         db = service_tag(runtime)
@@ -253,15 +253,12 @@ def test_a_ray_node_makes_its_own_cache_for_its_prewarm_and_trials(tmp_path: Pat
     runtime = FakeRuntime()
     agent = node_agent(tmp_path, runtime)
     config = PackageCacheConfig(root=tmp_path / "cache")
-    # What the driver sends: picklable, and no service of the driver's process.
+    # What the driver sends: picklable, the plain policy and the cache's settings (a
+    # service never rides in a policy).
     driver = RayExecutor("127.0.0.1:1", package_cache=config)
-    with_service = PackageCacheService(PackageCacheConfig(root=tmp_path / "driver-cache"))
-    try:
-        policy, sent = driver._for_nodes(SandboxPolicy(package_cache=with_service))
-        assert policy.package_cache is None and sent == config
-        assert driver._for_nodes(None) == (SandboxPolicy(), config)
-    finally:
-        with_service.close()
+    policy, sent = driver._for_nodes(SandboxPolicy())
+    assert policy == SandboxPolicy() and sent == config
+    assert driver._for_nodes(None) == (SandboxPolicy(), config)
     spec = TrialSpec(task=task, trials_dir=tmp_path / "trials", policy=policy)
 
     async def scenario() -> tuple[Any, Any]:
@@ -344,11 +341,7 @@ def test_a_trial_runs_on_when_the_cache_cannot_mark_its_start_or_end(
     runtime = FakeRuntime()
     with cache_service(tmp_path) as service:
         request = TrialRequest(
-            TrialSpec(
-                task=task,
-                trials_dir=tmp_path / "trials",
-                policy=SandboxPolicy(package_cache=service),
-            )
+            TrialSpec(task=task, trials_dir=tmp_path / "trials"), package_cache=service
         )
         result = run_trial(runtime, request)
         assert result.exception_info is None, result.exception_info

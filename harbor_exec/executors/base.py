@@ -121,15 +121,15 @@ class TrialExecutor(Protocol):
         self, task: Task, deps: DepsLayer | None, policy: SandboxPolicy | None = None
     ) -> int:
         """Build the task's image (and ``deps`` on top) where trials run; returns how
-        many images were built. With ``policy``'s package cache (or the one
-        ``package_cache_service`` turned on) the build goes through it."""
+        many images were built. With the package cache ``package_cache_service`` turned on
+        the build goes through it (``policy``'s egress settings)."""
         ...
 
     def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
         """Turn the package cache on for this executor's trials and builds: the
-        service in this process (the caller puts it into ``SandboxPolicy`` and closes
-        it), or None when trials run elsewhere and each node runs one of its own from
-        ``config`` (Ray)."""
+        service in this process (the executor hands it to each trial request and build;
+        the caller closes it), or None when trials run elsewhere and each node runs one of
+        its own from ``config`` (Ray)."""
         ...
 
     async def aclose(self) -> None:
@@ -174,6 +174,9 @@ class AsyncTrialExecutor(ABC, Generic[H]):
         self._handles: set[H] = set()
         self._background_task: asyncio.Task[None] | None = None
         self._closed = False
+        #: The live package cache this executor's trials and builds go through (set by
+        #: ``package_cache_service``; None: off). Beside each trial request, never in a policy.
+        self.cache_service: PackageCacheService | None = None
 
     def submit(
         self,
@@ -211,11 +214,13 @@ class AsyncTrialExecutor(ABC, Generic[H]):
     async def _background(self) -> None: ...
 
     def package_cache_service(self, config: PackageCacheConfig) -> PackageCacheService | None:
-        """This process's service (trials run here); see ``TrialExecutor``."""
+        """This process's service (trials run here), kept as ``cache_service`` for the
+        trials and builds to come; see ``TrialExecutor``."""
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
         from harbor_exec.network.packages.service import PackageCacheService
 
-        return PackageCacheService(config)
+        self.cache_service = PackageCacheService(config)
+        return self.cache_service
 
     def _start_background(self) -> None:
         if self._background_task is not None or self._closed:

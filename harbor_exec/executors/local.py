@@ -33,6 +33,7 @@ from harbor_exec.executors.base import (
     TrialRun,
 )
 from harbor_exec.executors.spec import ModelEndpoint, TrialContent, TrialSecrets, trial_request
+from harbor_exec.network.packages.build_route import BuildCache, build_cache
 from harbor_exec.sandbox.deps import DepsLayer, ensure_deps_env
 from harbor_exec.sandbox.runtime import ContainerEngine, Mount
 from harbor_exec.tasks.task import Task
@@ -118,6 +119,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                     str(relay.socket_path) if relay is not None and use.socket_path else None
                 ),
                 relay_chat=_last_chat(relay) if relay is not None and use.record_chat else None,
+                package_cache=self.cache_service,
             )
 
             def work() -> TrialRun:
@@ -205,7 +207,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         self, task: Task, deps: DepsLayer | None, policy: SandboxPolicy | None = None
     ) -> int:
         def build() -> int:
-            image, built = ensure_task_image(self.runtime, task, policy)
+            image, built = ensure_task_image(self.runtime, task, self._build_cache(policy))
             if deps is None:
                 return int(built)
             _volume, deps_built = ensure_deps_env(self.runtime, deps, image)
@@ -220,11 +222,15 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         which only hosts the install); 1 when installed now."""
 
         def build() -> int:
-            image, built = ensure_task_image(self.runtime, task, policy)
+            image, built = ensure_task_image(self.runtime, task, self._build_cache(policy))
             _volume, layer_built = ensure_agent_layer(self.runtime, layer, image)
             return int(built) + int(layer_built)
 
         return await anyio.to_thread.run_sync(build, limiter=self._threads)
+
+    def _build_cache(self, policy: SandboxPolicy | None) -> BuildCache | None:
+        """How this executor's image builds reach its package cache (None: off)."""
+        return build_cache(self.cache_service, policy.egress if policy is not None else None)
 
     async def _background(self) -> None:
         """Reap periodically (owed removals, dead owners' containers), and poll the

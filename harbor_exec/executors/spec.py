@@ -21,7 +21,7 @@ import secrets as secrets_module
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from harbor_exec.agents.base import AgentInputs
@@ -30,6 +30,9 @@ from harbor_exec.sandbox.runtime import Mount
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
+
+if TYPE_CHECKING:
+    from harbor_exec.network.packages.service import PackageCacheService
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,15 @@ def trial_request(
     mounts: Sequence[Mount] = (),
     relay_socket: str | None = None,
     relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
+    package_cache: PackageCacheService | None = None,
 ) -> TrialRequest:
     """The runnable trial of ``spec`` on this machine: its agent (made by the spec's
     agent kind, ``AgentSpec.agent``) and verifier built from ``secrets`` and
     ``content``, with ``mounts`` in the agent's container (e.g. the model relay) and
     the kind's prepared layer; ``relay_socket``: the host path of the rollout's relay
     socket, and ``relay_chat``: the relay's record of the last chat call, each for an
-    agent whose ``AgentSpec.relay`` asks for it."""
+    agent whose ``AgentSpec.relay`` asks for it; ``package_cache``: this machine's live
+    cache, which the request carries beside the spec."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -147,7 +152,12 @@ def trial_request(
     # This machine's copies of what the spec names by key.
     local = replace(spec, task=task, trials_dir=content.trials_dir or spec.trials_dir, deps=deps)
     return TrialRequest(
-        local, agent=agent, verifier=verifier, secrets=list(secrets.scrub), mounts=mounts
+        local,
+        agent=agent,
+        verifier=verifier,
+        secrets=list(secrets.scrub),
+        mounts=mounts,
+        package_cache=package_cache,
     )
 
 

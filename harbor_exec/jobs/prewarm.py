@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -32,6 +32,7 @@ from harbor_exec.agents.native.config import IN_CONTAINER_AGENT_NAMES, is_in_con
 from harbor_exec.agents.native.layer import AgentLayer, ensure_agent_layer
 from harbor_exec.bundler.agent_wheels import prepare_agent_layer
 from harbor_exec.network.egress.plan import EgressSettings
+from harbor_exec.network.packages.build_route import build_cache
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.factory import run_trial
@@ -97,10 +98,7 @@ def prewarm_one(
     outcome."""
     started = time.monotonic()
     try:
-        policy = SandboxPolicy(package_cache=package_cache)
-        if egress is not None:
-            policy = replace(policy, egress=egress)
-        image, built = ensure_task_image(runtime, task, policy)
+        image, built = ensure_task_image(runtime, task, build_cache(package_cache, egress))
         if agent_layer is not None:
             _volume, layer_built = ensure_agent_layer(runtime, agent_layer, image)
             built = built or layer_built
@@ -122,14 +120,10 @@ def _fill_cache(
     egress: EgressSettings | None,
 ) -> str:
     """One oracle trial through ``cache`` in a scratch dir; what it fetched, as text."""
-    policy = SandboxPolicy(package_cache=cache)
-    if egress is not None:
-        policy = replace(policy, egress=egress)
+    policy = SandboxPolicy(egress=egress) if egress is not None else SandboxPolicy()
     with tempfile.TemporaryDirectory(prefix="hx-prewarm-") as scratch:
-        result = run_trial(
-            runtime,
-            TrialRequest(TrialSpec(task=task, trials_dir=Path(scratch), policy=policy)),
-        )
+        spec = TrialSpec(task=task, trials_dir=Path(scratch), policy=policy)
+        result = run_trial(runtime, TrialRequest(spec, package_cache=cache))
         stats_file = Path(scratch) / result.trial_name / "package-cache.json"
         fetched = stats_file.read_text() if stats_file.exists() else ""
     misses = int(json.loads(fetched).get("misses", 0)) if fetched else 0

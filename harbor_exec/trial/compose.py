@@ -53,7 +53,11 @@ from harbor_exec.errors import (
     HarborExecError,
     TaskConfigError,
 )
-from harbor_exec.network.packages.build_route import cache_build_options, merge_build_args
+from harbor_exec.network.packages.build_route import (
+    BuildCache,
+    cache_build_options,
+    merge_build_args,
+)
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -69,7 +73,7 @@ from harbor_exec.tasks.config import resolve_env
 from harbor_exec.tasks.task import Task
 
 if TYPE_CHECKING:
-    from harbor_exec.trial.policy import SandboxPolicy
+    pass
 
 COMPOSE_FILE = "docker-compose.yaml"
 MAIN = "main"
@@ -504,27 +508,27 @@ def service_image(
     task: Task,
     project: ComposeProject,
     name: str,
-    policy: SandboxPolicy | None = None,
+    cache: BuildCache | None = None,
 ) -> tuple[str, bool]:
     """Build (content-addressed, cached) or find the image ``name`` runs; ``(tag, built)``.
-    With ``policy.package_cache`` a build goes through the cache as a task image's does
+    With ``cache`` a build goes through the package cache as a task image's does
     (``build_route``); the service's own build args win over the proxy's."""
     service = project.services[name]
     if service.build is None:
         assert service.image is not None
         if service.image == main_image_tag(task) and name != MAIN:
-            return service_image(runtime, task, project, MAIN, policy)
+            return service_image(runtime, task, project, MAIN, cache)
         for other in project.services.values():
             # An image another service builds under that name (Compose shares it).
             if other.build is not None and other.image == service.image:
-                return service_image(runtime, task, project, other.name, policy)
+                return service_image(runtime, task, project, other.name, cache)
         runtime.ensure_present(service.image)
         return service.image, False
     context = Path(str(service.build.get("context") or project.environment_dir))
     args = {str(k): str(v) for k, v in (service.build.get("args") or {}).items() if v is not None}
     dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
     tag = _build_tag(task, service)
-    route = cache_build_options(runtime, task, policy, context / dockerfile, tag, context, args)
+    route = cache_build_options(runtime, task, cache, context / dockerfile, tag, context, args)
     result = runtime.ensure_image(
         context_dir=context,
         tag=tag,
@@ -541,14 +545,14 @@ def ensure_service_images(
     runtime: ContainerRuntime,
     task: Task,
     project: ComposeProject,
-    policy: SandboxPolicy | None = None,
+    cache: BuildCache | None = None,
 ) -> tuple[dict[str, str], int]:
     """Every service's image (prewarm builds them all): ``({service: image}, built)``;
-    builds through ``policy``'s package cache when it has one."""
+    builds through the package cache with ``cache``."""
     images: dict[str, str] = {}
     built = 0
     for name in sorted(project.services, key=lambda n: (n != MAIN, n)):
-        images[name], now = service_image(runtime, task, project, name, policy)
+        images[name], now = service_image(runtime, task, project, name, cache)
         built += now
     return images, built
 
@@ -560,12 +564,12 @@ def harbor_limits(task: Task) -> dict[str, Any]:
 
 
 def prepare_images(
-    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None = None
+    runtime: ContainerRuntime, task: Task, cache: BuildCache | None = None
 ) -> tuple[ComposeProject, dict[str, str], int]:
-    """The task's model and every service's image, built when missing (through
-    ``policy``'s package cache when it has one)."""
+    """The task's model and every service's image, built when missing (through the
+    package cache with ``cache``)."""
     project = load_project(task, **harbor_limits(task))
-    images, built = ensure_service_images(runtime, task, project, policy)
+    images, built = ensure_service_images(runtime, task, project, cache)
     return project, images, built
 
 

@@ -2,21 +2,19 @@
 one container runs under (``ContainerLimits.resolve``: the operator's overrides, else
 the task's own, else the operator's defaults).
 
-Its own module so that what reads the policy (the trial, compose environments, image
-builds through the package cache) needs nothing of the trial engine.
+Its own module so that what reads the policy (the trial, compose environments) needs
+nothing of the trial engine. It is plain data: live services (the package cache) travel
+beside a trial request (``TrialRequest.package_cache``), never inside the policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.sandbox.archives import VERIFIER_OUTPUT_LIMITS, OutputLimits
 from harbor_exec.tasks.config import EnvironmentConfig
-
-if TYPE_CHECKING:
-    from harbor_exec.network.packages.service import PackageCacheService
 
 #: Where a task's verifier runs: in the agent's container, or in a fresh one.
 VerifierMode = Literal["shared", "separate"]
@@ -73,8 +71,6 @@ class SandboxPolicy:
     deps_in_image: bool = False
     #: What the agent wrote: ``/logs/agent``, ``/logs/artifacts``, declared artifacts.
     output: OutputLimits = field(default_factory=OutputLimits)
-    #: The server's package cache (``harbor_exec.network.packages.session``); None: off.
-    package_cache: PackageCacheService | None = field(default=None, compare=False)
     #: The verifier's own ``/logs/verifier``, read first.
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
     #: Allowlisted networks' egress proxy (``harbor_exec.network.egress.plan``).

@@ -75,7 +75,7 @@ from harbor_exec.errors import (
 )
 from harbor_exec.network.egress.plan import ContainerKind, TrialEgress, network_plan
 from harbor_exec.network.egress.policy import EgressMode
-from harbor_exec.network.packages.build_route import cache_build_options
+from harbor_exec.network.packages.build_route import BuildCache, build_cache, cache_build_options
 from harbor_exec.sandbox.archives import (
     ArchiveEntry,
     ExtractReport,
@@ -103,7 +103,7 @@ from harbor_exec.trial.artifacts import CONVENTION_DIR, TrialArtifacts, remove_p
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
-from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy, VerifierMode
+from harbor_exec.trial.policy import ContainerLimits, VerifierMode
 from harbor_exec.trial.results import (
     AgentResult,
     ExceptionInfo,
@@ -118,6 +118,7 @@ from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
+    from harbor_exec.network.packages.service import PackageCacheService
     from harbor_exec.network.packages.session import TrialPackageCache
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
@@ -153,14 +154,14 @@ def new_trial_name(task_name: str) -> str:
 
 
 def ensure_task_image(
-    runtime: ContainerRuntime, task: Task, policy: SandboxPolicy | None = None
+    runtime: ContainerRuntime, task: Task, cache: BuildCache | None = None
 ) -> tuple[str, bool]:
-    """Build (or reuse) the task's image; returns ``(image, built_now)``. With
-    ``policy.package_cache`` (and a task that does not opt out) the build reaches the
-    internet through the cache (``harbor_exec.network.packages.build_gateway``)."""
+    """Build (or reuse) the task's image; returns ``(image, built_now)``. With ``cache``
+    (and a task that does not opt out) the build reaches the internet through the
+    package cache (``harbor_exec.network.packages.build_gateway``)."""
     env = task.config.environment
     if is_compose_task(task):  # every service's image (prewarm builds them all)
-        _project, images, built = prepare_images(runtime, task, policy)
+        _project, images, built = prepare_images(runtime, task, cache)
         return images["main"], built > 0
     dockerfile = task.dockerfile
     if dockerfile is None:
@@ -172,7 +173,7 @@ def ensure_task_image(
         tag=image_tag_for(task),
         timeout_sec=env.build_timeout_sec,
         labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
-        **cache_build_options(runtime, task, policy, dockerfile, image_tag_for(task)),
+        **cache_build_options(runtime, task, cache, dockerfile, image_tag_for(task)),
     )
     return result.tag, result.built
 
@@ -189,6 +190,9 @@ class TrialRequest:
     verifier: TestsVerifier | None = None  # None: the task's own tests/
     secrets: Sequence[str] = ()  # scrubbed from everything written under the trial dir
     mounts: Sequence[Mount] = ()  # into the agent's container only (e.g. the model relay)
+    #: This machine's live package cache (a service, beside the spec, never inside its
+    #: policy); None: the trial's fetches go straight to the network.
+    package_cache: PackageCacheService | None = None
 
 
 class Trial:
@@ -397,8 +401,12 @@ class Trial:
         """The verifier of ``task`` (the request's, else the task's own ``tests/``)."""
         return self.request.verifier or TestsVerifier(task.tests_dir)
 
+    def _build_cache(self) -> BuildCache | None:
+        """How this trial's image builds reach the package cache (None: they do not)."""
+        return build_cache(self.request.package_cache, self.request.spec.policy.egress)
+
     def _cache_session(self) -> TrialPackageCache | None:
-        service = self.request.spec.policy.package_cache
+        service = self.request.package_cache
         if service is None:
             return None
         # Imported here: the cache needs the server extra (httpx, h11, cryptography).
@@ -530,7 +538,7 @@ class Trial:
             )
         ):
             return spec
-        project, images, built = prepare_images(self.runtime, task, self.request.spec.policy)
+        project, images, built = prepare_images(self.runtime, task, self._build_cache())
         self.images_built += built
         compose = ComposeEnvironment(
             self.runtime,
@@ -613,7 +621,7 @@ class Trial:
             self._check_environment_fields()
             gpus = self._check_gpus()
             if request.spec.image is None:
-                self.image, built = ensure_task_image(self.runtime, task, request.spec.policy)
+                self.image, built = ensure_task_image(self.runtime, task, self._build_cache())
                 self.images_built += built
             if request.spec.deps is not None:
                 self.deps_volume, built = ensure_deps_env(

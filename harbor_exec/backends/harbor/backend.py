@@ -280,7 +280,6 @@ class HarborBackend(ExecutionBackend):
                 max_concurrent_trials=self.max_concurrent_trials,
                 pid_max=self.executor.pid_max,
             )
-            policy = replace(policy, package_cache=self.package_cache)
             self.trials_dir.mkdir(parents=True, exist_ok=True)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
             self.planner = TrialPlanner(

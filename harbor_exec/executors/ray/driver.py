@@ -302,14 +302,9 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
     def _for_nodes(
         self, policy: SandboxPolicy | None
     ) -> tuple[SandboxPolicy, PackageCacheConfig | None]:
-        """``policy`` as it travels (without a service of this process, which neither
-        pickles nor serves a node) and the cache settings the node makes its own from."""
-        policy = policy or SandboxPolicy()
-        config = self.package_cache
-        if policy.package_cache is not None:
-            config = config or policy.package_cache.config
-            policy = replace(policy, package_cache=None)
-        return policy, config
+        """``policy`` as it travels (plain data) and the cache settings each node makes
+        its own service from."""
+        return policy or SandboxPolicy(), self.package_cache
 
     def live_nodes(self) -> list[_Node]:
         with self._lock:

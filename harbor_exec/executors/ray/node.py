@@ -155,15 +155,11 @@ class NodePackageCache:
                 )
             return self.service
 
-    async def policy(
-        self, policy: SandboxPolicy, config: PackageCacheConfig | None
-    ) -> SandboxPolicy:
-        """``policy`` with the node's service as its package cache (``config`` None:
-        unchanged, the cache is off)."""
+    async def service_for(self, config: PackageCacheConfig | None) -> PackageCacheService | None:
+        """The node's service for work that came with ``config`` (None: the cache is off)."""
         if config is None:
-            return policy
-        service = await anyio.to_thread.run_sync(self.get, config)
-        return replace(policy, package_cache=service)
+            return None
+        return await anyio.to_thread.run_sync(self.get, config)
 
     def close(self) -> None:
         with self._lock:
@@ -280,10 +276,8 @@ class NodeAgent:
         def on_phase(phase: TrialPhase) -> None:
             loop.call_soon_threadsafe(phases.put_nowait, phase)
 
-        spec = replace(
-            call.spec, policy=await self.package_cache.policy(call.spec.policy, call.package_cache)
-        )
-        handle = self.local.submit(spec, secrets=secrets, content=content, on_phase=on_phase)
+        self.local.cache_service = await self.package_cache.service_for(call.package_cache)
+        handle = self.local.submit(call.spec, secrets=secrets, content=content, on_phase=on_phase)
         self._handles[name] = handle
         if name in self._cancelled:
             self.local.cancel(handle)
@@ -355,8 +349,7 @@ class NodeAgent:
         if deps is not None and deps_blob:
             wheelhouse = await self._unpacked("deps", deps_key(deps), deps_blob)
             deps = replace(deps, wheelhouse=wheelhouse)
-        if package_cache is not None:
-            policy = await self.package_cache.policy(policy or SandboxPolicy(), package_cache)
+        self.local.cache_service = await self.package_cache.service_for(package_cache)
         built = await self.local.prewarm(local_task, deps, policy)
         return NodePrewarm(
             built=built, images=await self._images(), package_cache=self.package_cache.report()

@@ -9,8 +9,9 @@ import it without a cycle (``trial`` imports ``compose``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from harbor_exec.network.egress.plan import EgressSettings
 from harbor_exec.network.packages.build_trust import TRUST_CONTEXT_DIR, trust_conflict
@@ -19,25 +20,33 @@ from harbor_exec.network.packages.session import CachedTask, wanted
 from harbor_exec.sandbox.dockerfile_syntax import buildkit_only_syntax
 from harbor_exec.sandbox.runtime import ContainerRuntime
 
-__all__ = ["cache_build_options", "merge_build_args"]
+__all__ = ["BuildCache", "build_cache", "cache_build_options", "merge_build_args"]
 
 logger = logging.getLogger(__name__)
 
 
-class CachePolicy(Protocol):
-    """What a build reads of the trial's sandbox policy (``SandboxPolicy``)."""
+@dataclass(frozen=True)
+class BuildCache:
+    """The live package cache an image build goes through, and the egress settings its
+    gateway dials with: what a build takes beside the task, never inside a policy."""
 
-    @property
-    def package_cache(self) -> PackageCacheService | None: ...
+    service: PackageCacheService
+    egress: EgressSettings = field(default_factory=EgressSettings)
 
-    @property
-    def egress(self) -> EgressSettings: ...
+
+def build_cache(
+    service: PackageCacheService | None, egress: EgressSettings | None = None
+) -> BuildCache | None:
+    """``BuildCache`` of ``service`` (None: builds go straight to the network)."""
+    if service is None:
+        return None
+    return BuildCache(service, egress or EgressSettings())
 
 
 def cache_build_options(
     runtime: ContainerRuntime,
     task: CachedTask,
-    policy: CachePolicy | None,
+    cache: BuildCache | None,
     dockerfile: Path,
     tag: str,
     context_dir: Path | None = None,
@@ -49,9 +58,9 @@ def cache_build_options(
     that opts out, an image already built, a Dockerfile only BuildKit builds, or a build
     that cannot trust the cache through build arguments (``build_trust.trust_conflict``:
     its Dockerfile or its own arguments set a CA variable)."""
-    if policy is None or policy.package_cache is None:
+    if cache is None:
         return {}
-    if not wanted(policy.package_cache, task) or runtime.image_exists(tag):
+    if not wanted(cache.service, task) or runtime.image_exists(tag):
         return {}  # a warm image needs no gateway started
     context_dir = context_dir or dockerfile.parent
     text = dockerfile.read_text(encoding="utf-8", errors="replace")
@@ -67,8 +76,8 @@ def cache_build_options(
     if reason is not None:
         logger.info("%s builds outside the package cache: %s %s", task.name, dockerfile, reason)
         return {}
-    egress = policy.egress
-    route = policy.package_cache.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
+    egress = cache.egress
+    route = cache.service.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
     name = dockerfile.resolve().relative_to(context_dir.resolve()).as_posix()
     return route.build_options(name, text)
 
