@@ -7,9 +7,13 @@
   Tests that reach the engine another way (a ``harbor-exec`` subprocess) carry
   the marker in their module.
 - The fast suite runs on pytest-xdist workers (``-n auto --dist worksteal`` in
-  pyproject.toml: two per core, plus one, because many tests wait on timers);
-  a run that selects engine tests runs in one process, because those tests
-  share one engine and time its containers.
+  pyproject.toml: two per core, plus one, because many tests wait on timers).
+  A run that selects engine tests schedules by group (``--dist loadgroup``): the
+  engine tests are one group, run one at a time on one worker, because they share
+  one engine and time its containers, while the other workers take the rest. (xdist
+  3.8 names an item's group in its node id, which pytest 9 no longer reads from
+  ``_nodeid``: ``_join_engine_group`` writes it where pytest 9 keeps it.) The
+  worker that ran them checks for leftovers and reports them to the controller.
 - Tests marked ``slow`` need no engine but spend seconds of CPU in real
   subprocesses: every real build (each test that uses the ``bundle_cache``
   fixture, and harbor-exec's own wheel: pip against the package index, build
@@ -29,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +46,8 @@ from tests.scheduling import long_first
 sys.dont_write_bytecode = False
 
 ENGINE_FIXTURES = frozenset({"docker_runtime"})
+ENGINE_GROUP = "engine"
+LEFTOVERS_ENV = "HARBOR_EXEC_TEST_LEFTOVERS"
 BUILD_FIXTURES = frozenset({"bundle_cache"})
 _EXCLUDES_ENGINE = re.compile(r"\bnot\s+docker\b")
 _NAMES_SLOW = re.compile(r"\bslow\b")
@@ -73,25 +80,49 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     # Before xdist's own pytest_configure, which starts the workers.
+    if not hasattr(config, "workerinput") and LEFTOVERS_ENV not in os.environ:
+        # Where the worker that ran the engine tests reports what they left (tests/conftest.py).
+        fd, path = tempfile.mkstemp(prefix="harbor-exec-leftovers-")
+        os.close(fd)
+        os.environ[LEFTOVERS_ENV] = path
     if not hasattr(config.option, "numprocesses"):
         return  # run with -p no:xdist
-    if not _EXCLUDES_ENGINE.search(config.option.markexpr or ""):
-        config.option.numprocesses = 0
-        config.option.dist = "no"
-        config.option.tx = []
+    if hasattr(config, "workerinput"):
+        return
+    if not _EXCLUDES_ENGINE.search(config.option.markexpr or "") and config.option.numprocesses:
+        # Engine tests share one engine and time its containers: they run one at a time,
+        # on one worker (the group "engine"), while the other workers take the rest.
+        config.option.dist = "loadgroup"
+
+
+def _engine_grouped(config: pytest.Config) -> bool:
+    """Whether this is an xdist worker of a run whose engine tests form one group."""
+    workerinput = getattr(config, "workerinput", None)
+    return bool(workerinput) and not _EXCLUDES_ENGINE.search(config.option.markexpr or "")
+
+
+def _join_engine_group(item: pytest.Item) -> None:
+    """Put ``item`` in xdist's group "engine": loadgroup reads the group after the node
+    id's "@". pytest 9 keeps a node id as a NodeId whose string is cached; xdist 3.8 still
+    sets the old ``_nodeid`` (now unused), so the suffix goes into the cached string."""
+    object.__setattr__(item._id, "_str_cache", f"{item.nodeid}@{ENGINE_GROUP}")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 2 * (os.cpu_count() or 1) + 1
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = _engine_grouped(config)
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if ENGINE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.docker)
         if BUILD_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
+        if grouped and item.get_closest_marker("docker") is not None:
+            _join_engine_group(item)
     if _fast_suite(config):
         kept: list[pytest.Item] = []
         slow: list[pytest.Item] = []

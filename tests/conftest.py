@@ -9,6 +9,7 @@ engine tests no container, network or volume of ours may remain;
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,15 +108,33 @@ def leftovers() -> list[str]:
     return found
 
 
+_ran_engine_tests = False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _ran_engine_tests
+    if item.get_closest_marker("docker") is not None:
+        _ran_engine_tests = True
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Only a session that ran engine tests can have left anything; the others (the
-    # fast suite, a collect-only run inside another session) do not ask the engine,
-    # which may be busy, or running an outer session's containers.
-    if session.config.option.collectonly or not any(
-        item.get_closest_marker("docker") is not None for item in session.items
-    ):
+    # Only the process that ran engine tests asks the engine (the fast suite's may share
+    # the engine with an outer session's containers); under xdist that is the worker of
+    # the group "engine", which reports to the controller through a file.
+    report = os.environ.get("HARBOR_EXEC_TEST_LEFTOVERS")
+    is_worker = hasattr(session.config, "workerinput")
+    if session.config.option.collectonly:
+        if not is_worker and report and os.path.exists(report):
+            os.unlink(report)
         return
-    remaining = leftovers()
+    remaining = leftovers() if _ran_engine_tests else []
+    if remaining and is_worker and report:
+        with open(report, "a", encoding="utf-8") as out:
+            out.writelines(f"{item}\n" for item in remaining)
+        return
+    if not is_worker and report and os.path.exists(report):
+        remaining += Path(report).read_text(encoding="utf-8").splitlines()
+        os.unlink(report)
     if remaining:
         print("\nharbor-exec objects left behind after the test session:", *remaining, sep="\n  ")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

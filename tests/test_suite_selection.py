@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,22 @@ def test_slow_tests_stay_when_asked_for_or_outside_the_fast_suite(
     items, deselected = _modify(markexpr, slow=slow)
     assert [item.name for item in items] == ["engine", "build", "plain"]
     assert deselected == []
+
+
+def test_engine_tests_run_on_one_worker_while_the_others_take_the_rest(tmp_path: Path) -> None:
+    record = tmp_path / "workers.txt"
+    env = {
+        **os.environ,
+        "ENGINE_GROUP_PROBE": str(record),
+        "DOCKER_HOST": "unix:///nonexistent",  # the leftover check finds no engine to ask
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "3",
+         "tests/engine_group_probe.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = dict(line.split() for line in record.read_text().splitlines())
+    assert len(ran) == 8
+    engine_workers = {worker for name, worker in ran.items() if name.startswith("engine")}
+    assert len(engine_workers) == 1 and engine_workers != {"main"}, ran
