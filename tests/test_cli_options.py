@@ -142,3 +142,19 @@ def test_the_sandbox_options_make_one_sandbox_config(monkeypatch: pytest.MonkeyP
     assert (given.default_cpus, given.default_nofile) == (1.5, 999)
     assert given.output.max_file_bytes == 2048
     assert given.default_memory_mb == SandboxConfig().default_memory_mb
+
+
+def test_help_falls_back_to_typers_panels_when_its_internals_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The panels read typer's private code: a typer where it moved (0.29 dropped
+    ``make_metavar`` from its options) still prints every option, never a traceback."""
+    from harbor_exec.cli import help as cli_help
+
+    def moved(param: Any, ctx: Any) -> Any:
+        raise AttributeError("'TyperOption' object has no attribute 'make_metavar'")
+
+    monkeypatch.setattr(cli_help, "_types", moved)
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "--tasks-dir" in result.output and "--package-cache-max-gb" in result.output

@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
-from typer._click.types import _NumberRangeBase  # typer carries its own click
 from typer.core import TyperArgument, TyperOption
 
-_typer_panel = rich_utils._print_options_panel
+_typer_panel = getattr(rich_utils, "_print_options_panel", None)
+# What ``options_panel`` reads of typer's rich_utils (private: checked, never assumed).
+_NEEDED = ("_print_options_panel", "_get_parameter_help", "highlighter", "negative_highlighter")
 
 
 def _names(param: Any) -> Text:
@@ -44,8 +45,9 @@ def _types(param: Any, ctx: Any) -> Text:
     metavar = param.make_metavar(ctx=ctx)
     if metavar and "bool" not in metavar.lower():
         types.append(metavar)
-    if isinstance(param.type, _NumberRangeBase):
-        described = param.type._describe_range()
+    describe = getattr(param.type, "_describe_range", None)  # click's IntRange, FloatRange
+    if callable(describe):
+        described = describe()
         if described:
             types.append(rich_utils.RANGE_STRING.format(described))
     return rich_utils.types_highlighter(types)
@@ -61,6 +63,7 @@ def options_panel(
 ) -> None:
     """One help panel: required mark, names, short names, type, help."""
     if not params or any(isinstance(param, TyperArgument) for param in params):
+        assert _typer_panel is not None  # install() checked it
         _typer_panel(name=name, params=params, ctx=ctx, markup_mode=markup_mode, console=console)
         return
     table = Table(
@@ -78,16 +81,14 @@ def options_panel(
     table.add_column(no_wrap=True)
     table.add_column()
     table.add_column(ratio=1)
-    for param in params:
-        row: list[Any] = [
-            _names(param),
-            _shorts(param),
-            _types(param, ctx),
-            rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode),
-        ]
-        if required:
-            mark = rich_utils.REQUIRED_SHORT_STRING if param.required else ""
-            row.insert(0, Text(mark, style=rich_utils.STYLE_REQUIRED_SHORT))
+    try:
+        rows = [_row(param, ctx, markup_mode, required) for param in params]
+    except (AttributeError, TypeError):
+        # A typer whose internals moved (they are private): its own panel, never a crash.
+        assert _typer_panel is not None  # install() checked it
+        _typer_panel(name=name, params=params, ctx=ctx, markup_mode=markup_mode, console=console)
+        return
+    for row in rows:
         table.add_row(*row)
     console.print(
         Panel(
@@ -99,6 +100,21 @@ def options_panel(
     )
 
 
+def _row(param: Any, ctx: Any, markup_mode: Any, required: bool) -> list[Any]:
+    row: list[Any] = [
+        _names(param),
+        _shorts(param),
+        _types(param, ctx),
+        rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode),
+    ]
+    if required:
+        mark = rich_utils.REQUIRED_SHORT_STRING if param.required else ""
+        row.insert(0, Text(mark, style=rich_utils.STYLE_REQUIRED_SHORT))
+    return row
+
+
 def install() -> None:
-    """Make typer print option panels with ``options_panel``."""
-    rich_utils._print_options_panel = options_panel
+    """Make typer print option panels with ``options_panel``, where this typer has the
+    internals it replaces (else typer's own panels stay: help still works, names may wrap)."""
+    if all(hasattr(rich_utils, name) for name in _NEEDED):
+        rich_utils._print_options_panel = options_panel
