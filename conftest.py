@@ -37,7 +37,7 @@ import tempfile
 
 import pytest
 
-from tests.scheduling import long_first
+from tests.scheduling import LEFTOVERS_ENV, long_first
 
 # Cache bytecode even where PYTHONDONTWRITEBYTECODE is set (some machines set it):
 # otherwise every xdist worker, and every runner or `serve` subprocess the tests
@@ -47,7 +47,6 @@ sys.dont_write_bytecode = False
 
 ENGINE_FIXTURES = frozenset({"docker_runtime"})
 ENGINE_GROUP = "engine"
-LEFTOVERS_ENV = "HARBOR_EXEC_TEST_LEFTOVERS"
 BUILD_FIXTURES = frozenset({"bundle_cache"})
 _EXCLUDES_ENGINE = re.compile(r"\bnot\s+docker\b")
 _NAMES_SLOW = re.compile(r"\bslow\b")

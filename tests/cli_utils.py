@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -12,10 +11,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from harbor_exec.cli.app import app
-
-with contextlib.suppress(ImportError):  # where commands register by import
-    from harbor_exec.cli import commands  # noqa: F401
+from harbor_exec.cli.app import app  # every command registered by name
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "harbor_exec.cli"]

@@ -22,6 +22,7 @@ from harbor_exec.sandbox.images import bootstrap
 from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from tests.fake_chat import FakeChat
 from tests.package_upstream import AptSigner
+from tests.scheduling import LEFTOVERS_ENV
 from tests.setup_files import TEST_PACKAGE_PATTERNS, TEST_PACKAGES, require_setup_files
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Only the process that ran engine tests asks the engine (the fast suite's may share
     # the engine with an outer session's containers); under xdist that is the worker of
     # the group "engine", which reports to the controller through a file.
-    report = os.environ.get("HARBOR_EXEC_TEST_LEFTOVERS")
+    report = os.environ.get(LEFTOVERS_ENV)
     is_worker = hasattr(session.config, "workerinput")
     if session.config.option.collectonly:
         if not is_worker and report and os.path.exists(report):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+#: The file (its path in this variable) where an xdist worker that ran engine tests
+#: reports what they left on the engine; the controller reads it (tests/conftest.py).
+LEFTOVERS_ENV = "HARBOR_EXEC_TEST_LEFTOVERS"
+
 
 def _seconds(item: pytest.Item) -> float:
     marker = item.get_closest_marker("long")
