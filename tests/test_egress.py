@@ -567,6 +567,14 @@ def test_a_replacement_upstream_gets_what_the_policy_admitted(make_proxy: Any) -
     ]
 
 
+def _command_line(pid: int) -> list[bytes]:
+    """The arguments of process ``pid``; none for a process that ended meanwhile."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
 def test_the_forwarder_runs_from_its_source_alone(make_proxy: Any, web: _Server) -> None:
     """How the trial starts it in a container: ``python -I -c SOURCE --socket S --port N``
     (no harbor_exec importable), detached; it pipes a fixed port to the proxy."""
@@ -597,8 +605,7 @@ def test_the_forwarder_runs_from_its_source_alone(make_proxy: Any, web: _Server)
     child = [
         int(pid)
         for pid in os.listdir("/proc")
-        if pid.isdigit()
-        and socket_path.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if pid.isdigit() and socket_path.encode() in _command_line(int(pid))
     ]
     assert len(child) == 1
     try:

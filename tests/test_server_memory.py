@@ -26,8 +26,10 @@ CONCURRENCY = 32
 RETENTION_SEC = 2.0
 LEASE_SEC = 3.0
 # uvicorn's keep-alive timers (one per request, cancelled but still queued in
-# the event loop until they are due) are let go after this.
-KEEP_ALIVE_SEC = 0.5
+# the event loop until they are due) are let go after this. uvicorn's default: the
+# client drops idle connections before it (4 s), so no request meets a connection
+# the server is closing (a shorter one made POSTs fail with "Server disconnected").
+KEEP_ALIVE_SEC = 5.0
 TIME_LIMIT_SEC = 150.0
 # Interpreter blocks allowed to remain (bounded caches); a leak of one block per
 # rollout would leave 10,000.
