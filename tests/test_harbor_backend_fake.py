@@ -247,7 +247,8 @@ def test_the_queue_bound_holds_for_submissions_at_once(tmp_path: Path) -> None:
 
 
 def test_rollout_status_and_cancel_rollouts_answer_as_osmosis_does(tmp_path: Path) -> None:
-    """``rollout_status``: queued / running while in flight, the terminal state after;
+    """``rollout_status``: queued / running while in flight, unknown after (the server
+    owns results);
     ``cancel_rollouts`` by ids, prefix or all: cancelled_queued, cancelled_running,
     not_found (unknown or finished: idempotent)."""
     from harbor_exec.protocol import ExecutionRequest
@@ -283,7 +284,8 @@ def test_rollout_status_and_cancel_rollouts_answer_as_osmosis_does(tmp_path: Pat
     assert got["by_ids"] == {"q-1": "cancelled_queued", "nope": "not_found"}
     assert got["by_prefix"] == {"run-1": "cancelled_running"}
     assert got["outcomes"] == ["cancelled", "cancelled"]
-    assert [s["status"] for s in got["after"]] == ["cancelled", "cancelled"]
+    # Finished: the server that ran them holds their results, not the backend.
+    assert got["after"] == (None, None)
     assert got["again"] == ({}, {"q-1": "not_found"})
 
 

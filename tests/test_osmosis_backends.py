@@ -1,14 +1,16 @@
-"""Backends written against osmosis-ai 0.3.8 behind our server, and backends' own
-``rollout_status``/``cancel_rollouts`` called by the server's status and cancel routes.
+"""Backends written against osmosis-ai 0.3.8 behind our server, their
+``rollout_status``/``cancel_rollouts`` pulled by the adapter for the server's status
+and cancel routes, and our own backends' pushed status and one cancel path.
 
-A custom backend (subclassing osmosis-ai's ``ExecutionBackend``, and one subclassing
-ours) holds each rollout until it is told to stop, tracks a status of its own
-(``grading``) that it never reports through the rollout context, stops rollouts
-itself with a message of its own, and keeps a finished rollout the server never
-held. Our server runs on 127.0.0.1 and the real osmosis-ai RolloutClient drives it;
-if the server did not call the overrides, the status would read ``running``, the
-cancelled result would carry the server's ``cancelled`` message and the retained
-rollout would be 404.
+A custom backend subclassing osmosis-ai's ``ExecutionBackend`` holds each rollout
+until it is told to stop, tracks a status of its own (``grading``) that it never
+reports through the rollout context, stops rollouts itself with a message of its
+own, and keeps a finished rollout the server never held. Our server runs on
+127.0.0.1 and the real osmosis-ai RolloutClient drives it; if the adapter did not
+pull the overrides, the status would read ``running``, the cancelled result would
+carry the server's ``cancelled`` message and the retained rollout would be 404.
+One subclassing ours pushes ``grading`` through its rollout context and stops the
+rollout in ``cancel``: the server alone holds the state.
 """
 
 from __future__ import annotations
@@ -38,9 +40,15 @@ from osmosis_ai.rollout.client import RolloutClient
 from osmosis_ai.rollout.types import ExecutionOutcome as OsmosisOutcome
 from osmosis_ai.rollout.types import ExecutionResult as OsmosisResult
 
+from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.osmosis import OsmosisBackend, as_backend
-from harbor_exec.protocol import POLLING_LEASE_HEADER, ExecutionOutcome, ExecutionResult
+from harbor_exec.protocol import (
+    POLLING_LEASE_HEADER,
+    ExecutionOutcome,
+    ExecutionResult,
+    RolloutStatus,
+)
 from harbor_exec.server import create_rollout_server
 
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
@@ -99,14 +107,28 @@ class OsmosisHoldingBackend(_Holding, OsmosisExecutionBackend):
 
 
 class OurHoldingBackend(_Holding, ExecutionBackend):
-    async def execute(self, request: Any) -> ExecutionOutcome:
-        how = await self.hold(request.id)
+    """Ours: pushes its status, stops a rollout in ``cancel``; never pulled."""
+
+    async def execute(
+        self, request: Any, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
+        assert rollout is not None and rollout.rollout_id == request.id
+        assert rollout.chat_completions_url == CHAT_URL  # given, not read from a context
+        hold = asyncio.create_task(self.hold(request.id))
+        await asyncio.to_thread(self.started_event(request.id).wait, 10)
+        rollout.update_status(RolloutStatus.GRADING)
+        how = await hold
         return ExecutionOutcome(workflow=ExecutionResult(status=how, err_message=STOP_MESSAGE))
+
+    def cancel(self, rollout_id: str) -> bool:
+        self.calls.append(("cancel", rollout_id))
+        return bool(self.cancel_rollouts(ids=[rollout_id]).get(rollout_id) != "not_found")
 
 
 @pytest.mark.parametrize("kind", ["osmosis-ai", "harbor-exec"])
 async def test_server_calls_the_backends_status_and_cancel(kind: str, tmp_path: Path) -> None:
     backend: _Holding = OsmosisHoldingBackend() if kind == "osmosis-ai" else OurHoldingBackend()
+    pulled = kind == "osmosis-ai"
     app = create_rollout_server(backend=backend, artifact_root=tmp_path, configure_logging=False)
     rollout_id = f"held-{uuid.uuid4().hex}"
     with serve(app) as url:
@@ -117,13 +139,18 @@ async def test_server_calls_the_backends_status_and_cancel(kind: str, tmp_path: 
             )
             assert await asyncio.to_thread(backend.started_event(rollout_id).wait, 10)
             async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                live = (await http.get(f"/rollout/{rollout_id}/status")).json()
+                live = await http.get(
+                    f"/rollout/{rollout_id}/status", params={"seen": "running", "wait": 10}
+                )
                 # The backend's own status; the server alone would say "running".
-                assert live["status"] == "grading"
+                assert live.json()["status"] == "grading"
                 retained = await http.get(f"/rollout/{RETAINED_ID}/status")
-                assert retained.status_code == 200
-                assert retained.json()["status"] == "success"
-                assert retained.json()["reward"] == 0.5
+                if pulled:
+                    assert retained.status_code == 200
+                    assert retained.json()["status"] == "success"
+                    assert retained.json()["reward"] == 0.5
+                else:  # ours are never pulled: the server alone holds rollouts
+                    assert retained.status_code == 404
                 unknown = await http.get("/rollout/never-seen/status")
                 assert unknown.status_code == 404
             await client.cancel_rollout(rollout_id)
@@ -131,7 +158,8 @@ async def test_server_calls_the_backends_status_and_cancel(kind: str, tmp_path: 
         finally:
             await client.aclose()
     assert ("cancel_rollouts", [rollout_id]) in backend.calls
-    assert ("rollout_status", rollout_id) in backend.calls
+    assert (("rollout_status", rollout_id) in backend.calls) is pulled
+    assert (("cancel", rollout_id) in backend.calls) is not pulled
     assert result.status.value == "cancelled"
     # The backend stopped it (its outcome's message), the server did not cancel its task.
     assert result.err_message == STOP_MESSAGE

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from harbor_exec.authoring import RolloutSample
+from harbor_exec.authoring import RolloutContext, RolloutSample
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.local import LocalBackend
 from harbor_exec.client import RolloutClient
@@ -598,7 +598,9 @@ class ScriptedBackend(ExecutionBackend):
     def __init__(self) -> None:
         self.shutdowns = 0
 
-    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
+    async def execute(
+        self, request: ExecutionRequest, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
         mode = (request.metadata or {}).get("mode")
         if mode == "raise":
             raise ValueError("backend refused the request")

@@ -1,20 +1,26 @@
 """The boundary between the rollout server and whatever runs rollouts.
 
-The server calls ``execute`` once per admitted rollout, inside an ambient
-``RolloutContext`` (see ``harbor_exec.authoring``) that carries the rollout id,
-the chat-completions URL and the LLM key. A backend reports progress through
-that context and returns the result; it never talks HTTP.
+The server calls ``execute(request, rollout)`` once per admitted rollout. ``rollout``
+(a ``harbor_exec.authoring.RolloutContext``) carries the rollout id, the
+chat-completions URL and the LLM key, and takes the backend's status reports; it is
+also the ambient context while ``execute`` runs, for workflow code that asks
+``get_rollout_context()``. A backend returns the result; it never talks HTTP.
 
-Status contract:
+The server owns every rollout's state. A backend only pushes transitions:
 
 * The server moves a rollout to ``running`` itself just before ``execute``,
   unless the backend sets ``reports_running = True``; then the rollout stays
-  ``queued`` until the backend calls ``set_status(RolloutStatus.RUNNING)`` when
-  the work really starts (so a cancel while waiting says ``cancelled_queued``).
-* Before grading, the backend calls
-  ``await harbor_exec.authoring.set_status(RolloutStatus.GRADING)``.
+  ``queued`` until the backend calls ``rollout.update_status(RolloutStatus.RUNNING)``
+  when the work really starts (so a cancel while waiting says ``cancelled_queued``).
+* Before grading, the backend calls ``rollout.update_status(RolloutStatus.GRADING)``.
 * Terminal statuses come from the returned ``ExecutionOutcome``; the backend
   must not set them itself.
+
+Cancelling has one path: the server asks ``cancel(rollout_id)``; a backend that
+stops the rollout itself answers True (``execute`` then returns a ``cancelled``
+outcome), otherwise the server cancels the ``execute`` task. osmosis-ai's pull hooks
+(``rollout_status``, ``cancel_rollouts``) live only in the adapter for its backends
+(``harbor_exec.backends.osmosis``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from harbor_exec.authoring import RolloutContext, get_rollout_context
 from harbor_exec.protocol import (
     BackendHealth,
     ExecutionOutcome,
@@ -39,6 +46,7 @@ __all__ = [
     "ExecutionBackend",
     "default_artifact_root",
     "local_artifact_root",
+    "rollout_of",
 ]
 
 
@@ -67,6 +75,13 @@ def local_artifact_root() -> Path:
     return Path.home() / ".osmosis"
 
 
+def rollout_of(request: ExecutionRequest, rollout: RolloutContext | None) -> RolloutContext:
+    """The rollout context ``execute`` was given; for a direct caller that gave none,
+    the ambient one (osmosis-ai's LocalBackend is driven that way), else a new one for
+    ``request.id`` (URL and key from the ``OSMOSIS_*`` environment)."""
+    return rollout or get_rollout_context() or RolloutContext(rollout_id=request.id)
+
+
 class ExecutionBackend(ABC):
     """Runs rollouts for the server. Only ``execute`` is required."""
 
@@ -75,16 +90,19 @@ class ExecutionBackend(ABC):
 
     reports_agent_start: ClassVar[bool] = False
     """True when the backend records the agent's start itself (``await
-    get_rollout_context().mark_agent_started(when)`` once its set-up is done); else the
-    server records the time ``execute`` begins."""
+    rollout.mark_agent_started(when)`` once its set-up is done); else the server
+    records the time ``execute`` begins."""
 
     @abstractmethod
-    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
+    async def execute(
+        self, request: ExecutionRequest, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
         """Run one rollout to its end and return its outcome.
 
-        Read the chat URL and key from ``get_rollout_context()``. Raising is
-        allowed: the server turns the exception into a ``failure`` with a
-        category from ``categorize_exception``. Cancellation arrives as
+        ``rollout`` holds the chat URL and key and takes status reports; the server
+        always passes it (a direct caller may leave it out: see ``rollout_of``). Raising is
+        allowed: the server turns the exception into a ``failure`` with a category
+        from ``categorize_exception``. Cancellation arrives as
         ``asyncio.CancelledError`` (unless ``cancel`` handles it).
         """
 
@@ -117,32 +135,8 @@ class ExecutionBackend(ABC):
     def cancel(self, rollout_id: str) -> bool:
         """Stop a rollout this backend is running; True when it handles the stop itself
         (``execute`` then returns a ``cancelled`` outcome). False (the default) makes
-        the server cancel the ``execute`` task instead. The server owns every
-        rollout's state: a backend only reports transitions through the rollout
-        context (``update_status``)."""
+        the server cancel the ``execute`` task instead."""
         return False
-
-    def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
-        """osmosis-ai 0.3.8's hook: the backend's own state of one rollout (``{"status":
-        ..., "reward": ..., "err_message": ...}``), None when it does not know it (the
-        default). The server asks it on ``GET /rollout/{id}/status`` (a live status the
-        backend tracks further than the server, or a rollout the server no longer
-        holds) and while cancelling (to tell finished work from unknown work)."""
-        return None
-
-    def cancel_rollouts(
-        self,
-        ids: Sequence[str] | None = None,
-        prefix: str | None = None,
-        all: bool = False,
-    ) -> dict[str, str]:
-        """osmosis-ai 0.3.8's hook: cancel matching rollouts, ``{id: "cancelled_queued" |
-        "cancelled_running" | "not_found"}``; ``{}`` (the default) means unsupported.
-        ``POST /rollout/cancel`` calls it with one id at a time; a disposition it returns
-        means the backend stops the rollout itself (``not_found`` only counts when
-        ``rollout_status`` reports a terminal state), otherwise the server goes on
-        with ``cancel`` and, failing that, cancels the ``execute`` task."""
-        return {}
 
     def health(self) -> BackendHealth:
         """Backend part of ``GET /health``; must not raise."""

@@ -28,7 +28,6 @@ from harbor_exec.authoring import (
     RolloutErrorCategory,
     RolloutSample,
     RolloutStatus,
-    get_rollout_context,
     resolve_import_path,
     run_workflow_once,
 )
@@ -38,6 +37,7 @@ from harbor_exec.backends.base import (
     ExecutionBackend,
     default_artifact_root,
     local_artifact_root,
+    rollout_of,
 )
 from harbor_exec.compat.osmosis import (
     as_grader_class,
@@ -192,11 +192,10 @@ class LocalBackend(ExecutionBackend):
 
     # ------------------------------------------------------------------ execution
 
-    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
-        context = get_rollout_context()
-        if context is None:
-            # Called directly (not by the server): still give workflows a context.
-            context = RolloutContext(rollout_id=request.id)
+    async def execute(
+        self, request: ExecutionRequest, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
+        context = rollout_of(request, rollout)
         # The caller's clock started at submission, so time spent waiting for a
         # slot comes off the workflow's budget.
         enqueued = time.monotonic()

@@ -5,25 +5,42 @@ run in the osmosis-ai object, through the methods its interface defines.
 ``OsmosisBackend`` wraps such an object into our ``ExecutionBackend``: ``execute`` runs
 inside the SDK's own ambient ``RolloutContext`` (same chat URL, key and id; its status
 changes reach the server), requests and outcomes are converted between the SDK's
-models and ours, and ``has_capacity``, ``health``, ``rollout_status``,
-``cancel_rollouts`` and ``shutdown`` are passed on. ``create_rollout_server`` wraps
-such a backend itself (``as_backend``). osmosis-ai stays optional: it is looked up in
-``sys.modules`` (an object of its classes has imported it already) and imported only
-when such a backend runs.
+models and ours, and ``has_capacity``, ``health`` and ``shutdown`` are passed on.
+osmosis-ai's servers pull a backend's state (``rollout_status``, ``cancel_rollouts``)
+where ours are pushed it: this adapter is the one place that pulls, for the status
+route (``live_status``, ``retained_state``) and for ``cancel``, as osmosis-ai's server
+does. ``create_rollout_server`` wraps such a backend itself (``as_backend``).
+osmosis-ai stays optional: it is looked up in ``sys.modules`` (an object of its
+classes has imported it already) and imported only when such a backend runs.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
-from harbor_exec.authoring import RolloutContext, get_rollout_context
-from harbor_exec.backends.base import ExecutionBackend
+from harbor_exec.authoring import RolloutContext
+from harbor_exec.backends.base import ExecutionBackend, rollout_of
 from harbor_exec.compat.osmosis import sdk_rollout_context
-from harbor_exec.protocol import BackendHealth, ExecutionOutcome, ExecutionRequest
+from harbor_exec.protocol import (
+    CANCEL_DISPOSITIONS,
+    TERMINAL_STATUSES,
+    BackendHealth,
+    CancelDisposition,
+    ExecutionOutcome,
+    ExecutionRequest,
+    RolloutStatus,
+    RolloutStatusResponse,
+)
 
 __all__ = ["OsmosisBackend", "as_backend", "is_osmosis_backend"]
+
+logger = logging.getLogger(__name__)
+
+# Live statuses in their order, to tell which of two is further on.
+_LIVE_ORDER: Final = {RolloutStatus.QUEUED: 0, RolloutStatus.RUNNING: 1, RolloutStatus.GRADING: 2}
+_FINISHED: Final = frozenset(status.value for status in TERMINAL_STATUSES)
 
 # Where osmosis-ai 0.3.8 defines its backend interface.
 _SDK_BACKEND_MODULE = "osmosis_ai.rollout.backend.base"
@@ -67,10 +84,12 @@ class OsmosisBackend(ExecutionBackend):
         # next to its artifacts, as osmosis-ai's server does.
         self.artifact_root = getattr(backend, "artifact_root", None)
 
-    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
+    async def execute(
+        self, request: ExecutionRequest, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
         from osmosis_ai.rollout.types import ExecutionRequest as SdkExecutionRequest
 
-        rollout = get_rollout_context() or RolloutContext(rollout_id=request.id)
+        rollout = rollout_of(request, rollout)
         sdk_request = SdkExecutionRequest.model_validate(request.model_dump())
         with sdk_rollout_context(rollout):
             sdk_outcome = await self.backend.execute(sdk_request)
@@ -86,18 +105,62 @@ class OsmosisBackend(ExecutionBackend):
         fields.setdefault("backend", f"osmosis:{type(self.backend).__name__}")
         return BackendHealth.model_validate(fields)
 
-    def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
-        state = self.backend.rollout_status(rollout_id)
-        return dict(state) if state is not None else None
+    # ------------------------------------------------------------------ pulled state
 
-    def cancel_rollouts(
-        self,
-        ids: Sequence[str] | None = None,
-        prefix: str | None = None,
-        all: bool = False,
-    ) -> dict[str, str]:
-        dispositions = self.backend.cancel_rollouts(ids=ids, prefix=prefix, all=all)
-        return {str(key): str(value) for key, value in (dispositions or {}).items()}
+    def _state(self, rollout_id: str) -> dict[str, Any] | None:
+        """The backend's ``rollout_status``; None when it does not know the rollout,
+        does not say, or fails."""
+        try:
+            state = self.backend.rollout_status(rollout_id)
+        except Exception:
+            logger.exception("rollout %s: backend.rollout_status failed", rollout_id)
+            return None
+        return dict(state) if isinstance(state, dict) else None
+
+    def live_status(self, rollout_id: str, server_status: RolloutStatus) -> RolloutStatus:
+        """The server's status of a running rollout, or the backend's when it tracks
+        one further on (e.g. ``grading`` it never reported through the context).
+        Terminal statuses still come only from ``execute``'s outcome."""
+        state = self._state(rollout_id)
+        try:
+            status = RolloutStatus(str(state.get("status"))) if state else None
+        except ValueError:
+            return server_status
+        if status is None or status in TERMINAL_STATUSES:
+            return server_status
+        if _LIVE_ORDER[status] > _LIVE_ORDER.get(server_status, 0):
+            return status
+        return server_status
+
+    def retained_state(self, rollout_id: str) -> RolloutStatusResponse | None:
+        """A rollout the server does not hold, as the backend reports it (e.g. kept
+        longer than the server's retention); None when it does not know it."""
+        state = self._state(rollout_id)
+        if state is None:
+            return None
+        fields = ("status", "reward", "err_message", "err_category")
+        try:
+            return RolloutStatusResponse.model_validate(
+                {"rollout_id": rollout_id, **{name: state.get(name) for name in fields}}
+            )
+        except ValueError:
+            logger.warning("rollout %s: backend.rollout_status gave %r", rollout_id, state)
+            return None
+
+    def cancel(self, rollout_id: str) -> bool:
+        """As osmosis-ai's server: the backend stops the rollout itself when
+        ``cancel_rollouts`` gives it a disposition. ``not_found`` only counts when
+        ``rollout_status`` says it finished (its result is on its way); for work not
+        started yet it means "not mine yet", and the server cancels the task."""
+        try:
+            disposition = self.backend.cancel_rollouts(ids=[rollout_id]).get(rollout_id)
+        except Exception:
+            logger.exception("rollout %s: backend.cancel_rollouts failed", rollout_id)
+            return False
+        if disposition == CancelDisposition.NOT_FOUND:
+            state = self._state(rollout_id)
+            return state is not None and str(state.get("status")) in _FINISHED
+        return disposition in CANCEL_DISPOSITIONS
 
     async def shutdown(self) -> None:
         await self.backend.shutdown()

@@ -12,14 +12,14 @@ import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from starlette.responses import Response
 
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend
+from harbor_exec.backends.osmosis import OsmosisBackend
 from harbor_exec.protocol import (
-    CANCEL_DISPOSITIONS,
     FEATURES_HEADER,
     STATUS_WAIT_FEATURE,
     TERMINAL_STATUSES,
@@ -94,9 +94,6 @@ _PASSED_TO_BACKEND: Final = (
     "grade",
 )
 
-# Live statuses in their order, to tell which of two is further on.
-_LIVE_ORDER: Final = {RolloutStatus.QUEUED: 0, RolloutStatus.RUNNING: 1, RolloutStatus.GRADING: 2}
-
 
 class RolloutService:
     """Admission, execution, leases and long-polls, results, restart recovery and
@@ -117,6 +114,8 @@ class RolloutService:
         store: RolloutStore | None = None,
     ) -> None:
         self.backend = backend
+        # osmosis-ai's backends are pulled for their status; ours push it.
+        self.osmosis = backend if isinstance(backend, OsmosisBackend) else None
         self.store = store
         self.result_retention_sec = result_retention_sec
         self.result_wait_timeout_sec = result_wait_timeout_sec
@@ -217,19 +216,19 @@ class RolloutService:
         parks until the status differs from ``seen`` (at most the result wait)."""
         entry = self.registry.get(rollout_id)
         if entry is None:
-            # Not (or no longer) held here: the backend may still know it.
-            held = self._backend_state(rollout_id)
+            # Not (or no longer) held here: an osmosis-ai backend may still know it.
+            held = self.osmosis.retained_state(rollout_id) if self.osmosis else None
             if held is None:
                 return error_response(404, "unknown rollout_id")
             return model_response(200, held)
-        reported = self._live_status(entry)
+        reported = self._reported_status(entry)
         if seen is not None and wait > 0 and seen is reported:
             # Parked on the server's own status, so a backend that reports a status of
             # its own cannot turn the long-poll into a busy loop.
             await self.registry.wait_for_change(
                 entry, entry.status, min(wait, self.result_wait_timeout_sec)
             )
-            reported = self._live_status(entry)
+            reported = self._reported_status(entry)
         final = entry.final
         state = RolloutStatusResponse(
             rollout_id=rollout_id,
@@ -240,52 +239,12 @@ class RolloutService:
         )
         return model_response(200, state)
 
-    def _backend_status_of(self, rollout_id: str) -> dict[str, Any] | None:
-        """The backend's ``rollout_status`` (osmosis-ai's hook); None when it does not
-        know the rollout, does not say, or fails."""
-        try:
-            state = self.backend.rollout_status(rollout_id)
-        except Exception:
-            logger.exception("rollout %s: backend.rollout_status failed", rollout_id)
-            return None
-        return state if isinstance(state, dict) else None
-
-    def _live_status(self, entry: RolloutEntry) -> RolloutStatus:
-        """The server's status, or the backend's while the rollout runs when it tracks
-        one further on (e.g. ``grading`` it never reported through the context).
-        Terminal statuses still come only from ``execute``'s outcome."""
-        if entry.final is not None:
+    def _reported_status(self, entry: RolloutEntry) -> RolloutStatus:
+        """The server's status; an osmosis-ai backend's own while it runs, when that
+        one is further on (it never pushes, osmosis-ai's servers pull)."""
+        if self.osmosis is None or entry.final is not None:
             return entry.status
-        state = self._backend_status_of(entry.rollout_id)
-        try:
-            status = RolloutStatus(str(state.get("status"))) if state else None
-        except ValueError:
-            status = None
-        if status is None or status in TERMINAL_STATUSES:
-            return entry.status
-        if _LIVE_ORDER[status] > _LIVE_ORDER.get(entry.status, 0):
-            return status
-        return entry.status
-
-    def _backend_state(self, rollout_id: str) -> RolloutStatusResponse | None:
-        """A rollout the server does not hold, as the backend's ``rollout_status``
-        reports it (e.g. retained longer than the server's retention)."""
-        state = self._backend_status_of(rollout_id)
-        if state is None:
-            return None
-        try:
-            return RolloutStatusResponse.model_validate(
-                {
-                    "rollout_id": rollout_id,
-                    "status": state.get("status"),
-                    "reward": state.get("reward"),
-                    "err_message": state.get("err_message"),
-                    "err_category": state.get("err_category"),
-                }
-            )
-        except ValueError:
-            logger.warning("rollout %s: backend.rollout_status gave %r", rollout_id, state)
-            return None
+        return self.osmosis.live_status(entry.rollout_id, entry.status)
 
     # ------------------------------------------------------------------ execution
 
@@ -308,7 +267,7 @@ class RolloutService:
             context.record_agent_start()
         try:
             with context:
-                outcome = await self.backend.execute(execution)
+                outcome = await self.backend.execute(execution, context)
             result = outcome.result
             to_save = outcome.result_to_save
         except asyncio.CancelledError:
@@ -402,27 +361,10 @@ class RolloutService:
                 dispositions[rollout_id] = self._cancel_execution(entry)
         return dispositions
 
-    def _backend_cancel(self, rollout_id: str) -> str | None:
-        """osmosis-ai's hook, as its server uses it: the disposition of a backend that
-        stops the rollout itself (``cancel_rollouts``), else None. ``not_found`` only
-        counts when ``rollout_status`` says the rollout finished (its result is then
-        on its way); for work not started yet it means "not mine yet"."""
-        try:
-            disposition = self.backend.cancel_rollouts(ids=[rollout_id]).get(rollout_id)
-        except Exception:
-            logger.exception("rollout %s: backend.cancel_rollouts failed", rollout_id)
-            return None
-        if disposition == CancelDisposition.NOT_FOUND:
-            state = self._backend_status_of(rollout_id)
-            finished = {status.value for status in TERMINAL_STATUSES}
-            if state is None or str(state.get("status")) not in finished:
-                return None
-        return disposition if disposition in CANCEL_DISPOSITIONS else None
-
     def _cancel_execution(self, entry: RolloutEntry) -> str:
+        """The one cancel path: the backend stops the rollout itself (``cancel`` says
+        True), else its ``execute`` task is cancelled."""
         entry.cancel_requested = True
-        if (own := self._backend_cancel(entry.rollout_id)) is not None:
-            return own
         disposition: str = (
             CancelDisposition.CANCELLED_QUEUED
             if entry.status is RolloutStatus.QUEUED
@@ -434,8 +376,12 @@ class RolloutService:
             logger.exception("rollout %s: backend cancellation failed", entry.rollout_id)
             handled = False
         task = entry.task
-        live = task is not None and not task.done() and task is not asyncio.current_task()
-        if not handled and live and task is not None:
+        if (
+            not handled
+            and task is not None
+            and not task.done()
+            and task is not asyncio.current_task()
+        ):
             task.cancel()
         return disposition
 

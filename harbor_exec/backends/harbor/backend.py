@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -47,9 +46,8 @@ from harbor_exec.authoring import (
     RolloutContext,
     RolloutErrorCategory,
     RolloutStatus,
-    get_rollout_context,
 )
-from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
+from harbor_exec.backends.base import ExecutionBackend, default_artifact_root, rollout_of
 from harbor_exec.backends.harbor.config import HarborConfig, check_agent_choice
 from harbor_exec.backends.harbor.constructor import HarborKeywords, harbor_config
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
@@ -111,10 +109,6 @@ class HarborHealth(BackendHealth):
     image_builder: str | None = None
     nodes: list[NodeStatus] | None = None  # per node, on a cluster
     blocked_tasks: dict[str, str] = Field(default_factory=dict)
-
-
-#: How many finished rollouts ``rollout_status`` still knows.
-_FINISHED_RETAINED = 10_000
 
 
 @dataclass
@@ -217,10 +211,9 @@ class HarborBackend(ExecutionBackend):
         self.planner: TrialPlanner | None = None
         self._start_lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
-        #: Rollouts the server admitted (``reserve``) until their task ended (``release``).
+        #: Places taken at admission (``reserve``) until the rollout's task ended
+        #: (``release``): capacity only; the server owns every rollout's state.
         self._reserved: set[str] = set()
-        #: Finished rollouts' terminal states for ``rollout_status``, oldest first.
-        self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._slots = asyncio.Semaphore(self.max_concurrent_trials)
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
@@ -313,25 +306,23 @@ class HarborBackend(ExecutionBackend):
 
     # ----------------------------------------------------------------- execute
 
-    async def execute(self, request: ExecutionRequest) -> ExecutionOutcome:
-        context = get_rollout_context()
+    async def execute(
+        self, request: ExecutionRequest, rollout: RolloutContext | None = None
+    ) -> ExecutionOutcome:
         pending = _Pending(task=asyncio.current_task())
         self._pending[request.id] = pending
         admitted = time.monotonic()
-        outcome: ExecutionOutcome | None = None
         try:
-            outcome = await self._execute(request, pending, admitted, context)
-            return outcome
+            return await self._execute(request, pending, admitted, rollout_of(request, rollout))
         finally:
             self._pending.pop(request.id, None)
-            self._retain(request.id, outcome)
 
     async def _execute(
         self,
         request: ExecutionRequest,
         pending: _Pending,
         admitted: float,
-        context: RolloutContext | None,
+        context: RolloutContext,
     ) -> ExecutionOutcome:
         if self._shutting_down:
             raise RuntimeError("the Harbor backend is shutting down")
@@ -350,9 +341,8 @@ class HarborBackend(ExecutionBackend):
         try:
             async with self._slots:
                 pending.started = True
-                if context is not None:
-                    context.update_status(RolloutStatus.RUNNING)
-                return await self._run(request, plan, pending, admitted)
+                context.update_status(RolloutStatus.RUNNING)
+                return await self._run(request, plan, pending, admitted, context)
         except asyncio.CancelledError:
             if not pending.cancel_requested:
                 raise
@@ -363,23 +353,10 @@ class HarborBackend(ExecutionBackend):
 
     # ----------------------------------------------------------------- status, cancel
 
-    def _retain(self, rollout_id: str, outcome: ExecutionOutcome | None) -> None:
-        """Keep a finished rollout's terminal state for ``rollout_status`` (bounded)."""
-        if outcome is None:  # execute raised: the server reports the failure
-            state: dict[str, Any] = {"status": RolloutStatus.FAILURE, "reward": None}
-        else:
-            result = outcome.result
-            reward = result.sample.reward if result.sample is not None else None
-            state = {"status": result.status, "reward": reward, "err_message": result.err_message}
-        self._finished[rollout_id] = state
-        self._finished.move_to_end(rollout_id)
-        while len(self._finished) > _FINISHED_RETAINED:
-            self._finished.popitem(last=False)
-
     def rollout_status(self, rollout_id: str) -> dict[str, Any] | None:
-        """Live or retained state of one rollout, as osmosis-ai's HarborBackend gives
-        it: ``{"status": queued|running|grading}`` while it runs, ``{"status", "reward",
-        "err_message"}`` once finished (the last 10,000), None when unknown."""
+        """osmosis-ai's HarborBackend method, for a caller that drives this backend
+        without our server: ``{"status": queued|running|grading}`` while the rollout is
+        in flight, None otherwise (its result is the server's, which owns it)."""
         pending = self._pending.get(rollout_id)
         if pending is not None:
             if pending.grading:
@@ -387,8 +364,7 @@ class HarborBackend(ExecutionBackend):
             return {"status": RolloutStatus.RUNNING if pending.started else RolloutStatus.QUEUED}
         if rollout_id in self._reserved:
             return {"status": RolloutStatus.QUEUED}
-        state = self._finished.get(rollout_id)
-        return dict(state) if state is not None else None
+        return None
 
     def cancel_rollouts(
         self,
@@ -417,20 +393,23 @@ class HarborBackend(ExecutionBackend):
         return dispositions
 
     async def _run(
-        self, request: ExecutionRequest, plan: RolloutPlan, pending: _Pending, admitted: float
+        self,
+        request: ExecutionRequest,
+        plan: RolloutPlan,
+        pending: _Pending,
+        admitted: float,
+        context: RolloutContext,
     ) -> ExecutionOutcome:
-        context = get_rollout_context()
         loop = asyncio.get_running_loop()
 
         def on_phase(phase: TrialPhase) -> None:
             # From the trial's thread: the agent phase begins after image, container
             # and set-up, which is when its agent started.
-            if phase is TrialPhase.AGENT and context is not None:
+            if phase is TrialPhase.AGENT:
                 loop.call_soon_threadsafe(context.record_agent_start, datetime.now(UTC))
             if phase is TrialPhase.VERIFIER:
                 pending.grading = True
-                if context is not None:
-                    loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
+                loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
 
         trial = plan.trial
         if request.agent_timeout_sec is not None:

@@ -190,7 +190,7 @@ class TrialPlanner:
         self.relay_extra_routes = relay_extra_routes
 
     def plan(
-        self, request: ExecutionRequest, resolved: ResolvedTask, context: RolloutContext | None
+        self, request: ExecutionRequest, resolved: ResolvedTask, context: RolloutContext
     ) -> RolloutPlan:
         task, task_id = resolved.task, resolved.task_id
         bundle = self.bundle
@@ -275,14 +275,13 @@ class TrialPlanner:
         return RolloutPlan(task_id, trial, trial_secrets, content, outcome)
 
 
-def _model_endpoint(
-    context: RolloutContext | None, extra_routes: tuple[str, ...] = ()
-) -> ModelEndpoint:
-    url = context.chat_completions_url if context else ""
+def _model_endpoint(context: RolloutContext, extra_routes: tuple[str, ...] = ()) -> ModelEndpoint:
+    """The rollout's model (URL and key, as the request gave them) for the relay."""
+    url = context.chat_completions_url
     if not url:
         raise RolloutRejected("chat_completions_url is empty; the workflow needs an endpoint")
     try:
-        return model_endpoint(url, context.api_key if context else None, extra_routes)
+        return model_endpoint(url, context.api_key, extra_routes)
     except ValueError as exc:
         raise RolloutRejected(str(exc)) from None
 
