@@ -119,23 +119,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Only the process that ran engine tests asks the engine (the fast suite's may share
-    # the engine with an outer session's containers); under xdist that is the worker of
-    # the group "engine", which reports to the controller through a file.
+    # Only a run that ran engine tests asks the engine (the fast suite's may share the
+    # engine with an outer session's containers). Under xdist the workers of the engine
+    # groups say so through a file, and the controller asks once every worker ended (a
+    # worker that finished early would see the other group's containers at work).
     report = os.environ.get(LEFTOVERS_ENV)
     is_worker = hasattr(session.config, "workerinput")
     if session.config.option.collectonly:
         if not is_worker and report and os.path.exists(report):
             os.unlink(report)
         return
-    remaining = leftovers() if _ran_engine_tests else []
-    if remaining and is_worker and report:
-        with open(report, "a", encoding="utf-8") as out:
-            out.writelines(f"{item}\n" for item in remaining)
+    if is_worker and report:
+        if _ran_engine_tests:
+            with open(report, "a", encoding="utf-8") as out:
+                out.write("ran engine tests\n")
         return
-    if not is_worker and report and os.path.exists(report):
-        remaining += Path(report).read_text(encoding="utf-8").splitlines()
+    ran = _ran_engine_tests
+    if report and os.path.exists(report):
+        ran = ran or bool(Path(report).read_text(encoding="utf-8").strip())
         os.unlink(report)
+    remaining = leftovers() if ran else []
     if remaining:
         print("\nharbor-exec objects left behind after the test session:", *remaining, sep="\n  ")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 #: The file (its path in this variable) where an xdist worker that ran engine tests
-#: reports what they left on the engine; the controller reads it (tests/conftest.py).
+#: says so; the controller then checks what they left on the engine (tests/conftest.py).
 LEFTOVERS_ENV = "HARBOR_EXEC_TEST_LEFTOVERS"
 
 
