@@ -285,10 +285,25 @@ def test_forbidden_addresses() -> None:
         "::ffff:127.0.0.1",
         "::ffff:10.0.0.1",
         "2002:7f00:1::",
+        # Translations of private IPv4 (a NAT64 host reaches 10.0.0.1 through them) and
+        # ranges refused whatever they embed (IPv4-compatible, SIIT, local-use NAT64,
+        # site-local).
+        "64:ff9b::a00:1",
+        "64:ff9b::7f00:1",
+        "64:ff9b::a9fe:a9fe",
+        "64:ff9b:1::a00:1",
+        "64:ff9b:1:ffff::808:808",
+        "::10.0.0.1",
+        "::8.8.8.8",
+        "::ffff:0:10.0.0.1",
+        "::ffff:0:8.8.8.8",
+        "fec0::1",
+        "feff::1",
         "not-an-address",
     ]:
         assert is_forbidden_address(address), address
-    for address in ["93.184.215.14", "2606:4700::1111", "1.1.1.1"]:
+    # A public IPv4 address stays public through the well-known NAT64 prefix.
+    for address in ["93.184.215.14", "2606:4700::1111", "1.1.1.1", "64:ff9b::101:101"]:
         assert not is_forbidden_address(address), address
     assert ipaddress.ip_address("93.184.215.14").is_global
 
@@ -417,6 +432,13 @@ def test_origin_form_and_malformed_requests_are_400(make_proxy: Any) -> None:
         b"GET https://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
         b"GET http://user@allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
         b"CONNECT allowed.test HTTP/1.1\r\nHost: h\r\n\r\n",
+        # Anything but host and port in a CONNECT target (a fragment, a user, a path).
+        b"CONNECT allowed.test:443#evil.test HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"CONNECT allowed.test:443/evil.test HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"CONNECT evil.test@allowed.test:443 HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"CONNECT allowed.test:443?evil.test HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"CONNECT allowed.test:0 HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"CONNECT allowed.test:70000 HTTP/1.1\r\nHost: h\r\n\r\n",
         b"NOT HTTP AT ALL\r\n\r\n",
     ):
         with socket.create_connection(("127.0.0.1", setup.port), timeout=10) as raw:

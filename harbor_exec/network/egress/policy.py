@@ -17,7 +17,9 @@ matches a hostname entry.
 
 ``is_forbidden_address`` is the proxy's SSRF guard: every address that is not
 globally routable (loopback, private, link-local, CGNAT, multicast, reserved,
-unspecified, and their IPv4-mapped IPv6 forms) is refused after resolution
+unspecified, and every IPv6 form that embeds or translates such an IPv4 address:
+mapped, 6to4, NAT64; IPv4-compatible, SIIT, local-use NAT64 and site-local IPv6 at
+all) is refused after resolution
 unless the destination came from the operator's resolver override.
 """
 
@@ -64,15 +66,30 @@ def is_address(text: str) -> bool:
     return ip_literal(text) is not None
 
 
+#: IPv6 ranges refused whatever they embed: IPv4-compatible (deprecated), SIIT's
+#: IPv4-translated, local-use NAT64 (RFC 8215) and the deprecated site-local range.
+_REFUSED_IPV6 = tuple(
+    ipaddress.IPv6Network(net)
+    for net in ("::/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "fec0::/10")
+)
+#: The well-known NAT64 prefix (RFC 6052): it reaches the IPv4 address in its last 32 bits.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
 def is_forbidden_address(address: str) -> bool:
-    """Whether ``address`` (an IP literal) is not a public internet address."""
+    """Whether ``address`` (an IP literal) is not a public internet address. An IPv6
+    address that embeds an IPv4 one (mapped, 6to4, NAT64) is judged by that address."""
     parsed = ip_literal(address)
     if parsed is None:
         return True
     if isinstance(parsed, ipaddress.IPv6Address):
-        mapped = parsed.ipv4_mapped or parsed.sixtofour
-        if mapped is not None:
-            return is_forbidden_address(str(mapped))
+        if any(parsed in net for net in _REFUSED_IPV6):
+            return True
+        embedded = parsed.ipv4_mapped or parsed.sixtofour
+        if parsed in _NAT64:
+            embedded = ipaddress.IPv4Address(int(parsed) & 0xFFFFFFFF)
+        if embedded is not None:
+            return is_forbidden_address(str(embedded))
     return not parsed.is_global or parsed.is_multicast
 
 

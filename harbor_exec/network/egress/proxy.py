@@ -40,6 +40,7 @@ import contextlib
 import datetime
 import json
 import logging
+import re
 import socket
 import threading
 import typing
@@ -771,27 +772,21 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
 
 
+#: A CONNECT target: a name or an address (IPv6 in brackets), a colon and a port;
+#: nothing else (no user, path, query or fragment: ``good.test:443#evil.test``).
+_CONNECT_AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
 def _split_authority(target: bytes) -> tuple[str, int]:
-    """``host:port`` of a CONNECT (port required), or a 400."""
+    """``host:port`` of a CONNECT (port required, nothing around them), or a 400."""
     text = target.decode("ascii", "replace")
-    parts = urlsplit(f"//{text}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if (
-        not parts.hostname
-        or port is None
-        or port == 0
-        or parts.username is not None
-        or parts.path
-        or parts.query
-        or "@" in text
-    ):
+    matched = _CONNECT_AUTHORITY.fullmatch(text)
+    port = int(matched.group(2)) if matched else 0
+    if matched is None or not 0 < port < 65536:
         raise _Answer(
             400, f"harbor-exec egress proxy: CONNECT needs host:port, got {text[:200]!r}\n"
         )
-    return normalize_host(parts.hostname), port
+    return normalize_host(matched.group(1)), port
 
 
 def _split_absolute(target: bytes) -> tuple[str, int, bytes]:
