@@ -33,6 +33,7 @@ __all__ = [
     "Readable",
     "UnixListener",
     "UnixServer",
+    "abort",
     "lingering_close",
     "next_event",
     "send_error_answer",
@@ -145,6 +146,13 @@ async def next_event(
         conn.receive_data(data)
         if gone is not None and not data and conn.their_state is h11.SEND_BODY:
             raise gone
+
+
+def abort(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection at once. A transport asyncio already tore down has nothing
+    left to drop (3.12's ``abort`` then fails on the loop it let go)."""
+    with contextlib.suppress(AttributeError, RuntimeError):
+        writer.transport.abort()
 
 
 async def lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -355,7 +363,7 @@ class UnixServer:
             or self.turns_away()
         ):
             self.on_turned_away()
-            writer.transport.abort()
+            abort(writer)
             return
         self._connections.add(task)
         self._writers.add(writer)
@@ -375,4 +383,4 @@ class UnixServer:
         finally:
             self._writers.discard(writer)
             self._connections.discard(task)
-            writer.transport.abort()
+            abort(writer)

@@ -65,6 +65,7 @@ from harbor_exec.network.http11 import (
     HOP_BY_HOP,
     READ_SIZE,
     UnixServer,
+    abort,
     next_event,
     send_error_answer,
 )
@@ -238,7 +239,7 @@ class _GuardedStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError(str(exc)) from None
 
     async def aclose(self) -> None:
-        self._writer.transport.abort()
+        abort(self._writer)
 
     async def start_tls(
         self,
@@ -450,7 +451,7 @@ class DirectUpstream:
         try:
             await pipe_both_ways(client, (reader, writer), context)
         finally:
-            writer.transport.abort()
+            abort(writer)
 
 
 def _authority(host: str, port: int) -> bytes:
