@@ -90,6 +90,13 @@ class AgentEndedContainerError(TrialError):
     environment's: it is restarted (every process gone, files kept) and verified."""
 
 
+class StepPreparationError(TrialError):
+    """A later step of a multi-step task could not be prepared (its ``setup.sh``, its
+    healthcheck or its workdir) in the container an earlier step's agent had: the
+    agent's doing (it may have broken the container on purpose). That step and every
+    step it stops count 0 in the trial's reward, so no step can be dropped from the mean."""
+
+
 class HealthcheckError(TrialError):
     """``[environment.healthcheck]`` kept failing after its start period (Harbor's)."""
 
@@ -219,6 +226,9 @@ POLICIES: dict[str, ErrorPolicy] = {
     # Ours. The agent filled its disk budget: its own doing, like a timeout (not
     # retried, it would do it again; graded, so the policy learns what it cost).
     "DiskBudgetExceededError": _policy(False, True, True, "agent_error", _AGENT),
+    # Ours. A later step could not be prepared after an earlier agent ran: the agent's
+    # doing; the steps it stops count 0, so the trial's reward stands.
+    "StepPreparationError": _policy(False, True, True, "agent_error", _AGENT),
     # Ours. Infrastructure faults: nothing in the container can be trusted to grade,
     # and a trainer may retry them elsewhere.
     "EngineUnavailableError": _policy(True, False, False, "internal_error", None),

@@ -265,7 +265,7 @@ class FakeRuntime:
     def image_labels(self, tag: str) -> Mapping[str, str]:
         return {}
 
-    def ensure_present(self, image: str) -> None:
+    def ensure_present(self, image: str, *, any_registry: bool = False) -> None:
         self.images.add(image)
 
     def fill_volume(self, fill: VolumeFill, image: str) -> bool:

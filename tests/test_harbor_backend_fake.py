@@ -177,7 +177,9 @@ class FakeClock:
     ("agent_timeout_sec", "queued_sec", "agent_budget_sec", "status"),
     [
         (30.0, 12.5, 17.5, "success"),  # the wait comes off the request's deadline
-        (30.0, 45.0, 0.0, "failure"),  # a deadline spent in the queue: the agent times out
+        # A deadline spent in the queue: the agent times out, and the verifier's reward
+        # stands (the timeout is named beside it).
+        (30.0, 45.0, 0.0, "timed-out"),
         (None, 12.5, TASK_AGENT_TIMEOUT_SEC, "success"),  # the task's own timeout is kept
     ],
 )
@@ -213,9 +215,13 @@ def test_queue_time_comes_off_the_agent_deadline(
     unqueued = TASK_AGENT_TIMEOUT_SEC if agent_timeout_sec is None else agent_timeout_sec
     assert agent_deadlines == {"first": unqueued, "second": agent_budget_sec}
     assert first.status == "success"
-    assert second.status == status
-    if status == "failure":
-        assert second.err_category == "timeout"
+    assert second.status == "success"
+    agent_error = second.sample.extra_fields.get("agent_error") if second.sample else None
+    if status == "timed-out":
+        assert agent_error is not None and agent_error["category"] == "timeout", agent_error
+        assert second.sample is not None and second.sample.reward is not None
+    else:
+        assert agent_error is None
 
 
 def test_the_queue_bound_holds_for_submissions_at_once(tmp_path: Path) -> None:

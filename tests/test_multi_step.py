@@ -200,6 +200,21 @@ def test_reward_strategies() -> None:
     assert select_reward("mean", []) is None
 
 
+def test_forfeited_steps_count_zero() -> None:
+    """A step the agent left unpreparable, and the steps it stops, count 0: the mean
+    cannot be raised by dropping them; ``final`` is 0."""
+    steps = [
+        StepResult(step_name="a", verifier_result=VerifierResult(rewards={"reward": 1, "x": 1})),
+        StepResult(step_name="b"),  # could not be prepared after a's agent
+    ]
+    mean = select_reward(None, steps, forfeited=2)  # b, and c that it stopped
+    assert mean is not None and mean.rewards == {"reward": 1 / 3, "x": 1 / 3}
+    final = select_reward("final", steps, forfeited=2)
+    assert final is not None and final.rewards == {"reward": 0.0, "x": 0.0}
+    alone = select_reward("mean", [StepResult(step_name="a")], forfeited=1)
+    assert alone is not None and alone.rewards == {"reward": 0.0}
+
+
 def test_samples_join_in_step_order() -> None:
     one = json.dumps({"messages": [{"role": "user", "content": "1"}], "metrics": {"a": 1}})
     two = json.dumps({"messages": [{"role": "user", "content": "2"}], "metrics": {"a": 2, "b": 3}})
@@ -505,4 +520,9 @@ def test_a_failed_step_healthcheck_stops_the_trial(tmp_path: Path) -> None:
     info = result.step_results[1].exception_info
     assert info is not None and info.exception_type == "HealthcheckError"
     assert result.step_results[1].agent_execution is None
-    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1}
+    # After step one's agent had the container, step two failing to come up is the
+    # agent's doing: step two counts 0 (Harbor would leave it out of the mean).
+    assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 0.5}
+    assert result.exception_info is not None
+    assert result.exception_info.exception_type == "StepPreparationError"
+    assert result.reward_valid

@@ -23,6 +23,7 @@ import pytest
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.bundler import Bundle
 from harbor_exec.client import RolloutClient
+from harbor_exec.errors import policy_for
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.server.app import create_rollout_server
 from tests.bundle_utils import EXAMPLE_REFS, bundle_cache, example_bundle
@@ -212,6 +213,60 @@ def test_later_step_cannot_change_an_earlier_reward(
     out = tmp_path / "trials" / result.trial_name
     assert (out / "steps" / "honest" / "verifier" / "reward.txt").read_text().strip() == "1"
     assert result.verifier_result is not None and result.verifier_result.rewards == {"reward": 1}
+
+
+def sabotage_task(root: Path, *, sabotage: bool, mode: str) -> Path:
+    """Step one is easy, step two the agent cannot solve; with ``sabotage`` step one's
+    agent deletes bash after solving, so step two's ``setup.sh`` cannot run in its
+    container (the step it would fail, dropped from the mean unless it counts 0)."""
+    delete = "rm -f /usr/bin/bash /bin/bash" if sabotage else "true"
+    task = make_multi_step_task(
+        root,
+        f"{'sabotage' if sabotage else 'control'}-{mode}",
+        {
+            "easy": (f"echo ok > /app/ok; {delete}", "echo 1 > /logs/verifier/reward.txt"),
+            "hard": ("true", "echo 0 > /logs/verifier/reward.txt"),
+        },
+        toml=f'[verifier]\nenvironment_mode = "{mode}"\n',
+        dockerfile=DOCKERFILE,
+    )
+    workdir = task / "steps" / "hard" / "workdir"
+    workdir.mkdir()
+    (workdir / "setup.sh").write_text("touch /app/hard-ready\n")
+    return task
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_an_agent_cannot_drop_the_step_it_would_fail(
+    docker_runtime: DockerRuntime, tmp_path: Path, mode: str
+) -> None:
+    """Breaking the container so that a later step cannot be prepared makes that step
+    count 0: the trial's valid reward is at most the honest control's 0.5, and the job
+    sees the agent's ``StepPreparationError``."""
+    control = run_task(
+        docker_runtime, sabotage_task(tmp_path, sabotage=False, mode=mode), tmp_path / "t"
+    )
+    assert control.exception_info is None, control.exception_info
+    assert control.verifier_result is not None
+    assert control.verifier_result.rewards == {"reward": 0.5}
+    attack = run_task(
+        docker_runtime, sabotage_task(tmp_path, sabotage=True, mode=mode), tmp_path / "t"
+    )
+    # The trial's valid reward is at most the control's: never step one's 1.0 alone.
+    assert attack.reward is None or attack.reward <= 0.5, attack.verifier_result
+    if mode == "shared":
+        # Without bash step one's own verifier cannot run in the agent's container: no
+        # valid reward at all (the verifier's failure, never a 1.0).
+        assert attack.reward is None
+        return
+    assert attack.exception_info is not None
+    assert attack.exception_info.exception_type == "StepPreparationError"
+    assert policy_for("StepPreparationError").has_valid_reward
+    assert attack.verifier_result is not None
+    assert attack.verifier_result.rewards == {"reward": 0.5} and attack.reward == 0.5
+    hard = (attack.step_results or [])[-1]
+    assert hard.step_name == "hard" and hard.exception_info is not None  # Harbor's, on the step
+    assert hard.verifier_result is None
 
 
 def harbor_run(task: Path, jobs: Path) -> dict[str, Any]:

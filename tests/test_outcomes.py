@@ -14,9 +14,14 @@ from harbor_exec.agents.base import AgentInfo
 from harbor_exec.backends.harbor.outcomes import OutcomeSpec, rollout_outcome
 from harbor_exec.container.exchange import ErrorDetail, SampleFile
 from harbor_exec.errors import (
+    AgentEndedContainerError,
+    AgentOutputLimitError,
+    AgentSetupError,
     AgentTimeoutError,
     CancelledError,
+    DiskBudgetExceededError,
     RewardFileNotFoundError,
+    StepPreparationError,
     TrialError,
 )
 from harbor_exec.executors.base import TrialRun
@@ -32,6 +37,12 @@ from harbor_exec.trial.results import (
 )
 
 NOWHERE = Path("/nonexistent/harbor-exec/trial")
+
+
+class NonZeroAgentExitCodeError(TrialError):
+    """Harbor's name for an agent that exited non-zero (recorded by name only)."""
+
+
 REQUEST = ExecutionRequest(id="r-1", prompt=[], label="42")
 WORKFLOW = OutcomeSpec("t", is_oracle=False, verify=True, agent_timeout_sec=5.0)
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "42"}]
@@ -111,8 +122,8 @@ def test_several_reward_keys_become_metrics() -> None:
     assert outcome.grader.sample.metrics["reward/style"] == 1.0
 
 
-def test_agent_timeout_fails_the_workflow_with_its_deadline() -> None:
-    run = run_of(error=AgentTimeoutError("ran past"), rewards={"reward": 1.0})
+def test_agent_timeout_without_a_reward_fails_the_workflow_with_its_deadline() -> None:
+    run = run_of(error=AgentTimeoutError("ran past"))
     outcome = rollout_outcome(REQUEST, run, WORKFLOW)
     assert outcome.grader is None
     assert outcome.workflow.status is RolloutStatus.FAILURE
@@ -120,6 +131,45 @@ def test_agent_timeout_fails_the_workflow_with_its_deadline() -> None:
     assert outcome.workflow.err_message == "workflow exceeded its 5s deadline"
     assert outcome.workflow.extra_fields is not None
     assert outcome.workflow.extra_fields["phase"] == "agent"  # the agent's fault
+
+
+@pytest.mark.parametrize(
+    ("error", "category"),
+    [
+        (AgentTimeoutError("ran past"), "timeout"),
+        (NonZeroAgentExitCodeError("exit 3"), "agent_error"),
+        (AgentOutputLimitError("flooded"), "agent_error"),
+        (AgentEndedContainerError("kill 1"), "agent_error"),
+        (DiskBudgetExceededError("disk"), "agent_error"),
+        (StepPreparationError("step 'two' could not be prepared"), "agent_error"),
+    ],
+)
+def test_an_agent_side_error_never_drops_the_verifiers_valid_reward(
+    error: TrialError, category: str
+) -> None:
+    """A policy that knows it answered wrongly cannot erase its zero by failing its own
+    side (a trainer drops failed rollouts): the verifier's reward, which the error table
+    calls valid, stands in a success that names the agent's error."""
+    for agent in (None, AgentOutput(runner_tail="(no output)")):  # with a sample, and none
+        outcome = rollout_outcome(
+            REQUEST, run_of(error=error, rewards={"reward": 0.0}, agent=agent), WORKFLOW
+        )
+        assert outcome.workflow.status is RolloutStatus.SUCCESS
+        assert outcome.grader is not None and outcome.grader.status is RolloutStatus.SUCCESS
+        sample = outcome.grader.sample
+        assert sample is not None and sample.reward == 0.0
+        assert sample.extra_fields["agent_error"]["category"] == category
+        assert sample.extra_fields["agent_error"]["exception_type"] == type(error).__name__
+        assert list(sample.messages) == (MESSAGES if agent is None else [])
+        assert outcome.grader.extra_fields is not None
+        assert outcome.grader.extra_fields["agent_error"] == sample.extra_fields["agent_error"]
+
+
+def test_an_error_whose_reward_is_not_valid_still_fails() -> None:
+    """Harbor's table: a failed agent set-up is not graded, its reward is not valid."""
+    run = run_of(error=AgentSetupError("no install"), rewards={"reward": 1.0})
+    outcome = rollout_outcome(REQUEST, run, WORKFLOW)
+    assert outcome.workflow.status is RolloutStatus.FAILURE and outcome.grader is None
 
 
 def test_grader_error_is_reported_with_its_category() -> None:
@@ -151,13 +201,19 @@ def test_verifier_error_without_a_grader_error_uses_the_error_table() -> None:
     ],
 )
 def test_missing_or_failed_sample_fails_the_workflow(agent: AgentOutput, message: str) -> None:
-    outcome = rollout_outcome(REQUEST, run_of(rewards={"reward": 1.0}, agent=agent), WORKFLOW)
+    ungraded = OutcomeSpec("t", is_oracle=False, verify=False)
+    outcome = rollout_outcome(REQUEST, run_of(agent=agent), ungraded)
     assert outcome.grader is None
     assert outcome.workflow.status is RolloutStatus.FAILURE
     assert outcome.workflow.err_category is RolloutErrorCategory.AGENT_ERROR
     assert message in (outcome.workflow.err_message or "")
     if agent.runner_tail != "(no output)":
         assert agent.runner_tail in (outcome.workflow.err_message or "")
+    # Graded, the verifier's reward stands: the failure is named, not dropped.
+    graded = rollout_outcome(REQUEST, run_of(rewards={"reward": 1.0}, agent=agent), WORKFLOW)
+    assert graded.grader is not None and graded.grader.sample is not None
+    assert graded.grader.sample.reward == 1.0
+    assert message in graded.grader.sample.extra_fields["agent_error"]["message"]
 
 
 def test_no_sample_at_all_is_a_success_without_one() -> None:
@@ -210,8 +266,14 @@ def test_the_agents_reward_and_remove_sample_never_reach_the_outcome() -> None:
 
 def test_a_deep_sample_is_a_clear_agent_side_failure() -> None:
     agent = parse_agent_sample("[" * 200_000 + "]" * 200_000)
-    outcome = rollout_outcome(REQUEST, run_of(rewards={"reward": 1.0}, agent=agent), WORKFLOW)
+    ungraded = OutcomeSpec("t", is_oracle=False, verify=False)
+    outcome = rollout_outcome(REQUEST, run_of(agent=agent), ungraded)
     assert outcome.workflow.status is RolloutStatus.FAILURE
     assert outcome.workflow.err_category is RolloutErrorCategory.AGENT_ERROR
     assert "nests deeper than" in (outcome.workflow.err_message or "")
     assert outcome.grader is None
+    # Graded, it is named beside the verifier's reward, never in place of it.
+    graded = rollout_outcome(REQUEST, run_of(rewards={"reward": 0.0}, agent=agent), WORKFLOW)
+    assert graded.grader is not None and graded.grader.sample is not None
+    assert graded.grader.sample.reward == 0.0 and graded.grader.sample.messages == []
+    assert "nests deeper than" in graded.grader.sample.extra_fields["agent_error"]["message"]

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import pytest
 
+from harbor_exec.backends.harbor.planner import prepare_bundle
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_OWNER, LABEL_ROLLOUT
 
@@ -169,6 +170,15 @@ def ray_cluster() -> Iterator[RayCluster]:
         import ray  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"these tests need Ray (pip install -e '.[dev]'): {exc}", pytrace=False)
+    # The namespace has no way out: the example project's bundle (pip fetches its
+    # dependencies' wheels) is built here first, into the cache serve then reuses.
+    prepare_bundle(
+        "arith_agent.workflow:ArithWorkflow",
+        grader="arith_agent.grader:ArithGrader",
+        workflow_config="arith_agent.workflow:workflow_config",
+        grader_config="arith_agent.grader:grader_config",
+        code_dir=PROJECT,
+    )
     netns = f"hx-ray-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
     try:

@@ -167,11 +167,13 @@ def finished_run(tmp_path: Path, runtime: FakeRuntime, toml: str | None = None) 
             RolloutStatus.FAILURE,
             "timeout",
         ),
+        # The agent's timeout: its verifier's reward stands (the timeout is named in the
+        # sample's extra fields), so the agent cannot erase a zero by running out.
         (
             FakeRuntime(solve=lambda c: HANG),
             "[agent]\ntimeout_sec = 0.05\n",
-            RolloutStatus.FAILURE,
-            "timeout",
+            RolloutStatus.SUCCESS,
+            None,
         ),
     ],
 )
@@ -190,6 +192,9 @@ def test_outcome_mapping(
     if status is RolloutStatus.SUCCESS:
         assert outcome.grader is not None and outcome.grader.sample is not None
         assert outcome.grader.sample.reward == 1.0
+        agent_error = outcome.grader.sample.extra_fields.get("agent_error")
+        timed_out = toml is not None and "[agent]" in toml
+        assert (agent_error or {}).get("category") == ("timeout" if timed_out else None)
 
 
 def test_engine_fault_maps_to_internal_error(tmp_path: Path) -> None:

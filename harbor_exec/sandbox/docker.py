@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -107,6 +107,9 @@ _ARCHIVE_CHUNK = 1 << 20
 
 BuilderKind = Literal["buildkit", "legacy"]
 BUILDER_ENV = "HARBOR_EXEC_BUILDER"
+#: Registries a task-named image (``docker_image``, a sidecar's ``image:``) may be pulled
+#: from, comma-separated (``docker.io,ghcr.io``); unset: none, only images present here.
+PULL_REGISTRIES_ENV = "HARBOR_EXEC_PULL_REGISTRIES"
 _BUILDER_CHOICES = ("auto", "buildkit", "legacy")
 _MIN_BUILDKIT_API = (1, 39)
 
@@ -207,6 +210,15 @@ def _pid_namespace() -> str:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return "unknown"
+
+
+def image_registry(image: str) -> str:
+    """The registry an image reference pulls from, as Docker reads it: the first path
+    component when it names a host (a dot, a port or ``localhost``), else ``docker.io``."""
+    first, slash, _rest = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first.lower()
+    return "docker.io"
 
 
 def current_owner(namespace: str | None = None) -> str:
@@ -317,8 +329,13 @@ class DockerRuntime:
         cache_dir: Path | None = None,
         builder: str | None = None,
         seccomp_profile: Path | str | None = None,
+        pull_registries: Sequence[str] | None = None,
     ) -> None:
         choice = (builder or os.environ.get(BUILDER_ENV) or "auto").strip().lower()
+        if pull_registries is None:
+            pull_registries = os.environ.get(PULL_REGISTRIES_ENV, "").split(",")
+        #: Where a task-named image may be pulled from (``ensure_present``).
+        self.pull_registries = frozenset(r.strip().lower() for r in pull_registries if r.strip())
         if choice not in _BUILDER_CHOICES:
             raise ValueError(
                 f"image builder {choice!r} (the builder option or ${BUILDER_ENV}) must be one of "
@@ -1128,16 +1145,25 @@ class DockerRuntime:
         return streams[1].value(), streams[2].value()
 
     @_engine_boundary
-    def ensure_present(self, image: str) -> None:
-        """Make sure a prebuilt ``docker_image`` is available locally (pull if we can)."""
+    def ensure_present(self, image: str, *, any_registry: bool = False) -> None:
+        """Make sure an image is here: a task-named one is pulled only from a registry the
+        operator allows (``pull_registries``); ``any_registry`` for the operator's own."""
         if self.image_exists(image):
             return
+        registry = image_registry(image)
+        if not any_registry and registry not in self.pull_registries:
+            raise EnvironmentStartError(
+                f"image {image!r} is not present on this engine, and its registry "
+                f"{registry!r} is not one the operator allows pulls from (${PULL_REGISTRIES_ENV}"
+                ", default none): build or load it first, or allow the registry"
+            )
         try:
             self._api.pull(image)
-        except docker.errors.APIError as exc:
+        except docker.errors.APIError:
+            # Never the registry's answer: a task chose where the engine asked.
             raise EnvironmentStartError(
-                f"[environment].docker_image {image!r} is not present locally and cannot be "
-                f"pulled ({exc.explanation or exc}); build or load it first"
+                f"image {image!r} is not present on this engine and could not be pulled "
+                f"from {registry!r}; build or load it first"
             ) from None
 
     @_engine_boundary

@@ -224,7 +224,7 @@ def bootstrap(
             outcome[image.tag] = "present"
             continue
         try:
-            runtime.ensure_present(image.tag)
+            runtime.ensure_present(image.tag, any_registry=True)  # the operator's bootstrap
             outcome[image.tag] = "pulled"
             continue
         except EnvironmentStartError:

@@ -247,8 +247,10 @@ class ContainerRuntime(Protocol):
         (so nothing in it has run); an engine may keep them per image."""
         ...
 
-    def ensure_present(self, image: str) -> None:
-        """Make sure a prebuilt image exists locally; ``EnvironmentStartError`` if not."""
+    def ensure_present(self, image: str, *, any_registry: bool = False) -> None:
+        """Make sure a prebuilt image exists locally, pulled only from a registry the
+        operator allows (any with ``any_registry``: the operator's own images);
+        ``EnvironmentStartError`` if not, never with the registry's answer in it."""
         ...
 
     def gpu_count(self) -> int:

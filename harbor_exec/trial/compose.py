@@ -71,6 +71,7 @@ from harbor_exec.sandbox.runtime import (
 )
 from harbor_exec.tasks.config import resolve_env
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.compose_inputs import check_compose_inputs, sanitized_dotenv
 
 if TYPE_CHECKING:
     pass
@@ -246,6 +247,9 @@ def load_project(task: Task, *, cpus: float | None, memory_mb: int | None) -> Co
     path = compose_file(task)
     if path is None:
         raise EnvironmentStartError(f"task {task.name} has no environment/{COMPOSE_FILE}")
+    # What Compose reads on the host: the task's own files only (refused by name else),
+    # checked on every load, cached model or not.
+    check_compose_inputs(task, path)
     env = task.config.environment
     task_env = resolve_env(
         env.env, task=task.name, field="[environment].env", allowed=task.env_allow
@@ -288,13 +292,17 @@ def _config(
             f"task {task.name} has a compose environment and the docker CLI (with Compose "
             "v2) is not on PATH: run scripts/setup.sh"
         )
+    dotenv = sanitized_dotenv(task) or ""
     with tempfile.TemporaryDirectory(prefix="hx-compose-") as scratch:
         files = [Path(scratch) / "harbor-base.yaml", path]
         files[0].write_text(base)
         if override:
             files.append(Path(scratch) / "docker-compose-environment.json")
             files[-1].write_text(override)
-        argv = [docker, "compose", "--project-name", "hx"]
+        # The project's .env as we checked it, never the file itself.
+        env_file = Path(scratch) / "project.env"
+        env_file.write_text(dotenv)
+        argv = [docker, "compose", "--project-name", "hx", "--env-file", str(env_file)]
         argv += ["--project-directory", str(task.environment_dir.resolve())]
         for file in files:
             argv += ["-f", str(file)]
@@ -316,9 +324,13 @@ def _config(
             message += " (Docker Compose v2 is needed: run scripts/setup.sh)"
         raise TaskConfigError(task.name, message, file=f"environment/{COMPOSE_FILE}")
     model = json.loads(ran.stdout)
-    store.mkdir(parents=True, exist_ok=True)
+    # Private to the server's user: an operator's task may interpolate host values.
+    store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store.chmod(0o700)
     scratch_file = store / f".{key}.{secrets.token_hex(4)}"
-    scratch_file.write_text(json.dumps(model))
+    descriptor = os.open(scratch_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(json.dumps(model))
     scratch_file.replace(stored)
     with _config_lock:
         _config_cache[key] = model

@@ -24,7 +24,9 @@ from harbor_exec.container.redaction import redact
 from harbor_exec.errors import (
     RewardFileEmptyError,
     RewardFileNotFoundError,
+    StepPreparationError,
     VerifierOutputParseError,
+    is_exception,
     policy_for,
 )
 
@@ -156,9 +158,13 @@ class TrialResult(BaseModel):
         """True when there are rewards and no recorded exception voids them."""
         if self.verifier_result is None or not self.verifier_result.rewards:
             return False
-        return all(
-            policy_for(info.exception_type).has_valid_reward for info in self.recorded_exceptions()
-        )
+        recorded = self.recorded_exceptions()
+        if self.exception_info is not None and is_exception(
+            self.exception_info.exception_type, StepPreparationError
+        ):
+            # The step that could not be prepared already counts 0 in the rewards.
+            recorded = [self.exception_info]
+        return all(policy_for(info.exception_type).has_valid_reward for info in recorded)
 
     def recorded_exceptions(self) -> list[ExceptionInfo]:
         """The trial's exception first, then each step's, in step order (Harbor's)."""

@@ -33,6 +33,12 @@ ignored when verification is off). The trial's reward is then
 that have a verifier result, a key a step lacks counting 0) or ``final`` (the last
 step run's result, as it is).
 
+A step that cannot be prepared (``setup.sh``, healthcheck, workdir) after an earlier
+step's agent ran is the agent's doing, not the task's: the step keeps Harbor's
+exception, the trial records ``StepPreparationError``, and that step and every step
+it stops count 0 in the mean (``final``: the trial's reward is 0), so an agent
+cannot drop the step it would fail by breaking the container first.
+
 A bundled workflow runs once per step, each time fresh with that step's
 instruction; the rollout's sample (``agent/sample.json``) is the steps' samples
 joined: their messages in step order, ``metrics`` and ``extra_fields`` merged (a
@@ -56,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_exec.agents.base import Agent
-from harbor_exec.errors import TaskConfigError, TrialError
+from harbor_exec.errors import StepPreparationError, TaskConfigError, TrialError
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive, tree_entries
 from harbor_exec.sandbox.users import UnknownUserError
 from harbor_exec.tasks.config import StepConfig
@@ -117,18 +123,24 @@ def should_stop(step: StepConfig, result: StepResult, *, verify: bool) -> bool:
     return min_reward_failure(rewards, step.min_reward) is not None
 
 
-def select_reward(strategy: str | None, steps: list[StepResult]) -> VerifierResult | None:
-    """The trial's reward from its steps' (Harbor's ``_select_multi_step_reward``)."""
+def select_reward(
+    strategy: str | None, steps: list[StepResult], *, forfeited: int = 0
+) -> VerifierResult | None:
+    """The trial's reward from its steps' (Harbor's ``_select_multi_step_reward``), with
+    ``forfeited`` steps (one the agent left unpreparable and those it stopped) at 0."""
     if not steps:
         return None
+    valid = [s.verifier_result.rewards or {} for s in steps if s.verifier_result is not None]
+    keys = {key for rewards in valid for key in rewards} or ({"reward"} if forfeited else set())
+    if forfeited and strategy == "final":
+        return VerifierResult(rewards=dict.fromkeys(sorted(keys), 0.0))
     if strategy == "final":
         return steps[-1].verifier_result
-    valid = [s.verifier_result.rewards or {} for s in steps if s.verifier_result is not None]
-    keys = {key for rewards in valid for key in rewards}
     if not keys:
         return None
+    count = len(valid) + forfeited
     return VerifierResult(
-        rewards={key: sum(r.get(key, 0) for r in valid) / len(valid) for key in sorted(keys)}
+        rewards={key: sum(r.get(key, 0) for r in valid) / count for key in sorted(keys)}
     )
 
 
@@ -219,8 +231,9 @@ class MultiStepTrial(Trial):
             self.runtime.put_archive(session.container_id, session.pending_files)
             session.pending_files = None
         tests_used = False
+        forfeited = 0
         try:
-            for step in task.steps:
+            for index, step in enumerate(task.steps):
                 step_result = StepResult(step_name=step.name)
                 result.step_results.append(step_result)
                 view = task.for_step(step)
@@ -230,7 +243,11 @@ class MultiStepTrial(Trial):
                 session.task = view
                 try:
                     last = step is task.steps[-1]
-                    self._run_step(session, step, step_result, reset_tests=tests_used, last=last)
+                    prepared = self._run_step(
+                        session, step, step_result, reset_tests=tests_used, last=last
+                    )
+                    if not prepared and index > 0:
+                        forfeited = len(task.steps) - index
                 finally:
                     exception = self.take_exception()
                     if step_result.exception_info is None and exception is not None:
@@ -245,7 +262,18 @@ class MultiStepTrial(Trial):
             request.spec, request.agent = spec, agent
             session.task = task
         strategy = task.config.multi_step_reward_strategy
-        result.verifier_result = select_reward(strategy, result.step_results)
+        result.verifier_result = select_reward(strategy, result.step_results, forfeited=forfeited)
+        if forfeited:
+            # An earlier step's agent had the container: its doing, not the task's. The
+            # step keeps Harbor's exception; the trial records the agent's.
+            failed = result.step_results[-1]
+            cause = failed.exception_info.exception_message if failed.exception_info else ""
+            self.record(
+                StepPreparationError(
+                    f"step {failed.step_name!r} could not be prepared after an earlier "
+                    f"step's agent ran: {cause}"
+                )
+            )
         if samples:
             self.replace_agent_sample(join_samples(samples))
         for part in _STEP_PARTS:
@@ -269,7 +297,8 @@ class MultiStepTrial(Trial):
         *,
         reset_tests: bool,
         last: bool,
-    ) -> None:
+    ) -> bool:
+        """Run ``step``; False when it could not be prepared (recorded on it)."""
         self.begin_outputs()
         for part in ("agent", "verifier"):
             (self.dir / "steps" / step.name / part).mkdir(parents=True, exist_ok=True)
@@ -277,8 +306,8 @@ class MultiStepTrial(Trial):
             self._prepare_step(session, step, reset_tests=reset_tests)
         except (TrialError, RuntimeError) as exc:  # the step's: recorded on it, then it stops
             self.check_cancelled()
-            self.record(exc)
-            return
+            self.record(exc)  # Harbor's exception, on the step
+            return False
         scratch = TrialResult.model_construct()
         self.run_agent(session, scratch)
         step_result.agent_result, step_result.agent_execution = (
@@ -298,6 +327,7 @@ class MultiStepTrial(Trial):
             self.download_logs(session.container_id)
             self.artifacts.collect(session.container_id, self.request.spec.task)
             self.record_agent_overflow()
+        return True
 
     def _prepare_step(self, session: TrialSession, step: TaskStep, *, reset_tests: bool) -> None:
         """Harbor's ``_prepare_step``: reset the log dirs, place the step's files, copy its

@@ -11,6 +11,12 @@ back. Exception types map through the one error table (``harbor_exec.errors``).
   ``reward`` key, or the only key; other keys become ``reward/<key>`` metrics.
   ``reward`` and ``remove_sample`` come from the grader (its changed sample) or
   the task's tests only; the agent's sample never sets them.
+* A reward the agent cannot drop: when the verifier gave a reward the error table
+  calls valid (a timeout, an exit code, a flood of outputs, a container the agent
+  ended, or no sample at all), an agent-side failure does not fail the rollout (a
+  trainer drops failed rollouts, so failing would erase the agent's zero): the
+  rollout is a success carrying that reward, its sample (empty when the agent left
+  none) names the agent's error in ``extra_fields["agent_error"]``.
 """
 
 from __future__ import annotations
@@ -86,10 +92,41 @@ def rollout_outcome(
     first = result.first_exception
     message = first.exception_message if first else ""
     workflow, sample = _workflow_result(request, run, spec, message, diagnostics)
+    if workflow.status is not RolloutStatus.SUCCESS and spec.verify and _reward_stands(run):
+        return _graded_despite_the_agent(request, run, workflow, sample, message, diagnostics)
     if workflow.status is not RolloutStatus.SUCCESS or not spec.verify:
         return ExecutionOutcome(workflow=workflow)
     grader = _grader_result(run, sample, message, diagnostics)
     return ExecutionOutcome(workflow=workflow, grader=grader)
+
+
+def _reward_stands(run: TrialRun) -> bool:
+    """Whether the verifier gave a reward the error table calls valid for what the trial
+    recorded (``TrialResult.reward_valid``: the one rule, Harbor's)."""
+    return run.result.reward_valid
+
+
+def _graded_despite_the_agent(
+    request: ExecutionRequest,
+    run: TrialRun,
+    workflow: ExecutionResult,
+    sample: RolloutSample | None,
+    message: str,
+    diagnostics: dict[str, Any],
+) -> ExecutionOutcome:
+    """The agent failed its side but the verifier's reward stands: a success carrying
+    it, with the agent's error named in the sample and the diagnostics."""
+    category = workflow.err_category or RolloutErrorCategory.AGENT_ERROR
+    agent_error = {
+        "category": category.value,
+        "message": workflow.err_message,
+        "exception_type": run.result.exception_type,
+    }
+    sample = (sample or RolloutSample(messages=[], label=request.label)).model_copy(deep=True)
+    sample.extra_fields = {**sample.extra_fields, "agent_error": agent_error}
+    diagnostics = {**diagnostics, "agent_error": agent_error}
+    grader = _grader_result(run, sample, message, diagnostics)
+    return ExecutionOutcome(workflow=_success(sample, diagnostics), grader=grader)
 
 
 def _workflow_result(
@@ -103,10 +140,10 @@ def _workflow_result(
     if is_exception(exc_type, AgentTimeoutError):
         limit = spec.agent_timeout_sec
         text = f"workflow exceeded its {limit:g}s deadline" if limit is not None else message
-        return failure(text, RolloutErrorCategory.TIMEOUT, diagnostics), None
+        return failure(text, RolloutErrorCategory.TIMEOUT, diagnostics), _agent_sample(request, run)
     verifier_side = policy_for(exc_type or "").phase is TrialPhase.VERIFIER
     if exc_type is not None and (not verifier_side or not spec.verify):
-        return failure(message, category_of(exc_type), diagnostics), None
+        return failure(message, category_of(exc_type), diagnostics), _agent_sample(request, run)
     if spec.is_oracle:
         sample = RolloutSample(messages=[], label=request.label)
         return _success(sample, diagnostics), sample
@@ -125,6 +162,16 @@ def _workflow_result(
         return failure(text, RolloutErrorCategory.AGENT_ERROR, diagnostics), None
     if output.sample.messages is None:  # the workflow produced no sample: a success without one
         return _success(None, diagnostics), None
+    kept = _agent_sample(request, run)
+    return _success(kept, diagnostics), kept
+
+
+def _agent_sample(request: ExecutionRequest, run: TrialRun) -> RolloutSample | None:
+    """The workflow's sample as the rollout carries it (None when it left none that
+    reads as one, or the oracle ran): the request's label, the relay's usage."""
+    output = run.output.agent
+    if output.error is not None or output.sample is None or output.sample.messages is None:
+        return None
     # The reward and whether the sample is dropped are the grader's to say (or the
     # task's tests'), never the agent's: what it wrote there is ignored.
     sample = RolloutSample.model_validate(
@@ -142,7 +189,7 @@ def _workflow_result(
         mismatch = run.usage.disagreement(sample.extra_fields.get("agent_usage"))
         if mismatch is not None:
             sample.extra_fields = {**sample.extra_fields, "usage_mismatch": mismatch}
-    return _success(sample, diagnostics), sample
+    return sample
 
 
 def _grader_result(
@@ -153,12 +200,12 @@ def _grader_result(
 ) -> ExecutionResult:
     result, grader = run.result, run.output.grader
     exc_type = result.exception_type
-    if exc_type is not None and not is_exception(exc_type, AgentTimeoutError):
+    rewards = (result.verifier_result.rewards if result.verifier_result else None) or {}
+    if exc_type is not None and not (policy_for(exc_type).has_valid_reward and rewards):
         if grader.error is not None:
             text = f"grader failed: {grader.error.message}"
             return failure(text, _category(grader.error.category), diagnostics, sample)
         return failure(message, category_of(exc_type), diagnostics, sample)
-    rewards = (result.verifier_result.rewards if result.verifier_result else None) or {}
     if "reward" in rewards:
         reward = float(rewards["reward"])
     elif len(rewards) == 1:
