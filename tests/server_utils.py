@@ -59,6 +59,50 @@ def task_rollout(url: str, metadata: dict[str, str], *, timeout_sec: float = 300
     return asyncio.run(run())
 
 
+class Gate:
+    """A point scripted workflows and graders wait at until the test opens it (metadata
+    ``hold`` / ``grader_hold`` name it). The server under test runs its event loop in
+    another thread: arriving and opening cross threads; a waiter stays cancellable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        #: Set once a rollout reached the gate.
+        self.reached = threading.Event()
+
+    async def wait(self) -> None:
+        event = asyncio.Event()
+        with self._lock:
+            self.reached.set()
+            if self._opened:
+                return
+            self._waiters.append((asyncio.get_running_loop(), event))
+        await event.wait()
+
+    def open(self) -> None:
+        """Release every waiter, now and later."""
+        with self._lock:
+            self._opened = True
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+
+_gates: dict[str, Gate] = {}
+_gates_lock = threading.Lock()
+
+#: A gate no test opens: a rollout held there runs until it is cancelled or times out.
+NEVER = "never"
+
+
+def gate(name: str | None = None) -> tuple[str, Gate]:
+    """The gate ``name`` (a new, uniquely named one by default), for ``hold`` metadata."""
+    name = name or f"gate-{uuid.uuid4().hex}"
+    with _gates_lock:
+        return name, _gates.setdefault(name, Gate())
+
+
 # Rollout ids whose workflow saw its cancellation (the server runs in another thread).
 CANCELLED_WORKFLOWS: set[str] = set()
 _cancelled_lock = threading.Lock()
@@ -71,7 +115,9 @@ def workflow_was_cancelled(rollout_id: str) -> bool:
 
 class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
     """Answers ``metadata["answer"]`` (default "4"), driven by metadata keys:
-    ``sleep`` (seconds before answering), ``raise`` (message of a RuntimeError),
+    ``hold`` (a ``Gate``'s name: wait there first; ``NEVER``: until cancelled),
+    ``sleep`` (seconds before answering, where a test measures time), ``raise``
+    (message of a RuntimeError),
     ``echo_key`` (put the LLM key into the answer, to test redaction),
     ``block`` (seconds of time.sleep, blocking the loop),
     ``use_source`` (register a SampleSource and return None), ``report_stack``
@@ -84,6 +130,8 @@ class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
         context = get_rollout_context()
         rollout_id = context.rollout_id if context else ""
         try:
+            if script.get("hold"):
+                await gate(str(script["hold"]))[1].wait()
             if script.get("sleep"):
                 await asyncio.sleep(float(script["sleep"]))
         except asyncio.CancelledError:
@@ -121,12 +169,14 @@ class FixedSource(SampleSource):
 
 class ExactMatchGrader(Grader):
     """Reward 1.0 when the last message equals the label, else 0.0; metadata keys:
-    ``remove`` (drop the sample), ``grader_sleep`` (delay), ``grader_raise``,
-    ``no_reward`` (set nothing)."""
+    ``remove`` (drop the sample), ``grader_hold`` (a ``Gate``'s name),
+    ``grader_sleep`` (delay), ``grader_raise``, ``no_reward`` (set nothing)."""
 
     async def grade(self, ctx: GraderContext) -> None:
         assert ctx.sample is not None
         script = ctx.metadata or {}
+        if script.get("grader_hold"):
+            await gate(str(script["grader_hold"]))[1].wait()
         if script.get("grader_sleep"):
             await asyncio.sleep(float(script["grader_sleep"]))
         if script.get("grader_raise"):

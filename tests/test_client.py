@@ -26,10 +26,12 @@ from harbor_exec.client import (
 from harbor_exec.protocol import RolloutErrorCategory, RolloutInitResponse, RolloutStatus
 from tests.server_utils import (
     CHAT_URL,
+    NEVER,
     PROMPT,
     SINGLE_SLOT,
     FullBackend,
     free_port,
+    gate,
     local_app,
     serve,
     wait_until_async,
@@ -92,7 +94,7 @@ async def test_workflow_exception_and_agent_timeout(client: RolloutClient) -> No
         RolloutErrorCategory.AGENT_ERROR,
     )
     late = await client.run_rollout(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 5}, agent_timeout_sec=0.3
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}, agent_timeout_sec=0.3
     )
     assert (late.status, late.err_category, late.err_message) == (
         RolloutStatus.FAILURE,
@@ -106,13 +108,13 @@ async def test_waits_return_promptly_and_cancel_while_running_and_queued(
 ) -> None:
     # The server's long-poll wait is 20 s: a /result-only client would sit in it.
     running = await client.run_rollout_async(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
     )
     started = time.monotonic()
     assert await running.wait_for_running() is RolloutStatus.RUNNING
     assert time.monotonic() - started < 2.0
     queued = await client.run_rollout_async(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
     )
 
     async def one_queued() -> bool:
@@ -136,13 +138,15 @@ async def test_waits_return_promptly_and_cancel_while_running_and_queued(
 
 
 async def test_wait_for_grading_returns_when_grading_starts(client: RolloutClient) -> None:
+    name, grading = gate()
     handle = await client.run_rollout_async(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"grader_sleep": 1.5}
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"grader_hold": name}
     )
-    started = time.monotonic()
+    # Held in the grader until the test says: it returns while grading goes on.
     assert await handle.wait_for_grading() is RolloutStatus.GRADING
-    assert time.monotonic() - started < 1.2
+    assert grading.reached.is_set()
     assert await handle.wait_for_running() is RolloutStatus.GRADING  # already past it
+    grading.open()
     result = await handle
     assert result.status is RolloutStatus.SUCCESS
     assert await handle.wait_for_grading() is RolloutStatus.SUCCESS
@@ -221,7 +225,7 @@ async def test_lease_expires_when_nobody_polls(tmp_path: Path) -> None:
     with serve(app) as url:
         async with RolloutClient(url=url) as rollout_client:
             handle = await rollout_client.run_rollout_async(
-                PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+                PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
             )
             handle.cancel()  # stop polling locally; the server is not told
             with pytest.raises(asyncio.CancelledError):

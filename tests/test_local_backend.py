@@ -22,11 +22,13 @@ from harbor_exec.authoring import (
 from harbor_exec.backends.local import DEFAULT_MAX_CONCURRENT, LocalBackend, default_artifact_root
 from harbor_exec.protocol import ExecutionOutcome, ExecutionRequest
 from tests.server_utils import (
+    NEVER,
     PROMPT,
     SINGLE_SLOT,
     UNLIMITED,
     ExactMatchGrader,
     ScriptedWorkflow,
+    gate,
     wait_until_async,
 )
 
@@ -99,7 +101,9 @@ async def test_workflow_exception_is_an_agent_error(tmp_path: Path) -> None:
 
 
 async def test_agent_deadline(tmp_path: Path) -> None:
-    outcome, _ = await run(backend(tmp_path), request(metadata={"sleep": 5}, agent_timeout_sec=0.2))
+    outcome, _ = await run(
+        backend(tmp_path), request(metadata={"hold": NEVER}, agent_timeout_sec=0.2)
+    )
     assert outcome.result.err_category is RolloutErrorCategory.TIMEOUT
     assert outcome.result.err_message == "workflow exceeded its 0.2s deadline"
 
@@ -113,6 +117,7 @@ async def test_a_workflow_that_blocks_past_its_deadline_is_still_a_timeout(tmp_p
 
 
 async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
+    # Wall-clock on purpose: the time a rollout waits for its slot is what is measured.
     local = backend(tmp_path, workflow_config=SINGLE_SLOT)
     first = asyncio.create_task(run(local, request("first", metadata={"sleep": 0.4})))
 
@@ -144,7 +149,7 @@ async def test_queue_time_comes_off_the_agent_deadline(tmp_path: Path) -> None:
 async def test_grader_has_its_own_deadline(tmp_path: Path) -> None:
     outcome, _ = await run(
         backend(tmp_path),
-        request(metadata={"grader_sleep": 5}, agent_timeout_sec=10, grader_timeout_sec=0.2),
+        request(metadata={"grader_hold": NEVER}, agent_timeout_sec=10, grader_timeout_sec=0.2),
     )
     result = outcome.result
     assert (result.status, result.err_category, result.err_message) == (
@@ -248,14 +253,21 @@ async def test_concurrency_limits(tmp_path: Path) -> None:
     assert backend(tmp_path).health().concurrency["max_concurrent"] == DEFAULT_MAX_CONCURRENT
     unlimited = backend(tmp_path, workflow_config=UNLIMITED)
     assert unlimited.queue_info().capacity is None
+    name, held = gate()
     runs = [
-        run(unlimited, request(f"u{i}", metadata={"sleep": 0.2}, agent_timeout_sec=5))
+        asyncio.create_task(
+            run(unlimited, request(f"u{i}", metadata={"hold": name}, agent_timeout_sec=5))
+        )
         for i in range(12)
     ]
-    started = asyncio.get_running_loop().time()
+
+    async def all_running() -> bool:
+        return unlimited.queue_info().running == 12
+
+    assert await wait_until_async(all_running)  # all at once, not in waves
+    held.open()
     outcomes = await asyncio.gather(*runs)
     assert all(o.result.status is RolloutStatus.SUCCESS for o, _ in outcomes)
-    assert asyncio.get_running_loop().time() - started < 1.0  # all at once, not 3 waves
 
 
 async def test_import_paths_and_bad_classes(tmp_path: Path) -> None:

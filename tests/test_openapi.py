@@ -39,7 +39,15 @@ from harbor_exec.protocol import (
     ValidationErrorResponse,
 )
 from harbor_exec.server.results import AdmissionEncoder, in_progress_body
-from tests.server_utils import CHAT_URL, PROMPT, free_port, local_app, serve, wait_until
+from tests.server_utils import (
+    CHAT_URL,
+    PROMPT,
+    free_port,
+    gate,
+    local_app,
+    serve,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMATHESIS = Path(sys.executable).parent / "st"
@@ -166,10 +174,11 @@ def test_routes_answer_with_exactly_their_documented_model(tmp_path: Path) -> No
         check(HealthResponse, http.get("/health"))
         check(QueueInfo, http.get("/queue"))
         submitted = {"initial_messages": PROMPT, "chat_completions_url": CHAT_URL, "label": "4"}
+        name, held = gate()
         admitted = check(
             RolloutInitResponse,
             http.post(
-                "/rollout", json={**submitted, "rollout_id": "m-1", "metadata": {"sleep": 1}}
+                "/rollout", json={**submitted, "rollout_id": "m-1", "metadata": {"hold": name}}
             ),
             202,
         )
@@ -181,6 +190,7 @@ def test_routes_answer_with_exactly_their_documented_model(tmp_path: Path) -> No
             RolloutStatus.RUNNING,
         )
         check(RolloutStatusResponse, http.get("/rollout/m-1/status"))
+        held.open()
         assert wait_until(
             lambda: http.get("/rollout/m-1/status").json()["status"] == "success", timeout=10
         )

@@ -20,6 +20,7 @@ import pytest
 
 from tests.server_utils import (
     CHAT_URL,
+    NEVER,
     PROMPT,
     SINGLE_SLOT,
     FullBackend,
@@ -118,7 +119,7 @@ async def test_workflow_exception(client: RolloutClient) -> None:
 
 async def test_agent_timeout(client: RolloutClient) -> None:
     result = await client.run_rollout(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 5}, agent_timeout_sec=0.3
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}, agent_timeout_sec=0.3
     )
     assert (result.status.value, result.err_category, result.err_message) == (
         "failure",
@@ -131,11 +132,11 @@ async def test_cancel_while_running_and_while_queued(
     client: RolloutClient, server_url: str
 ) -> None:
     running = await client.run_rollout_async(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
     )
     assert (await asyncio.wait_for(running.wait_for_running(), 5)).value == "running"
     queued = await client.run_rollout_async(
-        PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+        PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
     )
 
     async def one_queued() -> bool:
@@ -228,7 +229,7 @@ async def test_lease_expiry(tmp_path: Path) -> None:
     with serve(app) as url:
         rollout_client = RolloutClient(url=url)
         handle = await rollout_client.run_rollout_async(
-            PROMPT, CHAT_URL, new_id(), label="4", metadata={"sleep": 30}
+            PROMPT, CHAT_URL, new_id(), label="4", metadata={"hold": NEVER}
         )
         token = _token_of(handle)
         handle.cancel()  # the controller goes away: nobody polls any more

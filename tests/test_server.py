@@ -45,6 +45,7 @@ from harbor_exec.server.trajectory import (
 )
 from tests.server_utils import (
     CHAT_URL,
+    NEVER,
     PROMPT,
     SINGLE_SLOT,
     ExactMatchGrader,
@@ -52,6 +53,7 @@ from tests.server_utils import (
     ScriptedWorkflow,
     ServerThread,
     free_port,
+    gate,
     local_app,
     metric,
     metric_samples,
@@ -199,12 +201,14 @@ async def test_duplicate_ids_are_refused_while_active_or_retained(
     server: tuple[str, Any, Path], http: httpx.AsyncClient
 ) -> None:
     url, _, _ = server
-    rollout_id, token = await submit(http, url, metadata={"sleep": 0.3})
+    name, held = gate()
+    rollout_id, token = await submit(http, url, metadata={"hold": name})
     duplicate = await http.post(f"{url}/rollout", json=rollout_body(rollout_id))
     assert (duplicate.status_code, duplicate.json()) == (
         409,
         {"detail": "rollout_id is already registered"},
     )
+    held.open()
     await final_result(http, url, rollout_id, token)
     retained = await http.post(f"{url}/rollout", json=rollout_body(rollout_id))
     assert retained.status_code == 409
@@ -230,6 +234,7 @@ async def test_long_poll_parks_until_the_status_changes_or_the_wait_passes(
     server: tuple[str, Any, Path], http: httpx.AsyncClient
 ) -> None:
     url, _, _ = server
+    # Wall-clock on purpose: that the poll parked is measured.
     rollout_id, token = await submit(http, url, metadata={"sleep": 0.5})
     await wait_for_status(http, url, rollout_id, "running")
     started = time.monotonic()
@@ -237,7 +242,7 @@ async def test_long_poll_parks_until_the_status_changes_or_the_wait_passes(
     assert result["status"] == "success"
     assert time.monotonic() - started > 0.3  # it parked instead of answering "running"
 
-    rollout_id, token = await submit(http, url, metadata={"sleep": 3})
+    rollout_id, token = await submit(http, url, metadata={"hold": NEVER})
     await wait_for_status(http, url, rollout_id, "running")
     started = time.monotonic()
     response = await http.get(f"{url}/rollout/{rollout_id}/result", headers={LEASE: token})
@@ -324,7 +329,7 @@ async def test_cancel_selectors_and_idempotent_dispositions(
     response = await http.post(f"{url}/rollout/cancel", json={"ids": [unknown]})
     assert response.json() == {"dispositions": {unknown: "not_found"}}
 
-    rollout_id, token = await submit(http, url, metadata={"sleep": 30})
+    rollout_id, token = await submit(http, url, metadata={"hold": NEVER})
     await wait_for_status(http, url, rollout_id, "running")
     first = await http.post(f"{url}/rollout/cancel", json={"ids": [rollout_id]})
     assert first.json() == {"dispositions": {rollout_id: "cancelled_running"}}
@@ -344,11 +349,11 @@ async def test_cancel_while_queued_and_by_prefix_and_all(
     app = local_app(tmp_path, workflow_config=SINGLE_SLOT, result_wait_timeout_sec=1.0)
     with serve(app) as url:
         running, running_token = await submit(
-            http, url, rollout_id="job-run", metadata={"sleep": 30}
+            http, url, rollout_id="job-run", metadata={"hold": NEVER}
         )
         await wait_for_status(http, url, running, "running")
         queued, queued_token = await submit(
-            http, url, rollout_id="job-wait", metadata={"sleep": 30}
+            http, url, rollout_id="job-wait", metadata={"hold": NEVER}
         )
 
         async def one_queued() -> bool:
@@ -368,7 +373,7 @@ async def test_cancel_while_queued_and_by_prefix_and_all(
             "dispositions": {running: "cancelled_running", queued: "not_found"}
         }
         assert (await final_result(http, url, running, running_token))["status"] == "cancelled"
-        other, other_token = await submit(http, url, metadata={"sleep": 30})
+        other, other_token = await submit(http, url, metadata={"hold": NEVER})
         response = await http.post(f"{url}/rollout/cancel", json={"all": True})
         assert response.json()["dispositions"][other] in ("cancelled_queued", "cancelled_running")
         assert (await final_result(http, url, other, other_token))["status"] == "cancelled"
@@ -379,7 +384,8 @@ async def test_lease_expiry_fails_and_cancels_the_work(
 ) -> None:
     app = local_app(tmp_path, result_wait_timeout_sec=0.3, polling_lease_timeout_sec=0.8)
     with serve(app) as url:
-        rollout_id, token = await submit(http, url, metadata={"sleep": 30})
+        rollout_id, token = await submit(http, url, metadata={"hold": NEVER})
+        # Runs past the other's lease (0.8 s) while polled: kept alive by the polls.
         kept, kept_token = await submit(http, url, metadata={"sleep": 1.5})
         deadline = time.monotonic() + 10
         # Keep polling one of them: its lease is renewed on every poll.
@@ -451,6 +457,7 @@ async def test_results_expire_after_retention(tmp_path: Path, http: httpx.AsyncC
 
 async def test_status_route(server: tuple[str, Any, Path], http: httpx.AsyncClient) -> None:
     url, _, _ = server
+    # Wall-clock on purpose: that the status long-poll parked is measured.
     rollout_id, token = await submit(http, url, metadata={"sleep": 0.5})
     await wait_for_status(http, url, rollout_id, "running")
     started = time.monotonic()
@@ -784,8 +791,8 @@ async def test_graceful_shutdown_drains_then_cancels(
     app = local_app(tmp_path, backend=backend, shutdown_drain_sec=0.5)
     thread = ServerThread(app, graceful_shutdown_sec=0.5)
     url = thread.start()
-    slow, _ = await submit(http, url, metadata={"sleep": 60})
-    quick, _ = await submit(http, url, metadata={"sleep": 0.2})
+    slow, _ = await submit(http, url, metadata={"hold": NEVER})
+    quick, _ = await submit(http, url, metadata={"sleep": 0.2})  # ends within the drain
     await wait_for_status(http, url, slow, "running")
     started = time.monotonic()
     await asyncio.to_thread(thread.stop)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import CHAT_URL, PROMPT, local_app, serve, wait_until
+from tests.server_utils import CHAT_URL, PROMPT, gate, local_app, serve, wait_until
 
 LEASE = "X-Osmosis-Rollout-Lease"
 JSON = "application/json"
@@ -38,6 +38,7 @@ def test_every_route_answers_the_same_bytes(
         return re.sub(r'"agent_started_at":"[^"]+"', '"agent_started_at":"<time>"', text)
 
     rollout = {"initial_messages": PROMPT, "chat_completions_url": CHAT_URL, "label": "4"}
+    name, held = gate()
     with serve(app) as url, httpx.Client(base_url=url, timeout=10) as http:
         assert body(http.get("/health"), 200) == (
             '{"status": "ok", "backend": "local", "concurrency": {"max_concurrent": 4, '
@@ -46,7 +47,7 @@ def test_every_route_answers_the_same_bytes(
         )
 
         admitted = http.post(
-            "/rollout", json={**rollout, "rollout_id": "w-1", "metadata": {"sleep": 4}}
+            "/rollout", json={**rollout, "rollout_id": "w-1", "metadata": {"hold": name}}
         )
         token = admitted.json()["polling_lease_token"]
         replacements[token] = "<token>"
@@ -67,6 +68,7 @@ def test_every_route_answers_the_same_bytes(
         assert body(http.get("/queue"), 200) == (
             '{"queued": 0, "running": 1, "capacity": 4, "max_queue_depth": null}'
         )
+        held.open()
         assert wait_until(
             lambda: http.get("/rollout/w-1/status").json()["status"] == "success", timeout=10
         )
