@@ -14,7 +14,8 @@
   modules marked ``engine_lane`` (self-contained on the engine: their own tasks and
   images, no engine-wide counts, waits with wide margins) are a second group, run
   one at a time beside the first, so their idle waits (Harbor's compose runs, a Ray
-  cluster's nodes coming and going) overlap the first group's work. (xdist 3.8 names
+  cluster's nodes coming and going, the engine tarring a flood) overlap the first
+  group's work. (xdist 3.8 names
   an item's group in its node id, which pytest 9 no longer reads from ``_nodeid``:
   ``_join_engine_group`` writes it where pytest 9 keeps it.) Every worker that ran
   engine tests says so to the controller, which checks for leftovers once they all
