@@ -424,9 +424,8 @@ def test_serve_cli_runs_harbor_rollouts(
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
     assert server.returncode in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
-    assert not [
-        c for c in docker_runtime.our_containers() if (c.get("Labels") or {}).get(LABEL_ROLLOUT)
-    ]
+    # The rollout's container is gone (others' may run beside: the second engine lane).
+    assert our_rollout_containers(docker_runtime, result.rollout_id) == []
 
     broken = tmp_path / "no-project"
     broken.mkdir()

@@ -66,7 +66,8 @@ def test_an_osmosis_built_bundle_wheel_in_containers(
         # The agent's container, while its model call is held: its memory and CPU quota.
         assert chat.wait_for_requests(1, timeout=300)
         found = []
-        for summary in docker_runtime.our_containers():
+        # This process's own (a second engine lane runs other tests beside this one).
+        for summary in docker_runtime.our_containers(owner=docker_runtime.owner):
             if (summary.get("Labels") or {}).get(LABEL_ROLLOUT):
                 host = engine.api.inspect_container(summary["Id"])["HostConfig"]
                 found.append((host["Memory"], host["NanoCpus"]))
