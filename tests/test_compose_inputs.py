@@ -11,6 +11,7 @@ import pytest
 
 from harbor_exec.errors import TaskConfigError, UnsafeTaskPathError
 from harbor_exec.sandbox.docker import image_registry
+from harbor_exec.sandbox.dockerfile_syntax import base_images
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.compose_inputs import (
     MAX_INPUT_BYTES,
@@ -127,3 +128,24 @@ def test_the_projects_env_may_not_set_composes_switches(tmp_path: Path) -> None:
 )
 def test_the_registry_an_image_pulls_from(image: str, registry: str) -> None:
     assert image_registry(image) == registry
+
+
+def test_the_images_a_dockerfile_builds_from() -> None:
+    dockerfile = (
+        "ARG BASE=127.0.0.1:5000/internal/probe\n"
+        "FROM $BASE AS build\n"
+        "FROM --platform=linux/amd64 ${RUNTIME:-debian:bookworm-slim}\n"
+        "COPY --from=build /x /y\n"
+        "COPY --from=ghcr.io/org/tools:1 /bin/t /bin/t\n"
+        "RUN --mount=type=bind,from=quay.io/org/data:2,target=/d true\n"
+        "FROM scratch\n"
+    )
+    assert base_images(dockerfile) == [
+        "127.0.0.1:5000/internal/probe",
+        "debian:bookworm-slim",
+        "ghcr.io/org/tools:1",
+        "quay.io/org/data:2",
+    ]
+    assert base_images(dockerfile, {"BASE": "debian:bookworm-slim"})[0] == "debian:bookworm-slim"
+    with pytest.raises(ValueError, match=r"\$UNSET"):
+        base_images("FROM $UNSET\n")

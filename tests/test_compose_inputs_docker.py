@@ -5,8 +5,9 @@ Each task attacks ``docker compose config``, which the host runs to load it: an
 Compose's remote ``include`` pointing at a loopback server, a Dockerfile that is
 ``/dev/zero``. Each is refused by name before Compose runs: the key is nowhere in the
 trial or the cache, the loopback server gets no request, ``/dev/zero`` is never read.
-A sidecar's image on a loopback "registry" is not pulled (no request reaches it), and
-when the operator allows that registry, what it answered never reaches the result.
+A sidecar's image, or a Dockerfile's ``FROM``, on a loopback "registry" is not pulled
+(no request reaches it), and when the operator allows that registry, what it answered
+never reaches the result.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 from harbor_exec.cache import cache_root
 from harbor_exec.sandbox.docker import DockerRuntime
-from tests.task_factory import make_compose_task
+from tests.task_factory import make_compose_task, make_task
 from tests.trial_utils import run_task
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
@@ -169,3 +170,19 @@ def test_a_sidecar_image_on_a_loopback_registry_is_never_pulled(
     assert info is not None and image in info.exception_message, info
     assert BODY not in info.exception_message
     assert files_holding(tmp_path / "trials", BODY.encode()) == []
+
+
+def test_a_dockerfile_from_a_loopback_registry_is_never_pulled(
+    docker_runtime: DockerRuntime, tmp_path: Path, probe: tuple[int, list[str]]
+) -> None:
+    port, seen = probe
+    task = make_task(tmp_path, "loopback-from")
+    image = f"127.0.0.1:{port}/internal/probe:latest"
+    (task / "environment" / "Dockerfile").write_text(
+        f"ARG BASE={image}\nFROM $BASE\nWORKDIR /app\n"
+    )
+    result = run_task(docker_runtime, task, tmp_path / "trials")
+    info = result.exception_info
+    assert info is not None and image in info.exception_message, info
+    assert "not one the operator allows" in info.exception_message
+    assert seen == []  # the engine never asked the address

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["buildkit_only_syntax", "escape_char", "instructions"]
+__all__ = ["base_images", "buildkit_only_syntax", "escape_char", "instructions"]
 
 _DIRECTIVE = re.compile(r"^#\s*(\w+)\s*=\s*(\S+)\s*$")
 #: Flags only BuildKit's Dockerfile frontend knows, per instruction.
@@ -91,3 +91,60 @@ def buildkit_only_syntax(text: str) -> str | None:
         if keyword in _BUILDKIT_FLAGS and _HEREDOC.search(rest):
             return f"line {number}: a heredoc in {keyword}"
     return None
+
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_ARG = re.compile(r"^ARG\s+([A-Za-z_][A-Za-z0-9_]*)(?:=(\S*))?", re.IGNORECASE)
+
+
+def base_images(text: str, build_args: dict[str, str] | None = None) -> list[str]:
+    """The images a build of this Dockerfile starts from or copies out of (``FROM``,
+    ``COPY --from``, ``RUN --mount=from=``), earlier stages and ``scratch`` left out,
+    with the ``ARG`` defaults before the first ``FROM`` (and ``build_args`` over them)
+    substituted. ``ValueError`` for a reference that still names a variable."""
+    args: dict[str, str] = {}
+    stages: set[str] = set()
+    found: list[str] = []
+    seen_from = False
+
+    def resolve(value: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            name = match.group(1) or match.group(3)
+            if name in args:
+                return args[name]
+            if match.group(2) is not None:
+                return match.group(2)
+            raise ValueError(f"the image {value!r} names ${name}, which has no value")
+
+        return _VARIABLE.sub(one, value)
+
+    def add(reference: str) -> None:
+        image = resolve(reference.strip("\"'"))
+        if image.lower() == "scratch" or image.lower() in stages or image.isdigit():
+            return
+        if image not in found:
+            found.append(image)
+
+    for _start, _end, joined in instructions(text.split("\n")):
+        words = joined.split()
+        keyword = words[0].upper() if words else ""
+        if keyword == "ARG" and not seen_from and (arg := _ARG.match(joined)):
+            args[arg.group(1)] = (build_args or {}).get(arg.group(1), arg.group(2) or "")
+            if arg.group(2) is None and arg.group(1) not in (build_args or {}):
+                del args[arg.group(1)]
+        elif keyword == "FROM":
+            seen_from = True
+            rest = [w for w in words[1:] if not w.startswith("--")]
+            if rest:
+                add(rest[0])
+            if len(rest) >= 3 and rest[1].upper() == "AS":
+                stages.add(rest[2].lower())
+        elif keyword in ("COPY", "ADD", "RUN"):
+            for word in words[1:]:
+                if word.startswith("--from="):
+                    add(word.removeprefix("--from="))
+                elif word.startswith("--mount=") and "from=" in word:
+                    for part in word.removeprefix("--mount=").split(","):
+                        if part.startswith("from="):
+                            add(part.removeprefix("from="))
+    return found

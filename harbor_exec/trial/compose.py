@@ -71,6 +71,7 @@ from harbor_exec.sandbox.runtime import (
 )
 from harbor_exec.tasks.config import resolve_env
 from harbor_exec.tasks.task import Task
+from harbor_exec.trial.base_images import ensure_base_images
 from harbor_exec.trial.compose_inputs import check_compose_inputs, sanitized_dotenv
 
 if TYPE_CHECKING:
@@ -540,6 +541,7 @@ def service_image(
     args = {str(k): str(v) for k, v in (service.build.get("args") or {}).items() if v is not None}
     dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
     tag = _build_tag(task, service)
+    ensure_base_images(runtime, task, context / dockerfile, args, tag=tag)
     route = cache_build_options(runtime, task, cache, context / dockerfile, tag, context, args)
     result = runtime.ensure_image(
         context_dir=context,

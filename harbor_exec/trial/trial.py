@@ -100,6 +100,7 @@ from harbor_exec.sandbox.users import ImageAccounts, UnknownUserError, is_root
 from harbor_exec.tasks.config import EnvironmentConfig, HealthcheckConfig, resolve_env
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.artifacts import CONVENTION_DIR, TrialArtifacts, remove_path
+from harbor_exec.trial.base_images import ensure_base_images
 from harbor_exec.trial.compose import ComposeEnvironment, is_compose_task, prepare_images
 from harbor_exec.trial.diskwatch import DiskWatch
 from harbor_exec.trial.outputs import TrialOutput, read_agent_output, read_grader_output
@@ -168,6 +169,7 @@ def ensure_task_image(
         assert env.docker_image is not None  # load_task guarantees one of the two
         runtime.ensure_present(env.docker_image)
         return env.docker_image, False
+    ensure_base_images(runtime, task, dockerfile, tag=image_tag_for(task))
     result = runtime.ensure_image(
         context_dir=task.environment_dir,
         tag=image_tag_for(task),
@@ -991,6 +993,12 @@ class Trial:
             self.runtime.ensure_present(config.docker_image)
             return config.docker_image, False
         if task.verifier_dockerfile is not None:
+            ensure_base_images(
+                self.runtime,
+                task,
+                task.verifier_dockerfile,
+                tag=f"harbor-exec/verifier:{task.tests_digest()[:32]}",
+            )
             built = self.runtime.ensure_image(
                 context_dir=task.tests_dir,
                 tag=f"harbor-exec/verifier:{task.tests_digest()[:32]}",
