@@ -150,25 +150,22 @@ def test_a_sidecar_image_on_a_loopback_registry_is_never_pulled(
     compose = task / "environment" / "docker-compose.yaml"
     image = f"127.0.0.1:{port}/internal/probe:latest"
     compose.write_text(compose.read_text() + f"  probe:\n    image: {image}\n")
-    runtime = DockerRuntime(pull_registries=())  # the default: no registry
-    try:
-        result = run_task(runtime, task, tmp_path / "trials")
-    finally:
-        runtime.remove_owned()
-        runtime.close()
-    info = result.exception_info
-    assert info is not None and image in info.exception_message, info
+
+    def failure_with(registries: list[str]) -> str:
+        runtime = DockerRuntime(pull_registries=registries)
+        try:
+            result = run_task(runtime, task, tmp_path / "trials")
+        finally:
+            runtime.remove_owned()
+            runtime.close()
+        info = result.exception_info
+        assert info is not None and image in info.exception_message, info
+        return str(info.exception_message)
+
+    failure_with([])  # the default: no registry
     assert seen == []  # the engine never asked the address
     # Allowed by the operator: the engine asks, and its answer stays out of the result.
-    runtime = DockerRuntime(pull_registries=[f"127.0.0.1:{port}"])
-    try:
-        result = run_task(runtime, task, tmp_path / "trials")
-    finally:
-        runtime.remove_owned()
-        runtime.close()
-    info = result.exception_info
-    assert info is not None and image in info.exception_message, info
-    assert BODY not in info.exception_message
+    assert BODY not in failure_with([f"127.0.0.1:{port}"])
     assert files_holding(tmp_path / "trials", BODY.encode()) == []
 
 
