@@ -238,10 +238,13 @@ class FakeRuntime:
         target: str | None = None,
         network: str | None = None,
         context_files: Mapping[str, bytes] | None = None,
+        before_build: Callable[[], None] | None = None,
     ) -> BuildResult:
         self._call("ensure_image")
         if tag in self.images:
             return BuildResult(tag, built=False, duration_sec=0.0, log_path=None)
+        if before_build is not None:
+            before_build()
         if tag in self.fail_builds:
             raise SandboxBuildFailedError(f"docker build of {context_dir} failed: exit code 42")
         self.builds.append(tag)

@@ -439,6 +439,8 @@ class DockerRuntime:
         with self._lock_for(tag):
             if self.image_exists(tag):  # another thread built it while we waited
                 return BuildResult(tag, False, time.monotonic() - started, None)
+            if (before_build := build.get("before_build")) is not None:
+                before_build()
             log_path = self.cache_dir / BUILD_LOGS / f"{tag.replace('/', '_')}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self._build(build, log_path)

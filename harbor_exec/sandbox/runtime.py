@@ -10,7 +10,7 @@ Moving files in and out as tar streams is ``harbor_exec.sandbox.archives``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal, NotRequired, Protocol, TypedDict, Unpack
@@ -204,6 +204,9 @@ class ImageBuild(TypedDict):
     #: path in the context: a cached build's rewritten Dockerfile and the package
     #: cache's public trust files (``harbor_exec.network.packages.build_trust``).
     context_files: NotRequired[Mapping[str, bytes] | None]
+    #: Called once, under the tag's build lock, right before a build (never when the
+    #: image is there already): the task's base images made present as allowed.
+    before_build: NotRequired[Callable[[], None] | None]
 
 
 class ExecOptions(TypedDict, total=False):

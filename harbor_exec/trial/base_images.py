@@ -17,7 +17,7 @@ from harbor_exec.errors import TaskConfigError
 from harbor_exec.sandbox.dockerfile_syntax import base_images
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
-from harbor_exec.trial.compose_inputs import MAX_INPUT_BYTES
+from harbor_exec.trial.compose_inputs import read_bounded
 
 __all__ = ["ensure_base_images"]
 
@@ -27,27 +27,21 @@ def ensure_base_images(
     task: Task,
     dockerfile: Path,
     build_args: Mapping[str, str] | None = None,
-    *,
-    tag: str | None = None,
 ) -> None:
-    """Make every image ``dockerfile`` builds from present (see the module docstring),
-    unless its image ``tag`` is built already; ``TaskConfigError`` naming the file when
-    it cannot be read or a reference cannot be resolved, ``EnvironmentStartError`` when
-    an image is neither here nor allowed."""
-    if tag is not None and runtime.image_exists(tag):
-        return
+    """Make every image ``dockerfile`` builds from present (see the module docstring);
+    run right before its build, never when the image is there
+    (``ImageBuild.before_build``). ``TaskConfigError`` naming the file when it cannot be
+    read or a reference cannot be resolved, ``EnvironmentStartError`` when an image is
+    neither here nor allowed."""
     where = (
         str(dockerfile.relative_to(task.root))
         if dockerfile.is_relative_to(task.root)
         else dockerfile.name
     )
+    data = read_bounded(dockerfile, task=task, field="Dockerfile", file=where)
     try:
-        with dockerfile.open("rb") as handle:
-            data = handle.read(MAX_INPUT_BYTES + 1)
-        if len(data) > MAX_INPUT_BYTES:
-            raise ValueError(f"is over {MAX_INPUT_BYTES} bytes")
         images = base_images(data.decode("utf-8", "replace"), dict(build_args or {}))
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise TaskConfigError(task.name, str(exc), file=where) from None
     for image in images:
         runtime.ensure_present(image)

@@ -31,25 +31,26 @@ import yaml
 from harbor_exec.errors import TaskConfigError
 from harbor_exec.tasks.task import Task
 
-__all__ = ["MAX_INPUT_BYTES", "check_compose_inputs", "sanitized_dotenv"]
+__all__ = ["MAX_INPUT_BYTES", "check_compose_inputs", "read_bounded", "sanitized_dotenv"]
 
 #: The most of any one compose input (the compose file, an env file, a Dockerfile) read.
 MAX_INPUT_BYTES: Final = 1 << 20
 #: Names a project's ``.env`` may not set: they configure Compose or the Docker CLI.
 _HOST_SWITCHES: Final = re.compile(r"^(COMPOSE_|DOCKER_|BUILDKIT_)", re.IGNORECASE)
 _REMOTE: Final = re.compile(r"^([a-z][a-z0-9+.-]*://|git@|github\.com/)", re.IGNORECASE)
+_COMPOSE: Final = "environment/docker-compose.yaml"
 _DOTENV_LINE: Final = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*[=:]")
 
 
-def read_bounded(path: Path, *, task: Task, field: str) -> bytes:
-    """A regular file's bytes, at most ``MAX_INPUT_BYTES`` (refused by ``field`` past that,
-    and when it is not a regular file: a device, a pipe, a directory)."""
+def read_bounded(path: Path, *, task: Task, field: str, file: str = _COMPOSE) -> bytes:
+    """A regular file's bytes, at most ``MAX_INPUT_BYTES`` (refused by ``field`` of
+    ``file`` past that, and when it is not a regular file: a device, a pipe, a directory)."""
     if not path.is_file():
-        raise _refuse(task, f"{field}: {path.name} is not a regular file in environment/")
+        raise _refuse(task, f"{field}: {path.name} is not a regular file", file=file)
     with path.open("rb") as handle:
         data = handle.read(MAX_INPUT_BYTES + 1)
     if len(data) > MAX_INPUT_BYTES:
-        raise _refuse(task, f"{field}: {path.name} is over {MAX_INPUT_BYTES} bytes")
+        raise _refuse(task, f"{field}: {path.name} is over {MAX_INPUT_BYTES} bytes", file=file)
     return data
 
 
@@ -153,5 +154,5 @@ def _as_list(value: object) -> Iterator[object]:
     return iter((value,))
 
 
-def _refuse(task: Task, detail: str) -> TaskConfigError:
-    return TaskConfigError(task.name, detail, file="environment/docker-compose.yaml")
+def _refuse(task: Task, detail: str, *, file: str = _COMPOSE) -> TaskConfigError:
+    return TaskConfigError(task.name, detail, file=file)

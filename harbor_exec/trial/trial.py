@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from pathlib import PurePosixPath
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
@@ -169,12 +170,12 @@ def ensure_task_image(
         assert env.docker_image is not None  # load_task guarantees one of the two
         runtime.ensure_present(env.docker_image)
         return env.docker_image, False
-    ensure_base_images(runtime, task, dockerfile, tag=image_tag_for(task))
     result = runtime.ensure_image(
         context_dir=task.environment_dir,
         tag=image_tag_for(task),
         timeout_sec=env.build_timeout_sec,
         labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
+        before_build=partial(ensure_base_images, runtime, task, dockerfile),
         **cache_build_options(runtime, task, cache, dockerfile, image_tag_for(task)),
     )
     return result.tag, result.built
@@ -993,13 +994,10 @@ class Trial:
             self.runtime.ensure_present(config.docker_image)
             return config.docker_image, False
         if task.verifier_dockerfile is not None:
-            ensure_base_images(
-                self.runtime,
-                task,
-                task.verifier_dockerfile,
-                tag=f"harbor-exec/verifier:{task.tests_digest()[:32]}",
-            )
             built = self.runtime.ensure_image(
+                before_build=partial(
+                    ensure_base_images, self.runtime, task, task.verifier_dockerfile
+                ),
                 context_dir=task.tests_dir,
                 tag=f"harbor-exec/verifier:{task.tests_digest()[:32]}",
                 timeout_sec=(config or task.config.environment).build_timeout_sec,
