@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -248,9 +249,6 @@ def load_project(task: Task, *, cpus: float | None, memory_mb: int | None) -> Co
     path = compose_file(task)
     if path is None:
         raise EnvironmentStartError(f"task {task.name} has no environment/{COMPOSE_FILE}")
-    # What Compose reads on the host: the task's own files only (refused by name else),
-    # checked on every load, cached model or not.
-    check_compose_inputs(task, path)
     env = task.config.environment
     task_env = resolve_env(
         env.env, task=task.name, field="[environment].env", allowed=task.env_allow
@@ -275,7 +273,10 @@ def _config(
     with _config_lock:
         cached = _config_cache.get(key)
     if cached is not None:
-        return cached
+        return cached  # checked when it was first loaded in this process
+    # What Compose reads on the host: the task's own files only (refused by name else),
+    # checked before a model is taken from the disk cache or made.
+    check_compose_inputs(task, path)
     store = cache_root() / "compose-config"
     stored = store / f"{key}.json"
     if stored.is_file():
@@ -541,7 +542,6 @@ def service_image(
     args = {str(k): str(v) for k, v in (service.build.get("args") or {}).items() if v is not None}
     dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
     tag = _build_tag(task, service)
-    ensure_base_images(runtime, task, context / dockerfile, args, tag=tag)
     route = cache_build_options(runtime, task, cache, context / dockerfile, tag, context, args)
     result = runtime.ensure_image(
         context_dir=context,
@@ -550,6 +550,7 @@ def service_image(
         labels={LABEL_KIND: "task-env" if name == MAIN else "service-env", LABEL_TASK: task.name},
         dockerfile=dockerfile,
         target=str(service.build["target"]) if service.build.get("target") else None,
+        before_build=partial(ensure_base_images, runtime, task, context / dockerfile, args),
         **merge_build_args(args, route),
     )
     return result.tag, result.built

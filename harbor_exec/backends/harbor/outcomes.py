@@ -92,18 +92,13 @@ def rollout_outcome(
     first = result.first_exception
     message = first.exception_message if first else ""
     workflow, sample = _workflow_result(request, run, spec, message, diagnostics)
-    if workflow.status is not RolloutStatus.SUCCESS and spec.verify and _reward_stands(run):
+    # ``reward_valid``: the error table's one rule (Harbor's) over what the trial recorded.
+    if workflow.status is not RolloutStatus.SUCCESS and spec.verify and result.reward_valid:
         return _graded_despite_the_agent(request, run, workflow, sample, message, diagnostics)
     if workflow.status is not RolloutStatus.SUCCESS or not spec.verify:
         return ExecutionOutcome(workflow=workflow)
     grader = _grader_result(run, sample, message, diagnostics)
     return ExecutionOutcome(workflow=workflow, grader=grader)
-
-
-def _reward_stands(run: TrialRun) -> bool:
-    """Whether the verifier gave a reward the error table calls valid for what the trial
-    recorded (``TrialResult.reward_valid``: the one rule, Harbor's)."""
-    return run.result.reward_valid
 
 
 def _graded_despite_the_agent(
