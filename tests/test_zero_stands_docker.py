@@ -60,7 +60,7 @@ WORKFLOWS = r'''
                         break
                 except OSError:
                     pass
-            time.sleep(0.5)
+            time.sleep(0.5)  # the frame on its way out of the pipe before the kill
             os.kill(1, signal.SIGTERM)  # the init handles TERM (KILL from inside is ignored)
             time.sleep(30)  # the container ends under it
             return WRONG
