@@ -85,9 +85,11 @@ def _declarations() -> dict[str, dict[str, OptionInfo]]:
 
 
 def _from_options_module() -> set[int]:
+    # The module's own declarations, and the ones it makes of ``SandboxConfig``'s fields.
+    declared = [*vars(options).values(), *(decl for decl, _ in options.SANDBOX_OPTIONS.values())]
     return {
         id(meta)
-        for value in vars(options).values()
+        for value in declared
         for meta in getattr(value, "__metadata__", ())
         if isinstance(meta, OptionInfo)
     }
@@ -142,6 +144,52 @@ def test_the_sandbox_options_make_one_sandbox_config(monkeypatch: pytest.MonkeyP
     assert (given.default_cpus, given.default_nofile) == (1.5, 999)
     assert given.output.max_file_bytes == 2048
     assert given.default_memory_mb == SandboxConfig().default_memory_mb
+
+
+def test_a_sandbox_option_is_a_field_of_the_config_and_one_of_the_policy() -> None:
+    """A new sandbox option touches two places: a ``SandboxConfig`` field that says how
+    the command line gives it (every command that runs trials then has it) and the
+    ``SandboxPolicy`` field of the same name the trial reads (``policy`` copies it)."""
+    import dataclasses
+
+    from harbor_exec.backends.harbor.config import SandboxConfig
+    from harbor_exec.sandbox.archives import OutputLimits
+    from harbor_exec.trial.policy import SandboxPolicy
+
+    commands = _commands()
+    for config_field in dataclasses.fields(SandboxConfig):
+        cli = config_field.metadata.get("cli")
+        if cli is None:
+            continue
+        for command in ("validate", "run", "serve"):
+            if command != "serve" and cli.grader_only:
+                continue
+            flags = {name for param in commands[command].params for name in param.opts}
+            assert cli.flag in flags, f"{command} lacks {cli.flag} ({config_field.name})"
+    asked = SandboxConfig(
+        verifier_mode="separate",
+        grader_verifier_mode="shared",
+        default_cpus=0.5,
+        default_memory_mb=300,
+        default_storage_mb=400,
+        default_shm_mb=7,
+        default_nofile=77,
+        output=OutputLimits(max_file_bytes=5000),
+        pids_limit=99,
+        override_cpus=3.0,
+        override_memory_mb=900,
+        override_storage_mb=800,
+        deps_in_image=True,
+    )
+    policy = asked.policy(max_concurrent_trials=1, pid_max=4096)
+    shared = {f.name for f in dataclasses.fields(SandboxPolicy)} & {
+        f.name for f in dataclasses.fields(SandboxConfig)
+    }
+    # Every field of the config reaches the policy under its own name.
+    assert shared == {f.name for f in dataclasses.fields(SandboxConfig)}
+    for name in shared:
+        assert getattr(policy, name) == getattr(asked, name), name
+    assert policy != SandboxPolicy(pids_limit=99)
 
 
 def test_help_falls_back_to_typers_panels_when_its_internals_moved(

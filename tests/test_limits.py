@@ -62,7 +62,9 @@ def test_a_tasks_own_limits_win_over_the_defaults_both_ways() -> None:
 
 
 def test_dev_shm_never_exceeds_the_containers_memory() -> None:
-    limits = ContainerLimits.resolve(SandboxPolicy(shm_mb=1024), EnvironmentConfig(memory_mb=300))
+    limits = ContainerLimits.resolve(
+        SandboxPolicy(default_shm_mb=1024), EnvironmentConfig(memory_mb=300)
+    )
     assert limits.shm_mb == 300
 
 
@@ -102,9 +104,9 @@ def test_harbor_backend_keeps_the_built_in_defaults_for_what_it_is_not_given(
         default_nofile=2048,
     )
     policy = backend.policy
-    assert (policy.default_memory_mb, policy.nofile_limit) == (1024, 2048)
+    assert (policy.default_memory_mb, policy.default_nofile) == (1024, 2048)
     assert (policy.default_cpus, policy.default_storage_mb) == (DEFAULT_CPUS, DEFAULT_STORAGE_MB)
-    assert policy.shm_mb == DEFAULT_SHM_MB
+    assert policy.default_shm_mb == DEFAULT_SHM_MB
 
 
 def test_trial_containers_carry_the_limits_agent_and_separate_verifier(tmp_path: Path) -> None:
@@ -114,7 +116,7 @@ def test_trial_containers_carry_the_limits_agent_and_separate_verifier(tmp_path:
     request = TrialRequest(TrialSpec(task=task, trials_dir=tmp_path / "trials"))
     request.spec = replace(
         request.spec,
-        policy=SandboxPolicy(verifier_mode="separate", default_cpus=1.25, nofile_limit=999),
+        policy=SandboxPolicy(verifier_mode="separate", default_cpus=1.25, default_nofile=999),
     )
     result = run_trial(runtime, request)
     assert result.exception_info is None

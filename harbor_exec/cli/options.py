@@ -9,6 +9,7 @@ is declared twice.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import typing
@@ -20,8 +21,7 @@ from typing import Annotated, Any
 import typer
 
 from harbor_exec.agents.native.config import NATIVE_AGENT_NAMES
-from harbor_exec.backends.harbor.config import DEFAULT_MAX_LOG_BYTES, SandboxConfig
-from harbor_exec.sandbox.archives import OutputLimits
+from harbor_exec.backends.harbor.config import CommandLine, SandboxConfig
 from harbor_exec.sources.packages import PACKAGE_SOURCE_ENV
 
 # The help panels, in the order a reader meets them.
@@ -211,133 +211,70 @@ ServeAgentSetupTimeoutOption = Annotated[
 # ---- Sandbox: where verifiers run; Limits: what a container may use ----
 
 
-class VerifierModeChoice(StrEnum):
-    """Where verifiers run: as each task says, or always in a fresh container."""
+def _sandbox_option(config_field: dataclasses.Field[Any]) -> tuple[str, Any, Any]:
+    """The (parameter, declaration, default) of one ``SandboxConfig`` field's option."""
+    cli: CommandLine = config_field.metadata["cli"]
+    name = cli.parameter or config_field.name
+    kind: Any = cli.option_type or _SANDBOX_HINTS[config_field.name]
+    default = getattr(_SANDBOX, config_field.name)
+    if cli.from_field is not None:
+        default = cli.from_field(default)
+    if typing.get_origin(kind) is typing.Literal:
+        # typer takes choices as an enum: one of the literal's values, in its order.
+        choices: Any = StrEnum  # the functional API, which mypy reads as a class statement
+        kind = choices(f"{name}_choice", {value: value for value in typing.get_args(kind)})
+        default = kind(default)
+    declaration = Annotated[
+        kind,
+        typer.Option(
+            cli.flag,
+            min=cli.min,
+            rich_help_panel=cli.panel,
+            help=cli.help,
+        ),
+    ]
+    return name, declaration, default
 
-    TASK = "task"
-    SEPARATE = "separate"
-
-
-VerifierModeOption = Annotated[
-    VerifierModeChoice,
-    typer.Option(
-        "--verifier-mode",
-        rich_help_panel=SANDBOX,
-        help="task: each task's own \\[verifier].environment_mode; separate: every verifier "
-        "runs in a fresh container that sees only the artifacts (recommended for RL).",
-    ),
-]
-
-
-class GraderVerifierModeChoice(StrEnum):
-    """Where a bundled grader verifies: a fresh container, or (asked for) the agent's."""
-
-    SEPARATE = "separate"
-    SHARED = "shared"
-
-
-GraderVerifierModeOption = Annotated[
-    GraderVerifierModeChoice,
-    typer.Option(
-        "--grader-verifier-mode",
-        rich_help_panel=SANDBOX,
-        help="Where a bundled grader verifies: separate (a fresh container, the default) or "
-        "shared (the agent's container: weaker, the files the grader's interpreter reads "
-        "besides the read-only runtime, such as /etc/ld.so.preload, are the agent's).",
-    ),
-]
-DefaultCpusOption = Annotated[
-    float,
-    typer.Option(
-        "--default-cpus",
-        min=0.01,
-        rich_help_panel=LIMITS,
-        help="CPUs for tasks that set no \\[environment].cpus.",
-    ),
-]
-DefaultMemoryOption = Annotated[
-    int,
-    typer.Option(
-        "--default-memory-mb",
-        min=16,
-        rich_help_panel=LIMITS,
-        help="Memory (MB) for tasks that set no \\[environment].memory_mb; never any swap.",
-    ),
-]
-DefaultStorageOption = Annotated[
-    int,
-    typer.Option(
-        "--default-storage-mb",
-        min=16,
-        rich_help_panel=LIMITS,
-        help="Disk (MB) a container may write (writable layer and /logs) for tasks that set "
-        "no \\[environment].storage_mb; past it the agent is stopped (DiskBudgetExceededError).",
-    ),
-]
-DefaultShmOption = Annotated[
-    int,
-    typer.Option(
-        "--default-shm-mb",
-        min=1,
-        rich_help_panel=LIMITS,
-        help="Size (MB) of /dev/shm, at most the container's memory.",
-    ),
-]
-DefaultNofileOption = Annotated[
-    int,
-    typer.Option(
-        "--default-nofile",
-        min=64,
-        rich_help_panel=LIMITS,
-        help="Open files per process in a container (nofile ulimit).",
-    ),
-]
-MaxLogBytesOption = Annotated[
-    int,
-    typer.Option(
-        "--max-log-bytes",
-        min=1024,
-        rich_help_panel=LIMITS,
-        help="Cap on each file copied back from a container (oracle.txt, test-stdout.txt, "
-        "artifacts); the tail is kept after a marker.",
-    ),
-]
 
 _SANDBOX = SandboxConfig()
-#: The sandbox and limits options, by parameter: (declaration, default). A command
+_SANDBOX_HINTS = typing.get_type_hints(SandboxConfig)
+# The Limits panel shows before the Sandbox one, as the panels' order above says.
+_SANDBOX_FIELDS = {
+    _sandbox_option(f)[0]: f
+    for f in sorted(
+        (f for f in dataclasses.fields(SandboxConfig) if "cli" in f.metadata),
+        key=lambda f: f.metadata["cli"].panel != "Limits",
+    )
+}
+#: The sandbox and limits options, by parameter: (declaration, default), made from the
+#: fields of ``SandboxConfig`` that say how the command line gives them. A command
 #: decorated with ``takes_sandbox`` gets them all, read into one ``sandbox: SandboxConfig``.
 SANDBOX_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "default_cpus": (DefaultCpusOption, _SANDBOX.default_cpus),
-    "default_memory_mb": (DefaultMemoryOption, _SANDBOX.default_memory_mb),
-    "default_storage_mb": (DefaultStorageOption, _SANDBOX.default_storage_mb),
-    "default_shm_mb": (DefaultShmOption, _SANDBOX.default_shm_mb),
-    "default_nofile": (DefaultNofileOption, _SANDBOX.default_nofile),
-    "max_log_bytes": (MaxLogBytesOption, DEFAULT_MAX_LOG_BYTES),
-    "verifier_mode": (VerifierModeOption, VerifierModeChoice.TASK),
-    "grader_verifier_mode": (GraderVerifierModeOption, GraderVerifierModeChoice.SEPARATE),
+    name: _sandbox_option(config_field)[1:] for name, config_field in _SANDBOX_FIELDS.items()
 }
 
 
 def sandbox_config(values: dict[str, Any]) -> SandboxConfig:
-    """The ``SandboxConfig`` the sandbox and limits options describe."""
-    grader = values.get("grader_verifier_mode", GraderVerifierModeChoice.SEPARATE)
-    return SandboxConfig(
-        verifier_mode="separate" if values["verifier_mode"] == "separate" else "task",
-        grader_verifier_mode="shared" if grader == "shared" else "separate",
-        default_cpus=values["default_cpus"],
-        default_memory_mb=values["default_memory_mb"],
-        default_storage_mb=values["default_storage_mb"],
-        default_shm_mb=values["default_shm_mb"],
-        default_nofile=values["default_nofile"],
-        output=OutputLimits(max_file_bytes=values["max_log_bytes"]),
-    )
+    """The ``SandboxConfig`` the sandbox and limits options describe (an option not
+    given: the field's default)."""
+    given: dict[str, Any] = {}
+    for name, value in values.items():
+        config_field = _SANDBOX_FIELDS[name]
+        cli: CommandLine = config_field.metadata["cli"]
+        value = str(value) if isinstance(value, StrEnum) else value
+        given[config_field.name] = cli.to_field(value) if cli.to_field is not None else value
+    return SandboxConfig(**given)
 
 
 def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """A command with a ``sandbox: SandboxConfig`` parameter takes the sandbox and limits
     options in its place (``--grader-verifier-mode`` too with ``grader``): one list of
     them, here, for every command."""
-    names = [name for name in SANDBOX_OPTIONS if grader or name != "grader_verifier_mode"]
+    names = [
+        name
+        for name, config_field in _SANDBOX_FIELDS.items()
+        if grader or not config_field.metadata["cli"].grader_only
+    ]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         hints = typing.get_type_hints(command, include_extras=True)
@@ -447,16 +384,8 @@ __all__ = [
     "AgentKwargOption",
     "AllowUnpinnedOption",
     "DatasetRefOption",
-    "DefaultCpusOption",
-    "DefaultMemoryOption",
-    "DefaultNofileOption",
-    "DefaultShmOption",
-    "DefaultStorageOption",
-    "GraderVerifierModeChoice",
-    "GraderVerifierModeOption",
     "JobNameOption",
     "JobsDirOption",
-    "MaxLogBytesOption",
     "NAttemptsOption",
     "NConcurrentOption",
     "PackageCacheDirOption",
@@ -477,8 +406,6 @@ __all__ = [
     "ServePackageCacheOption",
     "TaskRefOption",
     "TasksPathArgument",
-    "VerifierModeChoice",
-    "VerifierModeOption",
     "sandbox_config",
     "takes_sandbox",
 ]

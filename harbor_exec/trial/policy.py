@@ -50,8 +50,8 @@ class SandboxPolicy:
     """
 
     #: "separate": every task's verifier runs in a fresh container (see ``Trial``);
-    #: None: each task's own ``[verifier].environment_mode``.
-    verifier_mode: VerifierMode | None = None
+    #: "task": each task's own ``[verifier].environment_mode``.
+    verifier_mode: Literal["task", "separate"] = "task"
     #: Where a bundled grader verifies, whatever the task says: "separate" unless asked,
     #: since in the agent's container the files the grader's interpreter reads besides
     #: the read-only runtime (``/etc/ld.so.preload``, ``/tmp``) are the agent's.
@@ -63,8 +63,8 @@ class SandboxPolicy:
     override_cpus: float | None = None
     override_memory_mb: int | None = None
     override_storage_mb: int | None = None
-    shm_mb: int = DEFAULT_SHM_MB
-    nofile_limit: int = DEFAULT_NOFILE_LIMIT
+    default_shm_mb: int = DEFAULT_SHM_MB  # /dev/shm (no task sets it)
+    default_nofile: int = DEFAULT_NOFILE_LIMIT  # open files per process (no task sets it)
     #: A bundle's dependencies baked into a layer of the task image for the agent's
     #: container (osmosis-ai's ``patch_dockerfile_with_sdk=True``), instead of the
     #: read-only volume (the default; verifier containers always get the volume).
@@ -99,8 +99,8 @@ class ContainerLimits:
             cpus=cpus,
             memory_mb=memory_mb,
             storage_mb=policy.override_storage_mb or env.storage_mb or policy.default_storage_mb,
-            shm_mb=min(policy.shm_mb, memory_mb),  # tmpfs pages are memory
-            nofile_limit=policy.nofile_limit,
+            shm_mb=min(policy.default_shm_mb, memory_mb),  # tmpfs pages are memory
+            nofile_limit=policy.default_nofile,
             pids_limit=policy.pids_limit,
         )
 

@@ -12,7 +12,7 @@ an egress upstream) is made from it where trials run, never kept in it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -125,18 +125,121 @@ def check_agent_choice(choice: AgentChoice, *, deps_in_image: bool) -> NativeAge
 
 
 @dataclass(frozen=True)
+class CommandLine:
+    """How a ``SandboxConfig`` field is given on the command line: ``cli/options.py`` makes
+    one option of it for every command that runs trials, so a new sandbox option is a
+    field here (with this) and the ``SandboxPolicy`` field the trial reads."""
+
+    flag: str
+    panel: Literal["Sandbox", "Limits"]
+    help: str
+    min: float | None = None
+    #: Only for commands that can run a bundled grader (``serve``).
+    grader_only: bool = False
+    #: The command's parameter and its type when they are not the field's own, with the
+    #: conversions between the option's value and the field's.
+    parameter: str | None = None
+    option_type: type | None = None
+    to_field: Callable[[Any], Any] | None = None
+    from_field: Callable[[Any], Any] | None = None
+
+
+def _cli(flag: str, panel: Literal["Sandbox", "Limits"], help: str, **more: Any) -> dict[str, Any]:
+    return {"cli": CommandLine(flag, panel, help, **more)}
+
+
+def _max_file_bytes(output: OutputLimits) -> int:
+    return output.max_file_bytes
+
+
+def _output_limits(max_file_bytes: int) -> OutputLimits:
+    return OutputLimits(max_file_bytes=max_file_bytes)
+
+
+@dataclass(frozen=True)
 class SandboxConfig:
     """What every trial container may do and use. ``policy`` makes the trial's
-    ``SandboxPolicy`` of it, the one place the two meet."""
+    ``SandboxPolicy`` of it, the one place the two meet: a field of the same name there
+    is copied as it is."""
 
-    verifier_mode: Literal["task", "separate"] = "task"
-    grader_verifier_mode: Literal["separate", "shared"] = "separate"
-    default_cpus: float = DEFAULT_CPUS
-    default_memory_mb: int = DEFAULT_MEMORY_MB
-    default_storage_mb: int = DEFAULT_STORAGE_MB
-    default_shm_mb: int = DEFAULT_SHM_MB
-    default_nofile: int = DEFAULT_NOFILE_LIMIT
-    output: OutputLimits = field(default_factory=OutputLimits)
+    verifier_mode: Literal["task", "separate"] = field(
+        default="task",
+        metadata=_cli(
+            "--verifier-mode",
+            "Sandbox",
+            "task: each task's own \\[verifier].environment_mode; separate: every verifier "
+            "runs in a fresh container that sees only the artifacts (recommended for RL).",
+        ),
+    )
+    grader_verifier_mode: Literal["separate", "shared"] = field(
+        default="separate",
+        metadata=_cli(
+            "--grader-verifier-mode",
+            "Sandbox",
+            "Where a bundled grader verifies: separate (a fresh container, the default) or "
+            "shared (the agent's container: weaker, the files the grader's interpreter reads "
+            "besides the read-only runtime, such as /etc/ld.so.preload, are the agent's).",
+            grader_only=True,
+        ),
+    )
+    default_cpus: float = field(
+        default=DEFAULT_CPUS,
+        metadata=_cli(
+            "--default-cpus", "Limits", "CPUs for tasks that set no \\[environment].cpus.", min=0.01
+        ),
+    )
+    default_memory_mb: int = field(
+        default=DEFAULT_MEMORY_MB,
+        metadata=_cli(
+            "--default-memory-mb",
+            "Limits",
+            "Memory (MB) for tasks that set no \\[environment].memory_mb; never any swap.",
+            min=16,
+        ),
+    )
+    default_storage_mb: int = field(
+        default=DEFAULT_STORAGE_MB,
+        metadata=_cli(
+            "--default-storage-mb",
+            "Limits",
+            "Disk (MB) a container may write (writable layer and /logs) for tasks that set "
+            "no \\[environment].storage_mb; past it the agent is stopped "
+            "(DiskBudgetExceededError).",
+            min=16,
+        ),
+    )
+    default_shm_mb: int = field(
+        default=DEFAULT_SHM_MB,
+        metadata=_cli(
+            "--default-shm-mb",
+            "Limits",
+            "Size (MB) of /dev/shm, at most the container's memory.",
+            min=1,
+        ),
+    )
+    default_nofile: int = field(
+        default=DEFAULT_NOFILE_LIMIT,
+        metadata=_cli(
+            "--default-nofile",
+            "Limits",
+            "Open files per process in a container (nofile ulimit).",
+            min=64,
+        ),
+    )
+    output: OutputLimits = field(
+        default_factory=OutputLimits,
+        metadata=_cli(
+            "--max-log-bytes",
+            "Limits",
+            "Cap on each file copied back from a container (oracle.txt, test-stdout.txt, "
+            "artifacts); the tail is kept after a marker.",
+            min=1024,
+            parameter="max_log_bytes",
+            option_type=int,
+            to_field=_output_limits,
+            from_field=_max_file_bytes,
+        ),
+    )
     #: None: from the trials run at once and the engine's ``pid_max``.
     pids_limit: int | None = None
     #: Harbor's ``EnvironmentConfig.override_*``: replace every task's own.
@@ -160,27 +263,19 @@ class SandboxConfig:
     def policy(
         self, *, max_concurrent_trials: int, pid_max: int | Callable[[], int]
     ) -> SandboxPolicy:
-        """The trial's ``SandboxPolicy``; ``pid_max`` (the engine's, or how to ask it) is
-        read only when no ``pids_limit`` was given."""
+        """The trial's ``SandboxPolicy``: every field both have, copied; ``pid_max`` (the
+        engine's, or how to ask it) is read only when no ``pids_limit`` was given."""
         pids = self.pids_limit
         if pids is None:
             engine_pid_max = pid_max if isinstance(pid_max, int) else pid_max()
             pids = default_pids_limit(max_concurrent_trials, engine_pid_max)
-        return SandboxPolicy(
-            verifier_mode="separate" if self.verifier_mode == "separate" else None,
-            grader_verifier_mode=self.grader_verifier_mode,
-            pids_limit=pids,
-            default_cpus=self.default_cpus,
-            default_memory_mb=self.default_memory_mb,
-            default_storage_mb=self.default_storage_mb,
-            override_cpus=self.override_cpus,
-            override_memory_mb=self.override_memory_mb,
-            override_storage_mb=self.override_storage_mb,
-            shm_mb=self.default_shm_mb,
-            nofile_limit=self.default_nofile,
-            deps_in_image=self.deps_in_image,
-            output=self.output,
-        )
+        shared = {name: getattr(self, name) for name in _POLICY_FIELDS if name != "pids_limit"}
+        return SandboxPolicy(pids_limit=pids, **shared)
+
+
+_POLICY_FIELDS = frozenset(f.name for f in fields(SandboxPolicy)) & frozenset(
+    f.name for f in fields(SandboxConfig)
+)
 
 
 @dataclass(frozen=True)
@@ -225,6 +320,7 @@ __all__ = [
     "DEFAULT_MAX_LOG_BYTES",
     "AgentChoice",
     "Capacity",
+    "CommandLine",
     "HarborConfig",
     "Paths",
     "SandboxConfig",
