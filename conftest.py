@@ -10,12 +10,16 @@
   pyproject.toml: two per core, plus one, because many tests wait on timers).
   A run that selects engine tests schedules by group (``--dist loadgroup``): the
   engine tests are one group, run one at a time on one worker, because they share
-  one engine and time its containers, while the other workers take the rest (a
-  second engine group beside the first was tried: its CPU pushed the first group's
-  timed tests past their bounds on two cores). (xdist 3.8 names an item's group in
-  its node id, which pytest 9 no longer reads from ``_nodeid``: ``_join_engine_group``
-  writes it where pytest 9 keeps it.) The worker that ran engine tests says so to the
-  controller, which checks for leftovers once every worker ended.
+  one engine and time its containers, while the other workers take the rest. The
+  modules marked ``engine_lane`` (self-contained on the engine: their own tasks and
+  images, no engine-wide counts, waits with wide margins) are a second group, run
+  one at a time beside the first, so their idle waits (Harbor's compose runs, a Ray
+  cluster's nodes coming and going, the engine tarring a flood) overlap the first
+  group's work. (xdist 3.8 names
+  an item's group in its node id, which pytest 9 no longer reads from ``_nodeid``:
+  ``_join_engine_group`` writes it where pytest 9 keeps it.) Every worker that ran
+  engine tests says so to the controller, which checks for leftovers once they all
+  ended.
 - Tests marked ``slow`` need no engine but spend seconds of CPU in real
   subprocesses: every real build (each test that uses the ``bundle_cache``
   fixture, and harbor-exec's own wheel: pip against the package index, build
@@ -49,6 +53,7 @@ sys.dont_write_bytecode = False
 
 ENGINE_FIXTURES = frozenset({"docker_runtime"})
 ENGINE_GROUP = "engine"
+SECOND_ENGINE_GROUP = "engine-lane"
 BUILD_FIXTURES = frozenset({"bundle_cache"})
 _EXCLUDES_ENGINE = re.compile(r"\bnot\s+docker\b")
 _NAMES_SLOW = re.compile(r"\bslow\b")
@@ -103,10 +108,12 @@ def _engine_grouped(config: pytest.Config) -> bool:
 
 
 def _join_engine_group(item: pytest.Item) -> None:
-    """Put ``item`` in xdist's group "engine": loadgroup reads the group after the node
-    id's "@". pytest 9 keeps a node id as a NodeId whose string is cached; xdist 3.8 still
-    sets the old ``_nodeid`` (now unused), so the suffix goes into the cached string."""
-    object.__setattr__(item._id, "_str_cache", f"{item.nodeid}@{ENGINE_GROUP}")
+    """Put ``item`` in its xdist group ("engine", or "engine-lane" when marked
+    ``engine_lane``): loadgroup reads the group after the node id's "@". pytest 9 keeps a
+    node id as a NodeId whose string is cached; xdist 3.8 still sets the old ``_nodeid``
+    (now unused), so the suffix goes into the cached string."""
+    group = SECOND_ENGINE_GROUP if item.get_closest_marker("engine_lane") else ENGINE_GROUP
+    object.__setattr__(item._id, "_str_cache", f"{item.nodeid}@{group}")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -1,5 +1,6 @@
-"""Run only by tests/test_suite_selection.py: two tests marked ``docker`` (they need no
-engine) and two plain ones, each recording which xdist worker ran it."""
+"""Run only by tests/test_suite_selection.py: four tests marked ``docker`` (they need no
+engine), two of them ``engine_lane`` too, and four plain ones, each recording which
+xdist worker ran it."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ def test_engine(n: int) -> None:
 @pytest.mark.parametrize("n", range(4))
 def test_plain(n: int) -> None:
     _record(f"plain{n}")
+
+
+@pytest.mark.docker
+@pytest.mark.engine_lane
+@pytest.mark.parametrize("n", range(2))
+def test_engine_lane(n: int) -> None:
+    _record(f"lane{n}")

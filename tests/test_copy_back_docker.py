@@ -23,7 +23,8 @@ from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from tests.task_factory import make_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own tasks, counts only its own containers, time bounds with wide margins.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 BUDGET = OutputLimits().max_total_bytes
 SLACK = 64 * 2**20  # directory blocks (10,000 at most), result.json, the verifier's part

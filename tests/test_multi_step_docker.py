@@ -33,7 +33,8 @@ from tests.task_factory import make_multi_step_task
 from tests.test_multi_step import step_rewards
 from tests.trial_utils import run_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own tasks and images, no engine-wide counts, no timing bounds.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 __all__ = ["bundle_cache", "example_bundle"]  # the session fixtures, used below
 

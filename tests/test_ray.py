@@ -37,7 +37,13 @@ TEMPLATE = ROOT / "tasks_examples" / "template"
 PROJECT = ROOT / "tasks_examples" / "workflow_project"
 KEY = "sk-ray-secret-" + uuid.uuid4().hex
 
-pytestmark = [pytest.mark.docker, pytest.mark.ray, pytest.mark.usefixtures("base_images")]
+# engine_lane: its cluster runs its own tasks and counts only its own containers.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.ray,
+    pytest.mark.engine_lane,
+    pytest.mark.usefixtures("base_images"),
+]
 
 
 def _read_json_line(stream: IO[str], timeout: float) -> dict[str, Any]:

@@ -145,6 +145,9 @@ def test_engine_tests_run_on_one_worker_while_the_others_take_the_rest(tmp_path:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     ran = dict(line.split() for line in record.read_text().splitlines())
-    assert len(ran) == 8
+    assert len(ran) == 10
     engine_workers = {worker for name, worker in ran.items() if name.startswith("engine")}
     assert len(engine_workers) == 1 and engine_workers != {"main"}, ran
+    # The second lane's modules run one at a time too, on one worker of their own group.
+    lane_workers = {worker for name, worker in ran.items() if name.startswith("lane")}
+    assert len(lane_workers) == 1 and lane_workers != {"main"}, ran
