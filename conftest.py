@@ -15,7 +15,9 @@
   images, no engine-wide counts, waits with wide margins) are a second group, run
   one at a time beside the first, so their idle waits (Harbor's compose runs, a Ray
   cluster's nodes coming and going, the engine tarring a flood) overlap the first
-  group's work. (xdist 3.8 names
+  group's work. A test marked ``quiet_engine`` (a tight wall-clock bound on engine
+  work) runs with no second-lane test beside it: it waits for the lane's current test,
+  and the lane waits for it (``tests/scheduling.py:engine_turn``). (xdist 3.8 names
   an item's group in its node id, which pytest 9 no longer reads from ``_nodeid``:
   ``_join_engine_group`` writes it where pytest 9 keeps it.) Every worker that ran
   engine tests says so to the controller, which checks for leftovers once they all
@@ -38,12 +40,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from typing import Literal
 
 import pytest
 
-from tests.scheduling import LEFTOVERS_ENV, long_first
+from tests.scheduling import LEFTOVERS_ENV, QUIET_ENV, engine_turn, long_first
 
 # Cache bytecode even where PYTHONDONTWRITEBYTECODE is set (some machines set it):
 # otherwise every xdist worker, and every runner or `serve` subprocess the tests
@@ -91,6 +96,11 @@ def pytest_configure(config: pytest.Config) -> None:
         fd, path = tempfile.mkstemp(prefix="harbor-exec-leftovers-")
         os.close(fd)
         os.environ[LEFTOVERS_ENV] = path
+    if not hasattr(config, "workerinput") and QUIET_ENV not in os.environ:
+        # The timed tests' lock beside the second engine group (tests/scheduling.py).
+        global _quiet_dir
+        _quiet_dir = tempfile.mkdtemp(prefix="harbor-exec-quiet-")
+        os.environ[QUIET_ENV] = os.path.join(_quiet_dir, "lock")
     if not hasattr(config.option, "numprocesses"):
         return  # run with -p no:xdist
     if hasattr(config, "workerinput"):
@@ -99,6 +109,17 @@ def pytest_configure(config: pytest.Config) -> None:
         # Engine tests share one engine and time its containers: they run one at a time,
         # on one worker (the group "engine"), while the other workers take the rest.
         config.option.dist = "loadgroup"
+
+
+_quiet_dir: str | None = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _quiet_dir
+    if _quiet_dir is not None:
+        shutil.rmtree(_quiet_dir, ignore_errors=True)
+        os.environ.pop(QUIET_ENV, None)
+        _quiet_dir = None
 
 
 def _engine_grouped(config: pytest.Config) -> bool:
@@ -114,6 +135,27 @@ def _join_engine_group(item: pytest.Item) -> None:
     (now unused), so the suffix goes into the cached string."""
     group = SECOND_ENGINE_GROUP if item.get_closest_marker("engine_lane") else ENGINE_GROUP
     object.__setattr__(item._id, "_str_cache", f"{item.nodeid}@{group}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test marked ``quiet_engine`` (a tight wall-clock bound on engine work) runs with
+    no second-lane test beside it; a second-lane test waits while one does. Set-up and
+    tear-down of its fixtures included (a Ray cluster's start is the lane's CPU too)."""
+    if not _engine_grouped(item.config):
+        yield
+        return
+    if item.get_closest_marker("quiet_engine") is not None:
+        kind: Literal["quiet", "beside"] | None = "quiet"
+    elif item.get_closest_marker("engine_lane") is not None:
+        kind = "beside"
+    else:
+        kind = None
+    if kind is None:
+        yield
+        return
+    with engine_turn(kind):
+        yield
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

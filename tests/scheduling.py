@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from typing import Literal
+
 import pytest
 
 #: The file (its path in this variable) where an xdist worker that ran engine tests
 #: says so; the controller then checks what they left on the engine (tests/conftest.py).
 LEFTOVERS_ENV = "HARBOR_EXEC_TEST_LEFTOVERS"
+#: The lock file (its path in this variable) by which a test marked ``quiet_engine`` has
+#: the engine to its own group: no ``engine_lane`` test runs beside it.
+QUIET_ENV = "HARBOR_EXEC_TEST_QUIET"
+
+
+@contextlib.contextmanager
+def engine_turn(kind: Literal["quiet", "beside"]) -> Iterator[None]:
+    """Hold the engine as a timed test ("quiet": alone but for its own group) or as a
+    second-lane test ("beside": with the other group, never during a timed test).
+
+    A reader-writer lock across the xdist workers (``flock``), with a turnstile so
+    that a timed test waits only for the second lane's current test, never for a
+    stream of them."""
+    path = os.environ.get(QUIET_ENV)
+    if not path:
+        yield
+        return
+    with open(path + ".turnstile", "a") as turnstile, open(path, "a") as quiet:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(quiet, fcntl.LOCK_EX if kind == "quiet" else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(quiet, fcntl.LOCK_UN)
 
 
 def _seconds(item: pytest.Item) -> float:

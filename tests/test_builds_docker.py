@@ -161,6 +161,7 @@ def test_example_dataset_same_image_from_both_builders(
             assert is_full_reward(result), (task.name, result.exception_info)
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_missing_copy_source_fails_fast_naming_the_path(
     docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
 ) -> None:
@@ -279,6 +280,7 @@ def _dataset(root: Path, n_unique: int, nonce: str) -> Path:
     return root
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_parallel_prewarm_builds_each_tag_once(
     docker_runtime: DockerRuntime, tmp_path: Path, made_images: list[str]
 ) -> None:

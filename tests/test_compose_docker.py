@@ -131,6 +131,7 @@ def test_sidecar_hardening_limits_labels_and_order(
     assert ours(trial.name) == []
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_cancel_mid_agent_leaves_nothing(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
     task = compose_task(tmp_path, "compose-cancel", solve="sleep 60")
     trial = Trial(

@@ -178,6 +178,7 @@ def test_dataset_mode(kind: str, tmp_path: Path, bundle: Any, chat: FakeChat) ->
     assert "harbor_task_id" in missing.err_message
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 @pytest.mark.parametrize("kind", CLIENTS)
 def test_workflow_error_and_timeout(
     kind: str,
@@ -283,6 +284,7 @@ def test_cancel_queued_and_running_and_429(
     assert got["retried"].status == "success" and got["retried"].sample.reward == 1.0
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_prewarm_then_no_build(
     tmp_path: Path, bundle: Any, chat: FakeChat, grader_task: Path
 ) -> None:

@@ -232,6 +232,7 @@ def test_terminus_2_as_a_non_root_agent_user(tmp_path: Path, docker_runtime: Doc
     assert files_holding(trial_dir, KEY) == []
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_cancelling_a_running_terminus_2_rollout_frees_its_container(
     tmp_path: Path, docker_runtime: DockerRuntime
 ) -> None:

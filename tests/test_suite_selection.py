@@ -144,10 +144,17 @@ def test_engine_tests_run_on_one_worker_while_the_others_take_the_rest(tmp_path:
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    ran = dict(line.split() for line in record.read_text().splitlines())
-    assert len(ran) == 10
+    lines = [line.split() for line in record.read_text().splitlines()]
+    ran = {name: worker for name, worker in lines if "=" not in name}
+    assert len(ran) == 13
     engine_workers = {worker for name, worker in ran.items() if name.startswith("engine")}
     assert len(engine_workers) == 1 and engine_workers != {"main"}, ran
     # The second lane's modules run one at a time too, on one worker of their own group.
     lane_workers = {worker for name, worker in ran.items() if name.startswith("lane")}
     assert len(lane_workers) == 1 and lane_workers != {"main"}, ran
+    # ...and never while a test marked quiet_engine runs.
+    when = dict((n.split("=")[0], float(n.split("=")[1])) for n, _ in lines if "=" in n)
+    quiet = (when["quiet-start"], when["quiet-end"])
+    for n in range(4):
+        lane = (when[f"lane{n}-start"], when[f"lane{n}-end"])
+        assert lane[1] <= quiet[0] or quiet[1] <= lane[0], (lane, quiet)

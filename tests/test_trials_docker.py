@@ -111,6 +111,7 @@ def test_reward_json_wins_over_reward_txt(docker_runtime: DockerRuntime, tmp_pat
     assert result.verifier_result.rewards == {"a": 1, "b": 0.5, "c": 1.0}
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_hung_agent_is_killed_then_verified(docker_runtime: DockerRuntime, tmp_path: Path) -> None:
     solve = """
         echo started > /app/started
@@ -143,6 +144,7 @@ def test_hung_agent_is_killed_then_verified(docker_runtime: DockerRuntime, tmp_p
     ).read_text()
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_hung_verifier_times_out_without_reward(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
@@ -248,6 +250,7 @@ def runs_in(runtime: DockerRuntime, container_id: str | None, command: str) -> b
     return any(command in " ".join(process) for process in processes)
 
 
+@pytest.mark.quiet_engine  # a wall-clock bound on engine work
 def test_cancel_removes_the_container_within_a_second(
     docker_runtime: DockerRuntime, tmp_path: Path
 ) -> None:
