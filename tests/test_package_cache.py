@@ -672,3 +672,79 @@ def test_a_node_reports_its_own_service_totals(tmp_path: Path) -> None:
         assert NodePackageCache("w7").report() is None  # another actor: its own count
     finally:
         node.close()
+
+
+async def test_a_fill_whose_last_reader_left_stops(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """A client that starts a slow download and hangs up leaves no fill behind holding an
+    upstream connection (nor one of its trial's slots); nothing half-read is stored."""
+    https_upstream.set(WHEEL, os.urandom(400_000))
+    https_upstream.bytes_per_sec = 40_000  # ten seconds for the whole body
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with (
+            client(front, "t1") as c1,
+            c1.stream("GET", f"https://files.test{WHEEL}") as response,
+        ):
+            async for _chunk in response.aiter_raw():
+                break  # the first bytes, then hang up
+        cache = front.cache
+        for _ in range(100):  # bounded: well under the body's ten seconds
+            if not cache._fills:
+                break
+            await asyncio.sleep(0.05)
+        assert cache._fills == {}
+        assert cache.store.get(next(iter(cache.store._lru), "")) is None
+        assert front.stats("t1").upstream_requests == 1
+        assert front.trials["t1"][3].upstream_slots._value == cache_module.PER_TRIAL_UPSTREAM
+
+
+async def test_a_trial_holds_at_most_its_share_of_the_upstream(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """One trial's slow fills wait for its own slots; another trial's request goes out at
+    once (the shared pool is never all one trial's)."""
+    for i in range(cache_module.PER_TRIAL_UPSTREAM + 1):
+        https_upstream.set(f"/packages/slow-{i}.whl", os.urandom(200_000))
+    https_upstream.set(WHEEL, b"victim")
+    https_upstream.bytes_per_sec = 100_000  # two seconds each
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "attacker") as attacker, client(front, "victim") as victim:
+            hogs = [
+                asyncio.create_task(attacker.get(f"https://files.test/packages/slow-{i}.whl"))
+                for i in range(cache_module.PER_TRIAL_UPSTREAM + 1)
+            ]
+            slots = front.trials["attacker"][3].upstream_slots
+            for _ in range(200):
+                if slots.locked():
+                    break
+                await asyncio.sleep(0.01)
+            assert slots.locked()  # the attacker's share is taken...
+            started = time.monotonic()
+            answer = await victim.get(f"https://files.test{WHEEL}")
+            assert answer.content == b"victim"
+            assert time.monotonic() - started < 1.5  # ...and the victim did not wait for it
+            await asyncio.gather(*hogs)
+        assert slots._value == cache_module.PER_TRIAL_UPSTREAM  # every slot given back
+
+
+async def test_a_dripping_upstream_ends_its_fill(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    https_upstream: Upstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An upstream that sends a few bytes a second holds its fill only for the grace."""
+    monkeypatch.setattr(cache_module, "FILL_GRACE_SEC", 0.5)
+    https_upstream.set(WHEEL, os.urandom(20_000))
+    https_upstream.bytes_per_sec = 2_000  # ten seconds, far under the minimum rate
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "t1") as c1:
+            started = time.monotonic()
+            with pytest.raises(httpx.HTTPError):
+                response = await c1.get(f"https://files.test{WHEEL}")
+                response.raise_for_status()
+                assert len(response.content) < 20_000
+                raise httpx.RemoteProtocolError("cut short")
+            assert time.monotonic() - started < 5
+        assert front.cache._fills == {}

@@ -637,6 +637,13 @@ MAX_RECALLED_KEY: Final = 1024
 RECALL_MEMORY_TASKS: Final = 512
 #: Revalidations ahead of a trial in flight at once.
 AHEAD_CONCURRENCY: Final = 16
+#: Upstream requests one trial may have open at once (fills and pass-throughs): the
+#: shared pool has 64, so no trial can hold them all.
+PER_TRIAL_UPSTREAM: Final = 8
+#: A fill must average this many bytes a second once ``FILL_GRACE_SEC`` have passed,
+#: or it stops (an upstream that drips a byte every few seconds holds nothing long).
+FILL_MIN_BYTES_PER_SEC: Final = 16 * 1024
+FILL_GRACE_SEC: Final = 30.0
 
 
 class RecallStore:
@@ -740,6 +747,17 @@ class _Fill:
         self.done = False
         self.error: BaseException | None = None
         self.changed = asyncio.Condition()
+        #: Clients reading it now; the download stops when the last one leaves.
+        self.readers = 0
+        self.task: asyncio.Task[None] | None = None
+        #: Called once when the download ends (gives the trial's upstream slot back).
+        self.on_done: Callable[[], None] | None = None
+
+    def leave(self) -> None:
+        """A reader left: with none left, nobody waits for the bytes, so stop fetching."""
+        self.readers -= 1
+        if self.readers <= 0 and not self.done and self.task is not None:
+            self.task.cancel()
 
     async def wait_beyond(self, offset: int) -> None:
         async with self.changed:
@@ -786,11 +804,12 @@ class PackageCache:
         under which what it asked is remembered for ``revalidate_ahead``."""
         return CacheSession(self, since=since, task=task)
 
-    def start(self, work: Coroutine[Any, Any, None]) -> None:
+    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` on this cache's loop on its own (cancelled by ``aclose``)."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -845,7 +864,7 @@ class PackageCache:
         try:
             if cacheable:
                 return await self._cached(request, session, head=method == "HEAD")
-            return await self._passthrough(request, stats)
+            return await self._passthrough(request, session)
         except EgressRefused as exc:
             self._count(stats, upstream_errors=1)
             message = f"harbor-exec package cache: {request.host}: {exc.reason}\n"
@@ -863,7 +882,8 @@ class PackageCache:
             failed = f"upstream request failed: {type(exc).__name__}: {exc}\n"
             return _bytes_response(502, "Bad Gateway", failed.encode(), "pass")
 
-    async def _passthrough(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
+    async def _passthrough(self, request: CacheRequest, session: CacheSession) -> CacheResponse:
+        stats = session.stats
         headers = [
             (k, v)
             for k, v in request.headers
@@ -873,9 +893,16 @@ class PackageCache:
             length = request.header("content-length")
             if length is not None:
                 headers.append(("Content-Length", length))
-        response = await self._send(request, headers, stats, request.body)
+        slots = session.upstream_slots
+        await slots.acquire()
+        try:
+            response = await self._send(request, headers, stats, request.body)
+        except BaseException:
+            slots.release()
+            raise
         self._count(stats, passthrough=1)
-        return self._stream_upstream(response, stats, head=request.method.upper() == "HEAD")
+        head = request.method.upper() == "HEAD"
+        return self._stream_upstream(response, stats, head=head, release=slots.release)
 
     async def _send(
         self,
@@ -894,7 +921,13 @@ class PackageCache:
         return response
 
     def _stream_upstream(
-        self, response: httpx.Response, stats: CacheStats, *, head: bool, source: str = "pass"
+        self,
+        response: httpx.Response,
+        stats: CacheStats,
+        *,
+        head: bool,
+        source: str = "pass",
+        release: Callable[[], None] | None = None,
     ) -> CacheResponse:
         headers = [
             (k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP
@@ -909,6 +942,8 @@ class PackageCache:
                     yield chunk
             finally:
                 await response.aclose()
+                if release is not None:
+                    release()
 
         return CacheResponse(response.status_code, response.reason_phrase, headers, body(), source)
 
@@ -978,15 +1013,23 @@ class PackageCache:
             if served is not None:
                 self._count(stats, **{"hits" if served == "hit" else "revalidated": 1})
                 return self._from_store(digest, entry, stats, head=head, source=served)
-        outcome = await self._refresh(request, stats, digest, url, accept, kind, entry, now)
+        slots = session.upstream_slots
+        await slots.acquire()  # this trial's share of the upstream, held while it fetches
+        try:
+            outcome = await self._refresh(request, stats, digest, url, accept, kind, entry, now)
+        except BaseException:
+            slots.release()
+            raise
         if isinstance(outcome, Entry):
+            slots.release()
             self._count(stats, revalidated=1)
             return self._from_store(digest, outcome, stats, head=head, source="revalidated")
         if isinstance(outcome, _Fill):
+            outcome.on_done = slots.release
             self._count(stats, misses=1)
             return self._from_fill(outcome, stats, head=head, upstream=True)
         self._count(stats, passthrough=1)
-        return self._stream_upstream(outcome, stats, head=head)
+        return self._stream_upstream(outcome, stats, head=head, release=slots.release)
 
     async def _refresh(
         self,
@@ -1052,7 +1095,7 @@ class PackageCache:
         fill = _Fill(self.store.temp_path(), length, new_entry)
         out = fill.path.open("wb")  # exists before any reader opens it
         self._fills[digest] = fill
-        self.start(self._download(digest, response, fill, out))
+        fill.task = self.start(self._download(digest, response, fill, out))
         return fill
 
     async def revalidate_ahead(self, session: CacheSession, resolve: Resolver | None) -> None:
@@ -1107,14 +1150,23 @@ class PackageCache:
 
     async def _download(self, digest: str, response: httpx.Response, fill: _Fill, out: Any) -> None:
         entry = fill.entry
+        started = time.monotonic()
         try:
             with out:
-                async for chunk in response.aiter_raw(_CHUNK):
+                # As the bytes arrive (a fixed chunk size would wait for a whole chunk
+                # from a dripping upstream before the rate is ever checked).
+                async for chunk in response.aiter_raw():
                     out.write(chunk)
                     out.flush()
                     fill.written += len(chunk)
                     if fill.written > self.store.max_object_bytes:
                         raise ValueError("larger than the cache's object bound")
+                    elapsed = time.monotonic() - started
+                    if elapsed > FILL_GRACE_SEC and fill.written < FILL_MIN_BYTES_PER_SEC * elapsed:
+                        raise ValueError(
+                            f"the upstream sent {fill.written} bytes in {elapsed:.0f} s, under "
+                            f"{FILL_MIN_BYTES_PER_SEC} bytes a second"
+                        )
                     await fill.notify()
             if fill.length is not None and fill.written != fill.length:
                 raise ValueError(f"body of {fill.written} bytes, expected {fill.length}")
@@ -1129,6 +1181,8 @@ class PackageCache:
         finally:
             await response.aclose()
             fill.done = True
+            if fill.on_done is not None:
+                fill.on_done()
             self._fills.pop(digest, None)
             self._publish()
             await fill.notify()
@@ -1162,31 +1216,42 @@ class PackageCache:
         self, fill: _Fill, stats: CacheStats, *, head: bool, upstream: bool = False
     ) -> CacheResponse:
         counter = "bytes_from_upstream" if upstream else "bytes_from_cache"
+        source = "miss" if upstream else "hit"
 
         handle = fill.path.open("rb")  # open now: the finished file is renamed away
+        if head:
+            handle.close()
+            return CacheResponse(
+                200, "OK", self._entry_headers(fill.entry, fill.length, source), _empty(), source
+            )
+        fill.readers += 1
 
         async def body() -> AsyncIterator[bytes]:
-            if head:
-                handle.close()
-                return
-            offset = 0
-            with handle:
-                while True:
-                    chunk = handle.read(_CHUNK)
-                    if chunk:
-                        offset += len(chunk)
-                        self._count(stats, **{counter: len(chunk)})
-                        yield chunk
-                        continue
-                    if fill.done:
-                        if fill.error is not None:
-                            raise ConnectionError(f"upstream download failed: {fill.error}")
-                        return
-                    await fill.wait_beyond(offset)
+            try:
+                offset = 0
+                with handle:
+                    while True:
+                        chunk = handle.read(_CHUNK)
+                        if chunk:
+                            offset += len(chunk)
+                            self._count(stats, **{counter: len(chunk)})
+                            yield chunk
+                            continue
+                        if fill.done:
+                            if fill.error is not None:
+                                raise ConnectionError(f"upstream download failed: {fill.error}")
+                            return
+                        await fill.wait_beyond(offset)
+            finally:
+                fill.leave()
 
-        source = "miss" if upstream else "hit"
         headers = self._entry_headers(fill.entry, fill.length, source)
         return CacheResponse(200, "OK", headers, body(), source)
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # an async generator with nothing to give
 
 
 def _merge_304(entry: Entry, response: httpx.Response, now: float, index_fresh: float) -> Entry:
@@ -1237,6 +1302,8 @@ class CacheSession:
         self.stats = CacheStats()
         #: Non-artifact requests answered from or into the store, in order.
         self.asked: dict[Asked, None] = {}
+        #: This trial's share of the upstream connections (``PER_TRIAL_UPSTREAM``).
+        self.upstream_slots = asyncio.Semaphore(PER_TRIAL_UPSTREAM)
 
     async def handle(self, request: CacheRequest) -> CacheResponse:
         return await self.cache.handle(request, self)
