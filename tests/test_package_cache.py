@@ -748,6 +748,7 @@ async def test_a_dripping_upstream_ends_its_fill(
                 raise httpx.RemoteProtocolError("cut short")
             assert time.monotonic() - started < 5
         assert front.cache._fills == {}
+        assert front.stats("t1").upstream_errors == 1  # the trial's record says so
 
 
 async def test_a_burst_of_fills_keeps_the_bound_and_anothers_entries(

@@ -1156,7 +1156,7 @@ class PackageCache:
         if isinstance(outcome, _Fill):
             # Held until the download ends, whoever reads it.
             outcome.on_done = slot.hand_over()
-            session.fills.add(outcome)
+            session.track(outcome)
             self._count(stats, misses=1)
             return self._from_fill(outcome, stats, head=head, upstream=True)
         self._count(stats, passthrough=1)
@@ -1386,6 +1386,8 @@ class PackageCache:
                             continue
                         if fill.done:
                             if fill.error is not None:
+                                # The trial's record says its body was cut, and why.
+                                self._count(stats, upstream_errors=1)
                                 raise ConnectionError(f"upstream download failed: {fill.error}")
                             return
                         await fill.wait_beyond(offset)
@@ -1464,6 +1466,12 @@ class CacheSession:
         key = (request.scheme, request.host.lower(), request.port, request.target, accept)
         if len(self.asked) < MAX_RECALLED and len(request.target) + len(accept) <= MAX_RECALLED_KEY:
             self.asked[key] = None
+
+    def track(self, fill: _Fill) -> None:
+        """A download this session's request started (the ended ones are let go: a
+        session that lives long, as the builds', keeps only those in flight)."""
+        self.fills = {f for f in self.fills if not f.done}
+        self.fills.add(fill)
 
     def finish(self) -> None:
         """Keep what this trial asked for, for its task's next ``revalidate_ahead``; stop
