@@ -34,7 +34,8 @@ from harbor_exec.trial.trial import TrialRequest
 from tests.package_upstream import Upstream, serve_upstream, sni_context
 from tests.task_factory import make_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own cache, tasks and upstream; its one time bound is relative (victim vs control).
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 DOCKERFILE = "FROM python:3.11-slim-bookworm\n"
 TOML = """
