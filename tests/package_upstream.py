@@ -26,6 +26,8 @@ class Resource:
     status: int = 200
     etag: bool = True
     headers: dict[str, str] = field(default_factory=dict)
+    #: This body's own rate (bytes a second; a drip-feeding server): the upstream's else.
+    bytes_per_sec: float | None = None
 
 
 @dataclass
@@ -100,7 +102,7 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if status != 304 and not head:
-                rate = upstream.bytes_per_sec
+                rate = (resource and resource.bytes_per_sec) or upstream.bytes_per_sec
                 step = max(1, len(body) if not rate else int(rate / 20))
                 for start in range(0, len(body), step):
                     self.wfile.write(body[start : start + step])

@@ -672,3 +672,181 @@ def test_a_node_reports_its_own_service_totals(tmp_path: Path) -> None:
         assert NodePackageCache("w7").report() is None  # another actor: its own count
     finally:
         node.close()
+
+
+async def test_a_fill_whose_last_reader_left_stops(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """A client that starts a slow download and hangs up leaves no fill behind holding an
+    upstream connection (nor one of its trial's slots); nothing half-read is stored."""
+    https_upstream.set(WHEEL, os.urandom(400_000))
+    https_upstream.bytes_per_sec = 40_000  # ten seconds for the whole body
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with (
+            client(front, "t1") as c1,
+            c1.stream("GET", f"https://files.test{WHEEL}") as response,
+        ):
+            async for _chunk in response.aiter_raw():
+                break  # the first bytes, then hang up
+        cache = front.cache
+        for _ in range(100):  # bounded: well under the body's ten seconds
+            if not cache._fills:
+                break
+            await asyncio.sleep(0.05)
+        assert cache._fills == {}
+        assert cache.store.get(next(iter(cache.store._lru), "")) is None
+        assert front.stats("t1").upstream_requests == 1
+        assert front.trials["t1"][3].upstream_slots._value == cache_module.PER_TRIAL_UPSTREAM
+
+
+async def test_a_trial_holds_at_most_its_share_of_the_upstream(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """One trial's slow fills wait for its own slots; another trial's request goes out at
+    once (the shared pool is never all one trial's)."""
+    for i in range(cache_module.PER_TRIAL_UPSTREAM + 1):
+        https_upstream.set(f"/packages/slow-{i}.whl", os.urandom(200_000))
+    https_upstream.set(WHEEL, b"victim")
+    https_upstream.bytes_per_sec = 100_000  # two seconds each
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "attacker") as attacker, client(front, "victim") as victim:
+            hogs = [
+                asyncio.create_task(attacker.get(f"https://files.test/packages/slow-{i}.whl"))
+                for i in range(cache_module.PER_TRIAL_UPSTREAM + 1)
+            ]
+            slots = front.trials["attacker"][3].upstream_slots
+            for _ in range(200):
+                if slots.locked():
+                    break
+                await asyncio.sleep(0.01)
+            assert slots.locked()  # the attacker's share is taken...
+            started = time.monotonic()
+            answer = await victim.get(f"https://files.test{WHEEL}")
+            assert answer.content == b"victim"
+            assert time.monotonic() - started < 1.5  # ...and the victim did not wait for it
+            await asyncio.gather(*hogs)
+        assert slots._value == cache_module.PER_TRIAL_UPSTREAM  # every slot given back
+
+
+async def test_a_dripping_upstream_ends_its_fill(
+    tmp_path: Path,
+    upstream_ca: LocalCA,
+    https_upstream: Upstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An upstream that sends a few bytes a second holds its fill only for the grace."""
+    monkeypatch.setattr(cache_module, "FILL_GRACE_SEC", 0.5)
+    https_upstream.set(WHEEL, os.urandom(20_000))
+    https_upstream.bytes_per_sec = 2_000  # ten seconds, far under the minimum rate
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        async with client(front, "t1") as c1:
+            started = time.monotonic()
+            with pytest.raises(httpx.HTTPError):
+                response = await c1.get(f"https://files.test{WHEEL}")
+                response.raise_for_status()
+                assert len(response.content) < 20_000
+                raise httpx.RemoteProtocolError("cut short")
+            assert time.monotonic() - started < 5
+        assert front.cache._fills == {}
+        assert front.stats("t1").upstream_errors == 1  # the trial's record says so
+
+
+async def test_a_burst_of_fills_keeps_the_bound_and_anothers_entries(
+    tmp_path: Path, upstream_ca: LocalCA, http_upstream: Upstream
+) -> None:
+    """A neighbour's burst of large fills, all in flight at once, never takes the store
+    past its bound (reserved before written), and evicts only its own: the victim's
+    entries, within its share, stay; what does not fit is served through, whole."""
+    for i in range(3):
+        http_upstream.set(f"/pool/victim-{i}.deb", bytes([65 + i]) * 1000)
+    for i in range(8):
+        http_upstream.set(f"/pool/burst-{i}.deb", bytes([97 + i]) * 3000)
+    http_upstream.bytes_per_sec = 30_000  # each burst body takes 0.1 s: all in flight at once
+    async with harness(tmp_path, upstream_ca, http_upstream, max_bytes=10_000) as front:
+        await front.port("victim", front.cache.session(task="victim"))
+        await front.port("attacker", front.cache.session(task="attacker"))
+        store = front.cache.store
+        async with client(front, "victim") as victim:
+            for i in range(3):
+                await victim.get(f"http://deb.test/pool/victim-{i}.deb")
+        victims = set(store._lru)
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, store.size + store.in_flight)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        async with client(front, "attacker") as attacker:
+            answers = await asyncio.gather(
+                *(attacker.get(f"http://deb.test/pool/burst-{i}.deb") for i in range(8))
+            )
+        watcher.cancel()
+        assert [a.content for a in answers] == [bytes([97 + i]) * 3000 for i in range(8)]
+        assert peak <= 10_000 and store.size <= 10_000
+        assert victims <= set(store._lru)  # the victim's entries stay
+        assert front.stats("attacker").passthrough > 0  # past its share: served through
+        assert store.in_flight == 0
+        async with client(front, "victim") as victim:
+            again = await victim.get("http://deb.test/pool/victim-0.deb")
+            assert again.headers["x-cache"] == "HIT"
+
+
+def test_the_store_makes_room_from_owners_over_their_share(tmp_path: Path) -> None:
+    """Room for an owner within its share comes from the least recently used entry of an
+    owner over its share; an owner past its share evicts only its own."""
+    from harbor_exec.network.packages.cache import CacheStore, Entry
+
+    store = CacheStore(tmp_path, max_bytes=1000)
+
+    def put(owner: str, name: str, size: int) -> bool:
+        temp = store.temp_path()
+        temp.write_bytes(b"x" * size)
+        entry = Entry(name, "", "artifact", size, [], 0.0, 0.0, owner=owner)
+        return store.put(name, entry, temp)
+
+    assert put("a", "a1", 200) and put("b", "b1", 400) and put("b", "b2", 400)
+    # "b" holds 800 of 1000 with two owners (a share of 500): "a", within its share,
+    # evicts b's oldest, not its own older entry.
+    assert put("a", "a2", 200)
+    assert set(store._lru) == {"a1", "b1", "b2", "a2"} - {"b1"}
+    # "b" past its share for 400 more: only its own goes.
+    assert put("b", "b3", 400)
+    assert set(store._lru) == {"a1", "a2", "b3"}
+    # More than "b" may hold while "a" holds its share: not stored, nothing evicted.
+    assert not put("b", "b4", 700)
+    assert set(store._lru) == {"a1", "a2", "b3"}
+    assert store.size == 800 and store.in_flight == 0
+    # Reservations count before any byte is written.
+    assert store.reserve("c", 100)
+    assert not store.reserve("c", 300)  # three owners: a share of 333
+    store.release("c", 100)
+    assert store.in_flight == 0
+
+
+async def test_the_fills_a_trial_started_and_nobody_reads_end_with_it(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """An answer never sent (its client gone before the body) leaves a fill nobody reads:
+    the trial's end stops it, and gives back its upstream slot and store reservation."""
+    from harbor_exec.network.packages.cache import CacheRequest
+
+    https_upstream.set(WHEEL, os.urandom(200_000))
+    https_upstream.bytes_per_sec = 20_000  # ten seconds
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        cache = front.cache
+        session = cache.session(task="gone")
+        resolve = connector_resolver(Connector(front.overrides, dns=False))
+        request = CacheRequest("GET", "https", "files.test", 443, WHEEL, resolve=resolve)
+        answer = await cache.handle(request, session)
+        assert answer.source == "miss" and len(cache._fills) == 1
+        await answer.aclose()  # never read
+        fill = next(iter(cache._fills.values()))
+        session.finish()
+        assert fill.task is not None
+        await asyncio.wait([fill.task], timeout=5)  # its ten seconds cut short
+        assert fill.done and isinstance(fill.error, asyncio.CancelledError)
+        assert cache._fills == {} and cache.store.in_flight == 0
+        assert session.upstream_slots._value == cache_module.PER_TRIAL_UPSTREAM

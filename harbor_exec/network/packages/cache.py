@@ -42,6 +42,7 @@ stalled client delays nobody else.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import email.utils
 import hashlib
@@ -517,6 +518,9 @@ class Entry:
     fresh_until: float  # 0: always revalidate
     #: When the upstream last sent or confirmed (304) this body.
     validated_at: float = 0.0
+    #: Whose fill stored it (a task's key, the builds', or one trial's): what the
+    #: store's fair share charges it to.
+    owner: str = ""
 
 
 def _key(request: CacheRequest, kind: Kind) -> tuple[str, str, str]:
@@ -529,7 +533,16 @@ def _key(request: CacheRequest, kind: Kind) -> tuple[str, str, str]:
 
 
 class CacheStore:
-    """Bodies on disk with LRU eviction by bytes."""
+    """Bodies on disk with LRU eviction by bytes, shared fairly.
+
+    Fills in flight reserve their bytes before they are written, so stored and
+    in-flight bytes together never pass ``max_bytes``. Each owner (whoever fills: a
+    task's trials, the builds) has a fair share, the bound over the owners present:
+    room for an owner within its share is made by evicting the least recently used
+    entry of an owner over its share; an owner past its share evicts only its own, and
+    what it cannot fit is not stored (it is served through). A burst from one owner
+    thus never evicts what the others stored within their shares.
+    """
 
     def __init__(self, root: Path, *, max_bytes: int, max_object_bytes: int | None = None) -> None:
         if max_bytes <= 0:
@@ -544,6 +557,11 @@ class CacheStore:
         self._lru: OrderedDict[str, Entry] = OrderedDict()
         self.size = 0
         self.evictions = 0
+        #: Bytes reserved by fills in flight, in all and per owner.
+        self.in_flight = 0
+        self._flying: collections.Counter[str] = collections.Counter()
+        #: Bytes stored per owner.
+        self._owned: collections.Counter[str] = collections.Counter()
         self._load()
 
     def _load(self) -> None:
@@ -563,9 +581,9 @@ class CacheStore:
             except (OSError, ValueError, TypeError, KeyError):
                 self._remove_files(digest)
         for _atime, digest, entry in sorted(found, key=lambda item: item[0]):
-            self._lru[digest] = entry
-            self.size += entry.size
-        self._evict(0)
+            self._add(digest, entry)
+        while self._lru and self.size > self.max_bytes:
+            self._evict_one(next(iter(self._lru)))
 
     def body_path(self, digest: str) -> Path:
         return self._objects / f"{digest}.body"
@@ -579,21 +597,72 @@ class CacheStore:
     def temp_path(self) -> Path:
         return self._tmp / secrets.token_hex(12)
 
-    def put(self, digest: str, entry: Entry, temp: Path) -> bool:
-        """Move ``temp`` in as ``digest``'s body (replacing any), evicting to fit."""
+    def reserve(self, owner: str, size: int) -> bool:
+        """Reserve ``size`` bytes for ``owner``'s fill, evicting as its fair share allows;
+        False (nothing reserved, nothing evicted) when they do not fit."""
+        if size > self.max_object_bytes:
+            return False
+        victims = self._victims(owner, size)
+        if victims is None:
+            return False
+        for digest in victims:
+            self._evict_one(digest)
+        self.in_flight += size
+        self._flying[owner] += size
+        return True
+
+    def release(self, owner: str, size: int) -> None:
+        """Give back a reservation (the fill ended, stored or not)."""
+        self.in_flight -= size
+        self._flying[owner] -= size
+        if self._flying[owner] <= 0:
+            del self._flying[owner]
+
+    def _victims(self, owner: str, incoming: int) -> list[str] | None:
+        """The entries to evict, oldest first, to make room for ``incoming`` bytes of
+        ``owner``'s; None when its share does not allow it."""
+        owners = set(self._owned) | set(self._flying) | {owner}
+        share = self.max_bytes // len(owners)
+        usage = collections.Counter(self._owned) + collections.Counter(self._flying)
+        usage[owner] += incoming
+        free = self.max_bytes - self.size - self.in_flight - incoming
+        victims: list[str] = []
+        for digest, entry in self._lru.items():
+            if free >= 0:
+                break
+            # Past its share an owner makes room only from its own entries; within it,
+            # from those of owners over theirs.
+            mine = entry.owner == owner
+            if mine if usage[owner] > share else usage[entry.owner] > share:
+                victims.append(digest)
+                usage[entry.owner] -= entry.size
+                free += entry.size
+        return victims if free >= 0 else None
+
+    def put(self, digest: str, entry: Entry, temp: Path, *, reserved: int = 0) -> bool:
+        """Move ``temp`` in as ``digest``'s body (replacing any); its bytes come out of
+        ``reserved`` (what its fill reserved, given back here) or are made room for."""
+        self.release(entry.owner, reserved)
         if entry.size > self.max_object_bytes:
             temp.unlink(missing_ok=True)
             return False
         self.discard(digest)
-        self._evict(entry.size)
+        if not self.reserve(entry.owner, entry.size):
+            temp.unlink(missing_ok=True)
+            return False
+        self.release(entry.owner, entry.size)
         meta = self._objects / f"{digest}.json"
         meta_tmp = self.temp_path()
         meta_tmp.write_text(json.dumps(asdict(entry)), encoding="utf-8")
         os.replace(temp, self.body_path(digest))
         os.replace(meta_tmp, meta)
+        self._add(digest, entry)
+        return True
+
+    def _add(self, digest: str, entry: Entry) -> None:
         self._lru[digest] = entry
         self.size += entry.size
-        return True
+        self._owned[entry.owner] += entry.size
 
     def update(self, digest: str, entry: Entry) -> None:
         """Rewrite ``digest``'s metadata (after a 304)."""
@@ -605,10 +674,16 @@ class CacheStore:
         self._lru[digest] = entry
 
     def discard(self, digest: str) -> None:
-        entry = self._lru.pop(digest, None)
-        if entry is not None:
-            self.size -= entry.size
-            self._remove_files(digest)
+        if digest in self._lru:
+            self._drop(digest)
+
+    def _drop(self, digest: str) -> None:
+        entry = self._lru.pop(digest)
+        self.size -= entry.size
+        self._owned[entry.owner] -= entry.size
+        if self._owned[entry.owner] <= 0:
+            del self._owned[entry.owner]
+        self._remove_files(digest)
 
     def _remove_files(self, digest: str) -> None:
         # An open reader keeps its file: unlinking only drops the name.
@@ -616,12 +691,9 @@ class CacheStore:
             with contextlib.suppress(OSError):
                 (self._objects / f"{digest}{suffix}").unlink()
 
-    def _evict(self, incoming: int) -> None:
-        while self._lru and self.size + incoming > self.max_bytes:
-            digest, entry = self._lru.popitem(last=False)
-            self.size -= entry.size
-            self.evictions += 1
-            self._remove_files(digest)
+    def _evict_one(self, digest: str) -> None:
+        self._drop(digest)
+        self.evictions += 1
 
 
 # --------------------------------------------------------------------------- recall
@@ -637,6 +709,13 @@ MAX_RECALLED_KEY: Final = 1024
 RECALL_MEMORY_TASKS: Final = 512
 #: Revalidations ahead of a trial in flight at once.
 AHEAD_CONCURRENCY: Final = 16
+#: Upstream requests one trial may have open at once (fills and pass-throughs): the
+#: shared pool has 64, so no trial can hold them all.
+PER_TRIAL_UPSTREAM: Final = 8
+#: A fill must average this many bytes a second once ``FILL_GRACE_SEC`` have passed,
+#: or it stops (an upstream that drips a byte every few seconds holds nothing long).
+FILL_MIN_BYTES_PER_SEC: Final = 16 * 1024
+FILL_GRACE_SEC: Final = 30.0
 
 
 class RecallStore:
@@ -728,6 +807,36 @@ def _validators(headers: Headers) -> Headers:
     return out
 
 
+class _Slot:
+    """One of a trial's share of upstream requests (``PER_TRIAL_UPSTREAM``), given back
+    once whoever holds it last is done."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self.slots = slots
+        self.held = False
+
+    async def take(self) -> None:
+        await self.slots.acquire()
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+    def hand_over(self) -> Callable[[], None]:
+        """The release for whatever now holds it (a response's body, a download)."""
+        held, self.held = self.held, False
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.slots.release()
+
+        return release
+
+
 class _Fill:
     """One upstream download into a temporary file, tailed by every reader; ``entry``
     is what will be stored once it ends."""
@@ -737,9 +846,31 @@ class _Fill:
         self.length = length
         self.entry = entry
         self.written = 0
+        #: Bytes reserved in the store for it (``CacheStore.reserve``).
+        self.reserved = 0
         self.done = False
         self.error: BaseException | None = None
         self.changed = asyncio.Condition()
+        #: Clients reading it now; the download stops when the last one leaves.
+        self.readers = 0
+        self.started = False
+        self.stop_asked = False
+        self.task: asyncio.Task[None] | None = None
+        #: Called once when the download ends (gives the trial's upstream slot back).
+        self.on_done: Callable[[], None] | None = None
+
+    def leave(self) -> None:
+        """A reader left: with none left, nobody waits for the bytes, so stop fetching."""
+        self.readers -= 1
+        if self.readers <= 0:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the download (one not started yet stops as it starts: a task cancelled
+        before its first step would skip its own clean-up)."""
+        self.stop_asked = True
+        if self.started and not self.done and self.task is not None:
+            self.task.cancel()
 
     async def wait_beyond(self, offset: int) -> None:
         async with self.changed:
@@ -786,11 +917,12 @@ class PackageCache:
         under which what it asked is remembered for ``revalidate_ahead``."""
         return CacheSession(self, since=since, task=task)
 
-    def start(self, work: Coroutine[Any, Any, None]) -> None:
+    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` on this cache's loop on its own (cancelled by ``aclose``)."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -845,7 +977,7 @@ class PackageCache:
         try:
             if cacheable:
                 return await self._cached(request, session, head=method == "HEAD")
-            return await self._passthrough(request, stats)
+            return await self._passthrough(request, session)
         except EgressRefused as exc:
             self._count(stats, upstream_errors=1)
             message = f"harbor-exec package cache: {request.host}: {exc.reason}\n"
@@ -863,7 +995,8 @@ class PackageCache:
             failed = f"upstream request failed: {type(exc).__name__}: {exc}\n"
             return _bytes_response(502, "Bad Gateway", failed.encode(), "pass")
 
-    async def _passthrough(self, request: CacheRequest, stats: CacheStats) -> CacheResponse:
+    async def _passthrough(self, request: CacheRequest, session: CacheSession) -> CacheResponse:
+        stats = session.stats
         headers = [
             (k, v)
             for k, v in request.headers
@@ -873,9 +1006,16 @@ class PackageCache:
             length = request.header("content-length")
             if length is not None:
                 headers.append(("Content-Length", length))
-        response = await self._send(request, headers, stats, request.body)
+        slot = _Slot(session.upstream_slots)
+        await slot.take()
+        try:
+            response = await self._send(request, headers, stats, request.body)
+        except BaseException:
+            slot.give_back()
+            raise
         self._count(stats, passthrough=1)
-        return self._stream_upstream(response, stats, head=request.method.upper() == "HEAD")
+        head = request.method.upper() == "HEAD"
+        return self._stream_upstream(response, stats, head=head, release=slot.hand_over())
 
     async def _send(
         self,
@@ -894,7 +1034,13 @@ class PackageCache:
         return response
 
     def _stream_upstream(
-        self, response: httpx.Response, stats: CacheStats, *, head: bool, source: str = "pass"
+        self,
+        response: httpx.Response,
+        stats: CacheStats,
+        *,
+        head: bool,
+        source: str = "pass",
+        release: Callable[[], None] | None = None,
     ) -> CacheResponse:
         headers = [
             (k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP
@@ -909,6 +1055,8 @@ class PackageCache:
                     yield chunk
             finally:
                 await response.aclose()
+                if release is not None:
+                    release()
 
         return CacheResponse(response.status_code, response.reason_phrase, headers, body(), source)
 
@@ -923,10 +1071,21 @@ class PackageCache:
     ) -> CacheResponse:
         kind = classify(request.host, request.path)
         digest, url, accept = _key(request, kind)
-        async with self._url_lock(digest):
-            response = await self._cached_locked(
-                request, session, digest, url, accept, kind, head=head
-            )
+        slot = _Slot(session.upstream_slots)
+        try:
+            while True:
+                async with self._url_lock(digest):
+                    response = await self._cached_locked(
+                        request, session, digest, url, accept, kind, head=head, slot=slot
+                    )
+                if response is not None:
+                    break
+                # The trial's upstream share is taken: wait for it without holding the
+                # URL's lock (another trial asking for the same URL goes on), then ask again.
+                await slot.take()
+        except BaseException:
+            slot.give_back()
+            raise
         if kind is not Kind.ARTIFACT and response.source != "pass":
             session.remember(request, accept)
         return response
@@ -965,10 +1124,14 @@ class PackageCache:
         kind: Kind,
         *,
         head: bool,
-    ) -> CacheResponse:
+        slot: _Slot,
+    ) -> CacheResponse | None:
+        """The answer; None when it needs the upstream and ``slot`` (one of the trial's
+        share of upstream requests) is not held and cannot be taken at once."""
         stats = session.stats
         filling = self._fills.get(digest)
         if filling is not None:
+            slot.give_back()
             self._count(stats, hits=1)
             return self._from_fill(filling, stats, head=head)
         entry = self.store.get(digest)
@@ -976,17 +1139,28 @@ class PackageCache:
         if entry is not None:
             served = self._current(entry, now, session.since)
             if served is not None:
+                slot.give_back()
                 self._count(stats, **{"hits" if served == "hit" else "revalidated": 1})
                 return self._from_store(digest, entry, stats, head=head, source=served)
-        outcome = await self._refresh(request, stats, digest, url, accept, kind, entry, now)
+        if not slot.held:
+            if slot.slots.locked():
+                return None
+            await slot.take()  # free: taken without waiting
+        outcome = await self._refresh(
+            request, stats, digest, url, accept, kind, entry, now, session.owner
+        )
         if isinstance(outcome, Entry):
+            slot.give_back()
             self._count(stats, revalidated=1)
             return self._from_store(digest, outcome, stats, head=head, source="revalidated")
         if isinstance(outcome, _Fill):
+            # Held until the download ends, whoever reads it.
+            outcome.on_done = slot.hand_over()
+            session.track(outcome)
             self._count(stats, misses=1)
             return self._from_fill(outcome, stats, head=head, upstream=True)
         self._count(stats, passthrough=1)
-        return self._stream_upstream(outcome, stats, head=head)
+        return self._stream_upstream(outcome, stats, head=head, release=slot.hand_over())
 
     async def _refresh(
         self,
@@ -998,6 +1172,7 @@ class PackageCache:
         kind: Kind,
         entry: Entry | None,
         now: float,
+        owner: str,
     ) -> Entry | _Fill | httpx.Response:
         """Ask the upstream for ``url`` (conditionally when ``entry`` is stored) and
         apply its answer to the store: the revalidated entry after a 304; the fill of a
@@ -1030,8 +1205,8 @@ class PackageCache:
             return response
         length_header = response.headers.get("content-length")
         length = int(length_header) if length_header and length_header.isdigit() else None
-        if length is not None and length > self.store.max_object_bytes:
-            return response
+        if length is not None and not self.store.reserve(owner, length):
+            return response  # past the object bound or its owner's share: served through
         stored_headers = [
             (k, v) for k, v in response.headers.multi_items() if k.lower() in _STORED_HEADERS
         ]
@@ -1048,11 +1223,13 @@ class PackageCache:
                 else _freshness(stored_headers, now)
             ),
             validated_at=now,
+            owner=owner,
         )
         fill = _Fill(self.store.temp_path(), length, new_entry)
+        fill.reserved = length or 0
         out = fill.path.open("wb")  # exists before any reader opens it
         self._fills[digest] = fill
-        self.start(self._download(digest, response, fill, out))
+        fill.task = self.start(self._download(digest, response, fill, out))
         return fill
 
     async def revalidate_ahead(self, session: CacheSession, resolve: Resolver | None) -> None:
@@ -1080,7 +1257,7 @@ class PackageCache:
                 self._count(session.stats, revalidated_ahead=1)
                 try:
                     outcome = await self._refresh(
-                        request, session.stats, digest, url, accept, kind, entry, now
+                        request, session.stats, digest, url, accept, kind, entry, now, session.owner
                     )
                 except (EgressRefused, httpx.HTTPError) as exc:
                     self._count(session.stats, upstream_errors=1)
@@ -1107,28 +1284,51 @@ class PackageCache:
 
     async def _download(self, digest: str, response: httpx.Response, fill: _Fill, out: Any) -> None:
         entry = fill.entry
+        started = time.monotonic()
+        fill.started = True
         try:
             with out:
-                async for chunk in response.aiter_raw(_CHUNK):
+                if fill.stop_asked:
+                    raise asyncio.CancelledError
+                # As the bytes arrive (a fixed chunk size would wait for a whole chunk
+                # from a dripping upstream before the rate is ever checked).
+                async for chunk in response.aiter_raw():
                     out.write(chunk)
                     out.flush()
                     fill.written += len(chunk)
                     if fill.written > self.store.max_object_bytes:
                         raise ValueError("larger than the cache's object bound")
+                    if fill.written > fill.reserved:
+                        # No length given (or more than it said): room as the bytes come.
+                        more = fill.written - fill.reserved
+                        if not self.store.reserve(entry.owner, more):
+                            raise ValueError("no room for it in the cache (its bound or share)")
+                        fill.reserved += more
+                    elapsed = time.monotonic() - started
+                    if elapsed > FILL_GRACE_SEC and fill.written < FILL_MIN_BYTES_PER_SEC * elapsed:
+                        raise ValueError(
+                            f"the upstream sent {fill.written} bytes in {elapsed:.0f} s, under "
+                            f"{FILL_MIN_BYTES_PER_SEC} bytes a second"
+                        )
                     await fill.notify()
             if fill.length is not None and fill.written != fill.length:
                 raise ValueError(f"body of {fill.written} bytes, expected {fill.length}")
             entry.size = fill.written
-            self.store.put(digest, entry, fill.path)
+            reserved, fill.reserved = fill.reserved, 0
+            self.store.put(digest, entry, fill.path, reserved=reserved)
         except BaseException as exc:  # readers must learn of every end
             fill.error = exc
             fill.path.unlink(missing_ok=True)
+            self.store.release(entry.owner, fill.reserved)
+            fill.reserved = 0
             if not isinstance(exc, asyncio.CancelledError | ValueError | httpx.HTTPError | OSError):
                 raise
             logger.info("package cache: download of %s failed: %s", entry.url, exc)
         finally:
             await response.aclose()
             fill.done = True
+            if fill.on_done is not None:
+                fill.on_done()
             self._fills.pop(digest, None)
             self._publish()
             await fill.notify()
@@ -1162,31 +1362,45 @@ class PackageCache:
         self, fill: _Fill, stats: CacheStats, *, head: bool, upstream: bool = False
     ) -> CacheResponse:
         counter = "bytes_from_upstream" if upstream else "bytes_from_cache"
+        source = "miss" if upstream else "hit"
 
         handle = fill.path.open("rb")  # open now: the finished file is renamed away
+        if head:
+            handle.close()
+            return CacheResponse(
+                200, "OK", self._entry_headers(fill.entry, fill.length, source), _empty(), source
+            )
 
         async def body() -> AsyncIterator[bytes]:
-            if head:
-                handle.close()
-                return
-            offset = 0
-            with handle:
-                while True:
-                    chunk = handle.read(_CHUNK)
-                    if chunk:
-                        offset += len(chunk)
-                        self._count(stats, **{counter: len(chunk)})
-                        yield chunk
-                        continue
-                    if fill.done:
-                        if fill.error is not None:
-                            raise ConnectionError(f"upstream download failed: {fill.error}")
-                        return
-                    await fill.wait_beyond(offset)
+            # Counted once it reads (an answer never sent never starts its body).
+            fill.readers += 1
+            try:
+                offset = 0
+                with handle:
+                    while True:
+                        chunk = handle.read(_CHUNK)
+                        if chunk:
+                            offset += len(chunk)
+                            self._count(stats, **{counter: len(chunk)})
+                            yield chunk
+                            continue
+                        if fill.done:
+                            if fill.error is not None:
+                                # The trial's record says its body was cut, and why.
+                                self._count(stats, upstream_errors=1)
+                                raise ConnectionError(f"upstream download failed: {fill.error}")
+                            return
+                        await fill.wait_beyond(offset)
+            finally:
+                fill.leave()
 
-        source = "miss" if upstream else "hit"
         headers = self._entry_headers(fill.entry, fill.length, source)
         return CacheResponse(200, "OK", headers, body(), source)
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # an async generator with nothing to give
 
 
 def _merge_304(entry: Entry, response: httpx.Response, now: float, index_fresh: float) -> Entry:
@@ -1237,6 +1451,13 @@ class CacheSession:
         self.stats = CacheStats()
         #: Non-artifact requests answered from or into the store, in order.
         self.asked: dict[Asked, None] = {}
+        #: This trial's share of the upstream connections (``PER_TRIAL_UPSTREAM``).
+        self.upstream_slots = asyncio.Semaphore(PER_TRIAL_UPSTREAM)
+        #: The downloads its requests started (``finish`` stops those nobody reads).
+        self.fills: set[_Fill] = set()
+        #: Whom the store charges this session's fills to: its task's trials together,
+        #: else this trial alone.
+        self.owner = f"task:{task}" if task is not None else f"trial:{secrets.token_hex(6)}"
 
     async def handle(self, request: CacheRequest) -> CacheResponse:
         return await self.cache.handle(request, self)
@@ -1246,10 +1467,21 @@ class CacheSession:
         if len(self.asked) < MAX_RECALLED and len(request.target) + len(accept) <= MAX_RECALLED_KEY:
             self.asked[key] = None
 
+    def track(self, fill: _Fill) -> None:
+        """A download this session's request started (the ended ones are let go: a
+        session that lives long, as the builds', keeps only those in flight)."""
+        self.fills = {f for f in self.fills if not f.done}
+        self.fills.add(fill)
+
     def finish(self) -> None:
-        """Keep what this trial asked for, for its task's next ``revalidate_ahead``."""
+        """Keep what this trial asked for, for its task's next ``revalidate_ahead``; stop
+        the downloads it started that nobody reads (they end with the trial)."""
         if self.task is not None and self.asked:
             self.cache.recall.add(self.task, list(self.asked))
+        for fill in self.fills:
+            if fill.readers == 0:
+                fill.stop()
+        self.fills.clear()
 
     def write(self, path: Path) -> None:
         """``package-cache.json`` in a trial's result directory."""
