@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shutil
 import zipfile
@@ -28,7 +29,7 @@ from packaging.utils import canonicalize_name
 from pydantic import ValidationError
 
 from harbor_exec.bundler.cache import default_cache_dir, entry_lock, publish, work_dir
-from harbor_exec.bundler.errors import BundleBuildError, BundleError
+from harbor_exec.bundler.errors import BundleBuildError, BundleError, GraderSplitError
 from harbor_exec.bundler.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, Manifest, WheelFile
 from harbor_exec.bundler.project import (
     Project,
@@ -43,7 +44,7 @@ from harbor_exec.bundler.runtime import (
     ensure_runtime_wheel,
     runtime_source,
 )
-from harbor_exec.bundler.split import split_bundle
+from harbor_exec.bundler.split import grader_split
 from harbor_exec.bundler.wheels import (
     DEFAULT_PLATFORM,
     Target,
@@ -145,6 +146,7 @@ def build_bundle(
     python_version: str = RUNTIME_PYTHON_VERSION,
     platform: str = DEFAULT_PLATFORM,
     cache_dir: Path | None = None,
+    strict_grader_isolation: bool = False,
 ) -> Bundle:
     """Build (or reuse) the bundle of the project in ``code_dir``.
 
@@ -156,9 +158,12 @@ def build_bundle(
     ``<harbor-exec cache>/bundles`` (``$HARBOR_EXEC_CACHE_DIR/bundles``, else
     ``~/.cache/harbor-exec/bundles``).
 
-    The grader and its config must live in modules the workflow's side does not
-    import (:class:`bundler.errors.GraderSplitError` otherwise): the agent's
-    container gets the bundle without them.
+    The agent's container gets the bundle without the modules of the grader and its
+    config, when the workflow's side does not import them. In one module with the
+    workflow (osmosis-ai's usual layout) they stay in the agent's part, said once in
+    the log by name (the grader still runs only in the verifier's container);
+    ``strict_grader_isolation`` refuses such a project instead
+    (:class:`bundler.errors.GraderSplitError`).
 
     ``workflow`` None makes a grader-only bundle (for an agent that is not a workflow,
     such as one of Harbor's own): it then needs a ``grader``.
@@ -177,7 +182,12 @@ def build_bundle(
     for field, ref in refs.items():
         if ref is not None:
             check_ref(project, field, ref)
-    grader_only = split_bundle(project, refs)
+    split = grader_split(project, refs)
+    if split.exposed:
+        if strict_grader_isolation:
+            raise GraderSplitError(split.exposed, package=project.package)
+        _say_exposed(project, refs, split.exposed)
+    grader_only = split.grader_only
     target = _check_target(python_version, platform)
     runtime = runtime_source()
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
@@ -190,6 +200,29 @@ def build_bundle(
     with entry_lock(cache, "bundle", digest):
         # Another process may have built it while this one waited.
         return _load_cached(root) or _build(project, refs, target, runtime, cache)
+
+
+logger = logging.getLogger("harbor_exec.bundler")
+#: The projects (root and refs) whose shared grader module was already said.
+_SAID: set[str] = set()
+
+
+def _say_exposed(project: Project, refs: dict[str, str | None], exposed: list[str]) -> None:
+    """Once a process: the grader's module is one the agent's container holds, by name,
+    and how to keep it out."""
+    key = json.dumps([str(project.root), refs], sort_keys=True)
+    if key in _SAID:
+        return
+    _SAID.add(key)
+    listed = "; ".join(exposed)
+    logger.warning(
+        "the agent's container can read the grader's source: %s. The grader still runs only "
+        "in the verifier's container. To keep it out, put the grader and its config in their "
+        "own module (e.g. '%s.grader:MyGrader') that the workflow does not import; "
+        "strict_grader_isolation=True (--strict-grader-isolation) refuses such a project.",
+        listed,
+        project.package,
+    )
 
 
 def _load_cached(root: Path) -> Bundle | None:
@@ -231,7 +264,8 @@ def _build(
         # Key the bundle by what was actually built, even if the project changed
         # between hashing and staging.
         tree = tree_digest(stage)
-        grader_only = split_bundle(load_project(stage), refs)
+        split = grader_split(load_project(stage), refs)
+        grader_only = split.grader_only
         digest = _inputs_digest(tree, refs, grader_only, target, runtime)
         built = _project_wheel(stage, tree, cache, work, what=f"the project in {project.root}")
         info = read_wheel(built)
@@ -280,6 +314,7 @@ def _build(
             inputs_digest=digest,
             harbor_exec_version=runtime.version,
             grader_only=grader_only,
+            grader_exposed=bool(split.exposed),
         )
         manifest.write(bundle_dir / MANIFEST_NAME)
         root = cache / "bundles" / digest[:32]

@@ -67,10 +67,19 @@ class Manifest(BaseModel):
     # of ``grader`` and ``grader_config`` (a package's directory, ending in "/"). The
     # agent's container gets the wheel without them (see bundler/split.py).
     grader_only: list[str] = Field(default_factory=list)
+    # A grader ref's module is one the workflow's side imports (all in one module, as
+    # osmosis-ai projects are written): the agent's part holds it too.
+    grader_exposed: bool = False
 
     def agent_copy(self) -> Manifest:
         """The manifest as the agent's container gets it: no grader refs, no grader paths."""
-        return self.model_copy(update={"grader": None, "grader_config": None, "grader_only": []})
+        update: dict[str, object] = {
+            "grader": None,
+            "grader_config": None,
+            "grader_only": [],
+            "grader_exposed": False,
+        }
+        return self.model_copy(update=update)
 
     def in_agent_part(self, wheel_path: str) -> bool:
         """Whether the wheel's file ``wheel_path`` goes into the agent's container."""

@@ -43,13 +43,16 @@ _OSMOSIS_ALIASES = {
 }
 
 
-def load_bundle(path: str | Path, *, cache_dir: Path | None = None) -> Bundle:
-    """The bundle at ``path`` (see the module doc); ``cache_dir`` as ``build_bundle``'s."""
+def load_bundle(
+    path: str | Path, *, cache_dir: Path | None = None, strict_grader_isolation: bool = False
+) -> Bundle:
+    """The bundle at ``path`` (see the module doc); ``cache_dir`` and
+    ``strict_grader_isolation`` as ``build_bundle``'s."""
     given = Path(path).expanduser()
     root = _harbor_exec_root(given)
     if root is not None:
         return _bundle_dir(root, given)
-    return _from_osmosis_wheel(given, cache_dir)
+    return _from_osmosis_wheel(given, cache_dir, strict_grader_isolation)
 
 
 def check_bundle_path(path: str | Path) -> None:
@@ -137,7 +140,7 @@ def osmosis_bundle_refs(wheel: Path) -> dict[str, str | None] | None:
     return refs
 
 
-def _from_osmosis_wheel(wheel: Path, cache_dir: Path | None) -> Bundle:
+def _from_osmosis_wheel(wheel: Path, cache_dir: Path | None, strict: bool) -> Bundle:
     refs = osmosis_bundle_refs(wheel)
     if refs is None:
         raise BundleError(_not_a_bundle(wheel))
@@ -151,6 +154,7 @@ def _from_osmosis_wheel(wheel: Path, cache_dir: Path | None) -> Bundle:
             workflow_config=refs["workflow_config"],
             grader_config=refs["grader_config"],
             cache_dir=cache_dir,
+            strict_grader_isolation=strict,
         )
 
 

@@ -8,7 +8,9 @@ bundler works out the *agent side*: the modules of the ``workflow`` and
 of the user's package they import, transitively (``import pkg.a``, ``from pkg
 import a``, ``from .a import b``, ``from .. import c``; anywhere in a module, a
 function body included, except under ``if TYPE_CHECKING:``). A grader ref whose
-module is on that side is refused with :class:`GraderSplitError`.
+module is on that side (osmosis-ai's usual layout: everything in one module) stays in
+the agent's part, said once at bundling (``exposed``); strict grader isolation refuses
+it with :class:`GraderSplitError`.
 
 Like the rest of the project checks this is ``ast`` only: no user code runs.
 Imports made at run time (``importlib.import_module``, ``__import__``) are not
@@ -25,7 +27,15 @@ from pathlib import Path
 from harbor_exec.bundler.errors import GraderSplitError, ProjectLayoutError, rel
 from harbor_exec.bundler.project import Project, module_file
 
-__all__ = ["AGENT_FIELDS", "GRADER_FIELDS", "AgentSide", "agent_side", "split_bundle"]
+__all__ = [
+    "AGENT_FIELDS",
+    "GRADER_FIELDS",
+    "AgentSide",
+    "GraderSplit",
+    "agent_side",
+    "grader_split",
+    "split_bundle",
+]
 
 #: The refs whose modules the agent's container runs, and those it never holds.
 AGENT_FIELDS = ("workflow", "workflow_config")
@@ -196,11 +206,23 @@ def agent_side(project: Project, refs: Mapping[str, str | None]) -> AgentSide:
     return AgentSide(modules)
 
 
-def split_bundle(project: Project, refs: Mapping[str, str | None]) -> list[str]:
-    """The wheel paths only the grader's part of the bundle holds (a module file, or a
-    package directory ending in ``/``), sorted; refuses refs that cannot be split."""
+@dataclass(frozen=True, slots=True)
+class GraderSplit:
+    """How a bundle splits: the wheel paths only the grader's part holds (a module file,
+    or a package directory ending in ``/``), sorted; and, one line each, the grader refs
+    whose module the workflow's side imports (the agent's container holds those)."""
+
+    grader_only: list[str]
+    exposed: list[str]
+
+
+def grader_split(project: Project, refs: Mapping[str, str | None]) -> GraderSplit:
+    """Split ``refs``' modules between the agent's part and the grader's. A grader ref in
+    a module the workflow's side imports (osmosis-ai's usual layout: workflow, grader
+    and configs in one module) stays in the agent's part and is listed in ``exposed``;
+    the grader still runs only in the verifier's container."""
     side = agent_side(project, refs)
-    problems: list[str] = []
+    exposed: list[str] = []
     grader_only: set[str] = set()
     for field in GRADER_FIELDS:
         ref = refs.get(field)
@@ -208,7 +230,7 @@ def split_bundle(project: Project, refs: Mapping[str, str | None]) -> list[str]:
             continue
         module = ref.split(":", 1)[0]
         if module in side.modules:
-            problems.append(
+            exposed.append(
                 f"{field} ref {ref!r} is in module {module!r}, which the workflow's side "
                 f"imports: {side.path_to(module)}"
             )
@@ -219,6 +241,13 @@ def split_bundle(project: Project, refs: Mapping[str, str | None]) -> list[str]:
         if path.name == "__init__.py":  # a package: every submodule runs it, so all are its
             in_wheel = in_wheel.removesuffix("__init__.py")
         grader_only.add(in_wheel)
-    if problems:
-        raise GraderSplitError(problems, package=project.package)
-    return sorted(grader_only)
+    return GraderSplit(sorted(grader_only), exposed)
+
+
+def split_bundle(project: Project, refs: Mapping[str, str | None]) -> list[str]:
+    """The wheel paths only the grader's part of the bundle holds; refuses refs that
+    cannot be kept out of the agent's container (strict grader isolation)."""
+    split = grader_split(project, refs)
+    if split.exposed:
+        raise GraderSplitError(split.exposed, package=project.package)
+    return split.grader_only

@@ -144,11 +144,22 @@ def rollout_dir_name(rollout_id: str) -> str:
 
 
 def check_timeouts(request: RolloutInitRequest, max_timeout_sec: float) -> list[dict[str, Any]]:
-    """Errors (FastAPI's shape) for timeouts above the server's maximum."""
+    """Errors (FastAPI's shape) for timeouts that are not positive or are above the
+    server's maximum."""
     errors: list[dict[str, Any]] = []
     for name in ("agent_timeout_sec", "grader_timeout_sec"):
         value = getattr(request, name)
-        if value is not None and value > max_timeout_sec:
+        if value is not None and value <= 0:
+            errors.append(
+                {
+                    "type": "greater_than",
+                    "loc": ["body", name],
+                    "msg": f"{name} must be greater than 0 seconds (null means no deadline)",
+                    "input": value,
+                    "ctx": {"gt": 0},
+                }
+            )
+        elif value is not None and value > max_timeout_sec:
             errors.append(
                 {
                     "type": "less_than_equal",

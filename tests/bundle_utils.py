@@ -25,7 +25,7 @@ from harbor_exec.bundler import Bundle, build_bundle
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "tasks_examples" / "workflow_project"
 EXAMPLE_SRC = EXAMPLE_DIR / "src"
-EXAMPLE_REFS: dict[str, str] = {
+EXAMPLE_REFS: dict[str, Any] = {
     "workflow": "arith_agent.workflow:ArithWorkflow",
     "grader": "arith_agent.grader:ArithGrader",
     "workflow_config": "arith_agent.workflow:workflow_config",

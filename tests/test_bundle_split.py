@@ -13,9 +13,11 @@ containers: ``tests/test_grader_isolation.py``.)
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -71,7 +73,7 @@ def project(root: Path, **modules: str) -> Path:
     return write_project(root, files)
 
 
-REFS = {
+REFS: dict[str, Any] = {
     "workflow": f"{PKG}.flow:Flow",
     "grader": f"{PKG}.judge:Judge",
     "grader_config": f"{PKG}.secret:judge_config",
@@ -79,9 +81,12 @@ REFS = {
 
 
 def refused(root: Path, **refs: str | None) -> str:
-    """The message of the GraderSplitError ``build_bundle`` raises, before any build."""
+    """The message of the GraderSplitError ``build_bundle`` raises with strict grader
+    isolation, before any build."""
     with pytest.raises(GraderSplitError) as info:
-        build_bundle(root, cache_dir=root.parent / "cache", **{**REFS, **refs})  # type: ignore[arg-type]
+        build_bundle(
+            root, cache_dir=root.parent / "cache", strict_grader_isolation=True, **{**REFS, **refs}
+        )
     assert not (root.parent / "cache").exists()  # refused before anything was built
     message = str(info.value)
     # The fix: a module of their own, which the workflow's side does not import.
@@ -191,14 +196,14 @@ def test_a_grader_that_imports_the_workflow_splits(tmp_path: Path) -> None:
     assert split_bundle(load_project(root), refs) == [f"{PKG}/grading/", f"{PKG}/secret.py"]
 
 
-def test_harbor_exec_bundle_prints_the_refusal_and_exits_1(tmp_path: Path) -> None:
+def test_harbor_exec_bundle_strict_prints_the_refusal_and_exits_1(tmp_path: Path) -> None:
     from harbor_exec.cli.app import app
 
     root = project(tmp_path / "p", flow="from .judge import Judge\n" + FLOW)
     result = CliRunner().invoke(
         app,
         ["bundle", str(root), "--workflow", REFS["workflow"], "--grader", REFS["grader"],
-         "--cache-dir", str(tmp_path / "c")],
+         "--cache-dir", str(tmp_path / "c"), "--strict-grader-isolation"],
         terminal_width=400,
     )  # fmt: skip
     assert result.exit_code == 1
@@ -208,6 +213,79 @@ def test_harbor_exec_bundle_prints_the_refusal_and_exits_1(tmp_path: Path) -> No
 
 
 # --------------------------------------------------------------------------- built
+
+
+#: osmosis-ai's usual layout: the workflow, the grader and the grader's config in one module.
+ONE_MODULE = f"""
+from harbor_exec.authoring import AgentWorkflow, Grader, GraderConfig
+
+
+class Flow(AgentWorkflow):
+    async def run(self, ctx):
+        return [{{"role": "assistant", "content": "1"}}]
+
+
+class Judge(Grader):
+    async def grade(self, ctx):
+        ctx.set_reward(1.0)
+
+
+class JudgeConfig(GraderConfig):
+    judge_key: str = ""
+
+
+judge_config = JudgeConfig(name="judge", judge_key={SECRET!r})
+"""
+
+
+def test_a_project_in_one_module_builds_and_says_once_what_the_agent_can_read(
+    tmp_path: Path, bundle_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As osmosis-ai's docs write it (one module, or a package ``__init__``): it builds,
+    the grader's part is the whole bundle and the agent's part holds that module too,
+    and bundling says so once, by name, with the way to split it."""
+    root = project(tmp_path / "p", flow=ONE_MODULE)
+    refs: dict[str, Any] = {
+        "workflow": f"{PKG}.flow:Flow",
+        "grader": f"{PKG}.flow:Judge",
+        "grader_config": f"{PKG}.flow:judge_config",
+    }
+    with caplog.at_level(logging.WARNING, logger="harbor_exec.bundler"):
+        bundle = build_bundle(root, cache_dir=bundle_cache, **refs)
+        assert build_bundle(root, cache_dir=bundle_cache, **refs).cached
+    said = [
+        r.getMessage() for r in caplog.records if "can read the grader's source" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert f"grader ref '{PKG}.flow:Judge' is in module '{PKG}.flow'" in said[0]
+    assert f"grader_config ref '{PKG}.flow:judge_config'" in said[0]
+    assert "own module" in said[0] and "--strict-grader-isolation" in said[0]
+    assert bundle.manifest.grader_exposed and bundle.manifest.grader_only == []
+    assert split_bundle_lenient(root, refs).exposed
+    prepared = prepare_bundle(refs["workflow"], bundle=bundle)
+    assert prepared.has_grader
+    agent, grader = _paths(prepared.agent_files), _paths(prepared.grader_files)  # type: ignore[arg-type]
+    assert f"{USER_CODE_DIR}/{PKG}/flow.py" in agent and agent == grader
+    agent_manifest = json.loads(
+        next(e.data for e in prepared.agent_files if e.path == MANIFEST_PATH) or b""
+    )
+    assert agent_manifest["grader"] is None and agent_manifest["grader_exposed"] is False
+    # Strict: refused by name, before any build.
+    with pytest.raises(GraderSplitError, match="Put them in their own module"):
+        build_bundle(root, cache_dir=tmp_path / "strict", strict_grader_isolation=True, **refs)
+    assert not (tmp_path / "strict").exists()
+    with pytest.raises(ValueError, match="strict_grader_isolation"):
+        prepare_bundle(refs["workflow"], bundle=bundle, strict_grader_isolation=True)
+    # The same in a package __init__ (the workflow's package runs it).
+    root = project(tmp_path / "q", __init__=ONE_MODULE, flow="")
+    refs = {k: v.replace(".flow:", ":") for k, v in refs.items()}
+    assert split_bundle_lenient(root, refs).exposed
+
+
+def split_bundle_lenient(root: Path, refs: dict[str, Any]) -> Any:
+    from harbor_exec.bundler.split import grader_split
+
+    return grader_split(load_project(root), refs)
 
 
 def _paths(entries: list[object]) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,3 +207,46 @@ def test_help_falls_back_to_typers_panels_when_its_internals_moved(
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "--tasks-dir" in result.output and "--package-cache-max-gb" in result.output
+
+
+def test_serve_imports_the_workflow_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`harbor-exec serve --workflow my_rollout.workflow:Answer` from the project's own
+    directory finds it, as uvicorn finds an app (its --app-dir, default "."), without
+    PYTHONPATH; `--app-dir` names another directory."""
+    import sys
+
+    import harbor_exec.server.run as server_run
+
+    package = tmp_path / "project" / "my_rollout"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "workflow.py").write_text(
+        "from harbor_exec.authoring import AgentWorkflow\n\n"
+        "class Answer(AgentWorkflow):\n"
+        "    async def run(self, ctx):\n"
+        "        return [{'role': 'assistant', 'content': '4'}]\n"
+    )
+    served: list[Any] = []
+    monkeypatch.setattr(server_run, "serve_app", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # serve puts the app dir first
+    monkeypatch.delitem(sys.modules, "my_rollout", raising=False)
+    monkeypatch.delitem(sys.modules, "my_rollout.workflow", raising=False)
+    monkeypatch.chdir(package.parent)
+    args = ["serve", "--workflow", "my_rollout.workflow:Answer"]
+    result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "d1")])
+    assert result.exit_code == 0, result.output
+    assert len(served) == 1 and sys.modules["my_rollout.workflow"].__file__ == str(
+        package / "workflow.py"
+    )
+    # From elsewhere, --app-dir names it.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(package.parent)])
+    for name in ("my_rollout", "my_rollout.workflow"):
+        monkeypatch.delitem(sys.modules, name)
+    result = CliRunner().invoke(
+        app, [*args, "--app-dir", str(package.parent), "--data-dir", str(tmp_path / "d2")]
+    )
+    assert result.exit_code == 0, result.output
+    assert len(served) == 2

@@ -28,7 +28,8 @@ from tests.bundle_utils import REPO_ROOT
 from tests.fake_chat import FakeChat
 from tests.server_utils import serve
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own backends and tasks; no timing bounds.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 SDK_PROJECT = REPO_ROOT / "tasks_examples" / "osmosis_sdk_project"
 TEMPLATE = REPO_ROOT / "tasks_examples" / "template"

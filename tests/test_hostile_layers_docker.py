@@ -24,7 +24,8 @@ from harbor_exec.trial.trial import TrialRequest
 from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
 from tests.task_factory import make_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own tasks and layers; no engine-wide counts or timing bounds.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 MOUNTS = (RUNTIME_MOUNT, DEPS_MOUNT, AGENT_MOUNT)
 PATHS = " ".join(MOUNTS)

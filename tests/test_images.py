@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_exec.sandbox.images import (
+from harbor_exec.sandbox.apt_mirror import (
     MIRROR_ENV,
     BootstrapError,
     apt_sources,

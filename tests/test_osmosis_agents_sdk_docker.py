@@ -39,7 +39,8 @@ from osmosis_ai.rollout.server.app import (
     create_rollout_server as create_osmosis_server,
 )
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own project and backends; no timing bounds.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 __all__ = ["bundle_cache"]  # the session fixture, used below
 

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
 __all__ = ["bundle_cache"]  # the session fixture, used below
 
 SDK_PROJECT = REPO_ROOT / "tasks_examples" / "osmosis_sdk_project"
-SDK_REFS = {
+SDK_REFS: dict[str, Any] = {
     "workflow": "sdk_arith.workflow:SdkArithWorkflow",
     "workflow_config": "sdk_arith.workflow:workflow_config",
     "grader": "sdk_arith.grader:SdkArithGrader",

@@ -118,15 +118,36 @@ def test_a_missing_or_broken_profile_fails_closed(
 
 
 def test_the_runtime_comes_from_the_build_and_init_and_keep_alive_are_absolute(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(RuntimeVolumeError, match="images bootstrap"):
+    import harbor_exec.sandbox.runtime_volume as runtime_volume
+    from harbor_exec.sandbox.runtime_build import RuntimeBuildError, load_runtime_build
+
+    asked: list[Path | None] = []
+
+    def cannot_build(mirror: str, *, cache_dir: Path | None = None, **_: object) -> object:
+        asked.append(cache_dir)
+        raise RuntimeBuildError("building the container runtime with debootstrap needs root")
+
+    # None built: the first need builds it; a build that cannot run says how to.
+    monkeypatch.setattr(runtime_volume, "build_runtime", cannot_build)
+    monkeypatch.setenv("HARBOR_EXEC_DEBIAN_MIRROR", "http://deb.test/debian")
+    with pytest.raises(RuntimeVolumeError, match=r"needs root.*images bootstrap"):
         RuntimeContent.load(tmp_path)
-    built = runtime_build_dir(tmp_path)
-    built.mkdir(parents=True)
-    (built / "runtime.tar").write_bytes(b"")
-    (built / "runtime.json").write_text('{"digest": "' + "ab" * 32 + '"}')
+    assert asked == [tmp_path]
+
+    def builds(mirror: str, *, cache_dir: Path | None = None, **_: object) -> object:
+        asked.append(cache_dir)
+        built = runtime_build_dir(cache_dir)
+        built.mkdir(parents=True)
+        (built / "runtime.tar").write_bytes(b"")
+        (built / "runtime.json").write_text('{"digest": "' + "ab" * 32 + '"}')
+        return load_runtime_build(cache_dir)
+
+    monkeypatch.setattr(runtime_volume, "build_runtime", builds)
     content = RuntimeContent.load(tmp_path)
+    assert asked == [tmp_path, tmp_path]
+    assert RuntimeContent.load(tmp_path) == content and len(asked) == 2  # built once
     assert content.volume_name == "harbor-exec-runtime-" + "ab" * 8
     assert content.marker_size == len('{"digest": "' + "ab" * 32 + '"}')
     # By absolute path into the read-only mount: no PATH lookup, no image entrypoint.

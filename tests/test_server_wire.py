@@ -122,6 +122,17 @@ def test_every_route_answers_the_same_bytes(
             '"msg": "agent_timeout_sec must be at most 600 seconds (the server\'s maximum; '
             'null means no deadline)", "input": 601.0, "ctx": {"le": 600.0}}]}'
         )
+        # A deadline already passed is a mistake in the request, not a timeout to run into.
+        negative = {**rollout, "rollout_id": "t", "agent_timeout_sec": -5}
+        assert body(http.post("/rollout", json=negative), 422) == (
+            '{"detail": [{"type": "greater_than", "loc": ["body", "agent_timeout_sec"], '
+            '"msg": "agent_timeout_sec must be greater than 0 seconds (null means no '
+            'deadline)", "input": -5.0, "ctx": {"gt": 0}}]}'
+        )
+        zero = {**rollout, "rollout_id": "t", "grader_timeout_sec": 0}
+        assert '"loc": ["body", "grader_timeout_sec"]' in body(
+            http.post("/rollout", json=zero), 422
+        )
         assert body(http.post("/rollout/cancel", json={"ids": ["a"], "all": True}), 422) == (
             '{"detail": "pass exactly one selector: ids, prefix, or all"}'
         )

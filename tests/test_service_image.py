@@ -19,7 +19,13 @@ HERE = Path(__file__).resolve().parent
 PORT = int(os.environ.get("HARBOR_EXEC_SERVICE_PORT", "18765"))
 URL = f"http://127.0.0.1:{PORT}"
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images"), pytest.mark.timeout(900)]
+# engine_lane: its own image and server; owner- and rollout-scoped checks.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane,
+    pytest.mark.usefixtures("base_images"),
+    pytest.mark.timeout(900),
+]
 
 
 @pytest.fixture(scope="session")

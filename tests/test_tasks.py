@@ -58,6 +58,11 @@ def test_unknown_keys_are_ignored_like_harbor() -> None:
         ('[task]\nname = "no-slash"\n', "[task].name"),
         ('[environment]\nnetwork_mode = "sometimes"\n', "[environment].network_mode"),
         ('[environment]\nmemory = "lots"\n', "[environment]"),
+        # A timeout that is not positive would run and end as "past its -1s timeout".
+        ("[agent]\ntimeout_sec = -1\n", "[agent].timeout_sec"),
+        ("[verifier]\ntimeout_sec = 0\n", "[verifier].timeout_sec"),
+        ("[environment]\nbuild_timeout_sec = -3\n", "[environment].build_timeout_sec"),
+        ('[[steps]]\nname = "a"\n[steps.agent]\ntimeout_sec = -2\n', "timeout_sec"),
     ],
 )
 def test_bad_fields_are_named(toml: str, field: str) -> None:

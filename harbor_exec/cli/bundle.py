@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from harbor_exec.cli.options import StrictGraderIsolationOption
 from harbor_exec.container.exchange import RUNTIME_PYTHON_VERSION
 
 _REF_HELP = "a 'module:attr' ref inside the project's package"
@@ -49,6 +50,7 @@ def bundle(
             "else ~/.cache/harbor-exec/bundles)"
         ),
     ] = None,
+    strict_grader_isolation: StrictGraderIsolationOption = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """Build a workflow project into a bundle: its wheel, a dependency wheelhouse for
@@ -67,6 +69,7 @@ def bundle(
             python_version=python_version,
             platform=platform or DEFAULT_PLATFORM,
             cache_dir=cache_dir,
+            strict_grader_isolation=strict_grader_isolation,
         )
     except BundleError as exc:
         err.print(f"[bold red]bundle failed:[/] {escape(str(exc))}", highlight=False)

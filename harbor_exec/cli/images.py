@@ -9,13 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from harbor_exec.cli.helpers import console, open_runtime
-from harbor_exec.sandbox.images import (
-    MIRROR_ENV,
-    BootstrapError,
-    bootstrap,
-    build_cache_report,
-    prune,
-)
+from harbor_exec.sandbox.apt_mirror import MIRROR_ENV, BootstrapError
+from harbor_exec.sandbox.images import bootstrap, build_cache_report, prune
 from harbor_exec.sandbox.runtime_build import RuntimeBuildError
 
 images_app = typer.Typer(help="Base images, task images and dependency layers we made.")

@@ -208,6 +208,17 @@ ServeAgentSetupTimeoutOption = Annotated[
     ),
 ]
 
+StrictGraderIsolationOption = Annotated[
+    bool,
+    typer.Option(
+        "--strict-grader-isolation",
+        rich_help_panel=AGENT,
+        help="Refuse a project whose grader (or its config) is in a module the workflow "
+        "imports; by default it runs (the grader only in the verifier's container) and "
+        "bundling says that the agent's container can read its source.",
+    ),
+]
+
 # ---- Sandbox: where verifiers run; Limits: what a container may use ----
 
 
@@ -404,6 +415,7 @@ __all__ = [
     "ServeAllowUnpinnedOption",
     "ServeModelNameOption",
     "ServePackageCacheOption",
+    "StrictGraderIsolationOption",
     "TaskRefOption",
     "TasksPathArgument",
     "sandbox_config",

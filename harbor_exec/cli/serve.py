@@ -14,6 +14,7 @@ backends can be chosen from more options without touching the rest.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,6 +47,7 @@ from harbor_exec.cli.options import (
     ServeAllowUnpinnedOption,
     ServeModelNameOption,
     ServePackageCacheOption,
+    StrictGraderIsolationOption,
     takes_sandbox,
 )
 
@@ -93,6 +95,7 @@ class ServeOptions:
     model_name: str | None = None
     agent_kwargs: list[str] = field(default_factory=list)
     agent_setup_timeout_sec: float | None = None
+    strict_grader_isolation: bool = False
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -136,6 +139,7 @@ def harbor_config_of(options: ServeOptions) -> HarborConfig:
         relay_extra_routes=tuple(options.relay_extra_routes),
         native_agent_kwargs=parse_agent_kwargs(options.agent_kwargs) or None,
         agent_setup_timeout_sec=options.agent_setup_timeout_sec,
+        strict_grader_isolation=options.strict_grader_isolation,
     )
     if options.model_name is not None:
         agent = replace(agent, model_name=options.model_name)
@@ -300,6 +304,7 @@ def serve(
             rich_help_panel=AGENT, help="The workflow's project (default: found from --agent)."
         ),
     ] = None,
+    strict_grader_isolation: StrictGraderIsolationOption = False,
     sandbox: SandboxConfig = _SANDBOX,
     relay_allow_route: Annotated[
         list[str] | None,
@@ -322,6 +327,14 @@ def serve(
             help="A rollout server app built in code, as module:attr.",
         ),
     ] = None,
+    app_dir: Annotated[
+        Path,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="Where --workflow, --grader, their configs, --agent module:Class and --app "
+            "are imported from, as uvicorn's --app-dir (put first on sys.path).",
+        ),
+    ] = Path("."),
     host: Annotated[
         str, typer.Option(rich_help_panel=SERVER, help="Interface to listen on.")
     ] = "127.0.0.1",
@@ -400,6 +413,10 @@ def serve(
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import resolve_port, serve_app
 
+    # As uvicorn does: `serve --workflow my_rollout.workflow:Answer` from the project's
+    # directory imports it without PYTHONPATH.
+    sys.path.insert(0, str(app_dir.resolve()))
+
     try:
         port = resolve_port(port)
     except ValueError as exc:
@@ -437,6 +454,7 @@ def serve(
         model_name=model_name,
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,
+        strict_grader_isolation=strict_grader_isolation,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

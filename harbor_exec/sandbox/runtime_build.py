@@ -26,12 +26,14 @@ anything in the image is the agent's to replace. So the runtime carries its own:
   holding it is complete.
 
 The packages come from Debian with ``debootstrap`` (the tool that resolves their
-dependencies), once per machine, into the cache: ``harbor-exec images bootstrap``
-(``scripts/setup.sh``) runs it. Host side, needs root, debootstrap and patchelf.
+dependencies), once per machine, into the cache: on the first trial that needs it (one
+build, whoever asks at once) or ahead of time with ``harbor-exec images bootstrap``
+(``scripts/setup.sh`` runs it). Host side, needs root, debootstrap and patchelf.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -131,10 +133,23 @@ def build_runtime(
     log: Callable[[str], None] = print,
     force: bool = False,
 ) -> RuntimeBuild:
-    """Build the runtime into the cache (once: an existing build is returned)."""
+    """Build the runtime into the cache (once: an existing build is returned). Processes
+    building at once wait on one build (a lock in the cache, across processes)."""
     existing = None if force else load_runtime_build(cache_dir)
     if existing is not None:
         return existing
+    directory = runtime_build_dir(cache_dir)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with (directory.parent / "build.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Built by another process while this one waited: theirs.
+        existing = None if force else load_runtime_build(cache_dir)
+        if existing is not None:
+            return existing
+        return _build_runtime(mirror_url, directory, log)
+
+
+def _build_runtime(mirror_url: str, directory: Path, log: Callable[[str], None]) -> RuntimeBuild:
     if os.geteuid() != 0:
         raise RuntimeBuildError("building the container runtime with debootstrap needs root")
     for tool, package in (("debootstrap", "debootstrap"), ("patchelf", "patchelf")):
@@ -143,8 +158,6 @@ def build_runtime(
                 f"cannot build the container runtime: {tool} is not installed "
                 f"(apt-get install {package}, or run scripts/setup.sh)"
             )
-    directory = runtime_build_dir(cache_dir)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hx-runtime-", dir=directory.parent) as scratch:
         rootfs, tree = Path(scratch) / "rootfs", Path(scratch) / "tree"
         log(

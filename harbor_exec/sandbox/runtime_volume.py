@@ -25,6 +25,7 @@ calls are in ``harbor_exec.sandbox.docker``. Standard library only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,17 @@ from harbor_exec.container.exchange import (
     RUNTIME_TINI,
 )
 from harbor_exec.errors import EnvironmentStartError
-from harbor_exec.sandbox.runtime_build import RUNTIME_INFO, load_runtime_build
+from harbor_exec.sandbox.apt_mirror import BootstrapError, debian_mirror
+from harbor_exec.sandbox.runtime_build import (
+    RUNTIME_INFO,
+    RuntimeBuild,
+    RuntimeBuildError,
+    build_runtime,
+    load_runtime_build,
+    runtime_build_dir,
+)
+
+logger = logging.getLogger("harbor_exec.runtime")
 
 #: The init's and keep-alive's own uid:gid (never a task's agent or verifier user).
 KEEP_ALIVE_UID = 2147481647
@@ -64,7 +75,8 @@ RUNTIME_MARKER = f"{RUNTIME_MOUNT}/{RUNTIME_INFO}"
 
 
 class RuntimeVolumeError(EnvironmentStartError):
-    """The runtime is not built on this machine: no container is created."""
+    """The runtime is not built on this machine and could not be built: no container is
+    created."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +93,32 @@ class RuntimeContent:
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> RuntimeContent:
-        """The runtime built on this machine (``harbor-exec images bootstrap`` builds it)."""
+        """The runtime built on this machine, built now when the cache has none (the
+        cache directory can be removed: every entry is rebuilt on first need)."""
         build = load_runtime_build(cache_dir)
         if build is None:
-            raise RuntimeVolumeError(
-                "the container runtime (harbor-exec's Python, init and keep-alive) is not "
-                "built on this machine: run `harbor-exec images bootstrap` (scripts/setup.sh "
-                "does)"
-            )
+            build = _build_now(cache_dir)
         marker = (build.directory / RUNTIME_INFO).stat().st_size
         return cls(build.archive, build.digest, marker)
+
+
+def _build_now(cache_dir: Path | None) -> RuntimeBuild:
+    """The first trial on a machine (or after the cache was removed) builds the runtime,
+    once, with progress in the log; a failure says how to build it by hand."""
+    logger.warning(
+        "the container runtime (harbor-exec's Python, init and keep-alive) is not built in "
+        "%s yet: building it now, once (about a minute)",
+        runtime_build_dir(cache_dir),
+    )
+    try:
+        mirror, _ = debian_mirror()
+        build = build_runtime(mirror, cache_dir=cache_dir, log=logger.warning)
+    except (BootstrapError, RuntimeBuildError) as exc:
+        raise RuntimeVolumeError(
+            f"the container runtime is not built on this machine and cannot be built now: "
+            f"{exc} (`harbor-exec images bootstrap`, as root, builds it ahead of time)"
+        ) from exc
+    return build
 
 
 __all__ = [

@@ -10,7 +10,7 @@ import re
 import tomllib
 import unicodedata
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +20,10 @@ from harbor_exec.tasks.hosts import normalize_allowed_hosts
 ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _CANARY_LINE = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
 _ENV_TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")
+
+
+#: A timeout: seconds, more than none (Harbor would run a non-positive one and time out).
+PositiveSeconds = Annotated[float, Field(gt=0)]
 
 
 class NetworkMode(StrEnum):
@@ -79,7 +83,7 @@ class _PhaseNetwork(_Model):
 class HealthcheckConfig(_Model):
     command: str
     interval_sec: float = 5.0
-    timeout_sec: float = 30.0
+    timeout_sec: PositiveSeconds = 30.0
     start_period_sec: float = 0.0
     start_interval_sec: float = 5.0
     retries: int = 3
@@ -96,7 +100,7 @@ def _size_to_mb(size: str) -> int:
 class EnvironmentConfig(_Model):
     """``[environment]``."""
 
-    build_timeout_sec: float = 600.0
+    build_timeout_sec: PositiveSeconds = 600.0
     docker_image: str | None = None
     os: TaskOS = TaskOS.LINUX
     cpus: int | float | None = None
@@ -160,14 +164,14 @@ class EnvironmentConfig(_Model):
 class CollectConfig(_Model):
     command: str
     service: str = "main"
-    timeout_sec: float = 60.0
+    timeout_sec: PositiveSeconds = 60.0
     user: str | int | None = None
 
 
 class VerifierConfig(_PhaseNetwork):
     """``[verifier]``."""
 
-    timeout_sec: float = 600.0
+    timeout_sec: PositiveSeconds = 600.0
     env: dict[str, str] = Field(default_factory=dict)
     user: str | int | None = None
     environment_mode: str | None = None
@@ -185,7 +189,7 @@ class VerifierConfig(_PhaseNetwork):
 class AgentConfig(_PhaseNetwork):
     """``[agent]``. There is no agent timeout unless one is set (Harbor >= 0.13)."""
 
-    timeout_sec: float | None = None
+    timeout_sec: PositiveSeconds | None = None
     user: str | int | None = None
 
 

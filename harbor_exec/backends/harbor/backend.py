@@ -249,6 +249,7 @@ class HarborBackend(ExecutionBackend):
                 "grader_config": choice.grader_config,
                 "code_dir": choice.code_dir,
                 "bundle": choice.bundle,
+                "strict_grader_isolation": choice.strict_grader_isolation,
             }
             if self.native is not None and (choice.grader is not None or choice.bundle is not None):
                 # A grader-only bundle: Harbor's agent is no workflow.

@@ -80,6 +80,9 @@ class AgentChoice:
     agent_setup_timeout_sec: float | None = None
     #: POST routes a workflow's relay forwards besides ``/chat/completions``.
     relay_extra_routes: tuple[str, ...] = ()
+    #: Refuse a project whose grader shares a module with the workflow (by default it
+    #: runs, the grader's source readable in the agent's container, said at bundling).
+    strict_grader_isolation: bool = False
 
 
 def check_agent_choice(choice: AgentChoice, *, deps_in_image: bool) -> NativeAgentConfig | None:

@@ -228,6 +228,7 @@ class HarborKeywords(TypedDict, total=False):
     pids_limit: int | None
     output_limits: OutputLimits | None
     relay_extra_routes: Sequence[str]
+    strict_grader_isolation: bool
     package_cache: PackageCacheConfig | None
     native_agent_kwargs: Mapping[str, Any] | None
     model_name: str
@@ -267,6 +268,7 @@ def harbor_config(
     pids_limit: int | None = None,
     output_limits: OutputLimits | None = None,
     relay_extra_routes: Sequence[str] = (),
+    strict_grader_isolation: bool = False,
     package_cache: PackageCacheConfig | None = None,
     native_agent_kwargs: Mapping[str, Any] | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
@@ -330,6 +332,11 @@ def harbor_config(
 
     ``relay_extra_routes``: POST routes under the model URL's path (e.g.
     ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
+
+    ``strict_grader_isolation``: refuse a project whose grader (or its config) is in a
+    module the workflow imports (by default such a project, osmosis-ai's usual layout,
+    runs: the grader still runs only in the verifier's container, and bundling says
+    that the agent's container can read its source).
 
     ``verifier_mode``: "task" (each task's ``[verifier].environment_mode``) or
     "separate" (always a fresh container). ``grader_verifier_mode``: where the
@@ -395,6 +402,7 @@ def harbor_config(
             model_name=model_name,
             agent_setup_timeout_sec=agent_setup_timeout_sec,
             relay_extra_routes=tuple(relay_extra_routes),
+            strict_grader_isolation=strict_grader_isolation,
         ),
         sandbox=sandbox,
         capacity=capacity,

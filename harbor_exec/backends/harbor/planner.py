@@ -73,6 +73,7 @@ def prepare_bundle(
     code_dir: str | Path | None = None,
     bundle: Any = None,
     agent_from_bundle: bool = False,
+    strict_grader_isolation: bool = False,
 ) -> PreparedBundle:
     """Build (or reuse) the bundle of ``agent`` and read what trials need from it;
     ``agent`` None: a grader-only bundle (the agent is one of Harbor's own), or, with
@@ -87,7 +88,13 @@ def prepare_bundle(
                 f"bundle must be a Bundle or the path of one (or of a bundle wheel); got "
                 f"{type(bundle).__name__}"
             )
-        bundle = load_bundle(bundle)
+        bundle = load_bundle(bundle, strict_grader_isolation=strict_grader_isolation)
+    if strict_grader_isolation and bundle is not None and bundle.manifest.grader_exposed:
+        raise ValueError(
+            f"the bundle in {bundle.root} keeps its grader in a module the workflow imports "
+            "(the agent's container can read it) and strict_grader_isolation is set: "
+            "put the grader and its config in their own module and bundle it again"
+        )
     if agent_from_bundle:
         if bundle is None or bundle.manifest.workflow is None:
             raise ValueError("pass agent= (the bundle, if any, names no workflow)")
@@ -117,6 +124,7 @@ def prepare_bundle(
             grader=grader_ref,
             workflow_config=_ref_for(workflow_config, what="workflow_config"),
             grader_config=_ref_for(grader_config, what="grader_config"),
+            strict_grader_isolation=strict_grader_isolation,
         )
     if workflow_ref is None and bundle.manifest.grader is None:
         raise ValueError(f"the bundle in {bundle.root} names no grader for this agent to use")
@@ -130,7 +138,8 @@ def prepare_bundle(
     # ``files`` are the grader's part (the full manifest, the whole wheel); the agent's
     # part names no grader and leaves out the modules of grader and grader_config.
     manifest = bundle.manifest
-    if (manifest.grader or manifest.grader_config) and not manifest.grader_only:
+    split = manifest.grader_only or manifest.grader_exposed
+    if (manifest.grader or manifest.grader_config) and not split:
         # Only a bundle built before the split lacks them: its agent part would hold the grader.
         raise ValueError(
             f"the bundle in {bundle.root} names no grader-only modules; it predates the "

@@ -1227,7 +1227,12 @@ class PackageCache:
         )
         fill = _Fill(self.store.temp_path(), length, new_entry)
         fill.reserved = length or 0
-        out = fill.path.open("wb")  # exists before any reader opens it
+        try:
+            out = fill.path.open("wb")  # exists before any reader opens it
+        except BaseException:
+            self.store.release(owner, fill.reserved)
+            await response.aclose()
+            raise
         self._fills[digest] = fill
         fill.task = self.start(self._download(digest, response, fill, out))
         return fill
