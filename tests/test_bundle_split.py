@@ -364,3 +364,45 @@ def test_the_example_splits_and_its_trials_carry_both_parts(
 
     tested = planner.plan(request, ResolvedTask("with-tests", with_tests), context)
     assert tested.trial.verifier == "tests" and tested.trial.grader_bundle is None
+    # Preferred, the grader verifies the task with tests of its own too.
+    preferring = TrialPlanner(
+        bundle=prepared,
+        policy=SandboxPolicy(),
+        trials_dir=tmp_path / "trials",
+        prefer_grader=True,
+    )
+    preferred = preferring.plan(request, ResolvedTask("with-tests", with_tests), context)
+    assert preferred.trial.verifier == "grader"
+    assert preferred.trial.grader_bundle == prepared.grader_key
+
+
+def test_start_says_which_tasks_their_own_tests_verify_instead_of_the_grader(
+    tmp_path: Path, example_bundle: Bundle, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grader given for tasks that have tests/test.sh (the README's own example): the
+    tests verify, as in Harbor, and start() says so, naming them and prefer_grader."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from tests.fake_runtime import FakeRuntime
+
+    dataset = tmp_path / "dataset"
+    make_task(dataset, "with-tests")
+    shutil.rmtree(make_task(dataset, "no-tests") / "tests")
+    for prefer, said in ((False, 1), (True, 0)):
+        caplog.clear()
+        backend = HarborBackend(
+            tasks_dir=dataset,
+            task_mode="dataset",
+            agent=EXAMPLE_REFS["workflow"],
+            grader=EXAMPLE_REFS["grader"],
+            bundle=example_bundle,
+            runtime=FakeRuntime(),
+            trials_dir=tmp_path / "trials",
+            prefer_grader=prefer,
+        )
+        with caplog.at_level(logging.WARNING, logger="harbor_exec.backends.harbor.backend"):
+            backend.start()
+        warned = [r.getMessage() for r in caplog.records if "does not verify" in r.getMessage()]
+        assert len(warned) == said, warned
+        if said:
+            assert "1 task(s)" in warned[0] and "(with-tests)" in warned[0]
+            assert "--prefer-grader" in warned[0]

@@ -219,6 +219,16 @@ StrictGraderIsolationOption = Annotated[
     ),
 ]
 
+PreferGraderOption = Annotated[
+    bool,
+    typer.Option(
+        "--prefer-grader",
+        rich_help_panel=AGENT,
+        help="The --grader verifies tasks that have a tests/test.sh too (by default their "
+        "tests do, as in Harbor, and serve says which tasks that is).",
+    ),
+]
+
 # ---- Sandbox: where verifiers run; Limits: what a container may use ----
 
 
@@ -402,6 +412,7 @@ __all__ = [
     "PackageCacheDirOption",
     "PackageCacheMaxGbOption",
     "PackageSourceOption",
+    "PreferGraderOption",
     "PrewarmAgentOption",
     "PrewarmPackageCacheOption",
     "RayOption",

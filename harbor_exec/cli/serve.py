@@ -41,6 +41,7 @@ from harbor_exec.cli.options import (
     PackageCacheDirOption,
     PackageCacheMaxGbOption,
     PackageSourceOption,
+    PreferGraderOption,
     RayOption,
     ServeAgentOption,
     ServeAgentSetupTimeoutOption,
@@ -96,6 +97,7 @@ class ServeOptions:
     agent_kwargs: list[str] = field(default_factory=list)
     agent_setup_timeout_sec: float | None = None
     strict_grader_isolation: bool = False
+    prefer_grader: bool = False
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -140,6 +142,7 @@ def harbor_config_of(options: ServeOptions) -> HarborConfig:
         native_agent_kwargs=parse_agent_kwargs(options.agent_kwargs) or None,
         agent_setup_timeout_sec=options.agent_setup_timeout_sec,
         strict_grader_isolation=options.strict_grader_isolation,
+        prefer_grader=options.prefer_grader,
     )
     if options.model_name is not None:
         agent = replace(agent, model_name=options.model_name)
@@ -305,6 +308,7 @@ def serve(
         ),
     ] = None,
     strict_grader_isolation: StrictGraderIsolationOption = False,
+    prefer_grader: PreferGraderOption = False,
     sandbox: SandboxConfig = _SANDBOX,
     relay_allow_route: Annotated[
         list[str] | None,
@@ -455,6 +459,7 @@ def serve(
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,
         strict_grader_isolation=strict_grader_isolation,
+        prefer_grader=prefer_grader,
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

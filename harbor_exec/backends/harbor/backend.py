@@ -282,6 +282,30 @@ class HarborBackend(ExecutionBackend):
                 trials_dir=self.trials_dir,
                 relay_extra_routes=self.relay_extra_routes,
                 native=self.native,
+                prefer_grader=choice.prefer_grader,
+            )
+            if self.bundle is not None and self.bundle.has_grader and not choice.prefer_grader:
+                self._say_tests_win()
+
+    def _say_tests_win(self) -> None:
+        """A grader is configured, and served tasks with tests of their own verify with
+        those (Harbor's rule): say which, and how to have the grader verify them."""
+        tasks = self.config.tasks
+        root = tasks.tasks_dir
+        if tasks.task_mode == "template":
+            candidates = [root]
+        else:
+            candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        with_tests = [p.name for p in candidates if (p / "tests" / "test.sh").is_file()]
+        if with_tests:
+            shown = ", ".join(with_tests[:5]) + (" ..." if len(with_tests) > 5 else "")
+            logger.warning(
+                "the grader %s does not verify %d task(s) with a tests/test.sh of their own "
+                "(%s): their tests do, as in Harbor. prefer_grader=True (--prefer-grader) has "
+                "the grader verify them instead.",
+                self.config.agent.grader,
+                len(with_tests),
+                shown,
             )
 
     def _prepare_agent_layer(self, native: NativeAgentConfig) -> None:

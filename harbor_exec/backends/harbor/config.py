@@ -83,6 +83,9 @@ class AgentChoice:
     #: Refuse a project whose grader shares a module with the workflow (by default it
     #: runs, the grader's source readable in the agent's container, said at bundling).
     strict_grader_isolation: bool = False
+    #: The bundled grader verifies every task, its own ``tests/test.sh`` too (by default
+    #: a task's tests win, as in Harbor, and ``start`` says which tasks that concerns).
+    prefer_grader: bool = False
 
 
 def check_agent_choice(choice: AgentChoice, *, deps_in_image: bool) -> NativeAgentConfig | None:

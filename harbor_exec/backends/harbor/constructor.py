@@ -229,6 +229,7 @@ class HarborKeywords(TypedDict, total=False):
     output_limits: OutputLimits | None
     relay_extra_routes: Sequence[str]
     strict_grader_isolation: bool
+    prefer_grader: bool
     package_cache: PackageCacheConfig | None
     native_agent_kwargs: Mapping[str, Any] | None
     model_name: str
@@ -269,6 +270,7 @@ def harbor_config(
     output_limits: OutputLimits | None = None,
     relay_extra_routes: Sequence[str] = (),
     strict_grader_isolation: bool = False,
+    prefer_grader: bool = False,
     package_cache: PackageCacheConfig | None = None,
     native_agent_kwargs: Mapping[str, Any] | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
@@ -332,6 +334,9 @@ def harbor_config(
 
     ``relay_extra_routes``: POST routes under the model URL's path (e.g.
     ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
+
+    ``prefer_grader``: the bundled grader verifies tasks that have a ``tests/test.sh``
+    too (by default their tests do, as in Harbor; ``start()`` logs which tasks that is).
 
     ``strict_grader_isolation``: refuse a project whose grader (or its config) is in a
     module the workflow imports (by default such a project, osmosis-ai's usual layout,
@@ -403,6 +408,7 @@ def harbor_config(
             agent_setup_timeout_sec=agent_setup_timeout_sec,
             relay_extra_routes=tuple(relay_extra_routes),
             strict_grader_isolation=strict_grader_isolation,
+            prefer_grader=prefer_grader,
         ),
         sandbox=sandbox,
         capacity=capacity,

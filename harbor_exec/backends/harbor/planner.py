@@ -191,8 +191,10 @@ class TrialPlanner:
         trials_dir: Path,
         relay_extra_routes: tuple[str, ...] = (),
         native: NativeAgentConfig | None = None,
+        prefer_grader: bool = False,
     ) -> None:
         self.bundle = bundle
+        self.prefer_grader = prefer_grader
         self.native = native
         self.policy = policy
         self.trials_dir = trials_dir
@@ -241,8 +243,9 @@ class TrialPlanner:
                     raise RolloutRejected(str(exc)) from None
             # The resolver made the instruction: the prompt in template mode, else instruction.md.
             agent = native_agent_spec(self.native, task.instruction, model_name)
-        # A task's own tests verify; without them, the bundle's grader.
-        verifier: VerifierKind = "grader" if verify and not task.has_tests else "tests"
+        # A task's own tests verify; without them (or when it is preferred), the grader.
+        graded = bundle is not None and bundle.has_grader and self.prefer_grader
+        verifier: VerifierKind = "grader" if verify and (graded or not task.has_tests) else "tests"
         trial = TrialSpec(
             task=task,
             trials_dir=self.trials_dir,
