@@ -321,3 +321,20 @@ def test_agent_started_at_is_when_the_agent_phase_began(tmp_path: Path) -> None:
     assert result.status == "success"
     assert result.agent_started_at is not None and len(starts) == 1
     assert submitted < starts[0] <= result.agent_started_at
+
+
+def test_a_tasks_dir_the_mode_cannot_serve_is_refused_at_start(tmp_path: Path) -> None:
+    """A dataset served in template mode (the default), or one task in dataset mode,
+    would fail every rollout: refused when the backend is made, saying which mode fits."""
+    dataset = tmp_path / "dataset"
+    make_task(dataset, "alpha")
+    make_task(dataset, "beta")
+    with pytest.raises(
+        ValueError, match=r"is a dataset \(2 task\(s\): alpha, beta\).*--task-mode dataset"
+    ):
+        HarborBackend(tasks_dir=dataset, runtime=FakeRuntime())
+    with pytest.raises(ValueError, match=r"is one task.*--task-mode template"):
+        HarborBackend(tasks_dir=dataset / "alpha", task_mode="dataset", runtime=FakeRuntime())
+    # The fitting modes start.
+    HarborBackend(tasks_dir=dataset, task_mode="dataset", runtime=FakeRuntime())
+    HarborBackend(tasks_dir=dataset / "alpha", runtime=FakeRuntime())

@@ -66,6 +66,7 @@ class TaskResolver:
             raise ValueError(f"task_mode must be 'template' or 'dataset'; got {task_mode!r}")
         self.tasks_dir = tasks_dir.resolve()
         self.task_mode: TaskMode = task_mode
+        _check_mode_fits(self.tasks_dir, task_mode)
         self.task_roots = [self.tasks_dir, *(Path(r).resolve() for r in task_roots)]
         self.written_roots = [Path(r).resolve() for r in written_roots]
         self.env_allow = frozenset(env_allow)
@@ -186,6 +187,26 @@ class TaskResolver:
             candidates += [(e.task, self.tasks_dir / e.task) for e in found.broken]
             return candidates
         return [(task_id, task_dir_for_id(self.tasks_dir, task_id)) for task_id in task_ids]
+
+
+def _check_mode_fits(tasks_dir: Path, task_mode: TaskMode) -> None:
+    """Refuse, at start, a tasks dir the mode cannot serve (every rollout would fail):
+    a dataset served as one template task, or one task served as a dataset."""
+    is_task = (tasks_dir / "task.toml").is_file()
+    if task_mode == "dataset" and is_task:
+        raise ValueError(
+            f"{tasks_dir} is one task (it has task.toml), not a dataset of tasks: serve it "
+            "with --task-mode template (task_mode='template'), or give its parent directory"
+        )
+    if task_mode == "template" and not is_task and tasks_dir.is_dir():
+        tasks = sorted(p.name for p in tasks_dir.iterdir() if (p / "task.toml").is_file())
+        if tasks:
+            shown = ", ".join(tasks[:3]) + (", ..." if len(tasks) > 3 else "")
+            raise ValueError(
+                f"{tasks_dir} is a dataset ({len(tasks)} task(s): {shown}), not one task: "
+                "serve it with --task-mode dataset (task_mode='dataset'), where "
+                "metadata.harbor_task_id picks each rollout's task"
+            )
 
 
 def _not_served(ref: object) -> RolloutRejected:
