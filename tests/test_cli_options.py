@@ -133,10 +133,13 @@ def test_the_sandbox_options_make_one_sandbox_config(monkeypatch: pytest.MonkeyP
 
     seen: list[serve.ServeOptions] = []
     monkeypatch.setattr(serve, "build_app", lambda options, api_key: seen.append(options))
-    monkeypatch.setattr(server_run, "serve_app", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server_run, "serve_app", lambda *args, **kwargs: kwargs["listener"].close())
     asked = ["--verifier-mode", "separate", "--grader-verifier-mode", "shared"]
     asked += ["--default-cpus", "1.5", "--default-nofile", "999", "--max-log-bytes", "2048"]
-    for args in (["serve", "--tasks-dir", "."], ["serve", "--tasks-dir", ".", *asked]):
+    for args in (
+        ["serve", "--tasks-dir", ".", "--port", "0"],
+        ["serve", "--tasks-dir", ".", "--port", "0", *asked],
+    ):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
     default, given = (options.sandbox for options in seen)
@@ -229,12 +232,17 @@ def test_serve_imports_the_workflow_from_the_current_directory(
         "        return [{'role': 'assistant', 'content': '4'}]\n"
     )
     served: list[Any] = []
-    monkeypatch.setattr(server_run, "serve_app", lambda app, **kwargs: served.append(app))
+
+    def serve_app(app: Any, **kwargs: Any) -> None:
+        kwargs["listener"].close()
+        served.append(app)
+
+    monkeypatch.setattr(server_run, "serve_app", serve_app)
     monkeypatch.setattr(sys, "path", list(sys.path))  # serve puts the app dir first
     monkeypatch.delitem(sys.modules, "my_rollout", raising=False)
     monkeypatch.delitem(sys.modules, "my_rollout.workflow", raising=False)
     monkeypatch.chdir(package.parent)
-    args = ["serve", "--workflow", "my_rollout.workflow:Answer"]
+    args = ["serve", "--workflow", "my_rollout.workflow:Answer", "--port", "0"]
     result = CliRunner().invoke(app, [*args, "--data-dir", str(tmp_path / "d1")])
     assert result.exit_code == 0, result.output
     assert len(served) == 1 and sys.modules["my_rollout.workflow"].__file__ == str(
@@ -250,3 +258,23 @@ def test_serve_imports_the_workflow_from_the_current_directory(
     )
     assert result.exit_code == 0, result.output
     assert len(served) == 2
+
+
+def test_serve_says_a_port_in_use_before_it_builds_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from harbor_exec.cli import serve
+
+    built: list[Any] = []
+    monkeypatch.setattr(serve, "build_app", lambda options, api_key: built.append(options))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", "--workflow", "tests.server_utils:ScriptedWorkflow", "--port", str(port)]
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output
+    assert "--port" in result.output and built == []  # no backend, no prewarm started

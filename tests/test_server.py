@@ -890,7 +890,7 @@ def test_cli_serve_explains_bad_options(arguments: list[str], message: str) -> N
     from harbor_exec.cli.app import app
 
     # In-process: every one of these is refused before a server would start.
-    result = CliRunner().invoke(app, ["serve", "--port", "9", *arguments], terminal_width=400)
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *arguments], terminal_width=400)
     assert result.exit_code == 2, result.output
     # rich draws the message in a box; compare the words only.
     words = " ".join(result.output.replace("│", " ").split())

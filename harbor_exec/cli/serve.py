@@ -415,7 +415,7 @@ def serve(
     ray: RayOption = None,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
-    from harbor_exec.server.run import resolve_port, serve_app
+    from harbor_exec.server.run import bind_listener, resolve_port, serve_app
 
     # As uvicorn does: `serve --workflow my_rollout.workflow:Answer` from the project's
     # directory imports it without PYTHONPATH.
@@ -423,8 +423,12 @@ def serve(
 
     try:
         port = resolve_port(port)
+        listener = bind_listener(host, port)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--port") from None
+    except OSError as exc:
+        typer.echo(f"error: {exc.strerror or exc}", err=True)
+        raise typer.Exit(1) from None
     options = ServeOptions(
         workflow,
         grader,
@@ -470,4 +474,4 @@ def serve(
         application = _load_app(app_ref)
     else:
         application = build_app(options, api_key=_api_key(api_key_env))
-    serve_app(application, host=host, port=port, access_log=access_log)
+    serve_app(application, host=host, port=port, access_log=access_log, listener=listener)

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import logging
 import os
+import socket
 from typing import Any, Final
 
 __all__ = [
@@ -68,6 +69,24 @@ def uvicorn_implementations() -> tuple[str, str]:
     )
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port in use is said before anything
+    starts (the backend, a prewarm), not after "Application startup complete"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise OSError(
+            exc.errno,
+            f"cannot listen on {host}:{port}: {exc.strerror} (another server there? pick "
+            "another with --port)",
+        ) from None
+    return listener
+
+
 def serve_app(
     app: Any,
     *,
@@ -75,8 +94,10 @@ def serve_app(
     port: int | None = None,
     access_log: bool = False,
     log_level: str = "info",
+    listener: socket.socket | None = None,
 ) -> None:
-    """Serve ``app`` with uvicorn until interrupted (port: see ``resolve_port``)."""
+    """Serve ``app`` with uvicorn until interrupted (port: see ``resolve_port``), on
+    ``listener`` when given (``bind_listener``)."""
     import uvicorn
 
     loop, http = uvicorn_implementations()
@@ -95,6 +116,6 @@ def serve_app(
     server = uvicorn.Server(config)
     # As uvicorn.run: Ctrl-C is a normal stop, a failed start-up exits with 3.
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=[listener] if listener is not None else None)
     if not server.started:
         raise SystemExit(_STARTUP_FAILURE)
