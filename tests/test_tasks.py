@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,3 +169,58 @@ def test_the_task_format_loads_no_network_stack_and_nothing_above_it() -> None:
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "[] []"
+
+
+def test_a_misspelled_key_is_warned_about_with_the_key_it_meant(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Harbor ignores unknown keys, so `timeout_secs` would silently keep the default:
+    still accepted, but said, with the closest known key."""
+    toml = (
+        '[agent]\ntimeout_secs = 30\n[environment]\ncpu = 2\nmemory = "1G"\n'
+        '[[steps]]\nname = "a"\n[steps.verifier]\ntimout_sec = 5\n[metadata]\nanything = 1\n'
+    )
+    with caplog.at_level(logging.WARNING, logger="harbor_exec.tasks"):
+        config = parse_task_config(toml, task="my-task")
+    assert config.agent.timeout_sec is None  # ignored, as Harbor ignores it
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "task my-task/task.toml: unknown key [agent].timeout_secs (did you mean timeout_sec?); "
+        "ignored, as Harbor ignores it",
+        "task my-task/task.toml: unknown key [environment].cpu (did you mean cpus?); "
+        "ignored, as Harbor ignores it",
+        "task my-task/task.toml: unknown key [steps #1.verifier].timout_sec (did you mean "
+        "timeout_sec?); ignored, as Harbor ignores it",
+    ]
+
+
+def test_every_key_harbor_reads_is_known() -> None:
+    """No valid Harbor 0.26 key is called unknown: every field of Harbor's own models
+    is one ``unknown_keys`` knows (where ours keep a table as free-form, below it too)."""
+    from harbor.models.task.config import TaskConfig as HarborTaskConfig
+    from pydantic import BaseModel
+
+    from harbor_exec.tasks.config import TaskConfig, unknown_keys
+
+    def sample(model: type[BaseModel]) -> dict[str, Any]:
+        table: dict[str, Any] = {}
+        for name, field in model.model_fields.items():
+            sub = _model_of(field.annotation)
+            table[name] = sample(sub) if sub is not None and sub is not model else 1
+        return table
+
+    assert unknown_keys(TaskConfig, sample(HarborTaskConfig)) == []
+
+
+def _model_of(annotation: Any) -> Any:
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None

@@ -4,10 +4,13 @@ lines and ``${VAR}`` templates as Harbor reads them."""
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import re
 import tomllib
+import typing
 import unicodedata
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -16,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harbor_exec.errors import TaskConfigError
 from harbor_exec.tasks.hosts import normalize_allowed_hosts
+
+logger = logging.getLogger("harbor_exec.tasks")
 
 ORG_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _CANARY_LINE = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
@@ -314,6 +319,11 @@ def parse_task_config(text: str, *, task: str) -> TaskConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TaskConfigError(task, f"not valid TOML: {exc}", file="task.toml") from None
+    for path, suggestion in unknown_keys(TaskConfig, data):
+        hint = f" (did you mean {suggestion}?)" if suggestion else ""
+        logger.warning(
+            "task %s/task.toml: unknown key %s%s; ignored, as Harbor ignores it", task, path, hint
+        )
     try:
         return TaskConfig.model_validate(data)
     except ValidationError as exc:
@@ -323,6 +333,50 @@ def parse_task_config(text: str, *, task: str) -> TaskConfig:
             by_field.setdefault(path, []).append(err["msg"])
         problems = "; ".join(f"{path}: {' or '.join(msgs)}" for path, msgs in by_field.items())
         raise TaskConfigError(task, problems, file="task.toml") from None
+
+
+#: Keys a model converts before validation (Harbor's deprecated spellings).
+_CONVERTED_KEYS: dict[type[BaseModel], frozenset[str]] = {
+    TaskConfig: frozenset({"version"}),
+    EnvironmentConfig: frozenset({"memory", "storage"}),
+}
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (itself, optional, or a list of it), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[tuple[str, str]]:
+    """``(key path, closest known key or "")`` of every key of ``data`` (a TOML table,
+    ``where`` its name) that ``model`` does not read: Harbor ignores them, so a
+    misspelling would be silent."""
+    if not isinstance(data, dict):
+        return []
+    known = set(model.model_fields) | _CONVERTED_KEYS.get(model, frozenset())
+    found: list[tuple[str, str]] = []
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+            found.append((f"[{where}].{key}" if where else key, close[0] if close else ""))
+            continue
+        field = model.model_fields.get(key)
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
+            continue
+        table = f"{where}.{key}" if where else key
+        if isinstance(value, list):
+            for index, entry in enumerate(value):
+                found += unknown_keys(sub, entry, f"{table} #{index + 1}")
+        else:
+            found += unknown_keys(sub, value, table)
+    return found
 
 
 def strip_canary(text: str) -> str:
