@@ -30,6 +30,9 @@ SHARED = {
     "--n-attempts": {"validate", "run"},
     "--jobs-dir": {"validate", "run"},
     "--job-name": {"validate", "run"},
+    "--include-task-name": {"validate", "run"},
+    "--exclude-task-name": {"validate", "run"},
+    "--n-tasks": {"validate", "run"},
     "--verifier-mode": {"validate", "run", "serve"},
     "--default-cpus": {"validate", "run", "serve"},
     "--default-memory-mb": {"validate", "run", "serve"},
@@ -278,3 +281,29 @@ def test_serve_says_a_port_in_use_before_it_builds_anything(
     assert result.exit_code == 1, result.output
     assert f"cannot listen on 127.0.0.1:{port}" in result.output
     assert "--port" in result.output and built == []  # no backend, no prewarm started
+
+
+def test_harbors_task_filters_pick_the_tasks(tmp_path: Path) -> None:
+    """-i/--include-task-name and -x/--exclude-task-name (globs, repeatable) and
+    -l/--n-tasks, applied as Harbor applies them: filters first, then the limit."""
+    import typer
+
+    from harbor_exec.cli.helpers import filter_tasks, select_dataset
+    from tests.task_factory import make_task
+
+    for name in ("alpha-1", "alpha-2", "beta-1", "gamma"):
+        make_task(tmp_path / "ds", name)
+    selected = select_dataset(tmp_path / "ds", None, None, None, False)
+
+    def names(**filters: Any) -> list[str]:
+        picked = filter_tasks(
+            selected, filters.get("include"), filters.get("exclude"), filters.get("n_tasks")
+        )
+        return [t.name for t in picked.discovery.tasks]
+
+    assert names() == ["alpha-1", "alpha-2", "beta-1", "gamma"]
+    assert names(include=["alpha-*"]) == ["alpha-1", "alpha-2"]
+    assert names(include=["alpha-*", "gamma"], exclude=["*-2"]) == ["alpha-1", "gamma"]
+    assert names(exclude=["alpha-*"], n_tasks=1) == ["beta-1"]
+    with pytest.raises(typer.Exit):
+        names(include=["delta*"])

@@ -341,3 +341,27 @@ def test_terminus_2_with_a_bundled_grader_and_no_key_anywhere_in_the_container(
     assert (agent_dir / "key-environ.txt").read_text().strip() == "0"
     assert int((agent_dir / "environ-control.txt").read_text()) > 0  # environs were readable
     assert files_holding(trial_dir, KEY) == []
+
+
+def test_a_model_that_refuses_is_the_trials_exception_and_the_trial_is_verified(
+    tmp_path: Path, docker_runtime: DockerRuntime
+) -> None:
+    """Harbor's rule: what the agent raised (here its model's 401, which quotes the key
+    it got, as careless servers do) is the trial's exception, counted as an error, never
+    a plain 0 with ``exception_info: null``; the trial is still verified, and the key
+    is nowhere in what the trial keeps."""
+    from tests.fake_chat import FakeChat
+
+    task = make_task(tmp_path / "tasks", "refused", test=TEST_SH, instruction=INSTRUCTION)
+    app = terminus_app(tmp_path, task)
+    with FakeChat() as chat, serve(app) as url:
+        chat.reset("unauthorized")
+        result = rollout(url, chat, INSTRUCTION, agent_timeout_sec=60)  # type: ignore[arg-type]
+    (trial_dir,) = (tmp_path / "trials").iterdir()
+    result_json = json.loads((trial_dir / "result.json").read_text())
+    info = result_json["exception_info"]
+    assert info is not None and "Authentication" in info["exception_type"], info
+    assert result_json["verifier_result"]["rewards"] == {"reward": 0.0}  # verified anyway
+    assert result.status.value == "success" and result.sample.reward == 0.0
+    assert result.sample.extra_fields["agent_error"]["exception_type"] == info["exception_type"]
+    assert files_holding(trial_dir, KEY) == []

@@ -39,6 +39,18 @@ def test_examples_validate_and_second_run_builds_nothing(tmp_path: Path) -> None
     first = cli("validate", str(EXAMPLES), "-n", "4", "--jobs-dir", str(tmp_path), cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "7/7 passed" in first.stdout
+    # word-stats writes {"count", "longest"}: the oracle passes, a trainer cannot use it.
+    said = " ".join(first.stdout.split())
+    assert (
+        "1 task(s) a trainer cannot use: word-stats: no `reward` key (its keys: count, longest)"
+        in said
+    )
+    strict = cli(
+        "validate", str(EXAMPLES), "--strict", "--jobs-dir", str(tmp_path), "--job-name", "strict",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "7/7 passed" in strict.stdout
     second = cli(
         "validate", str(EXAMPLES), "--jobs-dir", str(tmp_path), "--job-name", "again", cwd=tmp_path
     )
@@ -165,6 +177,11 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
             process.kill()
     assert process.returncode == 130, output
     assert "interrupted" in output
+    # Cancelled trials are shown as cancelled, never as failed, and the way back is said.
+    assert output.count("cancelled slow-") == 3 and "failed slow-" not in output, output
+    said = " ".join(output.split())
+    resume = f"--jobs-dir {tmp_path / 'jobs'} --job-name j"
+    assert f"resume it (finished trials are kept): harbor-exec validate {ds} -n 3 {resume}" in said
     left = [
         c.name
         for c in client.containers.list(all=True, filters=label)

@@ -87,6 +87,9 @@ class AgentRun:
     host_files: Mapping[str, bytes] = field(default_factory=dict)
     #: Harbor's ``agent_result`` fields as the agent counted them (native agents).
     agent_result: Mapping[str, Any] | None = None
+    #: What the agent raised (a native agent's model that cannot be reached): Harbor
+    #: records it as the trial's exception and still verifies, as its policy says.
+    error: BaseException | None = None
 
 
 class Agent(Protocol):

@@ -4,9 +4,12 @@ the tasks a job runs (``select_dataset``), ``run_dataset_job`` (the job display
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import shlex
 import signal
-from collections.abc import Callable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -83,6 +86,28 @@ class SelectedDataset:
     path: Path | None = None
     #: Harbor's job ``tasks`` entries (``-t``).
     tasks_config: list[dict[str, Any]] | None = None
+
+
+def filter_tasks(
+    selected: SelectedDataset,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    n_tasks: int | None,
+) -> SelectedDataset:
+    """Harbor's ``-i``, ``-x`` and ``-l`` on the selected tasks (glob patterns on task
+    names, then at most ``n_tasks``); a filter that leaves nothing is exit 2."""
+
+    def chosen(name: str) -> bool:
+        wanted = not include or any(fnmatch.fnmatch(name, p) for p in include)
+        return wanted and not any(fnmatch.fnmatch(name, p) for p in exclude or ())
+
+    tasks = [t for t in selected.discovery.tasks if chosen(t.name)]
+    broken = [e for e in selected.discovery.broken if chosen(e.task)]
+    if (include or exclude) and not tasks and not broken:
+        usage_error("no task is left by -i/--include-task-name and -x/--exclude-task-name")
+    if n_tasks is not None:
+        tasks = tasks[:n_tasks]
+    return replace(selected, discovery=Discovery(tasks, broken))
 
 
 def select_dataset(
@@ -255,6 +280,25 @@ def print_summary(command: str, outcome: JobOutcome) -> None:
         f"{n_passed}/{n_rows} passed; images built: {outcome.images_built}; "
         f"job result: {outcome.job_dir / 'result.json'}"
     )
+    unusable = {row["task"]: row["unusable"] for row in summary_rows(outcome) if row["unusable"]}
+    if unusable:
+        listed = "; ".join(f"{task}: {why}" for task, why in sorted(unusable.items()))
+        console.print(
+            f"[yellow]{len(unusable)} task(s) a trainer cannot use: {escape(listed)}. A trainer "
+            "(and `serve`) reads only the `reward` key; `validate --strict` fails them.[/yellow]"
+        )
+
+
+def resume_command(job_dir: Path) -> str:
+    """This command line again, naming ``job_dir``'s job: what resumes it."""
+    args = list(sys.argv[1:])
+    for option in ("--job-name", "--jobs-dir"):
+        while option in args:
+            at = args.index(option)
+            del args[at : at + 2]
+        args = [a for a in args if not a.startswith(f"{option}=")]
+    args += ["--jobs-dir", str(job_dir.parent), "--job-name", job_dir.name]
+    return shlex.join(["harbor-exec", *args])
 
 
 def run_dataset_job(
@@ -273,7 +317,7 @@ def run_dataset_job(
 ) -> JobOutcome:
     """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
     (exit 128+signal), resume errors as exit 2, and the summary table at the end."""
-    counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0}
+    counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
     progress = Progress(
         TextColumn(f"[bold]{command}[/bold]"),
         BarColumn(),
@@ -293,10 +337,15 @@ def run_dataset_job(
             counts["running"] += 1
         elif event.kind == "finished" and event.result is not None:
             counts["running"] -= 1
-            passed = is_full_reward(event.result)
-            counts["passed" if passed else "failed"] += 1
+            info = event.result.exception_info
+            if info is not None and info.exception_type == "CancelledError":
+                verdict, mark = "cancelled", "[yellow]cancelled[/yellow]"
+            elif is_full_reward(event.result):
+                verdict, mark = "passed", "[green]passed[/green]"
+            else:
+                verdict, mark = "failed", "[red]failed[/red]"
+            counts[verdict] += 1
             progress.advance(bar)
-            mark = "[green]passed[/green]" if passed else "[red]failed[/red]"
             progress.console.print(f"{mark} {event.task.name}")
         progress.update(
             bar,
@@ -331,12 +380,14 @@ def run_dataset_job(
         if isinstance(interrupted.cause, _Signalled):
             signum = interrupted.cause.signum
         left = runtime.remove_owned() if runtime is not None else 0
+        job_dir = interrupted.outcome.job_dir
         console.print(
             f"[yellow]interrupted ({signal.Signals(signum).name})[/yellow]: running trials "
             "were cancelled and their containers "
             f"removed ({left} removed at exit); partial job result in "
-            f"{interrupted.outcome.job_dir / 'result.json'}"
+            f"{job_dir / 'result.json'}"
         )
+        console.print(f"resume it (finished trials are kept): {escape(resume_command(job_dir))}")
         raise typer.Exit(128 + signum) from None
     if outcome.reused:
         console.print(f"resumed: kept {outcome.reused} finished trial(s) of job {outcome.job_dir}")

@@ -103,6 +103,37 @@ ServeAllowUnpinnedOption = Annotated[
     ),
 ]
 
+IncludeTaskOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "-i",
+        "--include-task-name",
+        metavar="PATTERN",
+        rich_help_panel=TASKS,
+        help="Run only tasks whose name matches (glob; repeatable), as Harbor's.",
+    ),
+]
+ExcludeTaskOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "-x",
+        "--exclude-task-name",
+        metavar="PATTERN",
+        rich_help_panel=TASKS,
+        help="Leave out tasks whose name matches (glob; repeatable), as Harbor's.",
+    ),
+]
+NTasksOption = Annotated[
+    int | None,
+    typer.Option(
+        "-l",
+        "--n-tasks",
+        min=1,
+        rich_help_panel=TASKS,
+        help="At most this many tasks (after -i and -x), as Harbor's.",
+    ),
+]
+
 # ---- Job: validate's and run's trials and where they are written ----
 
 DEFAULT_N_CONCURRENT = 4
@@ -405,10 +436,13 @@ __all__ = [
     "AgentKwargOption",
     "AllowUnpinnedOption",
     "DatasetRefOption",
+    "ExcludeTaskOption",
+    "IncludeTaskOption",
     "JobNameOption",
     "JobsDirOption",
     "NAttemptsOption",
     "NConcurrentOption",
+    "NTasksOption",
     "PackageCacheDirOption",
     "PackageCacheMaxGbOption",
     "PackageSourceOption",

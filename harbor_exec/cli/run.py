@@ -35,6 +35,7 @@ from harbor_exec.agents.native.layer import AgentLayer, AgentLayerError
 from harbor_exec.backends.harbor.config import SandboxConfig
 from harbor_exec.cli.helpers import (
     console,
+    filter_tasks,
     open_runtime,
     parse_agent_kwargs,
     run_dataset_job,
@@ -47,10 +48,13 @@ from harbor_exec.cli.options import (
     AgentKwargOption,
     AllowUnpinnedOption,
     DatasetRefOption,
+    ExcludeTaskOption,
+    IncludeTaskOption,
     JobNameOption,
     JobsDirOption,
     NAttemptsOption,
     NConcurrentOption,
+    NTasksOption,
     PackageSourceOption,
     RegistryPathOption,
     RegistryUrlOption,
@@ -200,6 +204,9 @@ def run(
     dataset: DatasetRefOption = None,
     task: TaskRefOption = None,
     package_source: PackageSourceOption = None,
+    include_task_name: IncludeTaskOption = None,
+    exclude_task_name: ExcludeTaskOption = None,
+    n_tasks: NTasksOption = None,
     registry_path: RegistryPathOption = None,
     registry_url: RegistryUrlOption = None,
     task_git_allow_unpinned: AllowUnpinnedOption = False,
@@ -230,6 +237,7 @@ def run(
         task=task,
         package_source=package_source,
     )
+    selected = filter_tasks(selected, include_task_name, exclude_task_name, n_tasks)
     # Harbor's import (litellm's, mostly) takes seconds: once, now, and offline.
     set_litellm_offline()
     importlib.import_module("harbor_exec.agents.native.environment")

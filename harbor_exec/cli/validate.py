@@ -3,19 +3,31 @@ must earn full reward from the task's own tests)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from harbor_exec.backends.harbor.config import SandboxConfig
-from harbor_exec.cli.helpers import open_ray_executor, open_runtime, run_dataset_job, select_dataset
+from harbor_exec.cli.helpers import (
+    filter_tasks,
+    open_ray_executor,
+    open_runtime,
+    run_dataset_job,
+    select_dataset,
+)
 from harbor_exec.cli.options import (
     DEFAULT_JOBS_DIR,
     DEFAULT_N_CONCURRENT,
+    JOB,
     AllowUnpinnedOption,
     DatasetRefOption,
+    ExcludeTaskOption,
+    IncludeTaskOption,
     JobNameOption,
     JobsDirOption,
     NAttemptsOption,
     NConcurrentOption,
+    NTasksOption,
     PackageSourceOption,
     RayOption,
     RegistryPathOption,
@@ -24,6 +36,7 @@ from harbor_exec.cli.options import (
     TasksPathArgument,
     takes_sandbox,
 )
+from harbor_exec.jobs.dataset import no_scalar_reward
 from harbor_exec.trial.spec import TrialSpec
 
 _SANDBOX = SandboxConfig()
@@ -35,6 +48,9 @@ def validate(
     dataset: DatasetRefOption = None,
     task: TaskRefOption = None,
     package_source: PackageSourceOption = None,
+    include_task_name: IncludeTaskOption = None,
+    exclude_task_name: ExcludeTaskOption = None,
+    n_tasks: NTasksOption = None,
     registry_path: RegistryPathOption = None,
     registry_url: RegistryUrlOption = None,
     task_git_allow_unpinned: AllowUnpinnedOption = False,
@@ -44,8 +60,17 @@ def validate(
     job_name: JobNameOption = None,
     sandbox: SandboxConfig = _SANDBOX,
     ray: RayOption = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            rich_help_panel=JOB,
+            help="Also fail tasks a trainer cannot use: rewards without a `reward` key.",
+        ),
+    ] = False,
 ) -> None:
-    """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward."""
+    """Run the oracle (solution/solve.sh) on every task; exit 1 unless all earn full reward
+    (and, with --strict, unless every task writes the `reward` key a trainer reads)."""
     selected = select_dataset(
         path,
         dataset,
@@ -55,6 +80,7 @@ def validate(
         task=task,
         package_source=package_source,
     )
+    selected = filter_tasks(selected, include_task_name, exclude_task_name, n_tasks)
     executor = open_ray_executor(ray) if ray else None
     runtime = None if executor is not None else open_runtime()
     engine = executor if executor is not None else runtime
@@ -71,7 +97,8 @@ def validate(
         make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
         executor=executor,
     )
-    raise typer.Exit(0 if outcome.all_passed else 1)
+    usable = not strict or not any(no_scalar_reward(r) for r in outcome.results)
+    raise typer.Exit(0 if outcome.all_passed and usable else 1)
 
 
 __all__ = ["validate"]

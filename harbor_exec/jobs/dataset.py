@@ -63,6 +63,15 @@ def is_full_reward(result: TrialResult) -> bool:
     return bool(rewards) and all((_finite(v) or 0.0) >= 1.0 for v in rewards.values())
 
 
+def no_scalar_reward(result: TrialResult) -> str | None:
+    """Why a trainer cannot use this trial's reward, or None: its verifier wrote rewards
+    without a ``reward`` key (a trainer, and ``serve``, read only that key)."""
+    rewards = result.verifier_result.rewards if result.verifier_result else None
+    if not rewards or "reward" in rewards:
+        return None
+    return f"no `reward` key (its keys: {', '.join(sorted(rewards))})"
+
+
 def failure_reason(result: TrialResult) -> str | None:
     """A one-line reason a trial missed full reward, in the user's terms."""
     if is_full_reward(result):
@@ -695,6 +704,7 @@ def summary_rows(outcome: JobOutcome) -> list[dict[str, Any]]:
                 "seconds": seconds,
                 "passed": is_full_reward(result),
                 "reason": failure_reason(result),
+                "unusable": no_scalar_reward(result),
             }
         )
     for error in outcome.invalid_tasks:
@@ -706,6 +716,7 @@ def summary_rows(outcome: JobOutcome) -> list[dict[str, Any]]:
                 "seconds": None,
                 "passed": False,
                 "reason": f"{type(error).__name__}: {error}",
+                "unusable": None,
             }
         )
     return rows

@@ -792,6 +792,10 @@ class Trial:
                     "and the trial was verified anyway"
                 )
             )
+        if run.error is not None:
+            # Harbor's rule: the agent's exception is the trial's (its key and token
+            # scrubbed), counted as an error, and the trial verified as its policy says.
+            self.record(run.error)
         if run.timed_out:
             self.record(
                 AgentTimeoutError(

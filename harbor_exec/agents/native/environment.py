@@ -501,6 +501,7 @@ async def _setup_and_run(
         sample=sample,
         host_files=host_files,
         agent_result=_agent_result(context),
+        error=error,
     )
 
 
