@@ -259,3 +259,11 @@ def test_validate_sandbox_options(tmp_path: Path) -> None:
     )
     oracle = (trial / "agent" / "oracle.txt").read_bytes()
     assert len(oracle) < 100_200 and b"200000 bytes cut here" in oracle
+
+
+def test_an_init_task_validates_as_it_stands(tmp_path: Path) -> None:
+    made = cli("init", "task", "hello", cwd=tmp_path)
+    assert made.returncode == 0, made.stdout + made.stderr
+    checked = cli("validate", "hello", "--jobs-dir", str(tmp_path / "jobs"), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "1/1 passed" in checked.stdout

@@ -5,6 +5,7 @@ import typer
 from harbor_exec.cli import help as cli_help
 from harbor_exec.cli.bundle import bundle
 from harbor_exec.cli.images import images_app
+from harbor_exec.cli.init import init_app
 from harbor_exec.cli.prewarm import prewarm
 from harbor_exec.cli.run import run
 from harbor_exec.cli.serve import serve
@@ -22,5 +23,6 @@ app.command()(validate)
 app.command()(prewarm)
 app.command()(run)
 app.add_typer(images_app, name="images")
+app.add_typer(init_app, name="init")
 app.command()(bundle)
 app.command()(serve)
