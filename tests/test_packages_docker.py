@@ -14,6 +14,7 @@ import docker
 import pytest
 
 from harbor_exec.cli.serve import ServeOptions, build_harbor_backend
+from harbor_exec.sandbox.runtime import LABEL_TASK
 from harbor_exec.server.app import create_rollout_server
 from tests.cli_utils import run_cli
 from tests.package_utils import HELLO, add_dataset, add_task
@@ -86,7 +87,8 @@ def test_a_digest_mismatch_is_refused_before_any_build(tmp_path: Path) -> None:
     task = tmp_path / "fresh"
     shutil.copytree(HELLO, task)
     dockerfile = task / "environment" / "Dockerfile"
-    dockerfile.write_text(dockerfile.read_text() + f"\nLABEL fresh={uuid.uuid4().hex}\n")
+    marker = uuid.uuid4().hex
+    dockerfile.write_text(dockerfile.read_text() + f"\nLABEL fresh={marker}\n")
     packages = tmp_path / "packages"
     digest = add_task(packages, task, "acme/fresh", tags={"latest": "self"})
     hello = add_task(packages, HELLO, "acme/hello")
@@ -94,8 +96,9 @@ def test_a_digest_mismatch_is_refused_before_any_build(tmp_path: Path) -> None:
     (packages / "acme" / "fresh" / digest[7:] / "solution" / "solve.sh").write_text("exit 0\n")
     client = docker.from_env()
     try:
-        images = {i.id for i in client.images.list(all=True)}
-        containers = {c.id for c in client.containers.list(all=True)}
+        # This task's own image and containers (other engine tests may run beside it).
+        built = {"label": f"fresh={marker}"}
+        ran = {"label": LABEL_TASK}
         for args in (("-t", f"acme/fresh@{digest}"), ("-d", "acme/set")):
             done = run_cli(
                 "validate",
@@ -109,8 +112,9 @@ def test_a_digest_mismatch_is_refused_before_any_build(tmp_path: Path) -> None:
             assert done.returncode == 2, done.stdout + done.stderr
             assert "package acme/fresh: digest mismatch" in done.stdout
             assert digest in done.stdout
-        assert {i.id for i in client.images.list(all=True)} == images
-        assert {c.id for c in client.containers.list(all=True)} == containers
+        assert client.images.list(all=True, filters=built) == []
+        tasks = [c.labels[LABEL_TASK] for c in client.containers.list(all=True, filters=ran)]
+        assert not [name for name in tasks if name.endswith("fresh")], tasks
         assert not (tmp_path / "jobs").exists()
     finally:
         client.close()

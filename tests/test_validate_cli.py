@@ -41,10 +41,8 @@ def test_examples_validate_and_second_run_builds_nothing(tmp_path: Path) -> None
     assert "7/7 passed" in first.stdout
     # word-stats writes {"count", "longest"}: the oracle passes, a trainer cannot use it.
     said = " ".join(first.stdout.split())
-    assert (
-        "1 task(s) a trainer cannot use: word-stats: no `reward` key (its keys: count, longest)"
-        in said
-    )
+    assert "1 task(s) a trainer cannot use:" in said
+    assert "word-stats: no `reward` key (its keys: count, longest)" in said
     strict = cli(
         "validate", str(EXAMPLES), "--strict", "--jobs-dir", str(tmp_path), "--job-name", "strict",
         cwd=tmp_path,
