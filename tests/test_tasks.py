@@ -200,27 +200,13 @@ def test_every_key_harbor_reads_is_known() -> None:
     from harbor.models.task.config import TaskConfig as HarborTaskConfig
     from pydantic import BaseModel
 
-    from harbor_exec.tasks.config import TaskConfig, unknown_keys
+    from harbor_exec.tasks.config import TaskConfig, model_in, unknown_keys
 
     def sample(model: type[BaseModel]) -> dict[str, Any]:
         table: dict[str, Any] = {}
         for name, field in model.model_fields.items():
-            sub = _model_of(field.annotation)
+            sub = model_in(field.annotation)
             table[name] = sample(sub) if sub is not None and sub is not model else 1
         return table
 
     assert unknown_keys(TaskConfig, sample(HarborTaskConfig)) == []
-
-
-def _model_of(annotation: Any) -> Any:
-    import typing
-
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None

@@ -342,12 +342,12 @@ _CONVERTED_KEYS: dict[type[BaseModel], frozenset[str]] = {
 }
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     """The model a field holds (itself, optional, or a list of it), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        found = _submodel(arg)
+        found = model_in(arg)
         if found is not None:
             return found
     return None
@@ -367,7 +367,7 @@ def unknown_keys(model: type[BaseModel], data: Any, where: str = "") -> list[tup
             found.append((f"[{where}].{key}" if where else key, close[0] if close else ""))
             continue
         field = model.model_fields.get(key)
-        sub = _submodel(field.annotation) if field is not None else None
+        sub = model_in(field.annotation) if field is not None else None
         if sub is None:
             continue
         table = f"{where}.{key}" if where else key
