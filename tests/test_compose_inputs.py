@@ -149,3 +149,23 @@ def test_the_images_a_dockerfile_builds_from() -> None:
     assert base_images(dockerfile, {"BASE": "debian:bookworm-slim"})[0] == "debian:bookworm-slim"
     with pytest.raises(ValueError, match=r"\$UNSET"):
         base_images("FROM $UNSET\n")
+
+
+def test_a_dockerfile_is_read_for_the_cache_with_a_bound(tmp_path: Path) -> None:
+    """A plain task's Dockerfile is read in the server to send its build through the
+    package cache: a device or a huge file is not read whole (the build goes around
+    the cache instead)."""
+    from harbor_exec.network.packages.build_route import MAX_DOCKERFILE_BYTES, read_dockerfile
+
+    plain = tmp_path / "Dockerfile"
+    plain.write_text("FROM debian:bookworm-slim\n")
+    assert read_dockerfile(plain) == "FROM debian:bookworm-slim\n"
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")
+    started = time.monotonic()
+    assert read_dockerfile(zero) is None
+    huge = tmp_path / "huge"
+    with huge.open("wb") as out:
+        out.truncate(MAX_DOCKERFILE_BYTES + 10)
+    assert read_dockerfile(huge) is None
+    assert time.monotonic() - started < 1.0

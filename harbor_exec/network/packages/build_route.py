@@ -63,23 +63,41 @@ def cache_build_options(
     if not wanted(cache.service, task) or runtime.image_exists(tag):
         return {}  # a warm image needs no gateway started
     context_dir = context_dir or dockerfile.parent
-    text = dockerfile.read_text(encoding="utf-8", errors="replace")
-    reason = buildkit_only_syntax(text)
-    if reason is not None:
-        reason = f"needs BuildKit ({reason})"
+    text = read_dockerfile(dockerfile)
+    reason: str | None = None
+    if text is None:
+        reason = f"is not a regular file of at most {MAX_DOCKERFILE_BYTES} bytes"
+    elif (syntax := buildkit_only_syntax(text)) is not None:
+        reason = f"needs BuildKit ({syntax})"
     elif (conflict := trust_conflict(text, build_args)) is not None:
         reason = f"sets a CA variable itself ({conflict})"
     elif (context_dir / TRUST_CONTEXT_DIR).exists():
         reason = f"its context has a {TRUST_CONTEXT_DIR} of its own"
     elif not dockerfile.resolve().is_relative_to(context_dir.resolve()):
         reason = "the Dockerfile is outside its build context"
-    if reason is not None:
+    if reason is not None or text is None:
         logger.info("%s builds outside the package cache: %s %s", task.name, dockerfile, reason)
         return {}
     egress = cache.egress
     route = cache.service.build_route(runtime, overrides=egress.overrides, dns=egress.dns)
     name = dockerfile.resolve().relative_to(context_dir.resolve()).as_posix()
     return route.build_options(name, text)
+
+
+#: A Dockerfile longer than this is not rewritten for the cache (read in the server).
+MAX_DOCKERFILE_BYTES = 1024 * 1024
+
+
+def read_dockerfile(dockerfile: Path) -> str | None:
+    """The Dockerfile's text, read with a bound (a task's file may be a device or huge:
+    it is read in the server's process); None when it is not a regular file or too long."""
+    if not dockerfile.is_file():
+        return None
+    with dockerfile.open("rb") as handle:
+        data = handle.read(MAX_DOCKERFILE_BYTES + 1)
+    if len(data) > MAX_DOCKERFILE_BYTES:
+        return None
+    return data.decode("utf-8", errors="replace")
 
 
 def merge_build_args(own: dict[str, str] | None, options: dict[str, Any]) -> dict[str, Any]:
