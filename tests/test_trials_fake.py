@@ -643,3 +643,19 @@ def test_a_collect_hook_runs_before_logs_artifacts_is_read_in_separate_mode(
     out = tmp_path / "trials" / result.trial_name / "artifacts"
     assert (out / "logs" / "artifacts" / "state.txt").read_text() == "snapshot\n"
     assert seen == [b"snapshot\n"]
+
+
+def test_a_failed_build_names_the_tasks_own_directory_not_the_cache(tmp_path: Path) -> None:
+    """Builds read a checked snapshot in the cache; the error names the task's own
+    environment (where the user edits the Dockerfile), and keeps the build log's path."""
+    from harbor_exec.errors import SandboxBuildFailedError
+    from harbor_exec.trial.trial import ensure_task_image, image_tag_for
+
+    task = load_task(make_task(tmp_path / "tasks", "broken"))
+    assert task.files is not None and task.files != task.path  # built from the snapshot
+    runtime = FakeRuntime()
+    runtime.fail_builds.add(image_tag_for(task))
+    with pytest.raises(SandboxBuildFailedError) as caught:
+        ensure_task_image(runtime, task)
+    message = str(caught.value)
+    assert str(task.path / "environment") in message and str(task.files) not in message

@@ -60,6 +60,13 @@ class Task:
     def root(self) -> Path:
         return self.files or self.path
 
+    def in_own_terms(self, text: str) -> str:
+        """``text`` (an engine's error) with the checked snapshot's paths named as the
+        task's own: the user knows ``<task>/environment/Dockerfile``, not the cache."""
+        if self.files is None:
+            return text
+        return text.replace(str(self.files), str(self.path))
+
     @property
     def is_multi_step(self) -> bool:
         return bool(self.steps)

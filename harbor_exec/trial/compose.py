@@ -52,6 +52,7 @@ from harbor_exec.errors import (
     EnvironmentStartError,
     EnvironmentStartTimeoutError,
     HarborExecError,
+    SandboxBuildFailedError,
     TaskConfigError,
 )
 from harbor_exec.network.packages.build_route import (
@@ -543,16 +544,22 @@ def service_image(
     dockerfile = str(service.build.get("dockerfile") or "Dockerfile")
     tag = _build_tag(task, service)
     route = cache_build_options(runtime, task, cache, context / dockerfile, tag, context, args)
-    result = runtime.ensure_image(
-        context_dir=context,
-        tag=tag,
-        timeout_sec=task.config.environment.build_timeout_sec,
-        labels={LABEL_KIND: "task-env" if name == MAIN else "service-env", LABEL_TASK: task.name},
-        dockerfile=dockerfile,
-        target=str(service.build["target"]) if service.build.get("target") else None,
-        before_build=partial(ensure_base_images, runtime, task, context / dockerfile, args),
-        **merge_build_args(args, route),
-    )
+    try:
+        result = runtime.ensure_image(
+            context_dir=context,
+            tag=tag,
+            timeout_sec=task.config.environment.build_timeout_sec,
+            labels={
+                LABEL_KIND: "task-env" if name == MAIN else "service-env",
+                LABEL_TASK: task.name,
+            },
+            dockerfile=dockerfile,
+            target=str(service.build["target"]) if service.build.get("target") else None,
+            before_build=partial(ensure_base_images, runtime, task, context / dockerfile, args),
+            **merge_build_args(args, route),
+        )
+    except SandboxBuildFailedError as exc:
+        raise SandboxBuildFailedError(task.in_own_terms(str(exc))) from None
     return result.tag, result.built
 
 

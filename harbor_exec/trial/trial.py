@@ -68,6 +68,7 @@ from harbor_exec.errors import (
     HarborExecError,
     HealthcheckError,
     RewardFileNotFoundError,
+    SandboxBuildFailedError,
     TaskConfigError,
     TrialError,
     TrialPhase,
@@ -170,14 +171,17 @@ def ensure_task_image(
         assert env.docker_image is not None  # load_task guarantees one of the two
         runtime.ensure_present(env.docker_image)
         return env.docker_image, False
-    result = runtime.ensure_image(
-        context_dir=task.environment_dir,
-        tag=image_tag_for(task),
-        timeout_sec=env.build_timeout_sec,
-        labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
-        before_build=partial(ensure_base_images, runtime, task, dockerfile),
-        **cache_build_options(runtime, task, cache, dockerfile, image_tag_for(task)),
-    )
+    try:
+        result = runtime.ensure_image(
+            context_dir=task.environment_dir,
+            tag=image_tag_for(task),
+            timeout_sec=env.build_timeout_sec,
+            labels={LABEL_KIND: "task-env", LABEL_TASK: task.name},
+            before_build=partial(ensure_base_images, runtime, task, dockerfile),
+            **cache_build_options(runtime, task, cache, dockerfile, image_tag_for(task)),
+        )
+    except SandboxBuildFailedError as exc:
+        raise SandboxBuildFailedError(task.in_own_terms(str(exc))) from None
     return result.tag, result.built
 
 
