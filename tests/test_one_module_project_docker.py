@@ -11,6 +11,7 @@ category and reward on every case. Strict grader isolation refuses it, by name.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 import sys
 import uuid
@@ -168,3 +169,117 @@ def test_strict_grader_isolation_refuses_it_by_name(tmp_path: Path) -> None:
     output = " ".join(result.output.split())
     assert "grader ref 'one_arith.main:ArithGrader' is in module 'one_arith.main'" in output
     assert "Put them in their own module" in output
+
+
+#: A hostile workflow and an honest grader in one module: the workflow looks for the
+#: judge's key everywhere it can read; the grader needs it (its digest is the label,
+#: which only the grader gets) and rewards an answer that found nothing.
+PEEKING = """
+import hashlib
+import os
+
+from harbor_exec.authoring import AgentWorkflow, Grader
+
+# Built at run time: its own source (and .pyc) must not hold what it looks for.
+NEEDLE = bytes([104, 120]) + b"-judge-"
+
+
+def _found() -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if NEEDLE in open(f"/proc/{pid}/environ", "rb").read():
+                    found.append(f"/proc/{pid}/environ")
+            except OSError:
+                pass
+    for top in ("/opt", "/tmp", "/logs", "/app", "/root", "/etc", "/tests"):
+        for root, _dirs, files in os.walk(top):
+            for name in files:
+                path = os.path.join(root, name)
+                try:
+                    if NEEDLE in open(path, "rb").read(1 << 20):
+                        found.append(path)
+                except OSError:
+                    pass
+    return found
+
+
+class Peek(AgentWorkflow):
+    async def run(self, ctx):
+        found = _found()
+        return [{"role": "assistant", "content": "found " + " ".join(found) if found else "clean"}]
+
+
+class Judge(Grader):
+    async def grade(self, ctx):
+        key = os.environ.get("HX_JUDGE_KEY", "")
+        right = hashlib.sha256(key.encode()).hexdigest() == ctx.label
+        clean = ctx.sample is not None and ctx.sample.messages[-1]["content"] == "clean"
+        ctx.set_reward(1.0 if key and right and clean else 0.0)
+"""
+
+
+def test_a_judge_key_reaches_only_the_grader_in_its_own_container(
+    tmp_path: Path, chat: FakeChat, bundle_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grader_env: the server names a variable of its environment; only the grader's
+    process in its separate verifier container gets it. A workflow in the same module
+    that searches the agent's container for it finds nothing, the key is in no trial
+    file, and the shared grader mode is refused with it."""
+    from tests.bundle_utils import flit_pyproject, write_project
+
+    key = "hx-judge-" + uuid.uuid4().hex
+    monkeypatch.setenv("HX_JUDGE_KEY", key)
+    project = write_project(
+        tmp_path / "peek",
+        {
+            "pyproject.toml": flit_pyproject("peek-judge"),
+            "peek_judge/__init__.py": "",
+            "peek_judge/main.py": PEEKING,
+        },
+    )
+    refs: dict[str, Any] = {"agent": "peek_judge.main:Peek", "grader": "peek_judge.main:Judge"}
+    bundle = build_bundle(
+        project, cache_dir=bundle_cache, workflow=refs["agent"], grader=refs["grader"]
+    )
+    tasks = template_without_tests(tmp_path)
+    backend = HarborBackend(
+        tasks_dir=tasks,
+        bundle=bundle,
+        grader_env=["HX_JUDGE_KEY"],
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+        **refs,
+    )
+    app = create_rollout_server(backend=backend, artifact_root=tmp_path / "served")
+    with serve(app) as url:
+
+        async def one() -> Any:
+            return await run_osmosis_rollout(
+                url,
+                chat.base_url,
+                uuid.uuid4().hex,
+                PROMPT,
+                label=hashlib.sha256(key.encode()).hexdigest(),
+                timeout_sec=120,
+            )
+
+        result = asyncio.run(one())
+    assert result.status.value == "success", result.err_message
+    assert result.sample.messages[-1]["content"] == "clean"
+    assert result.sample.reward == 1.0  # the grader had the key
+    for root in (tmp_path / "trials", tmp_path / "artifacts", tmp_path / "served"):
+        leaked = [p for p in root.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+        assert leaked == [], leaked
+    shared = HarborBackend(
+        tasks_dir=tasks,
+        bundle=bundle,
+        grader_env=["HX_JUDGE_KEY"],
+        grader_verifier_mode="shared",
+        trials_dir=tmp_path / "trials-shared",
+        **refs,
+    )
+    with pytest.raises(ValueError, match="separate verifier container"):
+        shared.start()

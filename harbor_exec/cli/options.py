@@ -250,6 +250,16 @@ StrictGraderIsolationOption = Annotated[
     ),
 ]
 
+GraderEnvOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--grader-env",
+        metavar="NAME",
+        rich_help_panel=AGENT,
+        help="A variable of this server's environment only the bundled grader gets (a "
+        "judge's key), in its own verifier container (repeatable; never in the bundle).",
+    ),
+]
 PreferGraderOption = Annotated[
     bool,
     typer.Option(
@@ -437,6 +447,7 @@ __all__ = [
     "AllowUnpinnedOption",
     "DatasetRefOption",
     "ExcludeTaskOption",
+    "GraderEnvOption",
     "IncludeTaskOption",
     "JobNameOption",
     "JobsDirOption",

@@ -38,6 +38,7 @@ from harbor_exec.cli.options import (
     SERVER,
     TASKS,
     AgentKwargOption,
+    GraderEnvOption,
     PackageCacheDirOption,
     PackageCacheMaxGbOption,
     PackageSourceOption,
@@ -98,6 +99,7 @@ class ServeOptions:
     agent_setup_timeout_sec: float | None = None
     strict_grader_isolation: bool = False
     prefer_grader: bool = False
+    grader_env: list[str] = field(default_factory=list)
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -143,6 +145,7 @@ def harbor_config_of(options: ServeOptions) -> HarborConfig:
         agent_setup_timeout_sec=options.agent_setup_timeout_sec,
         strict_grader_isolation=options.strict_grader_isolation,
         prefer_grader=options.prefer_grader,
+        grader_env=tuple(options.grader_env),
     )
     if options.model_name is not None:
         agent = replace(agent, model_name=options.model_name)
@@ -309,6 +312,7 @@ def serve(
     ] = None,
     strict_grader_isolation: StrictGraderIsolationOption = False,
     prefer_grader: PreferGraderOption = False,
+    grader_env: GraderEnvOption = None,
     sandbox: SandboxConfig = _SANDBOX,
     relay_allow_route: Annotated[
         list[str] | None,
@@ -464,6 +468,7 @@ def serve(
         agent_setup_timeout_sec=agent_setup_timeout_sec,
         strict_grader_isolation=strict_grader_isolation,
         prefer_grader=prefer_grader,
+        grader_env=list(grader_env or []),
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

@@ -55,6 +55,9 @@ class TrialSecrets:
     scrub: Sequence[str] = field(default=(), repr=False)  # removed from the trial dir
     agent_input: bytes | None = field(default=None, repr=False)  # a workflow's rollout.json
     verifier_input: bytes | None = field(default=None, repr=False)  # the grader's, with the label
+    #: Variables only the bundled grader's process gets (a judge's key), in its own
+    #: verifier container: never in the bundle, the agent's container or a file.
+    grader_env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 def model_endpoint(
@@ -146,7 +149,9 @@ def trial_request(
             raise ValueError("a bundled grader needs its input (TrialSecrets.verifier_input)")
         if not content.grader_files:
             raise ValueError("a bundled grader needs the bundle's grader part (grader_files)")
-        verifier = grader_verifier(secrets.verifier_input, content.grader_files)
+        verifier = grader_verifier(
+            secrets.verifier_input, content.grader_files, env=secrets.grader_env
+        )
     elif secrets.verifier_input is not None:
         verifier = tests_verifier(task.tests_dir, secrets.verifier_input)
     # This machine's copies of what the spec names by key.

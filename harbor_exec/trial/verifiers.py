@@ -167,7 +167,9 @@ def tests_verifier(tests_dir: Path, grader_input: bytes | None = None) -> TestsV
     return TestsVerifier(tests_dir, generated=[entry])
 
 
-def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -> TestsVerifier:
+def grader_verifier(
+    grader_input: bytes, bundle_files: Sequence[ArchiveEntry], *, env: Mapping[str, str] = {}
+) -> TestsVerifier:
     """The bundled grader as a verifier: a generated ``/tests/test.sh``,
     ``/tests/rollout.json`` (the grader's input, with the label) and the grader's own
     fresh copy of the bundle (``grader_bundle_files`` of the grader part, which the
@@ -181,6 +183,7 @@ def grader_verifier(grader_input: bytes, bundle_files: Sequence[ArchiveEntry]) -
         ],
         agent_files=[in_logs(AGENT_SAMPLE)],
         bundled_grader=True,
+        extra_env=dict(env),
     )
 
 

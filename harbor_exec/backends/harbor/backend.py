@@ -23,6 +23,7 @@ import glob
 import importlib
 import importlib.util
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -48,7 +49,7 @@ from harbor_exec.authoring import (
     RolloutStatus,
 )
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root, rollout_of
-from harbor_exec.backends.harbor.config import HarborConfig, check_agent_choice
+from harbor_exec.backends.harbor.config import AgentChoice, HarborConfig, check_agent_choice
 from harbor_exec.backends.harbor.constructor import HarborKeywords, harbor_config
 from harbor_exec.backends.harbor.outcomes import cancelled, category_of, failure, rollout_outcome
 from harbor_exec.backends.harbor.planner import (
@@ -283,9 +284,30 @@ class HarborBackend(ExecutionBackend):
                 relay_extra_routes=self.relay_extra_routes,
                 native=self.native,
                 prefer_grader=choice.prefer_grader,
+                grader_env=self._grader_env(choice),
             )
             if self.bundle is not None and self.bundle.has_grader and not choice.prefer_grader:
                 self._say_tests_win()
+
+    def _grader_env(self, choice: AgentChoice) -> dict[str, str]:
+        """The values of ``grader_env``'s names, read from this process's environment
+        once; refused where the grader would not run in a container of its own."""
+        if not choice.grader_env:
+            return {}
+        if self.bundle is None or not self.bundle.has_grader:
+            raise ValueError("grader_env is for a bundled grader: give grader= (or a bundle)")
+        if self.config.sandbox.grader_verifier_mode == "shared":
+            raise ValueError(
+                "grader_env reaches only a grader in a separate verifier container; with "
+                "grader_verifier_mode='shared' what the agent left in its container could "
+                "read it: drop one of the two"
+            )
+        missing = [name for name in choice.grader_env if name not in os.environ]
+        if missing:
+            raise ValueError(
+                f"grader_env: {', '.join(missing)} not set in this process's environment"
+            )
+        return {name: os.environ[name] for name in choice.grader_env}
 
     def _say_tests_win(self) -> None:
         """A grader is configured, and served tasks with tests of their own verify with

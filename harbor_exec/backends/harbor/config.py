@@ -86,6 +86,9 @@ class AgentChoice:
     #: The bundled grader verifies every task, its own ``tests/test.sh`` too (by default
     #: a task's tests win, as in Harbor, and ``start`` says which tasks that concerns).
     prefer_grader: bool = False
+    #: Names of the server's environment variables only the bundled grader gets (a
+    #: judge's key), in a separate verifier container.
+    grader_env: tuple[str, ...] = ()
 
 
 def check_agent_choice(choice: AgentChoice, *, deps_in_image: bool) -> NativeAgentConfig | None:

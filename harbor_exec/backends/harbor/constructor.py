@@ -230,6 +230,7 @@ class HarborKeywords(TypedDict, total=False):
     relay_extra_routes: Sequence[str]
     strict_grader_isolation: bool
     prefer_grader: bool
+    grader_env: Sequence[str]
     package_cache: PackageCacheConfig | None
     native_agent_kwargs: Mapping[str, Any] | None
     model_name: str
@@ -271,6 +272,7 @@ def harbor_config(
     relay_extra_routes: Sequence[str] = (),
     strict_grader_isolation: bool = False,
     prefer_grader: bool = False,
+    grader_env: Sequence[str] = (),
     package_cache: PackageCacheConfig | None = None,
     native_agent_kwargs: Mapping[str, Any] | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
@@ -337,6 +339,11 @@ def harbor_config(
 
     ``prefer_grader``: the bundled grader verifies tasks that have a ``tests/test.sh``
     too (by default their tests do, as in Harbor; ``start()`` logs which tasks that is).
+
+    ``grader_env``: names of this process's environment variables only the bundled
+    grader's process gets (a judge's key), in its own verifier container (refused with
+    ``grader_verifier_mode="shared"``); their values never enter the bundle, the agent's
+    container or a trial file.
 
     ``strict_grader_isolation``: refuse a project whose grader (or its config) is in a
     module the workflow imports (by default such a project, osmosis-ai's usual layout,
@@ -409,6 +416,7 @@ def harbor_config(
             relay_extra_routes=tuple(relay_extra_routes),
             strict_grader_isolation=strict_grader_isolation,
             prefer_grader=prefer_grader,
+            grader_env=tuple(grader_env),
         ),
         sandbox=sandbox,
         capacity=capacity,

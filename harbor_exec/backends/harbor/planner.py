@@ -17,6 +17,7 @@ import importlib.util
 import secrets
 import sys
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,9 +193,11 @@ class TrialPlanner:
         relay_extra_routes: tuple[str, ...] = (),
         native: NativeAgentConfig | None = None,
         prefer_grader: bool = False,
+        grader_env: Mapping[str, str] | None = None,
     ) -> None:
         self.bundle = bundle
         self.prefer_grader = prefer_grader
+        self.grader_env = dict(grader_env or {})
         self.native = native
         self.policy = policy
         self.trials_dir = trials_dir
@@ -269,9 +272,11 @@ class TrialPlanner:
                 *([model.api_key] if model is not None and model.api_key else []),
                 # A native agent writes its key (the token) into its own trajectory.
                 *([model.token] if model is not None and self.native is not None else []),
+                *(value for value in self.grader_env.values() if value),
             ],
             agent_input=agent_input,
             verifier_input=grader_bytes if verify else None,
+            grader_env=self.grader_env if verifier == "grader" else {},
         )
         content = (
             TrialContent(bundle_files=bundle.agent_files, grader_files=bundle.grader_files)
