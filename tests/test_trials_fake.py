@@ -659,3 +659,30 @@ def test_a_failed_build_names_the_tasks_own_directory_not_the_cache(tmp_path: Pa
         ensure_task_image(runtime, task)
     message = str(caught.value)
     assert str(task.path / "environment") in message and str(task.files) not in message
+
+
+def test_a_5xx_from_the_engine_is_not_the_engine_gone() -> None:
+    """An engine that answers 500 to one operation (a removal racing a cancel) still
+    answers: rollouts stay admitted. Only a connection that fails marks it down."""
+    import docker
+    import requests
+
+    from harbor_exec.errors import EngineUnavailableError
+    from harbor_exec.sandbox.docker import DockerRuntime, _engine_boundary
+
+    runtime = DockerRuntime.__new__(DockerRuntime)
+    runtime.engine_available, runtime._base_url = True, "unix:///engine.sock"
+
+    @_engine_boundary
+    def fails(self: DockerRuntime, exc: Exception) -> None:
+        raise exc
+
+    response = requests.Response()
+    response.status_code = 500
+    server_error = docker.errors.APIError("500 Server Error", response=response)
+    with pytest.raises(EngineUnavailableError):
+        fails(runtime, server_error)
+    assert runtime.engine_available
+    with pytest.raises(EngineUnavailableError):
+        fails(runtime, requests.exceptions.ConnectionError("connection refused"))
+    assert not runtime.engine_available

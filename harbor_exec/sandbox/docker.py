@@ -284,7 +284,10 @@ def _engine_boundary(method: Callable[_P, _R]) -> Callable[_P, _R]:
                 raise
             runtime = args[0]
             assert isinstance(runtime, DockerRuntime)
-            runtime.engine_down(exc)
+            if isinstance(exc, _ENGINE_FAULTS):
+                # Not answering. A 5xx answer is the engine failing one operation (a
+                # racing removal, say): it answers, and other rollouts are admitted.
+                runtime.engine_down(exc)
             raise EngineUnavailableError(
                 runtime.engine_url, f"{type(exc).__name__} in {method.__name__.lstrip('_')}"
             ) from None
@@ -1035,7 +1038,8 @@ class DockerRuntime:
             except Exception as exc:
                 if not _is_engine_fault(exc):
                     raise
-                self.engine_down(exc)
+                if isinstance(exc, _ENGINE_FAULTS):
+                    self.engine_down(exc)
                 raise EngineUnavailableError(
                     self.engine_url, f"{type(exc).__name__} in get_archive"
                 ) from None
@@ -1198,13 +1202,18 @@ class DockerRuntime:
         except docker.errors.NotFound:
             pass
         except Exception as exc:
-            if _is_engine_fault(exc):
-                self.engine_down(exc)
+            # Another removal of it (a cancel beside the trial's own) is at it: done.
+            in_progress = isinstance(exc, docker.errors.APIError) and "already in progress" in str(
+                exc
+            )
+            if not in_progress:
+                if not _is_engine_fault(exc):
+                    raise
+                if isinstance(exc, _ENGINE_FAULTS):
+                    self.engine_down(exc)
                 with self._locks_guard:
                     self._unremoved.add(container_id)
                 return
-            if not isinstance(exc, docker.errors.APIError) or "already in progress" not in str(exc):
-                raise
         with self._locks_guard:
             self._unremoved.discard(container_id)
 
