@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from harbor_exec.container.forward import announce
 from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
+from harbor_exec.sandbox.cgroups import Companion
 from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
     BuildResult,
@@ -288,7 +290,9 @@ class FakeRuntime:
 
     def start(self, container_id: str) -> None:
         self._call("start")
-        self.containers[container_id].running = True
+        container = self.containers[container_id]
+        container.running = True
+        _announce_forwarder(container.spec)
 
     def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
         self._call("put_archive")
@@ -322,11 +326,12 @@ class FakeRuntime:
         container = self.containers.get(container_id)
         return container is not None and container.running and not container.removed
 
-    def stop_processes(self, container_id: str) -> None:
+    def stop_processes(self, container_id: str, companion: Companion | None = None) -> bool:
         self._call("stop_processes")
         container = self.containers.get(container_id)
         if container is not None:
             self.gate.processes_stopped(container)
+        return companion is not None and container is not None and container.running
 
     def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
         # Not recorded in ``calls``: the trial's disk watch polls it on a timer.
@@ -429,3 +434,17 @@ def _extract(container: FakeContainer, data: bytes) -> None:
             else:
                 source = tar.extractfile(member)
                 container.files[path] = source.read() if source is not None else b""
+
+
+def _announce_forwarder(spec: ContainerSpec) -> None:
+    """What a forwarder started with the container does once it listens (``forward``'s
+    ``--ready``): announce itself on the host side of its mounted socket."""
+    argv = list(spec.before_keep_alive)
+    if "--ready" not in argv or spec.process is not None:
+        return
+    socket_path = argv[argv.index("--socket") + 1]
+    for mount in spec.mounts:
+        if socket_path.startswith(mount.target.rstrip("/") + "/"):
+            host_path = mount.source + socket_path[len(mount.target.rstrip("/")) :]
+            announce(host_path, argv[argv.index("--ready") + 1], 4242)
+            return

@@ -76,6 +76,15 @@ def _handler(upstream: Upstream) -> type[http.server.BaseHTTPRequestHandler]:
         def log_message(self, *args: object) -> None:
             pass
 
+        def setup(self) -> None:
+            # The handshake here, in the connection's own thread (not in accept, where
+            # a client that never sends its hello would stop the server, shutdown too).
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(30)
+                self.request.do_handshake()
+                self.request.settimeout(None)
+            super().setup()
+
         def _answer(self, head: bool) -> None:
             resource = upstream.routes.get(self.path)
             headers = {k.lower(): v for k, v in self.headers.items()}
@@ -128,7 +137,9 @@ def serve_upstream(context: ssl.SSLContext | None = None) -> Iterator[Upstream]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream))
     server.daemon_threads = True
     if context is not None:
-        server.socket = context.wrap_socket(server.socket, server_side=True)
+        server.socket = context.wrap_socket(
+            server.socket, server_side=True, do_handshake_on_connect=False
+        )
     upstream.port = int(server.server_address[1])
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -138,6 +149,11 @@ def serve_upstream(context: ssl.SSLContext | None = None) -> Iterator[Upstream]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+#: The test upstreams' HTTPS names, as an operator adds a private mirror to the
+#: package hosts whose HTTPS the cache terminates (``PackageCacheConfig.tls_hosts``).
+TEST_TLS_HOSTS = ("files.test", "pypi.test")
 
 
 def sni_context(ca: Any) -> ssl.SSLContext:

@@ -49,6 +49,7 @@ SHARED = {
     "--package-cache": {"serve", "prewarm"},
     "--package-cache-max-gb": {"serve", "prewarm"},
     "--package-cache-dir": {"serve", "prewarm"},
+    "--package-cache-host": {"serve", "prewarm"},
 }
 #: Shared names whose meaning differs by command (one declaration per meaning, all in
 #: ``cli/options.py``, except ``--api-key-env``: the model's key for ``run``, the

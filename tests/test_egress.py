@@ -45,6 +45,7 @@ from harbor_exec.network.egress.proxy import (
     HttpRequest,
     HttpResponse,
 )
+from harbor_exec.sandbox.cgroups import Companion
 
 # --------------------------------------------------------------------------- servers
 
@@ -644,6 +645,79 @@ def test_the_forwarder_runs_from_its_source_alone(make_proxy: Any, web: _Server)
         assert again.returncode == 2 and f"127.0.0.1:{port}" in again.stderr
     finally:
         os.kill(child[0], signal.SIGKILL)
+
+
+def test_a_forwarder_started_with_its_container_announces_itself(
+    make_proxy: Any, web: _Server
+) -> None:
+    """``before_keep_alive``: it listens, announces its token and its pid, then becomes
+    the keep-alive; the host knows it as the one process to spare (``Companion``) and
+    nothing later that takes its place. (That it is not dumpable, in a container:
+    ``test_egress_docker``.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from harbor_exec.container import forward
+    from harbor_exec.network.egress.container import forwarder_with_container
+
+    setup = make_proxy(
+        EgressPolicy.allowlist("allowed.test"), {"allowed.test": ("127.0.0.1", web.port)}
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    socket_path = str(setup.proxy.socket_path)
+    announced = setup.proxy.expect_forwarder("tok-1")
+    # A wrong token is refused and says nothing.
+    assert not forward.announce(socket_path, "not-mine", 1)
+    argv = forwarder_with_container("tok-1")
+    argv[argv.index("--socket") + 1] = socket_path
+    argv[argv.index("--port") + 1] = str(port)
+    argv[0] = sys.executable
+    keep_alive = subprocess.Popen([*argv, "/bin/sleep", "300"], cwd="/")
+    try:
+        assert announced.event.wait(30)
+        companion = announced.companion
+        assert companion is not None
+        with httpx.Client(proxy=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as c:
+            assert c.get("http://allowed.test/x").text == "hello from allowed"
+        # The announcing process became the keep-alive; its child serves.
+        assert _command_line(keep_alive.pid)[0] == b"/bin/sleep"
+        uid = os.getuid()
+        assert companion.matches(companion.namespace_pid, keep_alive.pid, uid)
+        assert not companion.matches(companion.namespace_pid, os.getpid(), uid)
+        assert not companion.matches(companion.namespace_pid, keep_alive.pid, uid + 1)
+        # Later announcements change nothing.
+        assert forward.announce(socket_path, "tok-1", 1)
+        assert announced.companion is companion
+        # A forwarder started again for the port while this one serves: success.
+        again = subprocess.run(
+            [
+                sys.executable,
+                "-I",
+                "-c",
+                Path(forward.__file__).read_text(),
+                "--socket",
+                socket_path,
+                "--port",
+                str(port),
+                "--in-use-ok",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert again.returncode == 0 and again.stdout.strip() == str(port)
+        # A process started after the announcement is never the companion.
+        late = Companion(companion.namespace_pid, companion.announced_at - 3600)
+        assert not late.matches(companion.namespace_pid, keep_alive.pid, uid)
+    finally:
+        if announced.companion is not None:
+            os.kill(announced.companion.namespace_pid, signal.SIGKILL)
+        keep_alive.kill()
+        keep_alive.wait(10)
 
 
 def test_the_task_format_loads_no_http_library() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -118,11 +119,23 @@ print(json.dumps(out))
 _SOLVE = r"""
 python3 /opt/checks/checks.py allowed.test other.test {port} > /logs/agent/agent-checks.json
 # The forwarder runs as the runtime's uid: an unprivileged process cannot end it.
-pid=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | head -1 | cut -d/ -f3)
+# (Not the init, whose command line names the forwarder it started with the container.)
+pid=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -vx 1 | head -1)
 python3 -c "import os, sys; os.setgid(65534); os.setuid(65534)
 try:
     os.kill(int(sys.argv[1]), 9); print('killed')
 except PermissionError: print('denied')" "$pid" > /logs/agent/kill-as-nobody.txt
+# The kill after the phase spares it, so nothing may get into it: not root, not a
+# process that takes its uid (it is not dumpable).
+python3 -c "import os, sys
+out = []
+for uid in (0, 2147481647):
+    if uid:
+        os.setgid(uid); os.setuid(uid)
+    try:
+        open(f'/proc/{{sys.argv[1]}}/mem', 'rb').close(); out.append('opened')
+    except PermissionError: out.append('denied')
+print(' '.join(out))" "$pid" > /logs/agent/mem.txt
 # Root can end it: that only cuts the agent off ...
 kill -9 "$pid"
 curl -s -m 5 http://allowed.test/after-kill > /logs/agent/after-kill.txt; echo "exit=$?" >> /logs/agent/after-kill.txt
@@ -158,6 +171,22 @@ timeout_sec = 60.0
 network_mode = "allowlist"
 allowed_hosts = ["verifier.test", "secure.test"]
 """
+
+
+class _CountingRuntime:
+    """The engine, counting the execs that start an egress forwarder."""
+
+    def __init__(self, inner: DockerRuntime) -> None:
+        self._inner = inner
+        self.forwarder_execs = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def exec(self, container_id: str, command: list[str], **options: Any) -> Any:
+        if "--socket" in command:
+            self.forwarder_execs += 1
+        return self._inner.exec(container_id, command, **options)
 
 
 def _run_allowlisted(
@@ -208,8 +237,9 @@ def test_allowlisted_task_reaches_only_its_hosts(
     docker_runtime: DockerRuntime, tmp_path: Path, servers: dict[str, _Server]
 ) -> None:
     port = servers["allowed"].port
+    counting = _CountingRuntime(docker_runtime)
     out = _run_allowlisted(
-        docker_runtime,
+        cast(DockerRuntime, counting),
         tmp_path,
         servers,
         solve=_SOLVE.format(port=port),
@@ -240,6 +270,9 @@ def test_allowlisted_task_reaches_only_its_hosts(
         "connect_allowed": "hello from verifier",
     }
     assert (out / "agent" / "kill-as-nobody.txt").read_text() == "denied\n"
+    assert (out / "agent" / "mem.txt").read_text() == "denied denied\n"
+    # The forwarder the agent killed is not spared: the verifier's phase starts a new one.
+    assert counting.forwarder_execs == 1
     assert (out / "agent" / "after-kill.txt").read_text().strip().endswith("exit=7")
     # The agent's listener answered the agent (loopback is its own) but nobody else.
     assert (out / "agent" / "fake.txt").read_text() == "hijacked"
@@ -296,8 +329,9 @@ timeout_sec = 60.0
 timeout_sec = 60.0
 {verifier_toml}
 """
+    counting = _CountingRuntime(docker_runtime)
     out = _run_allowlisted(
-        docker_runtime,
+        cast(DockerRuntime, counting),
         tmp_path,
         servers,
         solve=_PROBE.format(phase="agent"),
@@ -306,6 +340,9 @@ timeout_sec = 60.0
     )
     assert (out / "agent" / "probe.txt").read_text() == "allowed.test=200\nother.test=403\n"
     assert (out / "verifier" / "probe.txt").read_text() == verifier_sees
+    # Each container's forwarder started with it, and the shared one was spared by the
+    # kill between the phases: no exec started one.
+    assert counting.forwarder_execs == 0
     records = [json.loads(line) for line in (out / REFUSED_LOG).read_text().splitlines()]
     assert ("agent", "other.test") in {(r["phase"], r["host"]) for r in records}
     assert {path for _, path, _ in servers["other"].seen} == (

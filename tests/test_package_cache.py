@@ -6,15 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import ssl
 import stat
+import subprocess
+import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import certifi
 import httpx
 import pytest
+from cryptography import x509
 
 from harbor_exec.container.forward import ForwarderThread
 from harbor_exec.network.egress.policy import EgressMode, EgressPolicy
@@ -31,11 +38,17 @@ from harbor_exec.network.packages.cache import (
     classify,
     connector_resolver,
 )
+from harbor_exec.network.packages.hosts import TlsHosts
 from harbor_exec.network.packages.serve import CacheUpstream
-from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
-from tests.package_upstream import Upstream, serve_upstream, sni_context
+from harbor_exec.network.packages.service import (
+    PackageCacheConfig,
+    PackageCacheService,
+    default_max_bytes,
+)
+from harbor_exec.network.packages.trust import subject_hash
+from tests.package_upstream import TEST_TLS_HOSTS, Upstream, serve_upstream, sni_context
 
-NAMES = ("files.test", "pypi.test", "deb.test")
+NAMES = ("files.test", "pypi.test", "deb.test", "elsewhere.test")
 
 
 @pytest.fixture
@@ -93,7 +106,7 @@ class Trials:
                 trial=trial,
                 overrides=self.overrides,
                 dns=False,
-                upstream=CacheUpstream(session, self.ca),
+                upstream=CacheUpstream(session, self.ca, tls_hosts=TlsHosts(TEST_TLS_HOSTS)),
             )
             await proxy.start()
             await proxy.set_phase("verifier", EgressPolicy(EgressMode.PUBLIC))
@@ -443,6 +456,130 @@ async def test_concurrent_requests_for_one_url_fetch_it_once(
         assert front.cache._locks == {}  # nothing kept per URL once answered
 
 
+async def test_only_package_hosts_https_is_terminated(
+    tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
+) -> None:
+    """A program that pins its own root (the upstream's, as a public site's) reaches a
+    host that is no package host exactly as without the cache: its tunnel is carried
+    untouched, nothing is stored. A package host's HTTPS is terminated (the pinned
+    client sees the cache's certificate and refuses it)."""
+    https_upstream.set(WHEEL, b"W" * 5000)
+    async with harness(tmp_path, upstream_ca, https_upstream) as front:
+        pinned = ssl.create_default_context(cafile=str(upstream_ca.cert_path))
+        port = await front.port("pinned")
+        async with httpx.AsyncClient(
+            proxy=f"http://127.0.0.1:{port}", verify=pinned, trust_env=False
+        ) as c:
+            got = await c.get(f"https://elsewhere.test{WHEEL}")
+            assert got.status_code == 200 and got.content == b"W" * 5000
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await c.get(f"https://files.test{WHEEL}")
+        assert front.cache.store.size == 0 and front.stats("pinned").requests == 0
+        assert https_upstream.count(WHEEL) == 1
+
+
+def test_package_hosts_and_the_operators_patterns() -> None:
+    hosts = TlsHosts(["Mirror.Internal.Example", "*.pkg.example"])
+    for name in (
+        "pypi.org",
+        "files.pythonhosted.org",
+        "registry.npmjs.org",
+        "deb.debian.org",
+        "ftp.us.debian.org",
+        "archive.ubuntu.com",
+        "us.archive.ubuntu.com",
+        "astral.sh",
+        "github.com",
+        "objects.githubusercontent.com",
+        "mirror.internal.example",
+        "a.pkg.example",
+        "PYPI.ORG.",
+    ):
+        assert hosts.matches(name), name
+    for name in (
+        "example.com",
+        "api.openai.com",
+        "evilpypi.org",
+        "pypi.org.evil.test",
+        "salsa.debian.org",
+    ):
+        assert not hosts.matches(name), name
+    for bad in ("https://pypi.example", "mirror:8443", "*", "", "a b"):
+        with pytest.raises(ValueError, match="not a host name pattern"):
+            PackageCacheConfig(tls_hosts=(bad,))
+
+
+def test_the_system_store_name_is_openssls_hash() -> None:
+    """``subject_hash`` is ``openssl x509 -hash``: the public roots' well-known names."""
+    pems = re.findall(
+        rb"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----",
+        Path(certifi.where()).read_bytes(),
+        re.S,
+    )
+    names = {}
+    with warnings.catch_warnings():  # a few public roots have non-positive serials
+        warnings.simplefilter("ignore")
+        for pem in pems:
+            cert = x509.load_pem_x509_certificate(pem)
+            names[cert.subject.rfc4514_string()] = subject_hash(cert)
+    assert names["CN=ISRG Root X1,O=Internet Security Research Group,C=US"] == "4042bcee"
+    assert names["CN=DigiCert Global Root G2,OU=www.digicert.com,O=DigiCert Inc,C=US"] == (
+        "607986c7"
+    )
+
+
+def test_processes_sharing_a_cache_dir_each_hold_a_store(tmp_path: Path) -> None:
+    """Two services on one root at once (two harbor-exec processes): each its own
+    store, one CA; the first store is free again when its holder ends."""
+    config = PackageCacheConfig(root=tmp_path, max_bytes=10_000_000)
+    first = PackageCacheService(config)
+    second = PackageCacheService(config)
+    try:
+        assert first.slot.path == tmp_path / "package-cache"
+        assert second.slot.path == tmp_path / "package-cache-2"
+        assert first.ca.cert_pem == second.ca.cert_pem
+    finally:
+        first.close()
+        second.close()
+    third = PackageCacheService(config)
+    try:
+        assert third.slot.path == tmp_path / "package-cache"
+    finally:
+        third.close()
+
+
+def test_processes_starting_at_once_make_one_ca(tmp_path: Path) -> None:
+    script = (
+        "import sys, time; from pathlib import Path\n"
+        "from harbor_exec.network.packages.ca import LocalCA\n"
+        "while time.time() < float(sys.argv[2]): pass\n"
+        "print(LocalCA(Path(sys.argv[1])).cert_pem.decode())\n"
+    )
+    start = str(time.time() + 1.5)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path / "ca"), start],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = {run.communicate(timeout=60)[0] for run in runs}
+    assert len(outputs) == 1 and "BEGIN CERTIFICATE" in outputs.pop()
+    assert (tmp_path / "ca" / "ca-cert.pem").read_bytes() == LocalCA(tmp_path / "ca").cert_pem
+
+
+def test_the_default_bound_is_a_share_of_the_disk(tmp_path: Path) -> None:
+    total = shutil.disk_usage(tmp_path).total
+    expected = max(256 * 1024**2, min(20 * 1024**3, int(total * 0.10)))
+    assert default_max_bytes(tmp_path / "not" / "yet") == expected
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path))
+    try:
+        assert service.cache.store.max_bytes == expected
+    finally:
+        service.close()
+
+
 async def test_upstream_tls_is_verified(
     tmp_path: Path, upstream_ca: LocalCA, https_upstream: Upstream
 ) -> None:
@@ -512,15 +649,20 @@ def test_the_service_serves_trials_on_their_own_proxy_loops(
     https_upstream.set(WHEEL, b"W" * 200_000)
     http_upstream.set("/debian/pool/main/c/curl.deb", b"D" * 5000)
     service = PackageCacheService(
-        PackageCacheConfig(root=tmp_path / "cache", upstream_ca_bundle=upstream_ca.cert_path)
+        PackageCacheConfig(
+            root=tmp_path / "cache",
+            upstream_ca_bundle=upstream_ca.cert_path,
+            tls_hosts=TEST_TLS_HOSTS,
+        )
     )
     overrides = {"files.test": ("127.0.0.1", https_upstream.port)}
     overrides["deb.test:80"] = ("127.0.0.1", http_upstream.port)
     try:
         # The trust directory holds public material only; the key stays in the CA's.
         trust = sorted(p.name for p in service.trust_dir.iterdir())
-        assert trust == ["apt.conf", "ca-bundle.pem"]
-        assert b"PRIVATE" not in (service.trust_dir / "ca-bundle.pem").read_bytes()
+        assert trust == ["apt.conf", "ca-bundle.pem", "ca.pem"]
+        for name in trust:
+            assert b"PRIVATE" not in (service.trust_dir / name).read_bytes()
         assert service.ca.directory != service.trust_dir
         results: list[tuple[bytes, bytes, int]] = []
         stats: list[dict[str, int]] = []

@@ -42,6 +42,7 @@ from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from tests.package_upstream import (
+    TEST_TLS_HOSTS,
     AptSigner,
     Upstream,
     deb_stanza,
@@ -252,6 +253,10 @@ class Mirror:
         return {p: self.content_fetches(p) for p in self.artifacts()}
 
 
+#: An HTTPS host that is no package host: the cache tunnels it untouched.
+UNTOUCHED = "elsewhere.test"
+UNTOUCHED_PATH = "/elsewhere/ok"
+
 #: What both test scripts start with: a reward of 0 on failure, and the signed test
 #: repo as apt's only source, its lists fetched.
 APT_PREAMBLE = f"""
@@ -286,6 +291,20 @@ data = urllib.request.urlopen("https://files.test{TARBALL}").read()
 assert hashlib.sha256(data).hexdigest() == open("/tests/tarball.sha256").read().strip()
 index = urllib.request.urlopen("https://pypi.test{INDEX}").read()
 open("/logs/verifier/index.html", "wb").write(index)
+PY
+# A client that reads only the system store (no CA variable, OpenSSL's CApath) trusts
+# the cache for a package host; one that ignores every CA hook and pins its own root
+# (the upstream's, as a program shipping its own roots would) reaches any other host
+# untouched: its HTTPS is tunnelled, not terminated.
+env -u SSL_CERT_FILE -u REQUESTS_CA_BUNDLE -u CURL_CA_BUNDLE python3 - <<'PY' || fail trust
+import os, ssl, urllib.request
+system_only = ssl.create_default_context(capath="/etc/ssl/certs")
+urllib.request.urlopen("https://files.test{TARBALL}", context=system_only).read()
+if os.path.exists("/usr/local/share/ca-certificates/hx-test-upstream.crt"):
+    pinned = ssl.create_default_context(
+        cafile="/usr/local/share/ca-certificates/hx-test-upstream.crt")
+    got = urllib.request.urlopen("https://{UNTOUCHED}{UNTOUCHED_PATH}", context=pinned).read()
+    assert got == b"untouched", got
 PY
 echo 1 > /logs/verifier/reward.txt
 """
@@ -344,6 +363,7 @@ def mirror(
 ) -> Iterator[tuple[Mirror, LocalCA]]:
     context = sni_context(upstream_ca)
     with serve_upstream(context) as https, serve_upstream() as http:
+        https.set(UNTOUCHED_PATH, b"untouched")
         yield Mirror(https, http, tmp_path, signer=apt_signer, packages=test_packages), upstream_ca
 
 
@@ -353,13 +373,16 @@ def _service(tmp_path: Path, mirror: Mirror, upstream_ca: LocalCA) -> PackageCac
             root=tmp_path / "server-cache",
             max_bytes=BOUND,
             upstream_ca_bundle=upstream_ca.cert_path,
+            # The test's package hosts, as an operator adds a private mirror
+            # (UNTOUCHED is not one: its HTTPS is tunnelled).
+            tls_hosts=TEST_TLS_HOSTS,
         )
     )
 
 
 def _egress(mirror: Mirror) -> EgressSettings:
     """The test names -> the local upstreams; nothing else resolves (DNS off)."""
-    names = ("files.test", "pypi.test", NPM_REGISTRY)
+    names = ("files.test", "pypi.test", NPM_REGISTRY, UNTOUCHED)
     overrides = {name: ("127.0.0.1", mirror.https.port) for name in names}
     overrides["deb.test:80"] = ("127.0.0.1", mirror.http.port)
     return EgressSettings(overrides=overrides, dns=False)
@@ -571,7 +594,10 @@ def test_prewarm_with_the_verifier_fills_the_cache(
         service.close()
 
 
-ALLOWLIST = 'network_mode = "allowlist"\nallowed_hosts = ["deb.test", "pypi.test", "files.test"]'
+ALLOWLIST = (
+    'network_mode = "allowlist"\n'
+    f'allowed_hosts = ["deb.test", "pypi.test", "files.test", "{UNTOUCHED}"]'
+)
 
 
 def test_same_reward_without_the_cache_and_apt_signatures_still_checked(

@@ -31,7 +31,7 @@ from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
-from tests.package_upstream import Upstream, serve_upstream, sni_context
+from tests.package_upstream import TEST_TLS_HOSTS, Upstream, serve_upstream, sni_context
 from tests.task_factory import make_task
 
 # engine_lane: its own cache, tasks and upstream; its one time bound is relative (victim vs control).
@@ -119,7 +119,10 @@ def https(upstream_ca: LocalCA) -> Iterator[Upstream]:
 def _service(tmp_path: Path, upstream_ca: LocalCA, max_bytes: int) -> PackageCacheService:
     return PackageCacheService(
         PackageCacheConfig(
-            root=tmp_path / "cache", max_bytes=max_bytes, upstream_ca_bundle=upstream_ca.cert_path
+            root=tmp_path / "cache",
+            max_bytes=max_bytes,
+            upstream_ca_bundle=upstream_ca.cert_path,
+            tls_hosts=TEST_TLS_HOSTS,
         )
     )
 

@@ -376,7 +376,6 @@ def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Ca
 
 # ---- Network and cache ----
 
-DEFAULT_PACKAGE_CACHE_MAX_GB = 20.0
 ServePackageCacheOption = Annotated[
     bool,
     typer.Option(
@@ -396,16 +395,27 @@ PrewarmPackageCacheOption = Annotated[
         help="Build the images through the package cache (what RUN steps fetch over "
         "HTTP and HTTPS, apt, pip, npm and files, is fetched once; "
         "docs/package-cache.md); with --ray, each node's own. Implied by "
-        "--run-verifier. Not while a server uses the cache.",
+        "--run-verifier.",
     ),
 ]
 PackageCacheMaxGbOption = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--package-cache-max-gb",
         min=0.001,
         rich_help_panel=NETWORK,
-        help="The package cache's bound (GB, LRU eviction).",
+        help="The package cache's bound (GB, LRU eviction; default: 10% of its disk, at "
+        "most 20 GB).",
+    ),
+]
+PackageCacheHostOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--package-cache-host",
+        rich_help_panel=NETWORK,
+        help="A host (glob) whose HTTPS the cache terminates and stores, besides the "
+        "package ecosystems' (PyPI, npm, Debian and Ubuntu mirrors, uv's installer, "
+        "GitHub releases); every other host's HTTPS is tunnelled untouched. Repeatable.",
     ),
 ]
 PackageCacheDirOption = Annotated[
@@ -434,7 +444,6 @@ __all__ = [
     "AGENT",
     "DEFAULT_JOBS_DIR",
     "DEFAULT_N_CONCURRENT",
-    "DEFAULT_PACKAGE_CACHE_MAX_GB",
     "JOB",
     "LIMITS",
     "NETWORK",
@@ -455,6 +464,7 @@ __all__ = [
     "NConcurrentOption",
     "NTasksOption",
     "PackageCacheDirOption",
+    "PackageCacheHostOption",
     "PackageCacheMaxGbOption",
     "PackageSourceOption",
     "PreferGraderOption",

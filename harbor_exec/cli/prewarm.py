@@ -16,11 +16,11 @@ from harbor_exec.agents.native.layer import AgentLayerError
 from harbor_exec.bundler.errors import BundleError
 from harbor_exec.cli.helpers import console, load_dataset, open_ray_executor, open_runtime
 from harbor_exec.cli.options import (
-    DEFAULT_PACKAGE_CACHE_MAX_GB,
     JOB,
     NETWORK,
     RAY,
     PackageCacheDirOption,
+    PackageCacheHostOption,
     PackageCacheMaxGbOption,
     PrewarmAgentOption,
     PrewarmPackageCacheOption,
@@ -62,12 +62,13 @@ def prewarm(
             rich_help_panel=NETWORK,
             help="Also run each task's oracle and verifier once through the package cache, "
             "so what solve.sh and test.sh fetch is cached before serving with "
-            "--package-cache (docs/package-cache.md). Not while a server uses the cache.",
+            "--package-cache (docs/package-cache.md).",
         ),
     ] = False,
     package_cache: PrewarmPackageCacheOption = False,
-    package_cache_max_gb: PackageCacheMaxGbOption = DEFAULT_PACKAGE_CACHE_MAX_GB,
+    package_cache_max_gb: PackageCacheMaxGbOption = None,
     package_cache_dir: PackageCacheDirOption = None,
+    package_cache_host: PackageCacheHostOption = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed.
     With ``--agent mini-swe-agent`` (or ``opencode``), also that agent's layer (its
@@ -84,7 +85,9 @@ def prewarm(
         if package_cache:
             from harbor_exec.network.packages.service import PackageCacheConfig
 
-            config = PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
+            config = PackageCacheConfig.from_options(
+                package_cache_dir, package_cache_max_gb, package_cache_host or ()
+            )
         _prewarm_ray(
             ray, discovery.tasks, node or None, broken=len(discovery.broken), package_cache=config
         )
@@ -102,7 +105,9 @@ def prewarm(
         from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
 
         cache = PackageCacheService(
-            PackageCacheConfig.from_options(package_cache_dir, package_cache_max_gb)
+            PackageCacheConfig.from_options(
+                package_cache_dir, package_cache_max_gb, package_cache_host or ()
+            )
         )
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
     colours = {"built": "green", "cached": "cyan", "failed": "red"}

@@ -33,13 +33,13 @@ from harbor_exec.backends.harbor.config import (
 from harbor_exec.cli.helpers import open_ray_executor, parse_agent_kwargs
 from harbor_exec.cli.options import (
     AGENT,
-    DEFAULT_PACKAGE_CACHE_MAX_GB,
     NETWORK,
     SERVER,
     TASKS,
     AgentKwargOption,
     GraderEnvOption,
     PackageCacheDirOption,
+    PackageCacheHostOption,
     PackageCacheMaxGbOption,
     PackageSourceOption,
     PreferGraderOption,
@@ -91,8 +91,9 @@ class ServeOptions:
     relay_extra_routes: list[str] = field(default_factory=list)
     # The package cache (--package-cache): off unless asked (docs/package-cache.md).
     package_cache: bool = False
-    package_cache_max_gb: float = DEFAULT_PACKAGE_CACHE_MAX_GB
+    package_cache_max_gb: float | None = None  # None: a share of the disk
     package_cache_dir: Path | None = None
+    package_cache_hosts: list[str] = field(default_factory=list)
     # Harbor's own agents (--agent terminus-2): the model route, options and setup timeout.
     model_name: str | None = None
     agent_kwargs: list[str] = field(default_factory=list)
@@ -173,7 +174,9 @@ def package_cache_config(options: ServeOptions) -> Any:
         return None
     from harbor_exec.network.packages.service import PackageCacheConfig
 
-    return PackageCacheConfig.from_options(options.package_cache_dir, options.package_cache_max_gb)
+    return PackageCacheConfig.from_options(
+        options.package_cache_dir, options.package_cache_max_gb, options.package_cache_hosts
+    )
 
 
 def build_backend(options: ServeOptions) -> Any:
@@ -325,8 +328,9 @@ def serve(
         ),
     ] = None,
     package_cache: ServePackageCacheOption = False,
-    package_cache_max_gb: PackageCacheMaxGbOption = DEFAULT_PACKAGE_CACHE_MAX_GB,
+    package_cache_max_gb: PackageCacheMaxGbOption = None,
     package_cache_dir: PackageCacheDirOption = None,
+    package_cache_host: PackageCacheHostOption = None,
     app_ref: Annotated[
         str | None,
         typer.Option(
@@ -463,6 +467,7 @@ def serve(
         package_cache=package_cache,
         package_cache_max_gb=package_cache_max_gb,
         package_cache_dir=package_cache_dir,
+        package_cache_hosts=list(package_cache_host or []),
         model_name=model_name,
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,

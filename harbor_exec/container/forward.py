@@ -13,19 +13,46 @@ so it needs nothing in the container but that interpreter. Standard library only
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
+import errno
 import os
 import socket
 import sys
-import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ForwarderThread", "RelayForwarder", "abort_connections", "main", "run_forward"]
+if TYPE_CHECKING or __name__ != "__main__":
+    # As a program, the forwarder started with its container announces itself before
+    # it imports these (``_serving_imports``): the container's first phase waits less.
+    import asyncio
+    import contextlib
+    import logging
+    import threading
 
-logger = logging.getLogger("harbor_exec.container.forward")
+__all__ = [
+    "READY_PATH",
+    "ForwarderThread",
+    "RelayForwarder",
+    "abort_connections",
+    "announce",
+    "main",
+    "run_forward",
+]
+
+
+
+def _serving_imports() -> None:
+    """What serving needs, imported late in the program (see the imports above)."""
+    global asyncio, contextlib, logging, threading, logger
+    import asyncio
+    import contextlib
+    import logging
+    import threading
+
+    logger = logging.getLogger("harbor_exec.container.forward")
+
+
+if __name__ != "__main__":
+    logger = logging.getLogger("harbor_exec.container.forward")
 
 EXIT_OK = 0
 EXIT_SETUP = 2
@@ -167,15 +194,52 @@ async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
     await asyncio.Event().wait()  # until killed
 
 
-def run_forward(socket_path: str, port: int = 0, host: str = "127.0.0.1") -> int:
+#: The request a forwarder started with its container sends once it listens: the
+#: host's egress proxy answers it (``EgressProxy``) and so knows, without an exec,
+#: that the container's proxy port accepts. The token is the container's own.
+READY_PATH = "/.harbor-exec/forwarder-ready/"
+
+
+def announce(socket_path: str, token: str, pid: int, timeout: float = 10.0) -> bool:
+    """Tell the host service on ``socket_path`` that this forwarder (process ``pid``)
+    listens."""
+    request = (
+        f"GET {READY_PATH}{token}/{pid} HTTP/1.1\r\nHost: forwarder\r\nConnection: close\r\n\r\n"
+    )
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(socket_path)
+            conn.sendall(request.encode("ascii"))
+            answer = conn.recv(64)
+    except OSError:
+        return False
+    return answer.startswith(b"HTTP/1.1 200")
+
+
+def run_forward(
+    socket_path: str,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    *,
+    ready: str | None = None,
+    then: Sequence[str] = (),
+    in_use_ok: bool = False,
+) -> int:
     """``forward``: bind ``host`` (127.0.0.1 unless the container is a build gateway,
     ``harbor_exec.network.packages.build_gateway``) on ``port`` (or a free one) first, so
     the port printed accepts at once, then leave the exec behind: the child serves in a
     session of its own, stdio closed. Exit 2 when the socket is missing or the port is
-    taken."""
+    taken.
+
+    Started with its container (``then``: the keep-alive, exec'd in this process's
+    place once the child serves), it announces itself to the host with ``ready``
+    (``announce``) instead of printing the port; the keep-alive runs whatever happened.
+    ``in_use_ok``: a port already taken is that forwarder's (only where nothing else can
+    hold it: right after every other process of the container was killed)."""
     if not os.path.exists(socket_path):
         print(f"the socket {socket_path} is missing", file=sys.stderr)
-        return EXIT_SETUP
+        return _then(then, EXIT_SETUP)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A fixed port is bound again after the last forwarder was killed: its closed
     # connections' TIME_WAIT must not keep it.
@@ -184,22 +248,53 @@ def run_forward(socket_path: str, port: int = 0, host: str = "127.0.0.1") -> int
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        if in_use_ok and exc.errno == errno.EADDRINUSE:
+            # The container's own forwarder (started with it) already serves the port.
+            print(port, flush=True)
+            return EXIT_OK
         print(f"cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-        return EXIT_SETUP
+        return _then(then, EXIT_SETUP)
     sock.listen(128)
     port = int(sock.getsockname()[1])
-    if os.fork() != 0:
+    sealed = ready is not None and _not_dumpable()
+    child = os.fork()
+    if child != 0:
         sock.close()
-        print(port, flush=True)
-        return EXIT_OK
+        if ready is not None:
+            announce(socket_path, ready, child if sealed else 0)
+        else:
+            print(port, flush=True)
+        return _then(then, EXIT_OK)
     try:
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
+        _serving_imports()
         asyncio.run(_forward_forever(sock, socket_path))
     finally:
         os._exit(0)
+
+
+def _not_dumpable() -> bool:
+    """``PR_SET_DUMPABLE`` 0 (inherited by the child): the host spares this forwarder
+    across phases only then, so no process of the container's (root, or of our uid)
+    may open its memory or ptrace it. False where it failed: the forwarder announces
+    pid 0 and the host starts a new one for each later phase."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(4, 0, 0, 0, 0)) == 0  # PR_SET_DUMPABLE
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
+def _then(argv: Sequence[str], code: int) -> int:
+    """Become ``argv`` (the container's keep-alive), else return ``code``."""
+    if argv:
+        os.execv(argv[0], list(argv))
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,8 +306,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
     )
+    parser.add_argument("--ready", help="announce to the socket with this token when listening")
+    parser.add_argument("--in-use-ok", action="store_true", help="a port in use is success")
+    parser.add_argument(
+        "--then", nargs=argparse.REMAINDER, default=[], help="exec this program after"
+    )
     args = parser.parse_args(argv)
-    return run_forward(args.socket, args.port, args.host)
+    return run_forward(
+        args.socket,
+        args.port,
+        args.host,
+        ready=args.ready,
+        then=args.then,
+        in_use_ok=args.in_use_ok,
+    )
 
 
 if __name__ == "__main__":

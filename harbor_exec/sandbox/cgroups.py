@@ -18,7 +18,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -35,11 +35,33 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 @dataclass(frozen=True)
+class Companion:
+    """A process of ours beside the keep-alive (the egress forwarder started with the
+    container): its pid in the container's namespace, as it announced itself before
+    any task process ran, and when (``CLOCK_BOOTTIME`` seconds). A process is it only
+    while it has that pid, is the keep-alive's child, runs as the owner's uid and
+    started before the announcement: a process the agent made later (after killing
+    ours) is none of that, whatever pid it gets."""
+
+    namespace_pid: int
+    announced_at: float
+
+    def matches(self, pid: int, keep_alive: int, owner_uid: int) -> bool:
+        fields = _stat_fields(pid)
+        if fields is None or int(fields[1]) != keep_alive or _real_uid(pid) != owner_uid:
+            return False
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return started <= self.announced_at and _namespace_pid(pid) == self.namespace_pid
+
+
+@dataclass(frozen=True)
 class HostCgroup:
     """The freezer of one container's cgroup, as the host sees it."""
 
     directory: Path
     version: int  # 1: the v1 freezer controller; 2: the unified hierarchy
+    #: The companion the last ``kill_all_but_init`` spared (empty: none).
+    spared: set[int] = field(default_factory=set, compare=False)
 
     @classmethod
     def of(cls, init_pid: int, container_id: str) -> HostCgroup | None:
@@ -82,11 +104,16 @@ class HostCgroup:
             return self._freeze_file.read_text().strip() == "FROZEN"
         return "frozen 1" in (self.directory / "cgroup.events").read_text()
 
-    def kill_all_but_init(self, init_pid: int, owner_uid: int | None = None) -> bool:
+    def kill_all_but_init(
+        self, init_pid: int, owner_uid: int | None = None, companion: Companion | None = None
+    ) -> bool:
         """SIGKILL every process but ``init_pid`` and its first child; True once confirmed.
 
         With ``owner_uid`` the first child is spared only while it runs as that uid
-        (the runtime's keep-alive does; nothing the agent started can)."""
+        (the runtime's keep-alive does; nothing the agent started can). ``companion``:
+        one more process to spare, only while it is exactly the one that announced
+        itself (``Companion.matches``); ``self.spared`` says whether it was."""
+        self.spared.clear()
         deadline = time.monotonic() + _SETTLE_SEC
         self._set_frozen(True)
         try:
@@ -94,7 +121,13 @@ class HostCgroup:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.001)
-            keep = {init_pid} | _first_child(init_pid, self.pids(), owner_uid)
+            pids = self.pids()
+            keep = {init_pid} | _first_child(init_pid, pids, owner_uid)
+            if companion is not None and owner_uid is not None and len(keep) == 2:
+                (first,) = keep - {init_pid}
+                found = {pid for pid in pids if companion.matches(pid, first, owner_uid)}
+                keep |= found
+                self.spared.update(found)
             for pid in self.pids() - keep:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -104,6 +137,9 @@ class HostCgroup:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
+        for pid in self.spared:  # one the agent stopped (SIGSTOP) runs again
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         return True
 
 
@@ -127,6 +163,18 @@ def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) ->
     return {first}
 
 
+def _namespace_pid(pid: int) -> int | None:
+    """``pid``'s number in its own (innermost) PID namespace."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return None
+
+
 def _real_uid(pid: int) -> int | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -138,4 +186,4 @@ def _real_uid(pid: int) -> int | None:
     return None
 
 
-__all__ = ["HostCgroup"]
+__all__ = ["Companion", "HostCgroup"]

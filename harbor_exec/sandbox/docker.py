@@ -70,7 +70,7 @@ from harbor_exec.errors import (
 )
 from harbor_exec.sandbox.archives import cut_marker
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
-from harbor_exec.sandbox.cgroups import HostCgroup
+from harbor_exec.sandbox.cgroups import Companion, HostCgroup
 from harbor_exec.sandbox.disk import WritableLayer
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -761,7 +761,8 @@ class DockerRuntime:
         )
         # The init and keep-alive of the runtime, never the image's entrypoint; a
         # compose sidecar runs its own process under the runtime's init instead.
-        entrypoint, command, user = list(INIT_COMMAND), list(KEEP_ALIVE_COMMAND), "0:0"
+        entrypoint, user = list(INIT_COMMAND), "0:0"
+        command = [*spec.before_keep_alive, *KEEP_ALIVE_COMMAND]
         if spec.process is not None:
             entrypoint, command = [RUNTIME_TINI, "--"], self._service_argv(spec)
             user = spec.process.user or self.image_user(spec.image) or "0:0"
@@ -1057,20 +1058,20 @@ class DockerRuntime:
         return bool(state.get("Running")) and not state.get("Restarting")
 
     @_engine_boundary
-    def stop_processes(self, container_id: str) -> None:
+    def stop_processes(self, container_id: str, companion: Companion | None = None) -> bool:
         try:
             state = self._api.inspect_container(container_id)["State"]
         except docker.errors.NotFound:
-            return  # no container, no processes
+            return False  # no container, no processes
         if not state.get("Running"):
-            return
+            return False
         init_pid = int(state.get("Pid") or 0)
         cgroup = HostCgroup.of(init_pid, container_id) if init_pid else None
         self.host_kill = cgroup is not None
         if cgroup is not None:
             with contextlib.suppress(OSError):
-                if cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID):
-                    return
+                if cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companion):
+                    return bool(cgroup.spared)
         # Without the host's view: SIGKILL the init, which ends its PID namespace and
         # every process in it; the container's filesystem (and /logs) stays.
         try:
@@ -1081,6 +1082,7 @@ class DockerRuntime:
                 f"could not stop the container's processes: {exc.explanation or exc}"
             ) from None
         self.start(container_id)  # through the start gate, as every start
+        return False
 
     @_engine_boundary
     def exec(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal, NotRequired, Protocol, TypedDict, Unpack
 
+from harbor_exec.sandbox.cgroups import Companion
 from harbor_exec.sandbox.users import ImageAccounts
 
 NetworkKind = Literal["bridge", "none"]
@@ -127,6 +128,10 @@ class ContainerSpec:
     volumes: Sequence[VolumeMount] = ()
     #: A compose sidecar's process (None: the keep-alive, as every trial container).
     process: ServiceProcess | None = None
+    #: Run first in the keep-alive's place, as its user, with the keep-alive's argv
+    #: appended, which it must exec (the egress forwarder: started with the container,
+    #: no exec; ``harbor_exec.network.egress.container.forwarder_start``).
+    before_keep_alive: Sequence[str] = ()
     healthcheck: Healthcheck | None = None
     workdir: str | None = None  # the container's working directory (None: the image's)
 
@@ -288,9 +293,11 @@ class ContainerRuntime(Protocol):
         """Whether the container's init still runs (False for a missing container)."""
         ...
 
-    def stop_processes(self, container_id: str) -> None:
+    def stop_processes(self, container_id: str, companion: Companion | None = None) -> bool:
         """Kill every process in the container but its init (and init's own child),
-        however they detached, without running anything inside the container.
+        however they detached, without running anything inside the container;
+        ``companion`` (ours, ``cgroups.Companion``) is spared while it is exactly
+        itself. True when it was.
 
         Raises ``EnvironmentStartError`` when that cannot be confirmed.
         """

@@ -121,6 +121,7 @@ from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.verifiers import TestsVerifier
 
 if TYPE_CHECKING:
+    from harbor_exec.network.egress.proxy import Announcement
     from harbor_exec.network.packages.service import PackageCacheService
     from harbor_exec.network.packages.session import TrialPackageCache
 
@@ -265,6 +266,12 @@ class Trial:
         if self._package_cache is not None:
             egress = replace(egress, upstream=self._package_cache.upstream)
         self._egress = TrialEgress(self.name, self.dir, egress)
+        #: Egress forwarders started with their containers (by container name until
+        #: created, then by id), and whether each still serves: from its start until
+        #: a kill did not spare it (``stop_processes``'s companion).
+        self._announcing: dict[str, Announcement] = {}
+        self._forwarders: dict[str, Announcement] = {}
+        self._forwarder_serves: set[str] = set()
         #: A compose task's sidecars, network and volumes (``harbor_exec.trial.compose``),
         #: one project per container that has them (a multi-step task's separate verifier
         #: gets its own while the agent's stays); the tracked container's is the last.
@@ -465,7 +472,10 @@ class Trial:
         kind: ContainerKind = "trial" if shared else "verifier"
         if self.network_plan.proxied(kind) or self._cached(kind):
             policy = self.network_plan.agent if phase == "agent" else self.network_plan.verifier
-            self._egress.enter(phase, policy, self.runtime, container_id)
+            serving = self._forwarders.get(container_id)
+            if container_id not in self._forwarder_serves:
+                serving = None
+            self._egress.enter(phase, policy, self.runtime, container_id, serving)
 
     def _spec(
         self,
@@ -495,11 +505,19 @@ class Trial:
             mounts = [*mounts, self._egress.mount()]
             env = {**self._egress.env(), **env}
         if kind != "sidecar" and self._package_cache is not None and self._cached(network_kind):
-            mounts = [*mounts, self._package_cache.trust_mount()]
+            mounts = [*mounts, *self._package_cache.trust_mounts()]
             env = {**self._package_cache.env(), **env}
+        name = f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}"
+        before_keep_alive: list[str] = []
+        if kind != "sidecar" and (
+            self.network_plan.proxied(network_kind) or self._cached(network_kind)
+        ):
+            # Its forwarder starts with it: its first phase waits for no exec.
+            before_keep_alive, self._announcing[name] = self._egress.forwarder_with_container()
         return ContainerSpec(
             image=image,
-            name=f"hx-{_NAME_UNSAFE.sub('-', self.name)}-{secrets_module.token_hex(3)}",
+            name=name,
+            before_keep_alive=before_keep_alive,
             labels={
                 **request.spec.labels,
                 LABEL_TRIAL: self.name,
@@ -528,6 +546,10 @@ class Trial:
         with self._container_lock:
             self.check_cancelled()
             container_id = self._container_id = self.runtime.create(spec)
+        announcing = self._announcing.pop(spec.name, None)
+        if announcing is not None:
+            self._forwarders[container_id] = announcing
+            self._forwarder_serves.add(container_id)
         if len(self._composes) > projects:
             self._composes[-1].place_main_binds(container_id)
         return container_id
@@ -772,7 +794,7 @@ class Trial:
             # Nothing the agent started may run on into the verifier phase.
             if not self.cancelled and self._container_id is not None:
                 try:
-                    self.runtime.stop_processes(session.container_id)
+                    self._stop_processes(session.container_id)
                 except EnvironmentStartError:
                     # The container stopped under the kill: the agent ended it.
                     if self.runtime.container_running(session.container_id):
@@ -848,7 +870,7 @@ class Trial:
             raise AddTestsDirError("uploading tests/ to /tests in the container failed")
         # Whatever test.sh left running (or started through a binary the agent
         # replaced) stops before the reward is read.
-        self.runtime.stop_processes(session.container_id)
+        self._stop_processes(session.container_id)
         self._read_verifier_logs(session.container_id)
         result.verifier_result = VerifierResult(rewards=parse_rewards(self.dir / "verifier"))
 
@@ -886,12 +908,27 @@ class Trial:
                 "or made to exit); it was restarted and verified"
             )
         )
+        forwarder = self._forwarders.get(session.container_id)
+        if forwarder is not None:  # it starts again with the container
+            forwarder.reset()
+            self._forwarder_serves.add(session.container_id)
         try:
             self.runtime.start(session.container_id)
         except EnvironmentStartError:
             self._remove_container()
             return False
         return True
+
+    def _stop_processes(self, container_id: str) -> None:
+        """Kill everything a phase left in the container; the egress forwarder started
+        with it is spared while it is exactly itself (then the next phase needs no new
+        one)."""
+        forwarder = self._forwarders.get(container_id)
+        companion = None
+        if forwarder is not None and container_id in self._forwarder_serves:
+            companion = forwarder.companion
+        if not self.runtime.stop_processes(container_id, companion):
+            self._forwarder_serves.discard(container_id)
 
     def verify_separate(
         self, session: TrialSession, result: TrialResult, *, keep_agent: bool = False

@@ -27,6 +27,7 @@ __all__ = [
     "EGRESS_PROXY_URL",
     "EGRESS_SOCKET",
     "forwarder_command",
+    "forwarder_with_container",
     "proxy_env",
     "start_forwarder",
 ]
@@ -57,22 +58,38 @@ def _forward_source() -> str:
 
 
 def forwarder_command(
-    port: int = EGRESS_PORT, socket: str = EGRESS_SOCKET, host: str = "127.0.0.1"
+    port: int = EGRESS_PORT,
+    socket: str = EGRESS_SOCKET,
+    host: str = "127.0.0.1",
+    *,
+    in_use_ok: bool = False,
 ) -> list[str]:
     """The exec that starts the forwarder (it prints its port and detaches)."""
     command = [RUNTIME_PYTHON, "-I", "-c", _forward_source(), "--socket", socket]
-    return [*command, "--port", str(port), "--host", host]
+    return [*command, "--port", str(port), "--host", host, *(["--in-use-ok"] if in_use_ok else [])]
+
+
+def forwarder_with_container(token: str) -> list[str]:
+    """``ContainerSpec.before_keep_alive`` that starts the forwarder with the container
+    (no exec): it listens, announces ``token`` on the egress socket (``EgressProxy.
+    expect_forwarder``), then becomes the keep-alive."""
+    return [*forwarder_command(), "--ready", token, "--then"]
 
 
 def start_forwarder(
-    runtime: ContainerRuntime, container_id: str, what: str, *, host: str = "127.0.0.1"
+    runtime: ContainerRuntime,
+    container_id: str,
+    what: str,
+    *,
+    host: str = "127.0.0.1",
+    in_use_ok: bool = False,
 ) -> None:
     """Start the forwarder in the container as the runtime's own uid (an agent that is
-    not root cannot end it); ``EnvironmentStartError`` naming ``what`` when it fails."""
+    not root cannot end it); ``EnvironmentStartError`` naming ``what`` when it fails.
+    ``in_use_ok``: see ``forward.run_forward``."""
+    command = forwarder_command(host=host, in_use_ok=in_use_ok)
     try:
-        ran = runtime.exec(
-            container_id, forwarder_command(host=host), user=KEEP_ALIVE_USER, timeout_sec=60
-        )
+        ran = runtime.exec(container_id, command, user=KEEP_ALIVE_USER, timeout_sec=60)
     except HarborExecError as exc:
         raise EnvironmentStartError(f"{what} did not start: {exc}") from None
     if ran.exit_code != 0:

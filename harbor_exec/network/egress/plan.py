@@ -21,21 +21,35 @@ host's private or loopback addresses), and UDP (DNS included) reaches nothing.
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from harbor_exec.errors import EnvironmentStartError
-from harbor_exec.network.egress.container import EGRESS_MOUNT, proxy_env, start_forwarder
+from harbor_exec.network.egress.container import (
+    EGRESS_MOUNT,
+    forwarder_with_container,
+    proxy_env,
+    start_forwarder,
+)
 from harbor_exec.network.egress.policy import EgressMode, EgressPolicy
-from harbor_exec.network.egress.proxy import EgressLimits, EgressProxy, EgressProxyThread, Upstream
+from harbor_exec.network.egress.proxy import (
+    Announcement,
+    EgressLimits,
+    EgressProxy,
+    EgressProxyThread,
+    Upstream,
+)
 from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
 
 __all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
 
+#: How long a forwarder started with its container may take to announce itself.
+FORWARDER_START_SEC: Final = 60.0
 #: The trial dir's record of what its proxy refused (JSON lines).
 REFUSED_LOG = "egress-refused.jsonl"
 ContainerKind = Literal["trial", "verifier"]
@@ -182,15 +196,38 @@ class TrialEgress:
     def env() -> dict[str, str]:
         return proxy_env()
 
+    def forwarder_with_container(self) -> tuple[list[str], Announcement]:
+        """A container's ``before_keep_alive`` that starts its forwarder with it, and
+        what it will announce (``enter``'s ``announced``)."""
+        assert self.proxy is not None, "mount() first"
+        token = secrets.token_hex(16)
+        return forwarder_with_container(token), self.proxy.expect_forwarder(token)
+
     def enter(
-        self, phase: str, policy: EgressPolicy, runtime: ContainerRuntime, container_id: str
+        self,
+        phase: str,
+        policy: EgressPolicy,
+        runtime: ContainerRuntime,
+        container_id: str,
+        serving: Announcement | None = None,
     ) -> None:
-        """Apply ``policy`` (cutting what the last phase opened) and start a fresh
-        forwarder in the container, as the runtime's own uid (an agent that is not
-        root cannot end it; one that ends it only cuts itself off)."""
+        """Apply ``policy`` (cutting what the last phase opened) and have a forwarder
+        in the container, as the runtime's own uid (an agent that is not root cannot
+        end it; one that ends it only cuts itself off): ``serving``, the one started
+        with the container (its first phase, or spared as exactly itself by the kill
+        after the last one), once it announced itself (no exec); else one started now
+        (every other process of the container was killed after its last phase, so a
+        port in use is a forwarder its restart started)."""
         assert self._thread is not None, "mount() first"
         self._thread.set_phase(phase, policy)
-        start_forwarder(runtime, container_id, f"the egress forwarder for the {phase} phase")
+        what = f"the egress forwarder for the {phase} phase"
+        if serving is None:
+            start_forwarder(runtime, container_id, what, in_use_ok=True)
+        elif not serving.event.wait(FORWARDER_START_SEC):
+            raise EnvironmentStartError(
+                f"{what} did not start: it did not announce itself within "
+                f"{FORWARDER_START_SEC:g}s of the container's start"
+            )
 
     def close(self) -> None:
         thread, self._thread = self._thread, None

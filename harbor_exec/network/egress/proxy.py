@@ -43,6 +43,7 @@ import logging
 import re
 import socket
 import threading
+import time
 import typing
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from urllib.parse import urlsplit
 import h11
 import httpcore
 
+from harbor_exec.container.forward import READY_PATH
 from harbor_exec.errors import HarborExecError
 from harbor_exec.network.egress.policy import (
     EgressMode,
@@ -69,6 +71,7 @@ from harbor_exec.network.http11 import (
     next_event,
     send_error_answer,
 )
+from harbor_exec.sandbox.cgroups import Companion
 
 __all__ = [
     "EGRESS_SOCKET_NAME",
@@ -471,6 +474,32 @@ class _Answer(Exception):
         self.message = message
 
 
+_READY_PATH: Final = READY_PATH.encode("ascii")
+
+
+class Announcement:
+    """A container's forwarder saying it listens: ``event`` set, and the process to
+    spare across phases (``companion``; None when it could not be sealed, pid 0).
+    The token is known only to the container it was started in, and it announces
+    before any task process runs there: the first announcement is the one kept."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.companion: Companion | None = None
+
+    def arrived(self, pid: int) -> None:
+        if self.event.is_set():
+            return
+        if pid > 0:
+            self.companion = Companion(pid, time.clock_gettime(time.CLOCK_BOOTTIME))
+        self.event.set()
+
+    def reset(self) -> None:
+        """The container starts again: its forwarder will announce itself anew."""
+        self.companion = None
+        self.event.clear()
+
+
 class EgressProxy(UnixServer):
     """One trial's egress proxy; see the module docstring.
 
@@ -514,6 +543,8 @@ class EgressProxy(UnixServer):
         )
         self.upstream: Upstream = upstream or DirectUpstream()
         self._pool: httpcore.AsyncConnectionPool | None = None
+        #: Per container's forwarder token: what it announced, once it listens.
+        self._forwarders: dict[str, Announcement] = {}
 
     def __repr__(self) -> str:
         return f"EgressProxy(socket={str(self.socket_path)!r}, phase={self.phase!r})"
@@ -532,6 +563,11 @@ class EgressProxy(UnixServer):
         if pool is not None:
             with contextlib.suppress(Exception):
                 await pool.aclose()
+
+    def expect_forwarder(self, token: str) -> Announcement:
+        """What the forwarder started with ``token`` (in its container's keep-alive,
+        ``harbor_exec.container.forward``) announces once it listens."""
+        return self._forwarders.setdefault(token, Announcement())
 
     async def set_phase(self, phase: str, policy: EgressPolicy) -> None:
         """Apply ``policy`` from now on, labelled ``phase`` in the log; cuts every open
@@ -608,6 +644,15 @@ class EgressProxy(UnixServer):
         request: h11.Request,
     ) -> bool:
         try:
+            if request.method == b"GET" and request.target.startswith(_READY_PATH):
+                # Not a proxy request (origin form): a forwarder saying it listens. A
+                # wrong token is refused; the right one only says what is true.
+                token, _, pid = request.target[len(_READY_PATH) :].decode().partition("/")
+                announcement = self._forwarders.get(token)
+                if announcement is None or not pid.isdigit():
+                    raise _Answer(404, "harbor-exec egress proxy: no such forwarder\n")
+                announcement.arrived(int(pid))
+                raise _Answer(200, "ready\n")
             if request.method == b"CONNECT":
                 await self._tunnel(conn, reader, writer, request)
                 return False

@@ -12,8 +12,10 @@ full verification.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
+import secrets
 import ssl
 import stat
 import tempfile
@@ -50,7 +52,15 @@ class LocalCA:
         os.chmod(directory, 0o700)
         key_path, cert_path = directory / CA_KEY, directory / CA_CERT
         if not (key_path.exists() and cert_path.exists()):
-            self._create(key_path, cert_path)
+            # Several processes may start at once: one creates, the others read it.
+            lock = directory.with_name(f".{directory.name}.lock")
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not (key_path.exists() and cert_path.exists()):
+                    self._create(key_path, cert_path)
+            finally:
+                os.close(fd)
         mode = stat.S_IMODE(key_path.stat().st_mode)
         if mode & 0o077:
             raise PermissionError(
@@ -72,7 +82,10 @@ class LocalCA:
     @staticmethod
     def _create(key_path: Path, cert_path: Path) -> None:
         key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _CA_NAME)])
+        # A name of its own (so a hash of its own in a system store's directory: no
+        # other CA's file, another machine's cache CA included, is ever shadowed).
+        unique = f"{_CA_NAME} {secrets.token_hex(4)}"
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, unique)])
         now = _now()
         cert = (
             x509.CertificateBuilder()

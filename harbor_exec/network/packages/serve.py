@@ -36,6 +36,7 @@ from harbor_exec.network.packages.cache import (
     connector_resolver,
     header_list,
 )
+from harbor_exec.network.packages.hosts import TlsHosts
 
 __all__ = [
     "CacheUpstream",
@@ -310,21 +311,23 @@ async def serve_intercepted(
 
 class CacheUpstream:
     """The egress proxy's ``Upstream`` for one trial: what its policy admitted goes
-    through the package cache (plain HTTP directly; CONNECT tunnels to the ports in
-    ``intercept_ports`` are TLS-terminated with ``ca``'s leaf for the host), and other
-    tunnels go to ``fallback`` untouched. Upstream addresses come from the trial's
-    egress connector (overrides, SSRF guard)."""
+    through the package cache (plain HTTP directly; CONNECT tunnels to a package host
+    (``tls_hosts``) on a port in ``intercept_ports`` are TLS-terminated with ``ca``'s
+    leaf for the host), and other tunnels go to ``fallback`` untouched. Upstream
+    addresses come from the trial's egress connector (overrides, SSRF guard)."""
 
     def __init__(
         self,
         session: Answering,
         ca: LocalCA,
         *,
+        tls_hosts: TlsHosts | None = None,
         intercept_ports: Collection[int] = (443,),
         fallback: Upstream | None = None,
     ) -> None:
         self.session = session
         self.ca = ca
+        self.tls_hosts = tls_hosts or TlsHosts()
         self.intercept_ports = frozenset(intercept_ports)
         self.fallback: Upstream = fallback or DirectUpstream()
 
@@ -356,7 +359,7 @@ class CacheUpstream:
         client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         context: EgressContext,
     ) -> None:
-        if port not in self.intercept_ports:
+        if port not in self.intercept_ports or not self.tls_hosts.matches(host):
             await self.fallback.tunnel(host, port, client, context)
             return
         await serve_intercepted(

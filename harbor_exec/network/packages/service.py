@@ -10,9 +10,14 @@ live on one loop.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -30,6 +35,7 @@ from harbor_exec.network.packages.cache import (
     PackageCache,
     Resolver,
 )
+from harbor_exec.network.packages.hosts import TlsHosts, check_host_pattern
 from harbor_exec.network.packages.serve import CacheUpstream
 from harbor_exec.network.packages.trust import write_trust_dir
 from harbor_exec.sandbox.runtime import ContainerRuntime
@@ -38,25 +44,52 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "PackageCacheConfig",
     "PackageCacheService",
+    "StoreSlot",
     "TrialCache",
+    "default_max_bytes",
 ]
 
 T = TypeVar("T")
 
+#: The bound's ceiling when none is given; below it, ``DISK_SHARE`` of the disk.
 DEFAULT_MAX_BYTES: Final = 20 * 1024**3
+DISK_SHARE: Final = 0.10
+MIN_DEFAULT_BYTES: Final = 256 * 1024**2
 #: Below the harbor-exec cache dir (``harbor_exec.cache``).
 STORE_DIR: Final = "package-cache"
 CA_DIR: Final = "package-cache-ca"
 TRUST_DIR: Final = "package-cache-trust"
+#: Processes that can hold a store of their own below one root at once (each
+#: ``package-cache``, ``package-cache-2``, ...); one more runs on a temporary store.
+STORE_SLOTS: Final = 8
+
+logger = logging.getLogger(__name__)
+
+
+def default_max_bytes(directory: Path) -> int:
+    """The bound when the operator gives none: ``DISK_SHARE`` of the disk
+    ``directory`` is on, at most ``DEFAULT_MAX_BYTES`` (and at least 256 MiB)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        total = shutil.disk_usage(probe).total
+    except OSError:
+        return DEFAULT_MAX_BYTES
+    return max(MIN_DEFAULT_BYTES, min(DEFAULT_MAX_BYTES, int(total * DISK_SHARE)))
 
 
 @dataclass(frozen=True)
 class PackageCacheConfig:
-    """The operator's settings (``serve --package-cache``, docs/package-cache.md)."""
+    """The operator's settings (``--package-cache-*``, docs/package-cache.md)."""
 
     root: Path | None = None  # None: <harbor-exec cache dir>
-    max_bytes: int = DEFAULT_MAX_BYTES
+    #: None: ``default_max_bytes`` of the disk the store is on.
+    max_bytes: int | None = None
     max_object_bytes: int | None = None  # None: a quarter of max_bytes
+    #: Hosts whose HTTPS is terminated and cached besides ``hosts.PACKAGE_HOSTS``
+    #: (glob patterns); every other host's HTTPS is tunnelled untouched.
+    tls_hosts: tuple[str, ...] = ()
     #: Verify upstream TLS against this bundle instead of the public roots (tests).
     upstream_ca_bundle: Path | None = None
     #: Serve an index (apt lists, PyPI pages) this long after it was fetched or
@@ -64,13 +97,71 @@ class PackageCacheConfig:
     #: a new upstream release then shows within this window).
     index_fresh_sec: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError("the package cache's max_bytes must be positive")
+        object.__setattr__(self, "tls_hosts", tuple(check_host_pattern(h) for h in self.tls_hosts))
+
     @classmethod
-    def from_options(cls, root: Path | None, max_gb: float) -> PackageCacheConfig:
-        """What ``--package-cache-dir`` and ``--package-cache-max-gb`` say."""
-        return cls(root=root, max_bytes=int(max_gb * 1024**3))
+    def from_options(
+        cls, root: Path | None, max_gb: float | None, tls_hosts: Sequence[str] = ()
+    ) -> PackageCacheConfig:
+        """What ``--package-cache-dir``, ``--package-cache-max-gb`` and
+        ``--package-cache-host`` say."""
+        max_bytes = None if max_gb is None else int(max_gb * 1024**3)
+        return cls(root=root, max_bytes=max_bytes, tls_hosts=tuple(tls_hosts))
 
     def directory(self, name: str) -> Path:
         return (self.root or cache_root()) / name
+
+    def bound(self) -> int:
+        """``max_bytes``, or the default share of the store's disk."""
+        return self.max_bytes or default_max_bytes(self.directory(STORE_DIR))
+
+
+class StoreSlot:
+    """This process's own store below the cache root, held (``flock``) for its life:
+    ``package-cache`` when no other process holds it, else the first free
+    ``package-cache-N``; a store is never opened by two processes at once (each keeps
+    its index in memory). With every slot held, a temporary store that goes with it."""
+
+    def __init__(self, config: PackageCacheConfig) -> None:
+        self._lock: int | None = None
+        self._temporary: Path | None = None
+        for index in range(1, STORE_SLOTS + 1):
+            name = STORE_DIR if index == 1 else f"{STORE_DIR}-{index}"
+            path = config.directory(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path.parent / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock, self.path = fd, path
+            if index > 1:
+                logger.info(
+                    "package cache: %s is in use by another process; using %s",
+                    config.directory(STORE_DIR),
+                    path,
+                )
+            return
+        self._temporary = self.path = Path(tempfile.mkdtemp(prefix="harbor-exec-package-cache-"))
+        logger.warning(
+            "package cache: all %d stores below %s are in use by other processes; this "
+            "one uses a temporary store (%s), removed when it ends",
+            STORE_SLOTS,
+            config.directory(STORE_DIR).parent,
+            self.path,
+        )
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+        if self._temporary is not None:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
 
 
 class _LoopThread:
@@ -204,13 +295,16 @@ class PackageCacheService:
         self.config = config
         self.ca = LocalCA(config.directory(CA_DIR))
         self.trust_dir = write_trust_dir(self.ca, config.directory(TRUST_DIR))
+        self.tls_hosts = TlsHosts(config.tls_hosts)
+        self.slot = StoreSlot(config)
+        self.max_bytes = config.bound()
         self.thread = _LoopThread()
-        max_object = config.max_object_bytes or max(config.max_bytes // 4, 1)
+        max_object = config.max_object_bytes or max(self.max_bytes // 4, 1)
 
         async def make() -> PackageCache:
             return PackageCache(
-                config.directory(STORE_DIR),
-                max_bytes=config.max_bytes,
+                self.slot.path,
+                max_bytes=self.max_bytes,
                 max_object_bytes=max_object,
                 upstream=HttpxUpstream(ca_bundle=config.upstream_ca_bundle),
                 index_fresh_sec=config.index_fresh_sec,
@@ -243,7 +337,7 @@ class PackageCacheService:
                     self.build_session = self.session()
                 # HTTPS terminated as a trial's: the builds trust the CA for their steps
                 # (build_trust: the public trust files in the context, ARGs, no ENV).
-                upstream = CacheUpstream(self.build_session, self.ca)
+                upstream = CacheUpstream(self.build_session, self.ca, tls_hosts=self.tls_hosts)
                 self._gateway = BuildGateway(
                     runtime,
                     upstream,
@@ -264,7 +358,7 @@ class PackageCacheService:
 
     def upstream(self, session: TrialCache) -> CacheUpstream:
         """The ``Upstream`` a trial's egress proxy hands admitted traffic to."""
-        return CacheUpstream(session, self.ca)
+        return CacheUpstream(session, self.ca, tls_hosts=self.tls_hosts)
 
     def close(self) -> None:
         with self._gateway_lock:
@@ -275,3 +369,4 @@ class PackageCacheService:
             self.thread.run(self.cache.aclose())
         finally:
             self.thread.stop()
+            self.slot.release()

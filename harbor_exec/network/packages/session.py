@@ -21,7 +21,13 @@ from harbor_exec.network.egress.proxy import Connector
 from harbor_exec.network.packages.cache import connector_resolver
 from harbor_exec.network.packages.serve import CacheUpstream
 from harbor_exec.network.packages.service import PackageCacheService, TrialCache
-from harbor_exec.network.packages.trust import TRUST_MOUNT, task_opts_out, trust_env
+from harbor_exec.network.packages.trust import (
+    CA_PEM,
+    TRUST_MOUNT,
+    system_trust_target,
+    task_opts_out,
+    trust_env,
+)
 from harbor_exec.sandbox.runtime import Mount
 
 __all__ = ["RESULT_FILE", "CachedTask", "TrialPackageCache", "wanted"]
@@ -85,8 +91,17 @@ class TrialPackageCache:
         except Exception as exc:  # only a speed-up: the trial revalidates on request then
             logger.warning("package cache: the trial's start was not marked: %r", exc)
 
-    def trust_mount(self) -> Mount:
-        return Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True)
+    def trust_mounts(self) -> list[Mount]:
+        """The public trust directory, and the CA's certificate in the system store
+        (one file beside the image's own, under OpenSSL's hashed name)."""
+        return [
+            Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True),
+            Mount(
+                str(self.service.trust_dir / CA_PEM),
+                system_trust_target(self.service.ca),
+                read_only=True,
+            ),
+        ]
 
     @staticmethod
     def env() -> dict[str, str]:

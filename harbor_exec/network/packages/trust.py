@@ -9,24 +9,35 @@ The trust directory (host side ``<cache>/package-cache-trust/``, mounted read-on
   ignores proxy variables) still verifies it;
 * ``apt.conf``: ``Acquire::https::CAInfo`` for apt, read through ``APT_CONFIG`` (apt
   reads that file first and still reads ``/etc/apt/apt.conf.d``: nothing in the
-  image is changed). apt takes its proxies from ``http_proxy``/``https_proxy``.
+  image is changed). apt takes its proxies from ``http_proxy``/``https_proxy``;
+* ``ca.pem``: the CA's certificate alone, also mounted (read-only, one file) into the
+  system trust directory as OpenSSL's hashed name (``/etc/ssl/certs/<hash>.0``,
+  ``system_trust_target``), so a program that reads only the system store (OpenSSL's
+  default verify paths, Go) trusts the cache too; the image's own certificates stay.
 
 The CA's key lives elsewhere (``ca.LocalCA``) and is never in this directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from cryptography import x509
+
 from harbor_exec.network.packages.ca import LocalCA
 
 __all__ = [
     "BUNDLE",
+    "CA_PEM",
+    "SYSTEM_CERTS_DIR",
     "TASK_OPT_OUT_KEY",
     "TRUST_MOUNT",
+    "subject_hash",
+    "system_trust_target",
     "task_opts_out",
     "trust_env",
     "write_trust_dir",
@@ -36,6 +47,9 @@ __all__ = [
 TRUST_MOUNT: Final = "/run/harbor-exec-trust"
 BUNDLE: Final = "ca-bundle.pem"
 APT_CONF: Final = "apt.conf"
+CA_PEM: Final = "ca.pem"
+#: OpenSSL's default verify directory on Debian, Ubuntu and Alpine (``CApath``).
+SYSTEM_CERTS_DIR: Final = "/etc/ssl/certs"
 #: ``[metadata]`` key of a task that must not go through the cache (``false``).
 TASK_OPT_OUT_KEY: Final = "harbor_exec_package_cache"
 
@@ -62,7 +76,7 @@ def write_trust_dir(ca: LocalCA, directory: Path) -> Path:
     os.chmod(directory, 0o755)
     bundle = ca.cert_pem.rstrip(b"\n") + b"\n" + _public_roots()
     apt = f'Acquire::https::CAInfo "{TRUST_MOUNT}/{BUNDLE}";\n'.encode()
-    for name, data in ((BUNDLE, bundle), (APT_CONF, apt)):
+    for name, data in ((BUNDLE, bundle), (APT_CONF, apt), (CA_PEM, ca.cert_pem)):
         path = directory / name
         if not path.exists() or path.read_bytes() != data:
             tmp = directory / f".{name}.{os.getpid()}"
@@ -70,6 +84,50 @@ def write_trust_dir(ca: LocalCA, directory: Path) -> Path:
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
     return directory
+
+
+def _der(tag: int, body: bytes) -> bytes:
+    size = len(body)
+    if size < 0x80:
+        return bytes([tag, size]) + body
+    length = size.to_bytes((size.bit_length() + 7) // 8, "big")
+    return bytes([tag, 0x80 | len(length)]) + length + body
+
+
+def _oid(dotted: str) -> bytes:
+    parts = [int(p) for p in dotted.split(".")]
+    body = bytearray([40 * parts[0] + parts[1]])
+    for part in parts[2:]:
+        chunk = [part & 0x7F]
+        part >>= 7
+        while part:
+            chunk.append(0x80 | (part & 0x7F))
+            part >>= 7
+        body += bytes(reversed(chunk))
+    return _der(0x06, bytes(body))
+
+
+def subject_hash(cert: x509.Certificate) -> str:
+    """OpenSSL's ``X509_NAME_hash`` of ``cert``'s subject (``openssl x509 -hash``):
+    the first four bytes, little-endian, of the SHA-1 of the name's canonical form
+    (each value as a UTF8String, trimmed, inner spaces collapsed, ASCII lower-cased;
+    the RDN sets without the outer SEQUENCE). The name of its file in a CApath."""
+    canon = b""
+    for rdn in cert.subject.rdns:
+        entries = []
+        for attribute in rdn:
+            value = attribute.value if isinstance(attribute.value, str) else ""
+            text = " ".join(value.split()).encode()
+            lowered = bytes(b + 32 if 65 <= b <= 90 else b for b in text)
+            entries.append(_der(0x30, _oid(attribute.oid.dotted_string) + _der(0x0C, lowered)))
+        canon += _der(0x31, b"".join(sorted(entries)))
+    digest = hashlib.sha1(canon, usedforsecurity=False).digest()
+    return f"{int.from_bytes(digest[:4], 'little'):08x}"
+
+
+def system_trust_target(ca: LocalCA) -> str:
+    """Where ``ca.pem`` is mounted in a container: the system store's hashed name."""
+    return f"{SYSTEM_CERTS_DIR}/{subject_hash(ca.cert)}.0"
 
 
 def trust_env() -> dict[str, str]:
