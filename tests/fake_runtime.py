@@ -40,6 +40,7 @@ from harbor_exec.container.forward import announce
 from harbor_exec.errors import EngineUnavailableError, SandboxBuildFailedError
 from harbor_exec.sandbox.cgroups import Companion
 from harbor_exec.sandbox.runtime import (
+    LABEL_KIND,
     LABEL_ROLLOUT,
     BuildResult,
     ContainerSpec,
@@ -163,6 +164,9 @@ class FakeRuntime:
     images: set[str] = field(default_factory=set)
     volumes: dict[str, VolumeFill] = field(default_factory=dict)
     containers: dict[str, FakeContainer] = field(default_factory=dict)
+    #: The package cache's build gateways, and the execs in them (apart from the rest).
+    gateways: dict[str, FakeContainer] = field(default_factory=dict)
+    gateway_execs: list[FakeExec] = field(default_factory=list)
     builds: list[str] = field(default_factory=list)
     build_args: dict[str, dict[str, str]] = field(default_factory=dict)  # tag -> its args
     build_networks: dict[str, str | None] = field(default_factory=dict)  # tag -> RUN network
@@ -264,7 +268,7 @@ class FakeRuntime:
 
     def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
         self._call("image_accounts")
-        assert not self.containers[container_id].running, "read before the container starts"
+        assert not self._container(container_id).running, "read before the container starts"
         return ImageAccounts.parse(self.passwd, self.group)
 
     def image_labels(self, tag: str) -> Mapping[str, str]:
@@ -285,23 +289,33 @@ class FakeRuntime:
     def create(self, spec: ContainerSpec) -> str:
         self._call("create")
         container_id = f"fake-{next(self._ids)}"
-        self.containers[container_id] = FakeContainer(spec)
+        if spec.labels.get(LABEL_KIND) == "build-gateway":
+            # The package cache's build gateway: kept apart from the trials' containers.
+            self.gateways[container_id] = FakeContainer(spec)
+        else:
+            self.containers[container_id] = FakeContainer(spec)
         return container_id
+
+    def _containers(self) -> dict[str, FakeContainer]:
+        return {**self.containers, **self.gateways}
+
+    def _container(self, container_id: str) -> FakeContainer:
+        return self._containers()[container_id]
 
     def start(self, container_id: str) -> None:
         self._call("start")
-        container = self.containers[container_id]
+        container = self._container(container_id)
         container.running = True
         _announce_forwarder(container.spec)
 
     def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
         self._call("put_archive")
         data = data if isinstance(data, bytes) else data.read()
-        _extract(self.containers[container_id], data)
+        _extract(self._container(container_id), data)
 
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
         self._call("get_archive")
-        container = self.containers[container_id]
+        container = self._container(container_id)
         if path not in container.files:
             return None
         buffer = io.BytesIO()
@@ -323,19 +337,19 @@ class FakeRuntime:
 
     def container_running(self, container_id: str) -> bool:
         self._call("container_running")
-        container = self.containers.get(container_id)
+        container = self._containers().get(container_id)
         return container is not None and container.running and not container.removed
 
     def stop_processes(self, container_id: str, companion: Companion | None = None) -> bool:
         self._call("stop_processes")
-        container = self.containers.get(container_id)
+        container = self._containers().get(container_id)
         if container is not None:
             self.gate.processes_stopped(container)
         return companion is not None and container is not None and container.running
 
     def disk_usage(self, container_id: str, *, budget_bytes: int) -> DiskUsage | None:
         # Not recorded in ``calls``: the trial's disk watch polls it on a timer.
-        container = self.containers.get(container_id)
+        container = self._containers().get(container_id)
         if container is None or container.removed:
             return None
         used = sum(len(data) for data in container.files.values() if data)
@@ -353,10 +367,11 @@ class FakeRuntime:
         stdin: bytes | None = None,
     ) -> ExecResult:
         self._call("exec")
-        container = self.containers[container_id]
+        container = self._container(container_id)
         script = command[-1]
         rollout_id = container.spec.labels.get(LABEL_ROLLOUT)
-        self.execs.append(FakeExec(container_id, rollout_id, script, timeout_sec, user))
+        record = FakeExec(container_id, rollout_id, script, timeout_sec, user)
+        (self.gateway_execs if container_id in self.gateways else self.execs).append(record)
         if timeout_sec is not None and timeout_sec <= 0:
             # A deadline already passed: the engine's wait ends at once, as Docker's does.
             return ExecResult(None, b"", True, 0.0)
@@ -386,7 +401,7 @@ class FakeRuntime:
 
     def container_status(self, container_id: str) -> ContainerStatus:
         self._call("container_status")
-        container = self.containers.get(container_id)
+        container = self._containers().get(container_id)
         if container is None or container.removed:
             return ContainerStatus(exists=False, running=False)
         health = self.health(container) if container.spec.healthcheck is not None else None
@@ -413,7 +428,7 @@ class FakeRuntime:
 
     def remove(self, container_id: str) -> None:
         self.calls.append("remove")
-        container = self.containers.get(container_id)
+        container = self._containers().get(container_id)
         if container is not None:
             container.removed = True
             container.running = False

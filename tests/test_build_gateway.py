@@ -56,7 +56,7 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
     try:
         tag, built = ensure_task_image(runtime, out, cache)
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
-        assert runtime.containers == {}  # no gateway for a build that does not use it
+        assert runtime.gateways == {}  # no gateway for a build that does not use it
         assert runtime.build_context_files[tag] == {}
         tag, built = ensure_task_image(runtime, cached, cache)
         # The proxy arguments, and the CA's for the steps (ARGs, with the public trust
@@ -67,14 +67,14 @@ def test_builds_get_the_gateway_unless_the_task_opts_out(tmp_path: Path) -> None
         assert files.pop("Dockerfile") == rewrite_dockerfile(cached.dockerfile.read_text()).encode()
         assert files == trust_context_files(service.trust_dir)
         assert ensure_task_image(runtime, cached, cache) == (tag, False)
-        [(gateway_id, gateway)] = runtime.containers.items()
+        [(gateway_id, gateway)] = runtime.gateways.items()
         # The build's RUN steps share the gateway's namespace: loopback and the proxy.
         assert runtime.build_networks[tag] == f"container:{gateway_id}"
         spec = gateway.spec
         assert spec.labels[LABEL_KIND] == KIND and spec.network == "none"
         assert [(m.target, m.read_only) for m in spec.mounts] == [(EGRESS_MOUNT, True)]
         assert Path(spec.mounts[0].source, "egress.sock").exists()
-        assert any(e.container_id == gateway_id for e in runtime.execs)  # the forwarder
+        assert any(e.container_id == gateway_id for e in runtime.gateway_execs)  # the forwarder
         assert not gateway.removed
     finally:
         service.close()
@@ -90,7 +90,7 @@ def test_a_buildkit_only_dockerfile_builds_outside_the_cache(tmp_path: Path) -> 
     try:
         tag, built = ensure_task_image(runtime, task, build_cache(service))
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
-        assert runtime.containers == {}
+        assert runtime.gateways == {}
     finally:
         service.close()
 
@@ -117,7 +117,7 @@ def test_a_build_that_cannot_trust_the_cache_builds_outside_it(
     try:
         tag, built = ensure_task_image(runtime, load_task(root), build_cache(service))
         assert built and runtime.build_args[tag] == {} and runtime.build_networks[tag] is None
-        assert runtime.build_context_files[tag] == {} and runtime.containers == {}
+        assert runtime.build_context_files[tag] == {} and runtime.gateways == {}
     finally:
         service.close()
 

@@ -46,10 +46,10 @@ SHARED = {
     "--api-key-env": {"run", "serve"},
     "--agent-kwarg": {"run", "serve"},
     "--agent-setup-timeout-sec": {"run", "serve"},
-    "--package-cache": {"serve", "prewarm"},
-    "--package-cache-max-gb": {"serve", "prewarm"},
-    "--package-cache-dir": {"serve", "prewarm"},
-    "--package-cache-host": {"serve", "prewarm"},
+    "--package-cache": {"validate", "run", "serve", "prewarm"},
+    "--package-cache-max-gb": {"validate", "run", "serve", "prewarm"},
+    "--package-cache-dir": {"validate", "run", "serve", "prewarm"},
+    "--package-cache-host": {"validate", "run", "serve", "prewarm"},
 }
 #: Shared names whose meaning differs by command (one declaration per meaning, all in
 #: ``cli/options.py``, except ``--api-key-env``: the model's key for ``run``, the
@@ -61,7 +61,6 @@ DIFFERENT_MEANINGS = {
     "--api-key-env",
     "--agent-setup-timeout-sec",
     "--task-git-allow-unpinned",
-    "--package-cache",
     "--n-concurrent",
 }
 COMMAND_OWN = {("--api-key-env", "run"), ("--api-key-env", "serve"), ("--n-concurrent", "prewarm")}

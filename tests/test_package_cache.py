@@ -728,20 +728,42 @@ def test_server_metrics_show_the_package_cache() -> None:
     assert "harbor_exec_package_cache_bound_bytes" in text
 
 
-def test_serve_option_and_backend_build_one_service(tmp_path: Path) -> None:
+def test_the_cache_is_on_by_default_in_every_entry_point(tmp_path: Path) -> None:
+    """validate, run, serve and prewarm take the same options, on unless told not to;
+    ``HarborBackend``'s configuration too (``package_cache=False`` turns it off)."""
+    import typer
     from typer.testing import CliRunner
 
+    from harbor_exec.backends.harbor.constructor import harbor_config
     from harbor_exec.cli.app import app
-    from harbor_exec.cli.serve import ServeOptions, package_cache_config
+    from harbor_exec.cli.options import package_cache_config
+    from harbor_exec.cli.serve import ServeOptions
 
-    assert package_cache_config(ServeOptions()) is None  # off by default
-    config = package_cache_config(
-        ServeOptions(package_cache=True, package_cache_max_gb=0.5, package_cache_dir=tmp_path)
-    )
-    assert config == PackageCacheConfig(root=tmp_path, max_bytes=512 * 1024**2)
-    for command in (["serve", "--help"], ["prewarm", "--help"]):
-        shown = CliRunner().invoke(app, command, env={"COLUMNS": "240"}).output
-        assert "--package-cache-max-gb" in shown
+    group = typer.main.get_group(app)
+    for name in ("validate", "run", "serve", "prewarm"):
+        params = {p.name: p for p in group.commands[name].params}
+        assert params["package_cache"].default is True, name
+        assert params["package_cache"].opts == ["--package-cache"], name
+        assert params["package_cache"].secondary_opts == ["--no-package-cache"], name
+        shown = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "240"}).output
+        assert "--package-cache-max-gb" in shown and "--package-cache-host" in shown, name
+    values = {
+        "package_cache": True,
+        "package_cache_max_gb": None,
+        "package_cache_dir": None,
+        "package_cache_host": None,
+    }
+    assert package_cache_config(values) == PackageCacheConfig()
+    assert package_cache_config({**values, "package_cache": False}) is None
+    assert package_cache_config(
+        {**values, "package_cache_max_gb": 0.5, "package_cache_dir": tmp_path}
+    ) == PackageCacheConfig(root=tmp_path, max_bytes=512 * 1024**2)
+    with pytest.raises(typer.BadParameter, match="not a host name pattern"):
+        package_cache_config({**values, "package_cache_host": ["https://x.example"]})
+    assert ServeOptions().package_cache == PackageCacheConfig()
+    assert harbor_config(tasks_dir=str(tmp_path)).package_cache == PackageCacheConfig()
+    for off in (False, None):
+        assert harbor_config(tasks_dir=str(tmp_path), package_cache=off).package_cache is None
     assert (
         "--run-verifier"
         in CliRunner().invoke(app, ["prewarm", "--help"], env={"COLUMNS": "240"}).output

@@ -52,7 +52,7 @@ CACHED_BUILD_ARGS = {**build_proxy_args(), **trust_env()}
 def gateway_network(runtime: FakeRuntime) -> str:
     """The RUN network of a cached build: the one build gateway's namespace."""
     [gateway_id] = [
-        cid for cid, c in runtime.containers.items() if c.spec.labels.get(LABEL_KIND) == KIND
+        cid for cid, c in runtime.gateways.items() if c.spec.labels.get(LABEL_KIND) == KIND
     ]
     return f"container:{gateway_id}"
 
@@ -170,7 +170,7 @@ def test_compose_service_images_without_the_cache_keep_their_own_args(
             assert runtime.build_args[db] == {"HTTP_PROXY": OWN_PROXY, "FLAVOUR": "mint"}
             assert runtime.build_args[compose.main_image_tag(task)] == {}
             assert set(runtime.build_networks.values()) == {None}
-            assert runtime.containers == {}  # no gateway started
+            assert runtime.gateways == {}  # no gateway started
 
 
 def test_a_compose_trial_builds_its_services_through_the_cache(
@@ -222,7 +222,7 @@ def test_the_servers_prewarm_builds_through_the_cache(tmp_path: Path) -> None:
         assert runtime.build_args[tag] == CACHED_BUILD_ARGS
         network = gateway_network(runtime)
         assert runtime.build_networks[tag] == network
-        [gateway] = [c for c in runtime.containers.values() if c.spec.labels[LABEL_KIND] == KIND]
+        [gateway] = [c for c in runtime.gateways.values() if c.spec.labels[LABEL_KIND] == KIND]
         assert not gateway.removed
     # The server's shutdown closed the cache, and with it the gateway.
     assert gateway.removed and backend.package_cache is None
@@ -292,7 +292,7 @@ def test_a_ray_node_makes_its_own_cache_for_its_prewarm_and_trials(tmp_path: Pat
     assert service.config.root == tmp_path / "cache" / "ray-nodes" / "w0"
     assert (service.config.root / "package-cache-ca").is_dir()
     assert agent.package_cache.service is None
-    assert all(c.removed for c in runtime.containers.values())
+    assert all(c.removed for c in runtime.gateways.values())
     # The trial on the node used it: its record came back in the trial's files.
     assert run.result.exception_info is None, run.result.exception_info
     names = _tar_names(run.archive)

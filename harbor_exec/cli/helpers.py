@@ -51,6 +51,8 @@ from harbor_exec.trial.spec import TrialSpec
 
 if TYPE_CHECKING:
     from harbor_exec.executors.base import TrialExecutor
+    from harbor_exec.network.packages.config import PackageCacheConfig
+    from harbor_exec.network.packages.service import PackageCacheService
 
 console = Console()
 
@@ -314,9 +316,66 @@ def run_dataset_job(
     executor: TrialExecutor | None = None,
     agent: Mapping[str, Any] = ORACLE_CONFIG,
     make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
+    package_cache: PackageCacheConfig | None = None,
 ) -> JobOutcome:
     """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
-    (exit 128+signal), resume errors as exit 2, and the summary table at the end."""
+    (exit 128+signal), resume errors as exit 2, and the summary table at the end.
+    ``package_cache``: the trials (and their image builds) fetch through the package
+    cache (this process's, or each Ray node's own)."""
+    with _package_cache(package_cache, executor) as service:
+        return _run_dataset_job(
+            command,
+            selected,
+            runtime,
+            jobs_dir=jobs_dir,
+            job_name=job_name,
+            n_concurrent=n_concurrent,
+            n_attempts=n_attempts,
+            make_spec=make_spec,
+            executor=executor,
+            agent=agent,
+            make_secrets=make_secrets,
+            package_cache=service,
+        )
+
+
+@contextmanager
+def _package_cache(
+    config: PackageCacheConfig | None, executor: TrialExecutor | None
+) -> Iterator[PackageCacheService | None]:
+    """This process's package cache service for a job (None: off, or the executor's
+    nodes each run their own), closed after it."""
+    if config is None:
+        yield None
+        return
+    if executor is not None:
+        service = executor.package_cache_service(config)
+    else:
+        from harbor_exec.network.packages.service import PackageCacheService
+
+        service = PackageCacheService(config)
+    try:
+        yield None if executor is not None else service
+    finally:
+        if service is not None:
+            service.close()
+
+
+def _run_dataset_job(
+    command: str,
+    selected: SelectedDataset,
+    runtime: DockerRuntime | None,
+    *,
+    jobs_dir: Path,
+    job_name: str | None,
+    n_concurrent: int,
+    n_attempts: int,
+    make_spec: Callable[[Task, Path], TrialSpec],
+    executor: TrialExecutor | None,
+    agent: Mapping[str, Any],
+    make_secrets: Callable[[TrialSpec], TrialSecrets] | None,
+    package_cache: PackageCacheService | None,
+) -> JobOutcome:
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
     progress = Progress(
         TextColumn(f"[bold]{command}[/bold]"),
@@ -372,6 +431,7 @@ def run_dataset_job(
                 executor=executor,
                 agent=agent,
                 make_secrets=make_secrets,
+                package_cache=package_cache,
             )
     except JobResumeError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")

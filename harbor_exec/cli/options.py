@@ -22,6 +22,7 @@ import typer
 
 from harbor_exec.agents.native.config import NATIVE_AGENT_NAMES
 from harbor_exec.backends.harbor.config import CommandLine, SandboxConfig
+from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.sources.packages import PACKAGE_SOURCE_ENV
 
 # The help panels, in the order a reader meets them.
@@ -328,6 +329,39 @@ def sandbox_config(values: dict[str, Any]) -> SandboxConfig:
     return SandboxConfig(**given)
 
 
+def _expand(
+    command: Callable[..., None],
+    placeholder: str,
+    added: list[inspect.Parameter],
+    make: Callable[[dict[str, Any]], Any],
+) -> Callable[..., None]:
+    """``command`` taking the ``added`` options in the place of its ``placeholder``
+    parameter, which gets ``make`` of their values."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    names = [parameter.name for parameter in added]
+
+    @functools.wraps(command)
+    def expanded(*args: Any, **kwargs: Any) -> None:
+        values = {name: kwargs.pop(name) for name in names}
+        command(*args, **{placeholder: make(values)}, **kwargs)
+
+    # In the place of the placeholder: the help shows the panels in the parameters' order.
+    parameters: list[inspect.Parameter] = []
+    for parameter in inspect.signature(command).parameters.values():
+        if parameter.name == placeholder:
+            parameters += added
+        else:
+            parameters.append(
+                parameter.replace(
+                    kind=inspect.Parameter.KEYWORD_ONLY,
+                    annotation=hints.get(parameter.name, parameter.annotation),
+                )
+            )
+    expanded.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    expanded.__annotations__ = {p.name: p.annotation for p in parameters}
+    return expanded
+
+
 def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """A command with a ``sandbox: SandboxConfig`` parameter takes the sandbox and limits
     options in its place (``--grader-verifier-mode`` too with ``grader``): one list of
@@ -337,65 +371,34 @@ def takes_sandbox(*, grader: bool = False) -> Callable[[Callable[..., None]], Ca
         for name, config_field in _SANDBOX_FIELDS.items()
         if grader or not config_field.metadata["cli"].grader_only
     ]
+    added = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=SANDBOX_OPTIONS[name][0],
+            default=SANDBOX_OPTIONS[name][1],
+        )
+        for name in names
+    ]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        hints = typing.get_type_hints(command, include_extras=True)
-        added = [
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                annotation=SANDBOX_OPTIONS[name][0],
-                default=SANDBOX_OPTIONS[name][1],
-            )
-            for name in names
-        ]
-
-        @functools.wraps(command)
-        def with_sandbox(*args: Any, **kwargs: Any) -> None:
-            values = {name: kwargs.pop(name) for name in names}
-            command(*args, sandbox=sandbox_config(values), **kwargs)
-
-        # In the place of ``sandbox``: the help shows the panels in the parameters' order.
-        parameters: list[inspect.Parameter] = []
-        for parameter in inspect.signature(command).parameters.values():
-            if parameter.name == "sandbox":
-                parameters += added
-            else:
-                parameters.append(
-                    parameter.replace(
-                        kind=inspect.Parameter.KEYWORD_ONLY,
-                        annotation=hints.get(parameter.name, parameter.annotation),
-                    )
-                )
-        with_sandbox.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-        with_sandbox.__annotations__ = {p.name: p.annotation for p in parameters}
-        return with_sandbox
+        return _expand(command, "sandbox", added, sandbox_config)
 
     return decorate
 
 
 # ---- Network and cache ----
 
-ServePackageCacheOption = Annotated[
+PackageCacheOption = Annotated[
     bool,
     typer.Option(
         "--package-cache/--no-package-cache",
         rich_help_panel=NETWORK,
-        help="With --tasks-dir: public-network trials reach the internet through a "
-        "host-side package cache (apt, PyPI, npm, HTTPS files; a local CA only trial "
-        "containers trust); a task opts out with \\[metadata] harbor_exec_package_cache "
-        "= false (docs/package-cache.md).",
-    ),
-]
-PrewarmPackageCacheOption = Annotated[
-    bool,
-    typer.Option(
-        "--package-cache",
-        rich_help_panel=NETWORK,
-        help="Build the images through the package cache (what RUN steps fetch over "
-        "HTTP and HTTPS, apt, pip, npm and files, is fetched once; "
-        "docs/package-cache.md); with --ray, each node's own. Implied by "
-        "--run-verifier.",
+        help="Trial containers with network, and image builds, fetch through a host-side "
+        "package cache (apt, PyPI, npm, uv, GitHub releases; HTTPS terminated only for "
+        "those hosts, with a local CA only our containers trust), so later trials get "
+        "what earlier ones downloaded. On by default; a task opts out with \\[metadata] "
+        "harbor_exec_package_cache = false (docs/package-cache.md).",
     ),
 ]
 PackageCacheMaxGbOption = Annotated[
@@ -408,6 +411,15 @@ PackageCacheMaxGbOption = Annotated[
         "most 20 GB).",
     ),
 ]
+PackageCacheDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--package-cache-dir",
+        rich_help_panel=NETWORK,
+        help="Where the package cache keeps its stores and CA (default: the harbor-exec "
+        "cache dir); several harbor-exec processes share it.",
+    ),
+]
 PackageCacheHostOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -418,14 +430,36 @@ PackageCacheHostOption = Annotated[
         "GitHub releases); every other host's HTTPS is tunnelled untouched. Repeatable.",
     ),
 ]
-PackageCacheDirOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--package-cache-dir",
-        rich_help_panel=NETWORK,
-        help="Where the package cache keeps its store and CA (default: the harbor-exec cache dir).",
-    ),
+_PACKAGE_CACHE_OPTIONS = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hint, default=default)
+    for name, hint, default in (
+        ("package_cache", PackageCacheOption, True),
+        ("package_cache_max_gb", PackageCacheMaxGbOption, None),
+        ("package_cache_dir", PackageCacheDirOption, None),
+        ("package_cache_host", PackageCacheHostOption, None),
+    )
 ]
+
+
+def package_cache_config(values: dict[str, Any]) -> PackageCacheConfig | None:
+    """The ``PackageCacheConfig`` the package cache options describe; None: off."""
+    if not values["package_cache"]:
+        return None
+    try:
+        return PackageCacheConfig.from_options(
+            values["package_cache_dir"],
+            values["package_cache_max_gb"],
+            values["package_cache_host"] or (),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--package-cache-host") from None
+
+
+def takes_package_cache(command: Callable[..., None]) -> Callable[..., None]:
+    """A command with a ``package_cache: PackageCacheConfig | None`` parameter takes the
+    package cache options in its place (one declaration for every command)."""
+    return _expand(command, "package_cache", _PACKAGE_CACHE_OPTIONS, package_cache_config)
+
 
 # ---- Ray ----
 
@@ -466,10 +500,10 @@ __all__ = [
     "PackageCacheDirOption",
     "PackageCacheHostOption",
     "PackageCacheMaxGbOption",
+    "PackageCacheOption",
     "PackageSourceOption",
     "PreferGraderOption",
     "PrewarmAgentOption",
-    "PrewarmPackageCacheOption",
     "RayOption",
     "RegistryPathOption",
     "RegistryUrlOption",
@@ -480,10 +514,11 @@ __all__ = [
     "ServeAgentSetupTimeoutOption",
     "ServeAllowUnpinnedOption",
     "ServeModelNameOption",
-    "ServePackageCacheOption",
     "StrictGraderIsolationOption",
     "TaskRefOption",
     "TasksPathArgument",
+    "package_cache_config",
     "sandbox_config",
+    "takes_package_cache",
     "takes_sandbox",
 ]

@@ -19,18 +19,17 @@ from harbor_exec.cli.options import (
     JOB,
     NETWORK,
     RAY,
-    PackageCacheDirOption,
-    PackageCacheHostOption,
-    PackageCacheMaxGbOption,
     PrewarmAgentOption,
-    PrewarmPackageCacheOption,
     RayOption,
+    takes_package_cache,
 )
 from harbor_exec.errors import HarborExecError
 from harbor_exec.jobs.prewarm import PrewarmEvent, prepare_prewarm_agent, prewarm_tasks, tally
+from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.tasks.task import Task
 
 
+@takes_package_cache
 def prewarm(
     path: Annotated[Path, typer.Argument(help="A task directory or a dataset of tasks.")],
     jobs: Annotated[
@@ -61,35 +60,34 @@ def prewarm(
             "--run-verifier",
             rich_help_panel=NETWORK,
             help="Also run each task's oracle and verifier once through the package cache, "
-            "so what solve.sh and test.sh fetch is cached before serving with "
-            "--package-cache (docs/package-cache.md).",
+            "so what solve.sh and test.sh fetch is cached before serving "
+            "(docs/package-cache.md).",
         ),
     ] = False,
-    package_cache: PrewarmPackageCacheOption = False,
-    package_cache_max_gb: PackageCacheMaxGbOption = None,
-    package_cache_dir: PackageCacheDirOption = None,
-    package_cache_host: PackageCacheHostOption = None,
+    package_cache: PackageCacheConfig | None = None,
 ) -> None:
     """Build every task image ahead of time, in parallel; report built / cached / failed.
     With ``--agent mini-swe-agent`` (or ``opencode``), also that agent's layer (its
     wheels and binaries, then its volume)."""
+    if run_verifier and package_cache is None:
+        console.print(
+            "[red]error:[/] --run-verifier fills the package cache: not with --no-package-cache"
+        )
+        raise typer.Exit(2)
     discovery = load_dataset(path)
     if ray:
         if run_verifier:
             console.print(
                 "[red]error:[/] --run-verifier runs the verifiers on this machine, not with "
-                "--ray; use --ray --package-cache to build through each node's cache"
+                "--ray (--ray builds through each node's own package cache)"
             )
             raise typer.Exit(2)
-        config = None
-        if package_cache:
-            from harbor_exec.network.packages.service import PackageCacheConfig
-
-            config = PackageCacheConfig.from_options(
-                package_cache_dir, package_cache_max_gb, package_cache_host or ()
-            )
         _prewarm_ray(
-            ray, discovery.tasks, node or None, broken=len(discovery.broken), package_cache=config
+            ray,
+            discovery.tasks,
+            node or None,
+            broken=len(discovery.broken),
+            package_cache=package_cache,
         )
     agent_layer = None
     if agent is not None:
@@ -101,14 +99,10 @@ def prewarm(
     runtime = open_runtime()
     n_jobs = jobs or runtime.engine_cpus()
     cache = None
-    if run_verifier or package_cache:
-        from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
+    if package_cache is not None:
+        from harbor_exec.network.packages.service import PackageCacheService
 
-        cache = PackageCacheService(
-            PackageCacheConfig.from_options(
-                package_cache_dir, package_cache_max_gb, package_cache_host or ()
-            )
-        )
+        cache = PackageCacheService(package_cache)
     counts = {"built": 0, "cached": 0, "failed": 0, "building": 0}
     colours = {"built": "green", "cached": "cyan", "failed": "red"}
     progress = Progress(

@@ -63,10 +63,12 @@ from harbor_exec.cli.options import (
     RunModelNameOption,
     TaskRefOption,
     TasksPathArgument,
+    takes_package_cache,
     takes_sandbox,
 )
 from harbor_exec.executors.spec import TrialSecrets, model_endpoint, native_secrets
 from harbor_exec.jobs.dataset import JobOutcome
+from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.spec import TrialSpec
 
@@ -176,6 +178,7 @@ def check_run_agent(
 
 
 @takes_sandbox()
+@takes_package_cache
 def run(
     agent: RunAgentOption,
     model_name: RunModelNameOption,
@@ -215,6 +218,7 @@ def run(
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
     sandbox: SandboxConfig = _SANDBOX,
+    package_cache: PackageCacheConfig | None = None,
 ) -> None:
     """Run Harbor's agent with a model on every task, as Harbor's job layout (pass@k,
     mean reward, tokens); exit 0 once every trial ran, whatever the rewards."""
@@ -253,6 +257,7 @@ def run(
         job_name=job_name,
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
+        package_cache=package_cache,
         make_spec=lambda task, job_dir: chosen.spec(task, job_dir, policy=policy),
         # Each trial's relay (and the native agent) run in this process.
         executor=LocalExecutor(runtime),

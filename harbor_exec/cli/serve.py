@@ -38,9 +38,6 @@ from harbor_exec.cli.options import (
     TASKS,
     AgentKwargOption,
     GraderEnvOption,
-    PackageCacheDirOption,
-    PackageCacheHostOption,
-    PackageCacheMaxGbOption,
     PackageSourceOption,
     PreferGraderOption,
     RayOption,
@@ -48,10 +45,11 @@ from harbor_exec.cli.options import (
     ServeAgentSetupTimeoutOption,
     ServeAllowUnpinnedOption,
     ServeModelNameOption,
-    ServePackageCacheOption,
     StrictGraderIsolationOption,
+    takes_package_cache,
     takes_sandbox,
 )
+from harbor_exec.network.packages.config import PackageCacheConfig
 
 __all__ = ["ServeOptions", "build_app", "build_backend", "harbor_config_of", "serve"]
 
@@ -89,11 +87,8 @@ class ServeOptions:
     port: int | None = None  # where it listens (see resolve_port); keys the default data dir
     # POST routes a workflow's relay forwards besides /chat/completions (--relay-allow-route).
     relay_extra_routes: list[str] = field(default_factory=list)
-    # The package cache (--package-cache): off unless asked (docs/package-cache.md).
-    package_cache: bool = False
-    package_cache_max_gb: float | None = None  # None: a share of the disk
-    package_cache_dir: Path | None = None
-    package_cache_hosts: list[str] = field(default_factory=list)
+    # The package cache (--package-cache, on by default; docs/package-cache.md); None: off.
+    package_cache: PackageCacheConfig | None = field(default_factory=PackageCacheConfig)
     # Harbor's own agents (--agent terminus-2): the model route, options and setup timeout.
     model_name: str | None = None
     agent_kwargs: list[str] = field(default_factory=list)
@@ -163,19 +158,8 @@ def harbor_config_of(options: ServeOptions) -> HarborConfig:
         agent=agent,
         sandbox=options.sandbox,
         capacity=Capacity(options.max_concurrent_trials, options.max_queue_depth),
-        package_cache=package_cache_config(options),
+        package_cache=options.package_cache,
         paths=Paths(trials_dir=options.trials_dir, artifacts_dir=options.artifact_root),
-    )
-
-
-def package_cache_config(options: ServeOptions) -> Any:
-    """The ``PackageCacheConfig`` ``--package-cache`` asks for, else None."""
-    if not options.package_cache:
-        return None
-    from harbor_exec.network.packages.service import PackageCacheConfig
-
-    return PackageCacheConfig.from_options(
-        options.package_cache_dir, options.package_cache_max_gb, options.package_cache_hosts
     )
 
 
@@ -254,6 +238,7 @@ def _api_key(variable: str | None) -> str | None:
 
 
 @takes_sandbox(grader=True)
+@takes_package_cache
 def serve(
     tasks_dir: Annotated[
         Path | None,
@@ -327,10 +312,7 @@ def serve(
             "only /chat/completions otherwise).",
         ),
     ] = None,
-    package_cache: ServePackageCacheOption = False,
-    package_cache_max_gb: PackageCacheMaxGbOption = None,
-    package_cache_dir: PackageCacheDirOption = None,
-    package_cache_host: PackageCacheHostOption = None,
+    package_cache: PackageCacheConfig | None = None,
     app_ref: Annotated[
         str | None,
         typer.Option(
@@ -465,9 +447,6 @@ def serve(
         port=port,
         relay_extra_routes=list(relay_allow_route or []),
         package_cache=package_cache,
-        package_cache_max_gb=package_cache_max_gb,
-        package_cache_dir=package_cache_dir,
-        package_cache_hosts=list(package_cache_host or []),
         model_name=model_name,
         agent_kwargs=list(agent_kwarg or []),
         agent_setup_timeout_sec=agent_setup_timeout_sec,

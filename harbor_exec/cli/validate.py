@@ -34,15 +34,18 @@ from harbor_exec.cli.options import (
     RegistryUrlOption,
     TaskRefOption,
     TasksPathArgument,
+    takes_package_cache,
     takes_sandbox,
 )
 from harbor_exec.jobs.dataset import no_scalar_reward
+from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.trial.spec import TrialSpec
 
 _SANDBOX = SandboxConfig()
 
 
 @takes_sandbox()
+@takes_package_cache
 def validate(
     path: TasksPathArgument = None,
     dataset: DatasetRefOption = None,
@@ -59,6 +62,7 @@ def validate(
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
     sandbox: SandboxConfig = _SANDBOX,
+    package_cache: PackageCacheConfig | None = None,
     ray: RayOption = None,
     strict: Annotated[
         bool,
@@ -94,6 +98,7 @@ def validate(
         job_name=job_name,
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
+        package_cache=package_cache,
         make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
         executor=executor,
     )

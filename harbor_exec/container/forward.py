@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 
-
 def _serving_imports() -> None:
     """What serving needs, imported late in the program (see the imports above)."""
     global asyncio, contextlib, logging, threading, logger

@@ -36,6 +36,7 @@ from harbor_exec.trial.trial import Trial, new_trial_name
 
 if TYPE_CHECKING:
     from harbor_exec.executors.base import TrialExecutor, TrialHandle
+    from harbor_exec.network.packages.service import PackageCacheService
     from harbor_exec.network.usage import ModelUsage
 
 
@@ -430,8 +431,12 @@ def run_job(
     executor: TrialExecutor | None = None,
     agent: Mapping[str, Any] = ORACLE_CONFIG,
     make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
+    package_cache: PackageCacheService | None = None,
 ) -> JobOutcome:
     """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir.
+
+    ``package_cache``: this machine's package cache for the trials run here (with an
+    executor, the executor's own: ``TrialExecutor.package_cache_service``).
 
     ``make_spec`` makes each trial (default: the oracle); ``agent`` is its agent as
     Harbor's ``AgentConfig`` names it (``config.json``, and what a resume must match).
@@ -560,7 +565,7 @@ def run_job(
         assert runtime is not None
         trial = create_trial(
             runtime,
-            trial_request(spec),
+            trial_request(spec, package_cache=package_cache),
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
         )
         trial.dir.mkdir(parents=True, exist_ok=True)

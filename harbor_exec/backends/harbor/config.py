@@ -25,6 +25,7 @@ from harbor_exec.agents.native.config import (
     native_agent_config,
 )
 from harbor_exec.backends.harbor.resolver import TaskMode
+from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.trial.policy import (
     DEFAULT_CPUS,
@@ -38,7 +39,6 @@ from harbor_exec.trial.policy import (
 
 if TYPE_CHECKING:
     from harbor_exec.bundler.bundle import Bundle
-    from harbor_exec.network.packages.service import PackageCacheConfig
     from harbor_exec.sources.packages import PackageSource
 
 #: Trials run at once unless told otherwise (``--max-concurrent-trials``, ``-n``).
@@ -319,8 +319,9 @@ class HarborConfig:
     agent: AgentChoice = field(default_factory=AgentChoice)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     capacity: Capacity = field(default_factory=Capacity)
-    #: The package cache's settings (the live service is made by the executor); None: off.
-    package_cache: PackageCacheConfig | None = None
+    #: The package cache's settings (the live service is made by the executor); on by
+    #: default, None: off.
+    package_cache: PackageCacheConfig | None = field(default_factory=PackageCacheConfig)
     paths: Paths = field(default_factory=Paths)
 
 

@@ -26,10 +26,10 @@ from harbor_exec.backends.harbor.config import (
     TaskSources,
 )
 from harbor_exec.backends.harbor.resolver import TaskMode
+from harbor_exec.network.packages.config import PackageCacheConfig, package_cache_setting
 
 if TYPE_CHECKING:
     from harbor_exec.bundler.bundle import Bundle
-    from harbor_exec.network.packages.service import PackageCacheConfig
     from harbor_exec.sandbox.archives import OutputLimits
     from harbor_exec.sources.packages import PackageSource
 
@@ -273,7 +273,7 @@ def harbor_config(
     strict_grader_isolation: bool = False,
     prefer_grader: bool = False,
     grader_env: Sequence[str] = (),
-    package_cache: PackageCacheConfig | None = None,
+    package_cache: PackageCacheConfig | bool | None = True,
     native_agent_kwargs: Mapping[str, Any] | None = None,
     model_name: str = DEFAULT_MODEL_NAME,
     agent_setup_timeout_sec: float | None = None,
@@ -332,7 +332,8 @@ def harbor_config(
     (a Harbor package) comes from: a directory laid out as Harbor's package cache or
     a mirror URL (``harbor_exec.sources.packages``); none by default, when packages
     are refused as a path outside the served roots is.
-    ``package_cache``: the server's package cache (docs/package-cache.md); None: off.
+    ``package_cache``: the package cache (docs/package-cache.md): on by default (``True``:
+    the default settings, or a ``PackageCacheConfig``); ``False`` or ``None``: off.
 
     ``relay_extra_routes``: POST routes under the model URL's path (e.g.
     ``/completions``) a workflow's relay forwards besides ``/chat/completions``.
@@ -420,7 +421,7 @@ def harbor_config(
         ),
         sandbox=sandbox,
         capacity=capacity,
-        package_cache=package_cache,
+        package_cache=package_cache_setting(package_cache),
         paths=Paths(
             trials_dir=Path(trials_dir) if trials_dir else None,
             artifacts_dir=Path(artifacts_dir) if artifacts_dir else None,
