@@ -24,7 +24,7 @@ import pytest
 from harbor_exec.backends.harbor.backend import HarborBackend
 from harbor_exec.executors.local import LocalExecutor
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import LABEL_MANAGED
+from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_TRIAL
 from harbor_exec.server import create_rollout_server
 from tests.server_utils import runs_command, serve, wait_until
 from tests.task_factory import make_task
@@ -166,7 +166,8 @@ def test_dockerd_restart_under_serve(own_daemon: OwnDaemon, tmp_path: Path) -> N
             admitted = submit(rollout_id, task.name)
             assert admitted.status_code == 202, admitted.text
             tokens[rollout_id] = admitted.json()["polling_lease_token"]
-        labels = {"label": [f"{LABEL_MANAGED}=true"]}
+        # The trials' containers (not the package cache's build gateway, also ours).
+        labels = {"label": [f"{LABEL_MANAGED}=true", LABEL_TRIAL]}
         client = own_daemon.client()
         assert wait_until(
             lambda: len(client.containers.list(filters=labels)) == 2, timeout=60, interval=0.2

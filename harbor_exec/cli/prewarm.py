@@ -163,7 +163,8 @@ def prewarm(
     counted = tally(outcomes, extra_failed=len(discovery.broken))
     console.print(
         ", ".join(f"{k}: {v}" for k, v in counted.items())
-        + f"; {wall:.1f}s with {n_jobs} job(s), builder {runtime.builder}"
+        + f"; {wall:.1f}s with {n_jobs} job(s), builder "
+        + ("legacy (through the package cache)" if cache is not None else runtime.builder)
     )
     raise typer.Exit(1 if counted["failed"] else 0)
 

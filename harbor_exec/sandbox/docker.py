@@ -457,7 +457,12 @@ class DockerRuntime:
         if self._builder is None:
             with self._locks_guard:
                 if self._builder is None:
-                    self._builder = self._choose_builder()
+                    try:
+                        self._builder = self._choose_builder()
+                    except (requests.exceptions.RequestException, docker.errors.DockerException):
+                        # The engine does not answer (``/health`` asks while it is down):
+                        # what it would most likely be, chosen for good once it answers.
+                        return "legacy" if self._builder_choice == "legacy" else "buildkit"
         return self._builder
 
     def _choose_builder(self) -> BuilderKind:

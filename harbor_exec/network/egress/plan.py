@@ -48,6 +48,8 @@ from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
 
 __all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
 
+#: Where trials' egress proxies keep their sockets.
+EGRESS_ROOT: Final = Path("/tmp") / "hx-egress"
 #: How long a forwarder started with its container may take to announce itself.
 FORWARDER_START_SEC: Final = 60.0
 #: The trial dir's record of what its proxy refused (JSON lines).
@@ -172,7 +174,10 @@ class TrialEgress:
         """The proxy's directory, to mount read-only at ``EGRESS_MOUNT``."""
         if self._thread is None:
             # Short and fresh: a unix socket path has 107 bytes; the trial dir may be long.
-            self._scratch = Path(tempfile.mkdtemp(prefix="hx-egress-"))
+            # One root (as the relay's): a service in a container shares it with the host
+            # at the same path, since the engine resolves bind mounts on the host.
+            EGRESS_ROOT.mkdir(mode=0o711, exist_ok=True)
+            self._scratch = Path(tempfile.mkdtemp(prefix="e-", dir=EGRESS_ROOT))
             proxy = EgressProxy(
                 directory=self._scratch / "e",
                 trial=self.trial,
@@ -226,7 +231,9 @@ class TrialEgress:
         elif not serving.event.wait(FORWARDER_START_SEC):
             raise EnvironmentStartError(
                 f"{what} did not start: it did not announce itself within "
-                f"{FORWARDER_START_SEC:g}s of the container's start"
+                f"{FORWARDER_START_SEC:g}s of the container's start (when harbor-exec runs "
+                f"in a container, mount {EGRESS_ROOT} and the cache dir at the same paths "
+                "from the host: docs/server.md)"
             )
 
     def close(self) -> None:
