@@ -1,12 +1,16 @@
 """Oracle trials of the example dataset against a floor of direct Docker SDK calls.
 
-    .venv/bin/python bench/bench_trials.py [--rounds 3]
+    .venv/bin/python bench/bench_trials.py [--rounds 3] [--package-cache]
 
 The floor does only what any oracle trial must: create the container, put the
 solution, start, exec solve.sh, put the tests, exec test.sh, read the reward,
 remove. harbor-exec does the same work plus its bookkeeping (task loading,
 result.json, logs, deadlines). Printed as ratios (targets: <= 1.3x per trial at
 concurrency 1; 12 trials at concurrency 4 in under 3 s). Images are warmed first.
+
+``--package-cache``: also each trial through the package cache (as every command runs
+them by default), printed as its ratio to the same trial without it: what the cache
+costs a task that fetches nothing (the egress proxy, its forwarder, the trust mounts).
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dataset", type=Path, default=ROOT / "tasks_examples" / "dataset")
+    parser.add_argument("--package-cache", action="store_true", help="also through the cache")
     args = parser.parse_args()
 
     runtime = DockerRuntime()
@@ -147,8 +152,48 @@ def main() -> int:
         if label == "floor":
             floor_wall = wall
     print(f"concurrency-4 ratio: {wall / floor_wall:.2f}x; target: ours under 3 s")
+    if args.package_cache:
+        _through_the_cache(runtime, tasks, scratch, args.rounds)
     runtime.close()
     return 0
+
+
+def _through_the_cache(
+    runtime: DockerRuntime, tasks: list[Task], scratch: Path, rounds: int
+) -> None:
+    from harbor_exec.network.packages.config import PackageCacheConfig
+    from harbor_exec.network.packages.service import PackageCacheService
+
+    service = PackageCacheService(PackageCacheConfig(root=scratch / "package-cache"))
+
+    def run(task: Task, cached: bool) -> None:
+        spec = TrialSpec(task=task, trials_dir=scratch)
+        request = TrialRequest(spec, package_cache=service if cached else None)
+        result = run_trial(runtime, request)
+        assert result.reward_valid, (task.name, result.exception_info)
+
+    try:
+        for task in tasks:
+            run(task, True)
+        print(f"{'task':36} {'off ms':>9} {'cache ms':>9} {'ratio':>6}")
+        ratios = []
+        for task in tasks:
+            off: list[float] = []
+            on: list[float] = []
+            for _ in range(max(rounds, 5)):  # interleaved: the machine's drift hits both
+                off.append(timed(lambda t=task: run(t, False)))
+                on.append(timed(lambda t=task: run(t, True)))
+            ratio = statistics.median(on) / statistics.median(off)
+            ratios.append(ratio)
+            print(
+                f"{task.name:36} {statistics.median(off) * 1000:9.0f} "
+                f"{statistics.median(on) * 1000:9.0f} {ratio:6.2f}"
+            )
+        print(
+            f"median ratio, through the package cache / without: {statistics.median(ratios):.2f}x"
+        )
+    finally:
+        service.close()
 
 
 if __name__ == "__main__":
