@@ -47,6 +47,7 @@ SHARED = {
     "--agent-kwarg": {"run", "serve"},
     "--agent-setup-timeout-sec": {"run", "serve"},
     "--package-cache": {"validate", "run", "serve", "prewarm"},
+    "--max-retries": {"validate", "run"},
     "--package-cache-max-gb": {"validate", "run", "serve", "prewarm"},
     "--package-cache-dir": {"validate", "run", "serve", "prewarm"},
     "--package-cache-host": {"validate", "run", "serve", "prewarm"},

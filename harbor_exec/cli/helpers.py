@@ -317,6 +317,7 @@ def run_dataset_job(
     agent: Mapping[str, Any] = ORACLE_CONFIG,
     make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
     package_cache: PackageCacheConfig | None = None,
+    max_retries: int = 0,
 ) -> JobOutcome:
     """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
     (exit 128+signal), resume errors as exit 2, and the summary table at the end.
@@ -336,6 +337,7 @@ def run_dataset_job(
             agent=agent,
             make_secrets=make_secrets,
             package_cache=service,
+            max_retries=max_retries,
         )
 
 
@@ -375,6 +377,7 @@ def _run_dataset_job(
     agent: Mapping[str, Any],
     make_secrets: Callable[[TrialSpec], TrialSecrets] | None,
     package_cache: PackageCacheService | None,
+    max_retries: int,
 ) -> JobOutcome:
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
     progress = Progress(
@@ -394,6 +397,12 @@ def _run_dataset_job(
         elif event.kind == "phase" and event.phase == "environment":
             counts["queued"] -= 1
             counts["running"] += 1
+        elif event.kind == "retry" and event.result is not None:
+            counts["running"] -= 1
+            counts["queued"] += 1
+            info = event.result.exception_info
+            why = info.exception_type if info is not None else "an error"
+            progress.console.print(f"[yellow]retrying[/yellow] {event.task.name} ({why})")
         elif event.kind == "finished" and event.result is not None:
             counts["running"] -= 1
             info = event.result.exception_info
@@ -432,6 +441,7 @@ def _run_dataset_job(
                 agent=agent,
                 make_secrets=make_secrets,
                 package_cache=package_cache,
+                max_retries=max_retries,
             )
     except JobResumeError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")

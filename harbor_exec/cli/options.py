@@ -148,6 +148,17 @@ NAttemptsOption = Annotated[
         "-k", "--n-attempts", min=1, rich_help_panel=JOB, help="Trials per task (pass@k)."
     ),
 ]
+MaxRetriesOption = Annotated[
+    int,
+    typer.Option(
+        "-r",
+        "--max-retries",
+        min=0,
+        rich_help_panel=JOB,
+        help="Run a trial again (a new trial) when it ended with an exception Harbor "
+        "retries (a failed build, an engine fault, ...), up to this many times.",
+    ),
+]
 DEFAULT_JOBS_DIR = Path("jobs")
 JobsDirOption = Annotated[
     Path, typer.Option("--jobs-dir", rich_help_panel=JOB, help="Where job directories go.")
@@ -494,6 +505,7 @@ __all__ = [
     "IncludeTaskOption",
     "JobNameOption",
     "JobsDirOption",
+    "MaxRetriesOption",
     "NAttemptsOption",
     "NConcurrentOption",
     "NTasksOption",

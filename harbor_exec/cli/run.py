@@ -52,6 +52,7 @@ from harbor_exec.cli.options import (
     IncludeTaskOption,
     JobNameOption,
     JobsDirOption,
+    MaxRetriesOption,
     NAttemptsOption,
     NConcurrentOption,
     NTasksOption,
@@ -215,6 +216,7 @@ def run(
     task_git_allow_unpinned: AllowUnpinnedOption = False,
     n_concurrent: NConcurrentOption = DEFAULT_N_CONCURRENT,
     n_attempts: NAttemptsOption = 1,
+    max_retries: MaxRetriesOption = 0,
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
     sandbox: SandboxConfig = _SANDBOX,
@@ -258,6 +260,7 @@ def run(
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
         package_cache=package_cache,
+        max_retries=max_retries,
         make_spec=lambda task, job_dir: chosen.spec(task, job_dir, policy=policy),
         # Each trial's relay (and the native agent) run in this process.
         executor=LocalExecutor(runtime),

@@ -25,6 +25,7 @@ from harbor_exec.cli.options import (
     IncludeTaskOption,
     JobNameOption,
     JobsDirOption,
+    MaxRetriesOption,
     NAttemptsOption,
     NConcurrentOption,
     NTasksOption,
@@ -59,6 +60,7 @@ def validate(
     task_git_allow_unpinned: AllowUnpinnedOption = False,
     n_concurrent: NConcurrentOption = DEFAULT_N_CONCURRENT,
     n_attempts: NAttemptsOption = 1,
+    max_retries: MaxRetriesOption = 0,
     jobs_dir: JobsDirOption = DEFAULT_JOBS_DIR,
     job_name: JobNameOption = None,
     sandbox: SandboxConfig = _SANDBOX,
@@ -99,6 +101,7 @@ def validate(
         n_concurrent=n_concurrent,
         n_attempts=n_attempts,
         package_cache=package_cache,
+        max_retries=max_retries,
         make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
         executor=executor,
     )

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from harbor_exec.errors import CancelledError, HarborExecError, TaskError, TrialPhase, is_exception
+from harbor_exec.errors import (
+    CancelledError,
+    HarborExecError,
+    TaskError,
+    TrialPhase,
+    is_exception,
+    policy_for,
+)
 from harbor_exec.executors.spec import TrialSecrets, trial_request
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
@@ -227,11 +234,16 @@ def job_stats(
 # --------------------------------------------------------------------------- running
 
 
+#: ``--max-retries``' backoff (Harbor's RetryConfig defaults).
+RETRY_MIN_WAIT_SEC = 1.0
+RETRY_MAX_WAIT_SEC = 60.0
+
+
 @dataclass
 class JobEvent:
     """A progress event: a trial was queued, changed phase, or finished."""
 
-    kind: str  # "queued" | "phase" | "finished"
+    kind: str  # "queued" | "phase" | "retry" (a failed trial runs again) | "finished"
     task: Task
     attempt: int
     phase: TrialPhase | None = None
@@ -432,8 +444,14 @@ def run_job(
     agent: Mapping[str, Any] = ORACLE_CONFIG,
     make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
     package_cache: PackageCacheService | None = None,
+    max_retries: int = 0,
 ) -> JobOutcome:
     """Run every task ``n_attempts`` times, ``n_concurrent`` at once; write the job dir.
+
+    ``max_retries``: a trial that ended with an exception Harbor's policy retries
+    (``errors.POLICIES``: a build failure, an engine fault, ...) runs again as a new
+    trial, up to this many times, 1 s, 2 s, 4 s ... (at most 60 s) apart; the last one
+    counts.
 
     ``package_cache``: this machine's package cache for the trials run here (with an
     executor, the executor's own: ``TrialExecutor.package_cache_service``).
@@ -548,13 +566,34 @@ def run_job(
 
         if stopping.is_set():
             return None
-        result = asyncio.run_coroutine_threadsafe(go(), loop).result()
+        return asyncio.run_coroutine_threadsafe(go(), loop).result()
+
+    def run_one(task: Task, attempt: int) -> TrialResult | None:
+        """One trial, and again (a new trial, the failed one's directory removed, as
+        Harbor's ``--max-retries``) while it ended with an exception Harbor retries."""
+        for retry in range(max_retries + 1):
+            result = run_once(task, attempt)
+            if result is None:
+                return None
+            info = result.exception_info
+            if (
+                retry == max_retries
+                or info is None
+                or not policy_for(info.exception_type).should_retry
+                or stopping.is_set()
+            ):
+                break
+            emit(JobEvent("retry", task, attempt, result=result))
+            shutil.rmtree(job_dir / result.trial_name, ignore_errors=True)
+            if stopping.wait(min(RETRY_MAX_WAIT_SEC, RETRY_MIN_WAIT_SEC * 2**retry)):
+                return None
+        assert result is not None
         with lock:
             results.append(result)
         emit(JobEvent("finished", task, attempt, result=result))
         return result
 
-    def run_one(task: Task, attempt: int) -> TrialResult | None:
+    def run_once(task: Task, attempt: int) -> TrialResult | None:
         nonlocal built
         if stopping.is_set():
             return None
@@ -583,8 +622,6 @@ def run_job(
                 active.discard(trial)
         with lock:
             built += trial.images_built
-            results.append(result)
-        emit(JobEvent("finished", task, attempt, result=result))
         return result
 
     interrupted = False
