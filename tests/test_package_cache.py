@@ -528,6 +528,18 @@ def test_the_system_store_name_is_openssls_hash() -> None:
     )
 
 
+def test_the_trust_dir_replaces_what_an_engine_left_in_a_files_place(tmp_path: Path) -> None:
+    """An engine that bind-mounted ``ca.pem`` before it existed on the host made it a
+    directory there (a service in a container that did not share its cache dir yet):
+    the next start writes the file in its place."""
+    (tmp_path / "package-cache-trust" / "ca.pem").mkdir(parents=True)
+    service = PackageCacheService(PackageCacheConfig(root=tmp_path))
+    try:
+        assert (service.trust_dir / "ca.pem").read_bytes() == service.ca.cert_pem
+    finally:
+        service.close()
+
+
 def test_processes_sharing_a_cache_dir_each_hold_a_store(tmp_path: Path) -> None:
     """Two services on one root at once (two harbor-exec processes): each its own
     store, one CA; the first store is free again when its holder ends."""

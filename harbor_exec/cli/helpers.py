@@ -303,44 +303,6 @@ def resume_command(job_dir: Path) -> str:
     return shlex.join(["harbor-exec", *args])
 
 
-def run_dataset_job(
-    command: str,
-    selected: SelectedDataset,
-    runtime: DockerRuntime | None,
-    *,
-    jobs_dir: Path,
-    job_name: str | None,
-    n_concurrent: int,
-    n_attempts: int,
-    make_spec: Callable[[Task, Path], TrialSpec],
-    executor: TrialExecutor | None = None,
-    agent: Mapping[str, Any] = ORACLE_CONFIG,
-    make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
-    package_cache: PackageCacheConfig | None = None,
-    max_retries: int = 0,
-) -> JobOutcome:
-    """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
-    (exit 128+signal), resume errors as exit 2, and the summary table at the end.
-    ``package_cache``: the trials (and their image builds) fetch through the package
-    cache (this process's, or each Ray node's own)."""
-    with _package_cache(package_cache, executor) as service:
-        return _run_dataset_job(
-            command,
-            selected,
-            runtime,
-            jobs_dir=jobs_dir,
-            job_name=job_name,
-            n_concurrent=n_concurrent,
-            n_attempts=n_attempts,
-            make_spec=make_spec,
-            executor=executor,
-            agent=agent,
-            make_secrets=make_secrets,
-            package_cache=service,
-            max_retries=max_retries,
-        )
-
-
 @contextmanager
 def _package_cache(
     config: PackageCacheConfig | None, executor: TrialExecutor | None
@@ -363,7 +325,7 @@ def _package_cache(
             service.close()
 
 
-def _run_dataset_job(
+def run_dataset_job(
     command: str,
     selected: SelectedDataset,
     runtime: DockerRuntime | None,
@@ -373,12 +335,16 @@ def _run_dataset_job(
     n_concurrent: int,
     n_attempts: int,
     make_spec: Callable[[Task, Path], TrialSpec],
-    executor: TrialExecutor | None,
-    agent: Mapping[str, Any],
-    make_secrets: Callable[[TrialSpec], TrialSecrets] | None,
-    package_cache: PackageCacheService | None,
-    max_retries: int,
+    executor: TrialExecutor | None = None,
+    agent: Mapping[str, Any] = ORACLE_CONFIG,
+    make_secrets: Callable[[TrialSpec], TrialSecrets] | None = None,
+    package_cache: PackageCacheConfig | None = None,
+    max_retries: int = 0,
 ) -> JobOutcome:
+    """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
+    (exit 128+signal), resume errors as exit 2, and the summary table at the end.
+    ``package_cache``: the trials (and their image builds) fetch through the package
+    cache (this process's, or each Ray node's own)."""
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
     progress = Progress(
         TextColumn(f"[bold]{command}[/bold]"),
@@ -422,7 +388,7 @@ def _run_dataset_job(
 
     signum = int(signal.SIGINT)
     try:
-        with _signals_like_ctrl_c(), progress:
+        with _package_cache(package_cache, executor) as service, _signals_like_ctrl_c(), progress:
             outcome = run_job(
                 runtime,
                 selected.discovery.tasks,
@@ -440,7 +406,7 @@ def _run_dataset_job(
                 executor=executor,
                 agent=agent,
                 make_secrets=make_secrets,
-                package_cache=package_cache,
+                package_cache=service,
                 max_retries=max_retries,
             )
     except JobResumeError as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -78,6 +79,10 @@ def write_trust_dir(ca: LocalCA, directory: Path) -> Path:
     apt = f'Acquire::https::CAInfo "{TRUST_MOUNT}/{BUNDLE}";\n'.encode()
     for name, data in ((BUNDLE, bundle), (APT_CONF, apt), (CA_PEM, ca.cert_pem)):
         path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            # What an engine leaves when it bind-mounted a file that was not there yet
+            # (a service in a container whose cache dir the host did not share).
+            shutil.rmtree(path)
         if not path.exists() or path.read_bytes() != data:
             tmp = directory / f".{name}.{os.getpid()}"
             tmp.write_bytes(data)
