@@ -40,7 +40,7 @@ from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from tests.package_upstream import AptSigner, Upstream, deb_stanza, release_file, serve_upstream
 from tests.task_factory import make_task
-from tests.test_package_cache_docker import KEYRING, _deb
+from tests.test_package_cache_docker import KEYRING, _deb, apt_preamble
 
 pytestmark = [pytest.mark.docker, pytest.mark.engine_lane]
 
@@ -72,14 +72,7 @@ def mirror(tmp_path: Path, apt_signer: AptSigner) -> Iterator[tuple[Upstream, st
 
 
 def _task(tmp_path: Path, root: str, keyring: bytes) -> Path:
-    test = f"""
-set -eu
-fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
-rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
-echo 'deb [signed-by={KEYRING}] http://deb.test{root} stable main' \\
-    > /etc/apt/sources.list.d/test.list
-apt-get update -o Acquire::Languages=none || fail apt-get update
-apt-get install -y --no-install-recommends hxdemo || fail apt-get install
+    test = f"""{apt_preamble(root)}apt-get install -y --no-install-recommends hxdemo || fail apt-get install
 grep -q 'from the mirror' /usr/share/hxdemo/ok || fail deb content
 echo 1 > /logs/verifier/reward.txt
 """

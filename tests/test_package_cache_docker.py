@@ -257,16 +257,21 @@ class Mirror:
 UNTOUCHED = "elsewhere.test"
 UNTOUCHED_PATH = "/elsewhere/ok"
 
-#: What both test scripts start with: a reward of 0 on failure, and the signed test
-#: repo as apt's only source, its lists fetched.
-APT_PREAMBLE = f"""
+
+def apt_preamble(root: str = "/debian") -> str:
+    """What the test scripts start with: a reward of 0 on failure, and the signed test
+    repo at ``http://deb.test<root>`` as apt's only source, its lists fetched."""
+    return f"""
 set -eu
 fail() {{ echo "FAIL: $*"; echo 0 > /logs/verifier/reward.txt; exit 0; }}
 rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*
-echo 'deb [signed-by={KEYRING}] http://deb.test/debian stable main' \\
+echo 'deb [signed-by={KEYRING}] http://deb.test{root} stable main' \\
     > /etc/apt/sources.list.d/test.list
 apt-get update -o Acquire::Languages=none || fail apt-get update
 """
+
+
+APT_PREAMBLE = apt_preamble()
 
 
 TEST_SH = f"""{APT_PREAMBLE}apt-get install -y --no-install-recommends hxdemo curl || fail apt-get install

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -175,7 +175,7 @@ def _prewarm_ray(
     nodes: list[str] | None,
     *,
     broken: int,
-    package_cache: Any = None,
+    package_cache: PackageCacheConfig | None = None,
 ) -> None:
     """``prewarm --ray``: build every task image on every trial node (or those named),
     through each node's own package cache with ``package_cache`` (a

@@ -18,7 +18,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -60,8 +60,6 @@ class HostCgroup:
 
     directory: Path
     version: int  # 1: the v1 freezer controller; 2: the unified hierarchy
-    #: The companion the last ``kill_all_but_init`` spared (empty: none).
-    spared: set[int] = field(default_factory=set, compare=False)
 
     @classmethod
     def of(cls, init_pid: int, container_id: str) -> HostCgroup | None:
@@ -106,28 +104,28 @@ class HostCgroup:
 
     def kill_all_but_init(
         self, init_pid: int, owner_uid: int | None = None, companion: Companion | None = None
-    ) -> bool:
-        """SIGKILL every process but ``init_pid`` and its first child; True once confirmed.
+    ) -> set[int] | None:
+        """SIGKILL every process but ``init_pid`` and its first child; once confirmed,
+        the companion spared (empty: none), else None.
 
         With ``owner_uid`` the first child is spared only while it runs as that uid
         (the runtime's keep-alive does; nothing the agent started can). ``companion``:
         one more process to spare, only while it is exactly the one that announced
-        itself (``Companion.matches``); ``self.spared`` says whether it was."""
-        self.spared.clear()
+        itself (``Companion.matches``)."""
+        spared: set[int] = set()
         deadline = time.monotonic() + _SETTLE_SEC
         self._set_frozen(True)
         try:
             while not self._is_frozen():
                 if time.monotonic() > deadline:
-                    return False
+                    return None
                 time.sleep(0.001)
             pids = self.pids()
             keep = {init_pid} | _first_child(init_pid, pids, owner_uid)
             if companion is not None and owner_uid is not None and len(keep) == 2:
                 (first,) = keep - {init_pid}
-                found = {pid for pid in pids if companion.matches(pid, first, owner_uid)}
-                keep |= found
-                self.spared.update(found)
+                spared = {pid for pid in pids if companion.matches(pid, first, owner_uid)}
+                keep |= spared
             for pid in self.pids() - keep:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -135,12 +133,12 @@ class HostCgroup:
             self._set_frozen(False)
         while not self.pids() <= keep:
             if time.monotonic() > deadline:
-                return False
+                return None
             time.sleep(0.002)
-        for pid in self.spared:  # one the agent stopped (SIGSTOP) runs again
+        for pid in spared:  # one the agent stopped (SIGSTOP) runs again
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        return True
+        return spared
 
 
 def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) -> set[int]:
@@ -163,27 +161,27 @@ def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) ->
     return {first}
 
 
-def _namespace_pid(pid: int) -> int | None:
-    """``pid``'s number in its own (innermost) PID namespace."""
+def _status_field(pid: int, key: str) -> list[str] | None:
+    """The values of ``key`` in ``/proc/<pid>/status`` (None: no such process or line)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     for line in status.splitlines():
-        if line.startswith("NSpid:"):
-            return int(line.split()[-1])
+        if line.startswith(f"{key}:"):
+            return line.split()[1:]
     return None
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """``pid``'s number in its own (innermost) PID namespace."""
+    values = _status_field(pid, "NSpid")
+    return int(values[-1]) if values else None
 
 
 def _real_uid(pid: int) -> int | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[1])
-    return None
+    values = _status_field(pid, "Uid")
+    return int(values[0]) if values else None
 
 
 __all__ = ["Companion", "HostCgroup"]

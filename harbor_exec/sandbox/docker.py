@@ -1074,9 +1074,11 @@ class DockerRuntime:
         cgroup = HostCgroup.of(init_pid, container_id) if init_pid else None
         self.host_kill = cgroup is not None
         if cgroup is not None:
+            spared = None
             with contextlib.suppress(OSError):
-                if cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companion):
-                    return bool(cgroup.spared)
+                spared = cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companion)
+            if spared is not None:
+                return bool(spared)
         # Without the host's view: SIGKILL the init, which ends its PID namespace and
         # every process in it; the container's filesystem (and /logs) stays.
         try:

@@ -130,7 +130,7 @@ class ContainerSpec:
     process: ServiceProcess | None = None
     #: Run first in the keep-alive's place, as its user, with the keep-alive's argv
     #: appended, which it must exec (the egress forwarder: started with the container,
-    #: no exec; ``harbor_exec.network.egress.container.forwarder_start``).
+    #: no exec; ``harbor_exec.network.egress.container.forwarder_with_container``).
     before_keep_alive: Sequence[str] = ()
     healthcheck: Healthcheck | None = None
     workdir: str | None = None  # the container's working directory (None: the image's)

@@ -232,8 +232,8 @@ class TrialEgress:
             raise EnvironmentStartError(
                 f"{what} did not start: it did not announce itself within "
                 f"{FORWARDER_START_SEC:g}s of the container's start (when harbor-exec runs "
-                f"in a container, mount {EGRESS_ROOT} and the cache dir at the same paths "
-                "from the host: docs/server.md)"
+                f"in a container, mount {EGRESS_ROOT} and the package cache's trust dir at "
+                "the same paths from the host: docs/server.md)"
             )
 
     def close(self) -> None:

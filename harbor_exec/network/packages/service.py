@@ -44,7 +44,7 @@ from harbor_exec.network.packages.config import (
 )
 from harbor_exec.network.packages.hosts import TlsHosts
 from harbor_exec.network.packages.serve import CacheUpstream
-from harbor_exec.network.packages.trust import write_trust_dir
+from harbor_exec.network.packages.trust import system_trust_target, write_trust_dir
 from harbor_exec.sandbox.runtime import ContainerRuntime
 
 __all__ = [
@@ -237,6 +237,8 @@ class PackageCacheService:
         self.config = config
         self.ca = LocalCA(config.directory(CA_DIR))
         self.trust_dir = write_trust_dir(self.ca, config.directory(TRUST_DIR))
+        #: Where containers get the CA in their system store (its hash, computed once).
+        self.system_trust_target = system_trust_target(self.ca)
         self.tls_hosts = TlsHosts(config.tls_hosts)
         self.slot = StoreSlot(config)
         self.max_bytes = config.bound()

@@ -24,7 +24,6 @@ from harbor_exec.network.packages.service import PackageCacheService, TrialCache
 from harbor_exec.network.packages.trust import (
     CA_PEM,
     TRUST_MOUNT,
-    system_trust_target,
     task_opts_out,
     trust_env,
 )
@@ -98,7 +97,7 @@ class TrialPackageCache:
             Mount(str(self.service.trust_dir), TRUST_MOUNT, read_only=True),
             Mount(
                 str(self.service.trust_dir / CA_PEM),
-                system_trust_target(self.service.ca),
+                self.service.system_trust_target,
                 read_only=True,
             ),
         ]
