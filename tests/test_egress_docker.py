@@ -348,3 +348,107 @@ timeout_sec = 60.0
     assert {path for _, path, _ in servers["other"].seen} == (
         {"/verifier"} if "separate" in verifier_toml else set()
     )
+
+
+#: The agent reads its forwarder's token (the keep-alive's command line names it), starts
+#: a process of its own that looks as much like the forwarder as it can (orphaned, so the
+#: keep-alive is its parent; the forwarder's uid), announces that process with the token,
+#: through the forwarder and straight to the proxy's socket, then kills the real one and
+#: announces again: the process must not be spared by the kill after the phase. On the
+#: way it tries the forwarder's memory, as root and as the forwarder's uid.
+_FORGE_ANNOUNCEMENT = r"""
+fwd=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -vx 1 | head -1)
+token=$(tr '\0' '\n' < /proc/1/cmdline | grep -A1 -x -- --ready | tail -1)
+uid=$(awk '/^Uid:/ {print $2}' /proc/$fwd/status)
+echo "token=${#token} uid=$uid" > /logs/agent/forge.txt
+# Its memory (where a reward or a key could be read or written): not as root, not as its uid.
+python3 -c "import os, sys
+out = []
+for uid in (0, int(sys.argv[2])):
+    if uid:
+        os.setgid(uid); os.setuid(uid)
+    try:
+        open(f'/proc/{sys.argv[1]}/mem', 'rb').close(); out.append('opened')
+    except PermissionError: out.append('denied')
+print('mem=' + ' '.join(out))" "$fwd" "$uid" >> /logs/agent/forge.txt
+python3 - "$uid" <<'PY'
+import os, sys, time
+uid = int(sys.argv[1])
+if os.fork():
+    os.wait(); sys.exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)  # orphaned: the keep-alive is now its parent
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+open("/tmp/leftover.pid", "w").write(str(os.getpid()))
+os.execv(sys.executable, [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)", "hx-forged-companion"])
+PY
+for i in $(seq 50); do [ -s /tmp/leftover.pid ] && break; sleep 0.1; done
+pid=$(cat /tmp/leftover.pid)
+announce() {
+    curl -s -m 5 "http://127.0.0.1:3128/.harbor-exec/forwarder-ready/$token/$pid" -o /dev/null -w "via-forwarder=%{http_code}\n"
+    python3 -c "import socket, sys
+s = socket.socket(socket.AF_UNIX); s.connect('/run/harbor-exec/egress/egress.sock')
+s.sendall(f'GET /.harbor-exec/forwarder-ready/{sys.argv[1]}/{sys.argv[2]} HTTP/1.1\r\nHost: forwarder\r\nConnection: close\r\n\r\n'.encode())
+print('via-socket=' + s.recv(64).split(b' ')[1].decode())" "$token" "$pid"
+}
+announce >> /logs/agent/forge.txt
+kill -9 "$fwd"
+announce >> /logs/agent/forge.txt 2>&1
+grep -c . /proc/$pid/cmdline > /dev/null && echo "leftover=$(awk '/^PPid:/ {print $2}' /proc/$pid/status)" >> /logs/agent/forge.txt
+"""
+
+_SURVIVORS = r"""
+grep -l 'hx-forged-compan[i]on' /proc/[0-9]*/cmdline 2>/dev/null > /logs/verifier/survivors.txt
+echo 1 > /logs/verifier/reward.txt
+"""
+
+
+class _WatchingRuntime(_CountingRuntime):
+    """Also lists, after each kill between phases, the processes left in the container
+    that carry the forged companion's marker."""
+
+    def __init__(self, inner: DockerRuntime) -> None:
+        super().__init__(inner)
+        self.left_after_kill: list[str] = []
+        self.kills = 0
+
+    def stop_processes(self, container_id: str, companion: Any = None) -> bool:
+        spared = bool(self._inner.stop_processes(container_id, companion))
+        self.kills += 1
+        listed = self._inner.exec(
+            container_id,
+            ["sh", "-c", "grep -l 'hx-forged-compan[i]on' /proc/[0-9]*/cmdline; true"],
+        )
+        self.left_after_kill += listed.output.decode().splitlines()
+        return spared
+
+
+@pytest.mark.parametrize("verifier", ["shared", "separate"])
+def test_a_forged_forwarder_announcement_spares_nothing(
+    docker_runtime: DockerRuntime, tmp_path: Path, servers: dict[str, _Server], verifier: str
+) -> None:
+    toml = (
+        _TOML
+        if verifier == "shared"
+        else _TOML.replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+    )
+    watching = _WatchingRuntime(docker_runtime)
+    out = _run_allowlisted(
+        cast(DockerRuntime, watching),
+        tmp_path,
+        servers,
+        solve=_FORGE_ANNOUNCEMENT,
+        test=_SURVIVORS,
+        toml=toml,
+    )
+    forged = (out / "agent" / "forge.txt").read_text()
+    # The attack had what it needed: the token, the forwarder's uid, a process under the
+    # keep-alive (pid 1) as that uid, and the announcements were delivered (answered).
+    assert "token=0 " not in forged and "uid=0" not in forged, forged
+    assert "leftover=1" in forged, forged
+    assert forged.count("via-socket=") == 2, forged
+    assert "mem=denied denied" in forged, forged
+    # Nothing it announced was spared: gone after the kill, and never in the verifier.
+    assert watching.kills >= 1 and watching.left_after_kill == []
+    assert (out / "verifier" / "survivors.txt").read_text() == ""

@@ -239,6 +239,23 @@ def test_the_grader_changed_sample_wins() -> None:
     assert sample.reward == 0.0 and sample.label == "42"
 
 
+def test_a_grader_that_changed_the_sample_keeps_the_agents_error_named() -> None:
+    """The agent flooded its outputs and the grader (which records a metric, so hands
+    its sample back) gave 0: the graded sample still names the agent's error."""
+    changed = SampleFile(messages=MESSAGES, metrics={"honest_grader": 1.0})
+    run = run_of(
+        error=AgentOutputLimitError("flooded"),
+        rewards={"reward": 0.0},
+        grader=GraderOutput(sample=changed),
+    )
+    outcome = rollout_outcome(REQUEST, run, WORKFLOW)
+    assert outcome.workflow.status is RolloutStatus.SUCCESS
+    assert outcome.grader is not None and outcome.grader.sample is not None
+    sample = outcome.grader.sample
+    assert sample.reward == 0.0 and sample.metrics == {"honest_grader": 1.0}
+    assert sample.extra_fields["agent_error"]["exception_type"] == "AgentOutputLimitError"
+
+
 def test_cancelled_trial_is_cancelled() -> None:
     outcome = rollout_outcome(REQUEST, run_of(error=CancelledError("cancelled")), WORKFLOW)
     assert outcome.workflow.status is RolloutStatus.CANCELLED

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "tasks_examples" / "dataset"
 TEMPLATE = ROOT / "tasks_examples" / "template"
 PROJECT = ROOT / "tasks_examples" / "workflow_project"
+#: osmosis-ai's layout: workflow, grader and both configs in one module.
+ONE_MODULE_PROJECT = ROOT / "tasks_examples" / "osmosis_one_module_project"
+ONE_MODULE = "one_arith.main"
 KEY = "sk-ray-secret-" + uuid.uuid4().hex
 
 # engine_lane: its cluster runs its own tasks and counts only its own containers.
@@ -179,6 +183,13 @@ def ray_cluster() -> Iterator[RayCluster]:
         grader_config="arith_agent.grader:grader_config",
         code_dir=PROJECT,
     )
+    prepare_bundle(
+        f"{ONE_MODULE}:ArithWorkflow",
+        grader=f"{ONE_MODULE}:ArithGrader",
+        workflow_config=f"{ONE_MODULE}:workflow_config",
+        grader_config=f"{ONE_MODULE}:grader_config",
+        code_dir=ONE_MODULE_PROJECT,
+    )
     netns = f"hx-ray-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
     try:
@@ -284,6 +295,25 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
         "--code-dir",
         str(PROJECT),
     )
+    # A project as osmosis-ai's docs lay one out (one module) runs unchanged; its
+    # grader verifies (the template's own tests read an answer file it never writes).
+    graded = tmp_path / "graded-template"
+    shutil.copytree(TEMPLATE, graded, ignore=shutil.ignore_patterns("tests"))
+    one_module_url = ray_cluster.serve(
+        tmp_path / "one-module",
+        "--tasks-dir",
+        str(graded),
+        "--agent",
+        f"{ONE_MODULE}:ArithWorkflow",
+        "--grader",
+        f"{ONE_MODULE}:ArithGrader",
+        "--workflow-config",
+        f"{ONE_MODULE}:workflow_config",
+        "--grader-config",
+        f"{ONE_MODULE}:grader_config",
+        "--code-dir",
+        str(ONE_MODULE_PROJECT),
+    )
     question = [{"role": "user", "content": "What is 6 * 7?"}]
     wf = ray_cluster.client(
         workflow_url,
@@ -292,6 +322,14 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
     assert [(r["status"], r["reward"]) for r in wf["results"]] == [("success", 1.0)] * 3 + [
         ("success", 0.0)
     ], wf["results"]
+    one = ray_cluster.client(
+        one_module_url, [{"prompt": question, "label": "42"}, {"prompt": question, "label": "41"}]
+    )
+    assert [(r["status"], r["reward"]) for r in one["results"]] == [
+        ("success", 1.0),
+        ("success", 0.0),
+    ], one["results"]
+    assert _nodes_of(tmp_path / "one-module" / "trials") <= set(ray_cluster.nodes)
     ray_cluster.stop_servers()
     # The LLM key never reached Ray's logs, object store spill files or dashboard.
     leaked = subprocess.run(

@@ -121,6 +121,12 @@ def _graded_despite_the_agent(
     sample.extra_fields = {**sample.extra_fields, "agent_error": agent_error}
     diagnostics = {**diagnostics, "agent_error": agent_error}
     grader = _grader_result(run, sample, message, diagnostics)
+    if grader.sample is not None and "agent_error" not in grader.sample.extra_fields:
+        # A grader that changed the sample handed back its own extra fields: the
+        # agent's error is named on the graded sample too.
+        graded = grader.sample.model_copy(deep=True)
+        graded.extra_fields = {**graded.extra_fields, "agent_error": agent_error}
+        grader = grader.model_copy(update={"sample": graded})
     return ExecutionOutcome(workflow=_success(sample, diagnostics), grader=grader)
 
 
