@@ -15,17 +15,24 @@ what apt, pip, uv and curl ask for (``deb.debian.org``, ``pypi.org``,
 resolves), made distant: ``--latency-ms`` before every answer and ``--mbps`` per
 connection.
 
-The uncached baseline is each task's first trial on an empty cache (a new cache per
-task): every byte comes from the upstream through the same proxy, as without a cache,
-plus the cost of storing it. A container without the cache cannot reach the loopback
-upstreams at all (it would need the proxy, which is the cache's way in), so this is the
-honest stand-in for "no cache": if anything it makes the first trial slower by the
-store's writes, not faster.
+The cache runs with its defaults (``PackageCacheConfig()``, as every command has it
+with no option): only its store's place and the upstreams' CA (the stand-in for the
+public roots) are set. The uncached baseline for time is each task's first trial on an
+empty cache (a new cache per task): every byte comes from the upstream through the same
+proxy, as without a cache, plus the cost of storing it.
+
+Then each task runs once with the cache off (``--no-off`` skips it), to check that the
+cache changes no reward: the task opted out of the cache, allowlisted to the corpus's
+names (so that its proxy, now without a cache behind it, reaches the same local
+upstreams) and its image trusting the upstreams' CA the way images trust the public
+roots (the CA in the system bundle, which pip, uv and curl are pointed at). Its
+rewards must equal the cached trials'.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -161,17 +168,67 @@ def _trial(
 
 
 def cache_service(
-    root: Path, public_ca: LocalCA, index_fresh_sec: float = 0.0
+    root: Path, public_ca: LocalCA, index_fresh_sec: float | None = None
 ) -> PackageCacheService:
-    """A new, empty cache under ``root`` whose upstream TLS is the local upstreams'."""
-    return PackageCacheService(
-        PackageCacheConfig(
-            root=root,
-            max_bytes=4 * 1024**3,
-            upstream_ca_bundle=public_ca.cert_path,
-            index_fresh_sec=index_fresh_sec,
-        )
-    )
+    """A new, empty cache under ``root`` with the defaults, whose upstream TLS is the
+    local upstreams' (``index_fresh_sec``: the default unless given)."""
+    config = PackageCacheConfig(root=root, upstream_ca_bundle=public_ca.cert_path)
+    if index_fresh_sec is not None:
+        config = dataclasses.replace(config, index_fresh_sec=index_fresh_sec)
+    return PackageCacheService(config)
+
+
+#: What the uncached copy of a task adds to its image: the upstreams' CA in the system
+#: bundle (kept by ``update-ca-certificates``), and the tools pointed at that bundle.
+_TRUSTED_IMAGE = """
+COPY hx-bench-public-ca.pem /usr/local/share/ca-certificates/hx-bench-public-ca.crt
+RUN cd /usr/local/share/ca-certificates \\
+    && cat hx-bench-public-ca.crt >> /etc/ssl/certs/ca-certificates.crt
+ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \\
+    REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \\
+    CURL_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \\
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+"""
+
+
+def uncached_copy(task_dir: Path, public_ca: LocalCA) -> Path:
+    """``task_dir`` as it runs without the cache: opted out, allowlisted to the corpus's
+    names in both phases, its image trusting the upstreams' CA."""
+    target = task_dir.with_name(task_dir.name + "-uncached")
+    shutil.copytree(task_dir, target)
+    environment = target / "environment"
+    shutil.copy(public_ca.cert_path, environment / "hx-bench-public-ca.pem")
+    dockerfile = environment / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().rstrip("\n") + "\n" + _TRUSTED_IMAGE)
+    hosts = json.dumps([*HTTPS_NAMES, "deb.debian.org"])
+    allowlist = f'network_mode = "allowlist"\nallowed_hosts = {hosts}\n'
+    toml = target / "task.toml"
+    text = toml.read_text()
+    for table, lines in (
+        ("[metadata]", "harbor_exec_package_cache = false\n"),
+        ("[verifier]", allowlist),
+        ("[environment]", allowlist),
+    ):
+        assert f"\n{table}\n" in text, f"{toml}: no {table} table"
+        text = text.replace(f"\n{table}\n", f"\n{table}\n{lines}", 1)
+    toml.write_text(text)
+    return target
+
+
+def uncached_rewards(
+    runtime: DockerRuntime, task_dir: Path, public_ca: LocalCA, tmp: Path, egress: EgressSettings
+) -> dict[str, float | int]:
+    """The rewards of one trial of ``task_dir`` with the cache off."""
+    task = load_task(uncached_copy(task_dir, public_ca))
+    _build(runtime, task)
+    spec = TrialSpec(task=task, trials_dir=tmp / "trials-off", policy=SandboxPolicy(egress=egress))
+    result = run_trial(runtime, TrialRequest(spec))
+    rewards = (result.verifier_result.rewards if result.verifier_result else None) or {}
+    if result.exception_info is not None or not rewards:
+        log = tmp / "trials-off" / result.trial_name / "verifier" / "test-stdout.txt"
+        tail = log.read_text()[-2500:] if log.exists() else ""
+        raise SystemExit(f"{task.name} without the cache: {result.exception_info}\n{tail}")
+    return dict(rewards)
 
 
 def corpus_of(args: argparse.Namespace) -> Corpus:
@@ -239,7 +296,16 @@ def main() -> None:
     parser.add_argument("--prepare", action="store_true", help="record the real packages")
     add_arguments(parser)
     parser.add_argument(
-        "--index-fresh-sec", type=float, default=0.0, help="PackageCacheConfig.index_fresh_sec"
+        "--index-fresh-sec",
+        type=float,
+        default=None,
+        help="PackageCacheConfig.index_fresh_sec (default: the cache's default)",
+    )
+    parser.add_argument(
+        "--no-off",
+        dest="off",
+        action="store_false",
+        help="skip the trial of each task with the cache off (the rewards' check)",
     )
     parser.add_argument("--profile", action="store_true", help="time test.sh's commands")
     parser.add_argument("--log", type=Path, help="append every upstream request (JSON lines)")
@@ -247,6 +313,7 @@ def main() -> None:
     corpus = corpus_of(args)
     runtime = DockerRuntime()
     rows: dict[str, list[tuple[float, float, dict[str, int]]]] = {}
+    rewards: dict[str, tuple[dict[str, float | int], dict[str, float | int]]] = {}
     with tempfile.TemporaryDirectory(prefix="hx-bench-corpus-") as scratch:
         tmp = Path(scratch)
         with upstreams(corpus, tmp) as (public_ca, egress):
@@ -278,8 +345,15 @@ def main() -> None:
                                 _log(args.log, path.name, index + 1, corpus.seen[before:])
                             rows.setdefault(path.name, []).append((total, verifier, stats))
                             print(trial_line(path.name, index, total, verifier, stats), flush=True)
+                            cached = (
+                                result.verifier_result.rewards if result.verifier_result else None
+                            )
                     finally:
                         service.close()
+                    if args.off and not args.prepare:
+                        off = uncached_rewards(runtime, path, public_ca, tmp, egress)
+                        rewards[path.name] = (dict(cached or {}), off)
+                        print(f"{path.name} with the cache off: rewards {off}", flush=True)
             finally:
                 runtime.remove_owned()
     if corpus.refused:
@@ -288,6 +362,13 @@ def main() -> None:
         print(f"stored {corpus.bytes_stored() / 1e6:.1f} MB under {args.store}")
         return
     _report(rows, args)
+    if rewards:
+        differ = {name: pair for name, pair in rewards.items() if pair[0] != pair[1]}
+        print(
+            f"rewards with the cache on and off: {len(rewards) - len(differ)} of "
+            f"{len(rewards)} tasks the same"
+            + "".join(f"\n  {name}: on {on}, off {off}" for name, (on, off) in differ.items())
+        )
 
 
 def _report(
@@ -295,8 +376,8 @@ def _report(
 ) -> None:
     print(
         f"\nlatency {args.latency_ms:g} ms a request, {args.mbps:g} MB/s a connection; "
-        f"{args.trials} trials a task, a new cache per task, index_fresh_sec "
-        f"{args.index_fresh_sec:g}"
+        f"{args.trials} trials a task, a new cache per task with the defaults"
+        + ("" if args.index_fresh_sec is None else f", index_fresh_sec {args.index_fresh_sec:g}")
     )
     print(
         f"{'task':28} {'first s':>8} {'later s':>8} {'ratio':>6} "
