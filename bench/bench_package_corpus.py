@@ -228,6 +228,9 @@ def uncached_rewards(
         log = tmp / "trials-off" / result.trial_name / "verifier" / "test-stdout.txt"
         tail = log.read_text()[-2500:] if log.exists() else ""
         raise SystemExit(f"{task.name} without the cache: {result.exception_info}\n{tail}")
+    if not _passed(result):
+        log = tmp / "trials-off" / result.trial_name / "verifier" / "test-stdout.txt"
+        print(log.read_text()[-3000:] if log.exists() else "(no test-stdout.txt)")
     return dict(rewards)
 
 
