@@ -35,6 +35,7 @@ SHARED = {
     "--n-tasks": {"validate", "run"},
     "--verifier-mode": {"validate", "run", "serve"},
     "--default-cpus": {"validate", "run", "serve"},
+    "--command-channel": {"validate", "run", "serve"},
     "--default-memory-mb": {"validate", "run", "serve"},
     "--default-storage-mb": {"validate", "run", "serve"},
     "--default-shm-mb": {"validate", "run", "serve"},
@@ -172,8 +173,13 @@ def test_a_sandbox_option_is_a_field_of_the_config_and_one_of_the_policy() -> No
         for command in ("validate", "run", "serve"):
             if command != "serve" and cli.grader_only:
                 continue
-            flags = {name for param in commands[command].params for name in param.opts}
-            assert cli.flag in flags, f"{command} lacks {cli.flag} ({config_field.name})"
+            flags = {
+                name
+                for param in commands[command].params
+                for name in (*param.opts, *param.secondary_opts)
+            }
+            for flag in cli.flag.split("/"):
+                assert flag in flags, f"{command} lacks {flag} ({config_field.name})"
     asked = SandboxConfig(
         verifier_mode="separate",
         grader_verifier_mode="shared",
@@ -188,6 +194,7 @@ def test_a_sandbox_option_is_a_field_of_the_config_and_one_of_the_policy() -> No
         override_memory_mb=900,
         override_storage_mb=800,
         deps_in_image=True,
+        command_channel=False,
     )
     policy = asked.policy(max_concurrent_trials=1, pid_max=4096)
     shared = {f.name for f in dataclasses.fields(SandboxPolicy)} & {

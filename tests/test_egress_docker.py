@@ -120,7 +120,9 @@ _SOLVE = r"""
 python3 /opt/checks/checks.py allowed.test other.test {port} > /logs/agent/agent-checks.json
 # The forwarder runs as the runtime's uid: an unprivileged process cannot end it.
 # (Not the init, whose command line names the forwarder it started with the container.)
-pid=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -vx 1 | head -1)
+# (The command server's command line names the forwarder too: it started the init.)
+pid=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | xargs grep -L 'commands/c[.]sock' \
+    | cut -d/ -f3 | grep -vx 1 | head -1)
 python3 -c "import os, sys; os.setgid(65534); os.setuid(65534)
 try:
     os.kill(int(sys.argv[1]), 9); print('killed')
@@ -357,7 +359,8 @@ timeout_sec = 60.0
 #: announces again: the process must not be spared by the kill after the phase. On the
 #: way it tries the forwarder's memory, as root and as the forwarder's uid.
 _FORGE_ANNOUNCEMENT = r"""
-fwd=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -vx 1 | head -1)
+fwd=$(grep -l 'egress[.]sock' /proc/[0-9]*/cmdline | xargs grep -L 'commands/c[.]sock' \
+    | cut -d/ -f3 | grep -vx 1 | head -1)
 token=$(tr '\0' '\n' < /proc/1/cmdline | grep -A1 -x -- --ready | tail -1)
 uid=$(awk '/^Uid:/ {print $2}' /proc/$fwd/status)
 echo "token=${#token} uid=$uid" > /logs/agent/forge.txt

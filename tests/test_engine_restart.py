@@ -194,7 +194,7 @@ def test_dockerd_restart_under_serve(own_daemon: OwnDaemon, tmp_path: Path) -> N
         assert set(finals) == {"slow-a", "slow-b"}, "rollouts did not end within 5 s"
         for body in finals.values():
             assert body["status"] == "failure"
-            assert body["err_category"] == "internal_error"
+            assert body["err_category"] == "internal_error", body
             assert body["err_message"].startswith(
                 f"Docker engine at {own_daemon.url} stopped answering"
             )

@@ -49,6 +49,7 @@ MODULE = r'''
     import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     from harbor_exec.authoring import (
@@ -79,6 +80,7 @@ MODULE = r'''
         "import json, os, time\n"
         "from pathlib import Path\n"
         "sample = Path('/logs/agent/sample.json')\n"
+        "Path('/tmp/rewriter-started').write_text('yes')\n"
         "deadline = time.monotonic() + 60\n"
         "while time.monotonic() < deadline:\n"
         "    try:\n"
@@ -125,6 +127,11 @@ MODULE = r'''
 
     def rewrite():
         subprocess.Popen([sys.executable, "-c", REWRITER], start_new_session=True)
+        # Running (and watching) before the runner writes the sample, however busy the
+        # machine: the attack must have had its chance.
+        deadline = time.monotonic() + 30
+        while not os.path.exists("/tmp/rewriter-started") and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
     def claims():

@@ -549,9 +549,11 @@ def test_a_task_can_opt_out_and_no_network_gets_nothing(
 ) -> None:
     upstream, upstream_ca = mirror
     service = _service(tmp_path, upstream, upstream_ca)
+    # Nothing mounted at the trust path (an image built through a cache has the public
+    # trust files there, by design: build_trust.py; whichever test built it first).
     check = (
-        'if [ -z "${HTTPS_PROXY:-}" ] && [ ! -e /run/harbor-exec-trust ]; then echo 1; '
-        "else echo 0; fi > /logs/verifier/reward.txt"
+        'if [ -z "${HTTPS_PROXY:-}" ] && ! grep -q " /run/harbor-exec-trust " '
+        "/proc/self/mountinfo; then echo 1; else echo 0; fi > /logs/verifier/reward.txt"
     )
     try:
         out = make_task(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harbor_exec.container.exchange import RUNTIME_PYTHON
 from harbor_exec.errors import UnsafeTaskPathError
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import LABEL_TRIAL
@@ -224,9 +225,13 @@ def test_limits_labels_and_no_new_privileges(docker_runtime: DockerRuntime, tmp_
     assert result.exception_info is None
     host = seen["host"]
     assert isinstance(host, dict)
-    # The runtime's init (tini under setpriv), not the engine's --init.
+    # The runtime's init (tini under setpriv), not the engine's --init; before it, the
+    # command server's launcher (the runtime's Python), which forks it and becomes the init.
     assert not host.get("Init")
-    assert seen["entrypoint"] == list(INIT_COMMAND)
+    entrypoint = seen["entrypoint"]
+    assert isinstance(entrypoint, list)
+    assert entrypoint[0] == RUNTIME_PYTHON and "--then" in entrypoint
+    assert entrypoint[entrypoint.index("--then") + 1 :] == list(INIT_COMMAND)
     assert host["NanoCpus"] == 500_000_000
     assert host["Memory"] == 300 * 1024 * 1024
     assert host["PidsLimit"] and host["PidsLimit"] > 0

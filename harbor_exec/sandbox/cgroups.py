@@ -18,8 +18,10 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _SETTLE_SEC = 2.0
@@ -36,19 +38,23 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 @dataclass(frozen=True)
 class Companion:
-    """A process of ours beside the keep-alive (the egress forwarder started with the
-    container): its pid in the container's namespace, as it announced itself before
-    any task process ran, and when (``CLOCK_BOOTTIME`` seconds). A process is it only
-    while it has that pid, is the keep-alive's child, runs as the owner's uid and
-    started before the announcement: a process the agent made later (after killing
-    ours) is none of that, whatever pid it gets."""
+    """A process of ours beside the keep-alive, spared by the kill between phases: the
+    egress forwarder (the keep-alive's child, the runtime's uid) or the command server
+    (the init's child, root), as it announced itself before any task process ran: its
+    pid in the container's namespace and when (``CLOCK_BOOTTIME`` seconds). A process is
+    it only while it has that pid, has that parent, runs as that uid (None: the kill's
+    owner uid) and started before the announcement: a process the agent made later
+    (after killing ours) is none of that, whatever pid it gets."""
 
     namespace_pid: int
     announced_at: float
+    uid: int | None = None
+    parent: Literal["keep-alive", "init"] = "keep-alive"
 
-    def matches(self, pid: int, keep_alive: int, owner_uid: int) -> bool:
+    def matches(self, pid: int, parent_pid: int, owner_uid: int) -> bool:
         fields = _stat_fields(pid)
-        if fields is None or int(fields[1]) != keep_alive or _real_uid(pid) != owner_uid:
+        uid = owner_uid if self.uid is None else self.uid
+        if fields is None or int(fields[1]) != parent_pid or _real_uid(pid) != uid:
             return False
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
         return started <= self.announced_at and _namespace_pid(pid) == self.namespace_pid
@@ -103,16 +109,19 @@ class HostCgroup:
         return "frozen 1" in (self.directory / "cgroup.events").read_text()
 
     def kill_all_but_init(
-        self, init_pid: int, owner_uid: int | None = None, companion: Companion | None = None
-    ) -> set[int] | None:
+        self,
+        init_pid: int,
+        owner_uid: int | None = None,
+        companions: Sequence[Companion] = (),
+    ) -> list[Companion] | None:
         """SIGKILL every process but ``init_pid`` and its first child; once confirmed,
-        the companion spared (empty: none), else None.
+        the companions spared (empty: none), else None.
 
         With ``owner_uid`` the first child is spared only while it runs as that uid
-        (the runtime's keep-alive does; nothing the agent started can). ``companion``:
-        one more process to spare, only while it is exactly the one that announced
+        (the runtime's keep-alive does; nothing the agent started can). ``companions``:
+        more processes to spare, each only while it is exactly the one that announced
         itself (``Companion.matches``)."""
-        spared: set[int] = set()
+        spared: dict[int, Companion] = {}
         deadline = time.monotonic() + _SETTLE_SEC
         self._set_frozen(True)
         try:
@@ -121,11 +130,15 @@ class HostCgroup:
                     return None
                 time.sleep(0.001)
             pids = self.pids()
-            keep = {init_pid} | _first_child(init_pid, pids, owner_uid)
-            if companion is not None and owner_uid is not None and len(keep) == 2:
+            if owner_uid is not None:
+                # The command server is the init's child too, started before the
+                # keep-alive: it is not the container's own command.
+                spared = _matching(companions, "init", init_pid, pids, owner_uid)
+            keep = {init_pid} | _first_child(init_pid, pids - set(spared), owner_uid)
+            if owner_uid is not None and len(keep) == 2:
                 (first,) = keep - {init_pid}
-                spared = {pid for pid in pids if companion.matches(pid, first, owner_uid)}
-                keep |= spared
+                spared |= _matching(companions, "keep-alive", first, pids, owner_uid)
+            keep |= set(spared)
             for pid in self.pids() - keep:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -138,7 +151,21 @@ class HostCgroup:
         for pid in spared:  # one the agent stopped (SIGSTOP) runs again
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        return spared
+        return list(spared.values())
+
+
+def _matching(
+    companions: Sequence[Companion], parent: str, parent_pid: int, pids: set[int], owner_uid: int
+) -> dict[int, Companion]:
+    """The host pids of ``companions`` under ``parent`` that are exactly themselves."""
+    found: dict[int, Companion] = {}
+    for companion in companions:
+        if companion.parent != parent:
+            continue
+        for pid in pids:
+            if companion.matches(pid, parent_pid, owner_uid):
+                found[pid] = companion
+    return found
 
 
 def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) -> set[int]:

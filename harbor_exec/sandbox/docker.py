@@ -68,9 +68,9 @@ from harbor_exec.errors import (
     HarborExecError,
     SandboxBuildFailedError,
 )
-from harbor_exec.sandbox.archives import cut_marker
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.sandbox.cgroups import Companion, HostCgroup
+from harbor_exec.sandbox.channel import CommandChannel, OutputTail
 from harbor_exec.sandbox.disk import WritableLayer
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -103,6 +103,9 @@ _LOG_TAIL_LINES = 25
 # What one exec may return on stdout/stderr (the tail is kept): phases redirect
 # their output to files under /logs, so only a hostile process prints more.
 _MAX_EXEC_OUTPUT = 8 * 2**20
+#: How long a container whose command server went with it is watched for the engine
+#: going away (a daemon stopping ends its containers before it stops answering).
+_ENGINE_GONE_SEC = 2.0
 _ARCHIVE_CHUNK = 1 << 20
 
 BuilderKind = Literal["buildkit", "legacy"]
@@ -298,26 +301,6 @@ def _engine_boundary(method: Callable[_P, _R]) -> Callable[_P, _R]:
 # --------------------------------------------------------------------------- runtime
 
 
-class _Tail:
-    """The last ``cap`` bytes of a stream, with a marker when more came."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.total = 0
-        self._kept = bytearray()
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        self._kept += data
-        if len(self._kept) > 2 * self.cap:
-            del self._kept[: len(self._kept) - self.cap]
-
-    def value(self) -> bytes:
-        if self.total <= self.cap:
-            return bytes(self._kept)
-        return cut_marker(self.total - self.cap, self.cap) + bytes(self._kept[-self.cap :])
-
-
 class DockerRuntime:
     """ContainerRuntime and EngineAdmin over the Docker Engine API (see
     ``harbor_exec.sandbox.runtime``)."""
@@ -377,6 +360,8 @@ class DockerRuntime:
         self._cpus: int | None = None  # the engine's CPU count, asked once
         # Each container's writable layer on this host (None: not visible from here).
         self._layers: dict[str, WritableLayer | None] = {}
+        # Each container's command channel (those created with one).
+        self._channels: dict[str, CommandChannel] = {}
         self.engine_available = True
         self.last_engine_error: str | None = None
         self._seccomp = SeccompProfiles(seccomp_profile)
@@ -736,6 +721,11 @@ class DockerRuntime:
             mounts.append(_volume_mount(DEPS_MOUNT, spec.deps_volume))
         if spec.agent_volume is not None:
             mounts.append(_volume_mount(AGENT_MOUNT, spec.agent_volume))
+        channel = None
+        binds = list(spec.mounts)
+        if spec.command_channel and spec.process is None:
+            channel = CommandChannel(spec.name)
+            binds.append(channel.mount())
         host_config = self._api.create_host_config(
             nano_cpus=int(cpus * 1e9) if cpus else None,
             mem_limit=f"{spec.memory_mb}m" if spec.memory_mb else None,
@@ -754,8 +744,7 @@ class DockerRuntime:
             cap_add=sorted(given_back & set(DROPPED_CAPABILITIES)) or None,
             network_mode=spec.network_name or (spec.network if spec.network != "bridge" else None),
             binds={
-                m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
-                for m in spec.mounts
+                m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in binds
             }
             or None,
             mounts=mounts,
@@ -771,6 +760,11 @@ class DockerRuntime:
         if spec.process is not None:
             entrypoint, command = [RUNTIME_TINI, "--"], self._service_argv(spec)
             user = spec.process.user or self.image_user(spec.image) or "0:0"
+        elif channel is not None:
+            # The command server forks first, as root, then the init runs as always.
+            image_env = self._image_config(spec.image).get("Env") or []
+            configured = {*spec.env, *(str(e).partition("=")[0] for e in image_env)}
+            entrypoint = [*channel.launcher(configured), *entrypoint]
         networking = None
         if spec.network_name is not None:
             if spec.network != "bridge":
@@ -802,9 +796,13 @@ class DockerRuntime:
                 detach=True,
             )
         except docker.errors.APIError as exc:
+            if channel is not None:
+                channel.close()
             raise EnvironmentStartError(
                 f"cannot create a container from {spec.image}: {exc.explanation or exc}"
             ) from None
+        if channel is not None:
+            self._channels[str(created["Id"])] = channel
         return str(created["Id"])
 
     def _service_argv(self, spec: ContainerSpec) -> list[str]:
@@ -998,6 +996,9 @@ class DockerRuntime:
         try:
             # Starting is the daemon's most expensive step; too many at once topple it.
             with self._start_gate:
+                channel = self._channels.get(container_id)
+                if channel is not None:
+                    channel.started()  # its server says hello anew, before any command
                 self._api.start(container_id)
         except docker.errors.APIError as exc:
             # A volume removed behind our back (``docker volume prune`` between
@@ -1056,6 +1057,9 @@ class DockerRuntime:
 
     @_engine_boundary
     def container_running(self, container_id: str) -> bool:
+        channel = self._channels.get(container_id)
+        if channel is not None and channel.alive:
+            return True  # its command server is connected: no engine call
         try:
             state = self._api.inspect_container(container_id)["State"]
         except docker.errors.NotFound:
@@ -1064,21 +1068,27 @@ class DockerRuntime:
 
     @_engine_boundary
     def stop_processes(self, container_id: str, companion: Companion | None = None) -> bool:
-        try:
-            state = self._api.inspect_container(container_id)["State"]
-        except docker.errors.NotFound:
-            return False  # no container, no processes
-        if not state.get("Running"):
-            return False
-        init_pid = int(state.get("Pid") or 0)
+        channel = self._channels.get(container_id)
+        init_pid = channel.init_pid() if channel is not None else None
+        if init_pid is None:
+            try:
+                state = self._api.inspect_container(container_id)["State"]
+            except docker.errors.NotFound:
+                return False  # no container, no processes
+            if not state.get("Running"):
+                return False
+            init_pid = int(state.get("Pid") or 0)
+        # The cgroup's path names the container: a pid of another container never passes.
         cgroup = HostCgroup.of(init_pid, container_id) if init_pid else None
         self.host_kill = cgroup is not None
         if cgroup is not None:
             spared = None
+            server = channel.companion if channel is not None else None
+            companions = [c for c in (companion, server) if c is not None]
             with contextlib.suppress(OSError):
-                spared = cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companion)
+                spared = cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companions)
             if spared is not None:
-                return bool(spared)
+                return companion is not None and any(c is companion for c in spared)
         # Without the host's view: SIGKILL the init, which ends its PID namespace and
         # every process in it; the container's filesystem (and /logs) stays.
         try:
@@ -1095,6 +1105,11 @@ class DockerRuntime:
     def exec(
         self, container_id: str, command: list[str], **options: Unpack[ExecOptions]
     ) -> ExecResult:
+        channel = self._channels.get(container_id)
+        if channel is not None:
+            ran = self._exec_over(channel, container_id, command, options)
+            if ran is not None:
+                return ran
         environment = [f"{k}={v}" for k, v in (options.get("env") or {}).items()]
         stdin, timeout_sec = options.get("stdin"), options.get("timeout_sec")
         started = time.monotonic()
@@ -1129,6 +1144,55 @@ class DockerRuntime:
         exit_code = self._api.exec_inspect(exec_id).get("ExitCode")
         return ExecResult(exit_code, stdout, timed_out, duration, stderr)
 
+    def _exec_over(
+        self,
+        channel: CommandChannel,
+        container_id: str,
+        command: list[str],
+        options: ExecOptions,
+    ) -> ExecResult | None:
+        """``exec`` through the container's command channel (None: it has none that
+        answers; the engine runs it). The same semantics: a command past its timeout
+        has every process but ours killed and is reported timed out."""
+        # Never the image's USER by default: callers resolve users from the image.
+        user = options.get("user") or "0:0"
+        if not user.replace(":", "", 1).isdigit():
+            return None  # a user by name: the engine resolves it
+        started = time.monotonic()
+        reply = channel.submit(
+            command,
+            user=user,
+            workdir=options.get("workdir"),
+            env=options.get("env"),
+            stdin=options.get("stdin"),
+            output_cap=_MAX_EXEC_OUTPUT,
+        )
+        if reply is None:
+            return None
+        timeout_sec = options.get("timeout_sec")
+        timed_out = not reply.done.wait(None if timeout_sec is None else max(timeout_sec, 0.0))
+        if timed_out:
+            self.stop_processes(container_id)
+            reply.done.wait(5)
+        elif reply.exit_code is None:
+            self._channel_broke(container_id)
+        duration = time.monotonic() - started
+        return ExecResult(
+            reply.exit_code, reply.stdout.value(), timed_out, duration, reply.stderr.value()
+        )
+
+    def _channel_broke(self, container_id: str) -> None:
+        """The command server went while a command ran: the agent's doing (it killed the
+        server, or the container's init), unless the engine is going away (a daemon that
+        stops ends every container first, then stops answering): that raises, as an
+        engine exec's broken stream does. The engine gets a moment to say which."""
+        deadline = time.monotonic() + _ENGINE_GONE_SEC
+        while not self.container_running(container_id):
+            if time.monotonic() > deadline:
+                return
+            self._api.ping()  # raises once the engine stops answering
+            time.sleep(0.05)
+
     @_engine_boundary
     def _exec_start(self, exec_id: str, stdin: bytes | None) -> tuple[bytes, bytes]:
         """Run a created exec to its end: ``(stdout, stderr)``."""
@@ -1141,7 +1205,7 @@ class DockerRuntime:
                 hint = " (does [environment].workdir exist in the image?)"
             raise EnvironmentStartError(f"exec failed: {message}{hint}") from None
         raw = getattr(sock, "_sock", sock)
-        streams = {1: _Tail(_MAX_EXEC_OUTPUT), 2: _Tail(_MAX_EXEC_OUTPUT)}
+        streams = {1: OutputTail(_MAX_EXEC_OUTPUT), 2: OutputTail(_MAX_EXEC_OUTPUT)}
         try:
             if stdin is not None:
                 raw.sendall(stdin)
@@ -1206,6 +1270,9 @@ class DockerRuntime:
         """Force-remove; never raises for an engine fault: the container is kept in a
         list that ``reap`` retries once the engine answers again."""
         self._layers.pop(container_id, None)
+        channel = self._channels.pop(container_id, None)
+        if channel is not None:
+            channel.close()
         try:
             self._api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:

@@ -134,6 +134,9 @@ class ContainerSpec:
     before_keep_alive: Sequence[str] = ()
     healthcheck: Healthcheck | None = None
     workdir: str | None = None  # the container's working directory (None: the image's)
+    #: Run later commands over a command server started with the container (one stream
+    #: the runtime holds, ``harbor_exec.sandbox.channel``) instead of an engine exec each.
+    command_channel: bool = False
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,9 @@ class SandboxPolicy:
     verifier_output: OutputLimits = VERIFIER_OUTPUT_LIMITS
     #: Allowlisted networks' egress proxy (``harbor_exec.network.egress.plan``).
     egress: EgressSettings = field(default_factory=EgressSettings)
+    #: Later commands over a command server started with each container
+    #: (``harbor_exec.sandbox.channel``), not an engine exec each.
+    command_channel: bool = True
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,15 @@ class SandboxConfig:
             from_field=_max_file_bytes,
         ),
     )
+    command_channel: bool = field(
+        default=True,
+        metadata=_cli(
+            "--command-channel/--no-command-channel",
+            "Sandbox",
+            "Run a container's commands over one stream to a command server started with "
+            "it (the default), instead of an engine exec each.",
+        ),
+    )
     #: None: from the trials run at once and the engine's ``pid_max``.
     pids_limit: int | None = None
     #: Harbor's ``EnvironmentConfig.override_*``: replace every task's own.

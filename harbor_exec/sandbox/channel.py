@@ -1,0 +1,349 @@
+"""The host's end of a container's command channel (``harbor_exec.container.commands``).
+
+Each container the runtime creates with a channel gets a directory of its own (a
+unix socket listening in it, mounted read-only into the container) and a token on
+its command server's command line. The server connects when the container starts
+and says hello; the channel takes **one** hello per start, only before the first
+command after that start, and only with the token: by then nothing of the task has
+run, so the process that said it is ours. Every other connection is closed unheard
+(the agent's, a second server's). A channel whose server is gone (killed, stopped
+answering, a malformed frame) is closed for good until the container starts again:
+the runtime runs its commands through the engine's exec instead, and a command that
+was running when it went reports no exit code (the agent ended its own command).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Final
+
+from harbor_exec.container import commands
+from harbor_exec.container.commands import (
+    ADDED_VARIABLES,
+    FRAME_HEAD,
+    KIND_ERR,
+    KIND_EXIT,
+    KIND_HELLO,
+    KIND_OUT,
+    KIND_RUN,
+    KIND_STDIN,
+    MAX_FRAME,
+    encode_frame,
+    read_exact,
+)
+from harbor_exec.container.exchange import RUNTIME_PYTHON
+from harbor_exec.sandbox.archives import cut_marker
+from harbor_exec.sandbox.cgroups import Companion
+from harbor_exec.sandbox.runtime import Mount
+
+logger = logging.getLogger("harbor_exec.sandbox")
+
+__all__ = [
+    "CHANNEL_MOUNT",
+    "CHANNEL_ROOT",
+    "ChannelReply",
+    "CommandChannel",
+    "OutputTail",
+]
+
+#: Where the channels' directories live on the host: short (a socket path has 107
+#: bytes), and shared at the same path with the host when harbor-exec runs in a
+#: container (the engine resolves bind mounts on the host).
+CHANNEL_ROOT: Final = Path("/tmp") / "hx-egress"
+#: Where a container sees its channel's directory (read-only).
+CHANNEL_MOUNT: Final = "/run/harbor-exec/commands"
+_SOCKET: Final = "c.sock"
+#: How long the first command waits for the server's hello after the start (its
+#: Python starts in tens of milliseconds; a container that never says hello runs its
+#: commands through the engine).
+HELLO_WAIT_SEC: Final = 10.0
+_STDIN_CHUNK: Final = 256 * 1024
+_PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
+
+
+@cache
+def _server_source() -> str:
+    return Path(commands.__file__).read_text(encoding="utf-8")
+
+
+class OutputTail:
+    """The last ``cap`` bytes of a stream, with a marker when more came."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.total = 0
+        self._kept = bytearray()
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        self._kept += data
+        if len(self._kept) > 2 * self.cap:
+            del self._kept[: len(self._kept) - self.cap]
+
+    def value(self) -> bytes:
+        if self.total <= self.cap:
+            return bytes(self._kept)
+        return cut_marker(self.total - self.cap, self.cap) + bytes(self._kept[-self.cap :])
+
+
+@dataclass
+class ChannelReply:
+    """One command's outcome over the channel, its output bounded as the engine's
+    (``exit_code`` None: the channel went while it ran)."""
+
+    stdout: OutputTail
+    stderr: OutputTail
+    exit_code: int | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CommandChannel:
+    """One container's channel: see the module docstring. ``close()`` removes it all."""
+
+    def __init__(self, container_name: str) -> None:
+        CHANNEL_ROOT.mkdir(mode=0o711, exist_ok=True)
+        self.directory = Path(tempfile.mkdtemp(prefix="c-", dir=CHANNEL_ROOT))
+        self.directory.chmod(0o755)
+        self.name = container_name
+        self.token = secrets.token_hex(16)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = self.directory / _SOCKET
+        self._listener.bind(str(path))
+        path.chmod(0o666)  # the server's uid is the container's root: any uid on the host
+        self._listener.listen(8)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._conn: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._accepting = False  # between a start and that start's first command
+        self._closed = False
+        self._replies: dict[int, ChannelReply] = {}
+        self._next_id = 1
+        self.companion: Companion | None = None
+        self._peer_pid = 0
+        threading.Thread(
+            target=self._accept_forever, name=f"channel-{self.name}", daemon=True
+        ).start()
+
+    # ------------------------------------------------------------------ container side
+
+    def mount(self) -> Mount:
+        return Mount(str(self.directory), CHANNEL_MOUNT, read_only=True)
+
+    def launcher(self, configured: Collection[str]) -> list[str]:
+        """The container's first command: it forks the server, then runs ``--then``.
+        ``configured``: the names the container's own environment sets (image and
+        spec), so that the server tells them from what its start added."""
+        argv = [RUNTIME_PYTHON, "-I", "-S", "-c", _server_source()]
+        argv += ["--socket", f"{CHANNEL_MOUNT}/{_SOCKET}", "--token", self.token]
+        for name in ADDED_VARIABLES:
+            if name in configured:
+                argv += ["--keep", name]
+        return [*argv, "--then"]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def started(self) -> None:
+        """The container (re)started: its server says hello anew, before any command."""
+        with self._lock:
+            self._drop_connection()
+            self._accepting = not self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._accepting = False
+            self._drop_connection()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with contextlib.suppress(OSError):
+            (self.directory / _SOCKET).unlink()
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()
+
+    def _drop_connection(self) -> None:
+        """The server is gone (or replaced by a start): every waiting command ends
+        without an exit code. Called with the lock held."""
+        conn, self._conn = self._conn, None
+        self.companion = None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            reply.done.set()
+        self._ready.notify_all()
+
+    def _accept_forever(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        conn.settimeout(2.0)
+        try:
+            head = read_exact(conn, FRAME_HEAD.size)
+            if head is None:
+                raise OSError("no hello")
+            length, kind, _ = FRAME_HEAD.unpack(head)
+            if kind != KIND_HELLO or not 5 < length <= 512:
+                raise OSError("not a hello")
+            body = read_exact(conn, length - 5)
+            hello = json.loads(body or b"")
+            token, pid = str(hello.get("token", "")), int(hello.get("pid", 0))
+        except (OSError, ValueError, AttributeError, TypeError):
+            conn.close()
+            return
+        with self._lock:
+            fresh = self._accepting and self._conn is None
+            if not (fresh and pid > 0 and secrets.compare_digest(token, self.token)):
+                conn.close()
+                return
+            conn.settimeout(None)
+            self._conn = conn
+            # The server's pid as this host sees it (the kernel's word, not the hello's).
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            self._peer_pid = _PEERCRED.unpack(creds)[0]
+            self.companion = Companion(
+                pid, time.clock_gettime(time.CLOCK_BOOTTIME), uid=0, parent="init"
+            )
+            self._ready.notify_all()
+        threading.Thread(target=self._read_forever, args=(conn,), daemon=True).start()
+
+    def _read_forever(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                head = read_exact(conn, FRAME_HEAD.size)
+                if head is None:
+                    break
+                length, kind, request = FRAME_HEAD.unpack(head)
+                if length < 5 or length > MAX_FRAME + 5:
+                    break
+                payload = read_exact(conn, length - 5)
+                if payload is None:
+                    break
+                self._dispatch(kind, request, payload)
+        except (OSError, ValueError):
+            pass
+        with self._lock:
+            if self._conn is conn:
+                logger.info("container %s: its command server is gone", self.name)
+                self._drop_connection()
+                self._accepting = False
+
+    def _dispatch(self, kind: int, request: int, payload: bytes) -> None:
+        with self._lock:
+            reply = self._replies.get(request)
+            if reply is None:
+                return
+            if kind == KIND_OUT:
+                reply.stdout.add(payload)
+            elif kind == KIND_ERR:
+                reply.stderr.add(payload)
+            elif kind == KIND_EXIT:
+                reply.exit_code = int(json.loads(payload)["exit_code"])
+                del self._replies[request]
+                reply.done.set()
+
+    # ------------------------------------------------------------------ commands
+
+    def submit(
+        self,
+        argv: list[str],
+        *,
+        user: str,
+        workdir: str | None,
+        env: Mapping[str, str] | None,
+        stdin: bytes | None,
+        output_cap: int,
+    ) -> ChannelReply | None:
+        """Start ``argv`` through the server: its reply to wait on, or None when the
+        channel cannot (the caller runs it through the engine)."""
+        with self._lock:
+            if self._conn is None and self._accepting:
+                # The first command after a start waits for the hello (only then).
+                self._ready.wait_for(
+                    lambda: self._conn is not None or not self._accepting, HELLO_WAIT_SEC
+                )
+            waited = self._accepting and self._conn is None
+            self._accepting = False  # from now on the task's processes run
+            conn = self._conn
+            if conn is None:
+                if waited:
+                    logger.warning(
+                        "container %s: its command server said no hello within %gs; its "
+                        "commands run through the engine",
+                        self.name,
+                        HELLO_WAIT_SEC,
+                    )
+                return None
+            request, self._next_id = self._next_id, self._next_id + 1
+            reply = ChannelReply(OutputTail(output_cap), OutputTail(output_cap))
+            self._replies[request] = reply
+        spec = {
+            "argv": argv,
+            "user": user,
+            "workdir": workdir,
+            "env": dict(env or {}),
+            "stdin": stdin is not None,
+        }
+        frames = [encode_frame(KIND_RUN, request, json.dumps(spec).encode())]
+        if stdin is not None:
+            for start in range(0, len(stdin), _STDIN_CHUNK):
+                frames.append(
+                    encode_frame(KIND_STDIN, request, stdin[start : start + _STDIN_CHUNK])
+                )
+            frames.append(encode_frame(KIND_STDIN, request, b""))
+        try:
+            with self._send_lock:
+                for frame in frames:
+                    conn.sendall(frame)
+        except OSError:
+            # It may have started: never run twice; it ends as the channel went.
+            with self._lock:
+                if self._conn is conn:
+                    self._drop_connection()
+                    self._accepting = False
+        return reply
+
+    @property
+    def alive(self) -> bool:
+        with self._lock:
+            return self._conn is not None
+
+    def init_pid(self) -> int | None:
+        """The container's init as this host sees it (the server's parent), while the
+        server is connected: no engine call needed to find it. None otherwise."""
+        with self._lock:
+            if self._conn is None or self._peer_pid <= 0:
+                return None
+            pid = self._peer_pid
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        return parent if parent > 1 else None
+
+    def __repr__(self) -> str:
+        return f"CommandChannel({self.name!r}, alive={self.alive})"
