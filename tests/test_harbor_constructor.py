@@ -418,3 +418,17 @@ def test_the_guides_task_mode_snippets_as_written(
     backend.start()  # the bundle, built from the project found from MyWorkflow
     assert backend.bundle is not None
     assert backend.bundle.name == "arith_agent.workflow:ArithWorkflow"
+
+
+def test_the_command_channel_is_on_unless_turned_off(tmp_path: Path) -> None:
+    """Every trial container's commands go over its command channel by default;
+    ``command_channel=False`` (``--no-command-channel``) runs each through the engine."""
+    from harbor_exec.backends.harbor.constructor import harbor_config
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    on = harbor_config(tasks_dir=tasks, agent="oracle").sandbox
+    off = harbor_config(tasks_dir=tasks, agent="oracle", command_channel=False).sandbox
+    assert on.command_channel is True and off.command_channel is False
+    policy = off.policy(max_concurrent_trials=1, pid_max=4096)
+    assert policy.command_channel is False

@@ -178,7 +178,9 @@ def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) ->
     children: list[tuple[int, int]] = []
     for pid in pids:
         fields = _stat_fields(pid)
-        if fields is not None and int(fields[1]) == init_pid:
+        # Not a dead child the init has yet to reap (the command server, killed, started
+        # before the keep-alive): it is no longer anything to keep.
+        if fields is not None and int(fields[1]) == init_pid and fields[0] not in ("Z", "X"):
             children.append((int(fields[19]), pid))  # (starttime, pid)
     if not children:
         return set()

@@ -1174,7 +1174,8 @@ class DockerRuntime:
         if timed_out:
             self.stop_processes(container_id)
             reply.done.wait(5)
-        elif reply.exit_code is None:
+        elif reply.exit_code is None or (reply.exit_code > 128 and not channel.alive):
+            # The channel went (or its command was killed as the container went).
             self._channel_broke(container_id)
         duration = time.monotonic() - started
         return ExecResult(
@@ -1184,14 +1185,29 @@ class DockerRuntime:
     def _channel_broke(self, container_id: str) -> None:
         """The command server went while a command ran: the agent's doing (it killed the
         server, or the container's init), unless the engine is going away (a daemon that
-        stops ends every container first, then stops answering): that raises, as an
-        engine exec's broken stream does. The engine gets a moment to say which."""
+        stops closes its socket, then ends every container): that raises, as an engine
+        exec's broken stream does. The engine gets a moment to say which; asked on a
+        new connection each time (one kept open may still be served while it stops)."""
         deadline = time.monotonic() + _ENGINE_GONE_SEC
-        while not self.container_running(container_id):
-            if time.monotonic() > deadline:
+        while True:
+            self._engine_listening()
+            if self.container_running(container_id) or time.monotonic() > deadline:
                 return
-            self._api.ping()  # raises once the engine stops answering
             time.sleep(0.05)
+
+    def _engine_listening(self) -> None:
+        """Raise ``EngineUnavailableError`` unless the engine takes a new connection."""
+        try:
+            client = self._client(timeout=5, max_pool_size=1)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            self.engine_down(exc)
+            raise EngineUnavailableError(
+                self.engine_url, "the command channel broke and the engine stopped answering"
+            ) from None
 
     @_engine_boundary
     def _exec_start(self, exec_id: str, stdin: bytes | None) -> tuple[bytes, bytes]:

@@ -227,6 +227,7 @@ class HarborKeywords(TypedDict, total=False):
     default_nofile: int | None
     pids_limit: int | None
     output_limits: OutputLimits | None
+    command_channel: bool
     relay_extra_routes: Sequence[str]
     strict_grader_isolation: bool
     prefer_grader: bool
@@ -269,6 +270,7 @@ def harbor_config(
     default_nofile: int | None = None,
     pids_limit: int | None = None,
     output_limits: OutputLimits | None = None,
+    command_channel: bool = True,
     relay_extra_routes: Sequence[str] = (),
     strict_grader_isolation: bool = False,
     prefer_grader: bool = False,
@@ -393,6 +395,7 @@ def harbor_config(
         override_memory_mb=overrides.override_memory_mb,
         override_storage_mb=overrides.override_storage_mb,
         deps_in_image=bool(patch_dockerfile_with_sdk),
+        command_channel=command_channel,
     )
     return HarborConfig(
         tasks=TaskSources(
