@@ -197,7 +197,15 @@ class CommandChannel:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
+            with self._lock:
+                listening = self._accepting and self._conn is None
+            if not listening:
+                # Outside the window only the agent can knock: closed unread, on this
+                # thread (a flood of connections costs the host no thread, no read).
+                conn.close()
+                continue
+            # Inside it nothing of the task has run yet: the server is all that connects.
+            self._greet(conn)
 
     def _greet(self, conn: socket.socket) -> None:
         conn.settimeout(2.0)
