@@ -31,7 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
+from harbor_exec.backends.harbor.backend import HarborBackend
+from harbor_exec.bundler import build_bundle
+from harbor_exec.cache import CACHE_ENV
+from harbor_exec.client import RolloutClient
 from harbor_exec.sandbox import runtime_volume
+from harbor_exec.sandbox.docker import DockerRuntime
+from harbor_exec.server import create_rollout_server
+from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
+from tests.fake_chat import FakeChat
+from tests.server_utils import serve
+from tests.test_cache_rebuilds_docker import runtime_volumes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +64,6 @@ class _Timed:
 
 
 async def _rollout(url: str, chat_url: str) -> tuple[Any, float]:
-    from harbor_exec.client import RolloutClient
-
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=900) as http:
         result = await RolloutClient(url=url, http_client=http).run_rollout(
@@ -68,16 +76,6 @@ async def _rollout(url: str, chat_url: str) -> tuple[Any, float]:
     return result, time.monotonic() - started
 
 
-def _runtime_volumes(prefix: str) -> set[str]:
-    import docker
-
-    client = docker.from_env()
-    try:
-        return {v.name for v in client.volumes.list() if v.name.startswith(prefix)}
-    finally:
-        client.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -87,19 +85,9 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="hx-bench-first-"))
     cache = scratch / "cache"
     cache.mkdir()
-    os.environ["HARBOR_EXEC_CACHE_DIR"] = str(cache)
-    # Imported after the variable is set: the cache's location is read at import.
-    from harbor_exec.backends.harbor.backend import HarborBackend
-    from harbor_exec.bundler import build_bundle
-    from harbor_exec.sandbox.docker import DockerRuntime
-    from harbor_exec.sandbox.runtime_volume import RUNTIME_VOLUME_PREFIX
-    from harbor_exec.server import create_rollout_server
-    from tests.bundle_utils import EXAMPLE_DIR, EXAMPLE_REFS
-    from tests.fake_chat import FakeChat
-    from tests.server_utils import serve
-
+    os.environ[CACHE_ENV] = str(cache)  # read where each cache entry is looked up
     runtime = DockerRuntime()
-    volumes_before = _runtime_volumes(RUNTIME_VOLUME_PREFIX)
+    volumes_before = runtime_volumes()
     # Where the trial's runtime volume looks the build up: its time within the rollout.
     build = _Timed(runtime_volume, "build_runtime")
     task = scratch / "template"
@@ -127,7 +115,7 @@ def main() -> None:
                 warm, warm_sec = asyncio.run(_rollout(url, chat.base_url))
         finally:
             # This cache's runtime volume, when it differs from the machine's.
-            for volume in _runtime_volumes(RUNTIME_VOLUME_PREFIX) - volumes_before:
+            for volume in runtime_volumes() - volumes_before:
                 runtime.remove_volume(volume)
             shutil.rmtree(scratch, ignore_errors=True)
     for name, result in (("first", first), ("warm", warm)):

@@ -65,7 +65,7 @@ def test_an_empty_cache_dir_builds_the_runtime_once_on_first_need(
     cache.mkdir()
     dataset = _dataset(tmp_path)
     env = {**os.environ, "HARBOR_EXEC_CACHE_DIR": str(cache)}
-    before = _runtime_volumes()
+    before = runtime_volumes()
     try:
         # Two processes at once, each with the plain command and nothing built.
         command = [sys.executable, "-m", "harbor_exec.cli", "validate", str(dataset), "-n", "3"]
@@ -102,12 +102,12 @@ def test_an_empty_cache_dir_builds_the_runtime_once_on_first_need(
         assert RuntimeContent.load(cache).digest == built.digest
     finally:
         for volume in (
-            _runtime_volumes() - before
+            runtime_volumes() - before
         ):  # this cache's runtime, if it differs from the suite's
             docker_runtime.remove_volume(volume)
 
 
-def _runtime_volumes() -> set[str]:
+def runtime_volumes() -> set[str]:
     import docker
 
     client = docker.from_env()

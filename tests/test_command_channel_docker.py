@@ -20,6 +20,7 @@ import pytest
 
 from harbor_exec.sandbox.docker import DockerRuntime
 from harbor_exec.sandbox.runtime import ContainerSpec, ExecResult
+from tests.server_utils import wait_until
 
 # engine_lane: its own two containers; its bounds are generous (seconds, not ms).
 pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
@@ -209,11 +210,7 @@ def test_a_killed_server_is_never_replaced(docker_runtime: DockerRuntime) -> Non
         # Through the engine (the channel's server is what it kills).
         attack = docker_runtime._api.exec_create(container, ["python3", "-c", IMPOSTOR])
         docker_runtime._api.exec_start(attack["Id"])
-        for _ in range(200):
-            if not channel.alive:
-                break
-            time.sleep(0.01)
-        assert not channel.alive
+        assert wait_until(lambda: not channel.alive, timeout=5), "the server was not killed"
         for _ in range(10):  # while the impostor knocks
             ran = docker_runtime.exec(container, ["sh", "-c", "echo real; exit 3"])
             assert (ran.exit_code, ran.output) == (3, b"real\n")

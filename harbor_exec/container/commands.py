@@ -51,6 +51,8 @@ __all__ = [
     "MAX_FRAME",
     "encode_frame",
     "main",
+    "read_exact",
+    "read_frame",
 ]
 
 #: length (of kind + id + payload), kind, request id.
@@ -87,6 +89,19 @@ def read_exact(sock: socket.socket, size: int) -> bytes | None:
     return bytes(data)
 
 
+def read_frame(sock: socket.socket, max_payload: int = MAX_FRAME) -> tuple[int, int, bytes] | None:
+    """The next frame's ``(kind, request, payload)``; None at the end of the stream or
+    for a frame whose payload would pass ``max_payload`` (the stream is then over)."""
+    head = read_exact(sock, FRAME_HEAD.size)
+    if head is None:
+        return None
+    length, kind, request = FRAME_HEAD.unpack(head)
+    if not 5 <= length <= max_payload + 5:
+        return None
+    payload = read_exact(sock, length - 5)
+    return None if payload is None else (kind, request, payload)
+
+
 class _Server:
     def __init__(self, sock: socket.socket, base_env: dict[str, str]) -> None:
         self.sock = sock
@@ -99,16 +114,8 @@ class _Server:
             self.sock.sendall(encode_frame(kind, request, payload))
 
     def serve(self) -> None:
-        while True:
-            head = read_exact(self.sock, FRAME_HEAD.size)
-            if head is None:
-                return
-            length, kind, request = FRAME_HEAD.unpack(head)
-            if length < 5 or length > MAX_FRAME + 5:
-                return
-            payload = read_exact(self.sock, length - 5)
-            if payload is None:
-                return
+        while frame := read_frame(self.sock):
+            kind, request, payload = frame
             if kind == KIND_RUN:
                 # Started here, before the next frame is read: its stdin is in place
                 # for the frames that follow.

@@ -190,6 +190,12 @@ def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) ->
     return {first}
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent, as this host sees both (None: no such process)."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
 def _status_field(pid: int, key: str) -> list[str] | None:
     """The values of ``key`` in ``/proc/<pid>/status`` (None: no such process or line)."""
     try:
@@ -213,4 +219,4 @@ def _real_uid(pid: int) -> int | None:
     return int(values[0]) if values else None
 
 
-__all__ = ["Companion", "HostCgroup"]
+__all__ = ["Companion", "HostCgroup", "parent_pid"]

@@ -34,20 +34,18 @@ from typing import Final
 from harbor_exec.container import commands
 from harbor_exec.container.commands import (
     ADDED_VARIABLES,
-    FRAME_HEAD,
     KIND_ERR,
     KIND_EXIT,
     KIND_HELLO,
     KIND_OUT,
     KIND_RUN,
     KIND_STDIN,
-    MAX_FRAME,
     encode_frame,
-    read_exact,
+    read_frame,
 )
 from harbor_exec.container.exchange import RUNTIME_PYTHON
 from harbor_exec.sandbox.archives import cut_marker
-from harbor_exec.sandbox.cgroups import Companion
+from harbor_exec.sandbox.cgroups import Companion, parent_pid
 from harbor_exec.sandbox.runtime import Mount
 
 logger = logging.getLogger("harbor_exec.sandbox")
@@ -73,6 +71,7 @@ _SOCKET: Final = "c.sock"
 HELLO_WAIT_SEC: Final = 10.0
 _STDIN_CHUNK: Final = 256 * 1024
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
+_MAX_HELLO: Final = 507  # a hello's payload: a token and a pid
 
 
 @cache
@@ -210,14 +209,10 @@ class CommandChannel:
     def _greet(self, conn: socket.socket) -> None:
         conn.settimeout(2.0)
         try:
-            head = read_exact(conn, FRAME_HEAD.size)
-            if head is None:
-                raise OSError("no hello")
-            length, kind, _ = FRAME_HEAD.unpack(head)
-            if kind != KIND_HELLO or not 5 < length <= 512:
+            frame = read_frame(conn, _MAX_HELLO)
+            if frame is None or frame[0] != KIND_HELLO:
                 raise OSError("not a hello")
-            body = read_exact(conn, length - 5)
-            hello = json.loads(body or b"")
+            hello = json.loads(frame[2])
             token, pid = str(hello.get("token", "")), int(hello.get("pid", 0))
         except (OSError, ValueError, AttributeError, TypeError):
             conn.close()
@@ -240,19 +235,15 @@ class CommandChannel:
 
     def _read_forever(self, conn: socket.socket) -> None:
         try:
-            while True:
-                head = read_exact(conn, FRAME_HEAD.size)
-                if head is None:
-                    break
-                length, kind, request = FRAME_HEAD.unpack(head)
-                if length < 5 or length > MAX_FRAME + 5:
-                    break
-                payload = read_exact(conn, length - 5)
-                if payload is None:
-                    break
-                self._dispatch(kind, request, payload)
+            while frame := read_frame(conn):
+                self._dispatch(*frame)
         except (OSError, ValueError):
             pass
+        self._lose(conn)
+
+    def _lose(self, conn: socket.socket) -> None:
+        """``conn``'s server is gone: the channel is closed until the container starts
+        again (nothing else is heard before)."""
         with self._lock:
             if self._conn is conn:
                 logger.info("container %s: its command server is gone", self.name)
@@ -328,10 +319,7 @@ class CommandChannel:
                     conn.sendall(frame)
         except OSError:
             # It may have started: never run twice; it ends as the channel went.
-            with self._lock:
-                if self._conn is conn:
-                    self._drop_connection()
-                    self._accepting = False
+            self._lose(conn)
         return reply
 
     @property
@@ -346,12 +334,8 @@ class CommandChannel:
             if self._conn is None or self._peer_pid <= 0:
                 return None
             pid = self._peer_pid
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return None
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        return parent if parent > 1 else None
+        parent = parent_pid(pid)
+        return parent if parent is not None and parent > 1 else None
 
     def __repr__(self) -> str:
         return f"CommandChannel({self.name!r}, alive={self.alive})"

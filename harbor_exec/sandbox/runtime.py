@@ -136,6 +136,7 @@ class ContainerSpec:
     workdir: str | None = None  # the container's working directory (None: the image's)
     #: Run later commands over a command server started with the container (one stream
     #: the runtime holds, ``harbor_exec.sandbox.channel``) instead of an engine exec each.
+    #: Not for a sidecar's ``process``, which keeps its own command.
     command_channel: bool = False
 
 

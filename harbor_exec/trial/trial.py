@@ -538,7 +538,7 @@ class Trial:
             gpus=gpus,
             deps_volume=None if kind == "trial" and self.deps_baked else self.deps_volume,
             agent_volume=self.agent_volume if kind == "trial" else None,
-            command_channel=kind != "sidecar" and policy.command_channel,
+            command_channel=policy.command_channel,
         )
 
     def _create(self, spec: ContainerSpec) -> str:
