@@ -9,7 +9,8 @@ verifier's included, run over:
   token, says hello, and would answer every command with exit 0 and write reward 1;
 - ``noise``: floods its own output, writes forged frames (a command's exit, a reward
   in its output) to every descriptor of every process it can open, connects to the
-  host's socket with frames of its own, and tries to replace the socket;
+  host's socket with frames of its own, holds a flood of connections to it open, and
+  tries to replace the socket;
 - ``stop``: stops the server (``SIGSTOP``) and leaves: its own command cannot end.
 
 Every trial ends with the honest verifier's 0 and its note, never a host-side crash,
@@ -102,7 +103,7 @@ sleep 5  # (the trial's kill after the phase ends this)
 NOISE_SCRIPT = (
     FRAMES
     + r"""
-import os, socket, sys
+import os, socket, sys, time
 opened = 0
 for pid in os.listdir("/proc"):
     if not pid.isdigit():
@@ -129,12 +130,26 @@ for attempt in range(3):
         answers.append(sock.recv(64))
     except OSError as exc:
         answers.append(type(exc).__name__)
+# A flood of connections, held open (bounded: 1000 tries, 10 s): the host reads none.
+held, flood, deadline = [], 0, time.monotonic() + 10
+while flood < 1000 and time.monotonic() < deadline:
+    flood += 1
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(0.2)
+        sock.connect("/run/harbor-exec/commands/c.sock")
+        held.append(sock)
+    except OSError:
+        sock.close()
 try:
     os.unlink("/run/harbor-exec/commands/c.sock")
     replaced = "unlinked"
 except OSError as exc:
     replaced = type(exc).__name__
-print(f"opened={opened} answers={answers} replaced={replaced}", file=open("/logs/agent/attack.txt", "w"))
+print(
+    f"opened={opened} answers={answers} replaced={replaced} flood={flood}",
+    file=open("/logs/agent/attack.txt", "w"),
+)
 """
 )
 
@@ -197,6 +212,8 @@ timeout_sec = 60.0
         answers = attack_report.split("answers=")[1].split(" replaced")[0]
         assert "\\x" not in answers, answers
         assert result.exception_info is None, result.exception_info
+        # It did flood the socket with connections, and the trial went on as ever.
+        assert int(attack_report.split("flood=")[1]) >= 100, attack_report
     else:
         assert "stopped" in attack_report
         # Its own command could not end: its timeout, then the verifier as ever.
