@@ -47,14 +47,19 @@ __all__ = [
     "PrewarmRequest",
     "PrewarmSummary",
     "QueueInfo",
+    "RolloutDetail",
     "RolloutErrorCategory",
+    "RolloutFile",
     "RolloutInitRequest",
     "RolloutInitResponse",
     "RolloutLifecycle",
+    "RolloutList",
+    "RolloutPhase",
     "RolloutResultResponse",
     "RolloutSample",
     "RolloutStatus",
     "RolloutStatusResponse",
+    "RolloutSummary",
     "ValidationErrorResponse",
     "categorize_exception",
     "check_timeouts",
@@ -312,6 +317,69 @@ class RolloutLifecycle(BaseModel):
 
     accepting_rollouts: bool
     active_rollouts: int = Field(ge=0)
+
+
+# ---------------------------------------------------------------------------- rollout listing
+
+
+class RolloutSummary(BaseModel):
+    """One rollout in ``GET /rollouts``. ``reward`` follows the wire rule (null unless
+    ``success`` and kept); ``reason`` is the failure's message with every known secret
+    scrubbed, at most 500 characters; ``seconds`` runs from admission to the result."""
+
+    rollout_id: str
+    status: RolloutStatus
+    task: str | None = None
+    admitted_at: datetime
+    finished_at: datetime | None = None
+    seconds: float | None = None
+    reward: float | None = None
+    err_category: RolloutErrorCategory | None = None
+    reason: str | None = None
+    node: str | None = None
+
+
+class RolloutList(BaseModel):
+    """Body of ``GET /rollouts``: newest first; ``next_cursor`` (passed back as
+    ``?cursor=``) continues after the last one, null on the last page."""
+
+    rollouts: list[RolloutSummary]
+    next_cursor: str | None = None
+
+
+class RolloutPhase(BaseModel):
+    """A phase of a rollout and its length: ``server`` phases (``queued``, ``running``)
+    from the server's clock, ``backend`` ones as the backend timed them
+    (HarborBackend: ``environment_setup``, ``agent_setup``, ``agent``, ``verifier``,
+    ``total``)."""
+
+    name: str
+    source: str
+    seconds: float | None = None
+
+
+class RolloutFile(BaseModel):
+    """A file of the rollout's on the server's machine (trajectory, trial result,
+    verifier output, logs)."""
+
+    name: str
+    path: str
+
+
+class RolloutDetail(RolloutSummary):
+    """Body of ``GET /rollouts/{rollout_id}``: the summary, its phases, where its trial
+    ran (``trial``, ``trial_dir``, ``phase``: where a failure happened), the request's
+    metadata (values under secret-looking keys redacted), the sample's metrics, and its
+    files that exist."""
+
+    running_at: datetime | None = None
+    phases: list[RolloutPhase] = Field(default_factory=list)
+    trial: str | None = None
+    trial_dir: str | None = None
+    phase: str | None = None
+    metadata: dict[str, Any] | None = None
+    metrics: dict[str, float] | None = None
+    files: list[RolloutFile] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- backend exchange

@@ -3,7 +3,8 @@
 Reference routes (unchanged semantics): ``GET /health``, ``POST /rollout``,
 ``GET /rollout/{id}/result`` (lease header, long-poll), ``POST /rollout/cancel``.
 Additions: ``GET /rollout/{id}/status`` (no lease; optional long-poll via
-``?status=<seen>&wait=<sec>``), ``GET /queue``, ``POST /prewarm``, ``GET /metrics``.
+``?status=<seen>&wait=<sec>``), ``GET /queue``, ``POST /prewarm``, ``GET /metrics``,
+``GET /rollouts`` (filtered, paged, newest first) and ``GET /rollouts/{id}``.
 
 The routes are thin: bodies go through ``server.http.JsonBody`` (413, 422), the
 work is ``server.service.RolloutService``'s, and each answer is the protocol
@@ -50,6 +51,7 @@ from harbor_exec.server.http import (
 )
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE
 from harbor_exec.server.openapi import route_docs
+from harbor_exec.server.rollouts import parse_query
 from harbor_exec.server.service import (
     DEFAULT_POLLING_LEASE_TIMEOUT_SEC,
     DEFAULT_RESULT_RETENTION_SEC,
@@ -267,6 +269,24 @@ def create_rollout_server(
             logger.exception("prewarm failed")
             return error_response(500, f"prewarm failed: {type(exc).__name__}: {exc}")
         return model_response(200, summary)
+
+    @app.get("/rollouts", **docs["rollouts"])
+    async def list_rollouts(request: Request) -> Response:
+        """Rollouts, newest first: ``?status=&task=&since=&until=`` (Unix seconds of
+        admission), ``limit`` (1-1000, default 50) and ``cursor`` (``next_cursor``)."""
+        query = parse_query(request.query_params)
+        if isinstance(query, list):
+            return validation_error_response(query)
+        return model_response(200, await service.list_rollouts(query))
+
+    @app.get("/rollouts/{rollout_id}", **docs["rollout"])
+    async def rollout_detail(request: Request) -> Response:
+        """One rollout: its phases and their timings, result, reward, error, node and
+        files (the newest rollout of that id)."""
+        detail = await service.rollout_detail(request.path_params["rollout_id"])
+        if detail is None:
+            return error_response(404, "unknown rollout_id")
+        return model_response(200, detail)
 
     @app.get("/metrics", response_class=PlainTextResponse, **docs["metrics"])
     async def metrics() -> Response:

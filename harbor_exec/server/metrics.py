@@ -15,6 +15,7 @@ The hot path stays cheap: an observation is one prometheus-client ``inc`` or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -34,7 +35,13 @@ import harbor_exec.network.packages.cache
 import harbor_exec.network.relay  # noqa: F401
 from harbor_exec.protocol import NodeSlots
 
-__all__ = ["DURATION_BUCKETS", "PROMETHEUS_CONTENT_TYPE", "ServerMetrics"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "FAILURE_ORIGIN",
+    "PROMETHEUS_CONTENT_TYPE",
+    "REWARD_BUCKETS",
+    "ServerMetrics",
+]
 
 # What generate_latest writes (prometheus-client names it CONTENT_TYPE_PLAIN_0_0_4).
 PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -44,6 +51,21 @@ DURATION_BUCKETS: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
 )  # fmt: skip
+
+#: Rewards (most tasks score in [0, 1]; below 0 counts in the first bucket).
+REWARD_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+#: Whose a failure is, by its category: the agent's (the model's doing: its errors and
+#: timeouts), the infrastructure's (the server, its engine, a provider's API), or the
+#: client's (a request that cannot run, a lease nobody renewed).
+FAILURE_ORIGIN: Final = {
+    "agent_error": "agent",
+    "timeout": "agent",
+    "internal_error": "infrastructure",
+    "http_error": "infrastructure",
+    "validation_error": "client",
+    "lease_expired": "client",
+}
 
 Gauges = Mapping[str, tuple[str, float | int | None]]
 
@@ -114,6 +136,19 @@ class ServerMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self._failures = Counter(
+            "harbor_exec_rollout_failures",
+            "Rollouts that failed, by error category and whose failure it is "
+            "(agent, infrastructure, client).",
+            ["category", "origin"],
+            registry=registry,
+        )
+        self.rewards = Histogram(
+            "harbor_exec_rollout_reward",
+            "Rewards of finished rollouts (those whose result carries one).",
+            buckets=REWARD_BUCKETS,
+            registry=registry,
+        )
         self.queued_seconds = Histogram(
             "harbor_exec_rollout_queued_seconds",
             "Admission to running.",
@@ -127,6 +162,7 @@ class ServerMetrics:
         # labels() validates and locks on every call; a child per key is kept instead.
         self._rejected_by: dict[str, Counter] = {}
         self._completed_by: dict[tuple[str, str], Counter] = {}
+        self._failures_by: dict[str, Counter] = {}
 
     @property
     def admitted(self) -> int:
@@ -151,6 +187,17 @@ class ServerMetrics:
             child = self._completed_by[key] = self._completed.labels(*key)
         child.inc()
         self.rollout_seconds.observe(seconds)
+        if status == "failure":
+            category = err_category or "internal_error"
+            failures = self._failures_by.get(category)
+            if failures is None:
+                origin = FAILURE_ORIGIN.get(category, "infrastructure")
+                failures = self._failures_by[category] = self._failures.labels(category, origin)
+            failures.inc()
+
+    def observe_reward(self, reward: float) -> None:
+        if math.isfinite(reward):
+            self.rewards.observe(reward)
 
     def render(self, gauges: Gauges, nodes: Iterable[NodeSlots] = ()) -> str:
         """The exposition text: this server's metrics with ``gauges`` (name ->

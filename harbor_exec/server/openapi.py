@@ -26,8 +26,10 @@ from harbor_exec.protocol import (
     PrewarmRequest,
     PrewarmSummary,
     QueueInfo,
+    RolloutDetail,
     RolloutInitRequest,
     RolloutInitResponse,
+    RolloutList,
     RolloutResultResponse,
     RolloutStatus,
     RolloutStatusResponse,
@@ -61,6 +63,13 @@ def request_body_schema(
             "content": {"application/json": {"schema": schema}},
         }
     }
+
+
+def _query(name: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    parameter = {"name": name, "in": "query", "required": False, "schema": schema}
+    if description:
+        parameter["description"] = description
+    return parameter
 
 
 def _error(description: str, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
@@ -171,6 +180,34 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
                 **common,
             },
             "openapi_extra": request_body_schema(PrewarmRequest),
+        },
+        "rollouts": {
+            "response_model": RolloutList,
+            "response_description": "A page of rollouts, newest first.",
+            "responses": {422: invalid, **common},
+            "openapi_extra": {
+                "parameters": [
+                    _query("status", {"type": "string", "enum": [s.value for s in RolloutStatus]}),
+                    _query("task", {"type": "string", "minLength": 1}),
+                    _query("since", {"type": "number"}, "Admitted at or after (Unix seconds)."),
+                    _query("until", {"type": "number"}, "Admitted before (Unix seconds)."),
+                    _query(
+                        "cursor",
+                        {"type": "string", "pattern": "^[0-9]{1,18}$"},
+                        "The previous page's next_cursor.",
+                    ),
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                ]
+            },
+        },
+        "rollout": {
+            "response_model": RolloutDetail,
+            "response_description": "One rollout (the newest of that id).",
+            "responses": {
+                404: _error("Unknown rollout_id (never admitted here, or its history is gone)."),
+                **common,
+            },
+            "openapi_extra": {"parameters": [_ROLLOUT_ID_PARAM]},
         },
         "metrics": {
             "response_model": None,

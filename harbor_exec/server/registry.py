@@ -18,7 +18,7 @@ import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Any, Final
 
 from harbor_exec.errors import HarborExecError
 from harbor_exec.protocol import TERMINAL_STATUSES, RolloutErrorCategory, RolloutStatus
@@ -63,18 +63,37 @@ class RolloutEntry:
         "admitted_at",
         "cancel_requested",
         "final",
+        "info",
         "lease_deadline",
         "lease_digest",
+        "metadata",
         "retention_over",
         "rollout_id",
         "running_at",
+        "seq",
         "status",
         "task",
+        "task_name",
         "waiters",
+        "wall_admitted",
+        "wall_finished",
+        "wall_running",
     )
 
-    def __init__(self, rollout_id: str, lease_digest: bytes, now: float, lease_sec: float) -> None:
+    def __init__(
+        self, rollout_id: str, lease_digest: bytes, now: float, lease_sec: float, seq: int = 0
+    ) -> None:
         self.rollout_id = rollout_id
+        # For listing without a store (``GET /rollouts``): admission order, the task,
+        # wall-clock times (admitted, running, finished), the request's metadata and
+        # what the server kept of the backend's report (scrubbed).
+        self.seq = seq
+        self.task_name: str | None = None
+        self.wall_admitted = 0.0
+        self.wall_running: float | None = None
+        self.wall_finished: float | None = None
+        self.metadata: dict[str, Any] | None = None
+        self.info: dict[str, Any] | None = None
         self.lease_digest = lease_digest
         self.lease_deadline = now + lease_sec
         self.admitted_at = now
@@ -128,6 +147,7 @@ class RolloutRegistry:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease_heap: list[tuple[float, int, RolloutEntry]] = []
         self._lease_seq = itertools.count()
+        self._admission_seq = itertools.count(1)
         self._lease_timer: asyncio.TimerHandle | None = None
         self._lease_timer_at = 0.0
         self._dead_in_heap = 0
@@ -148,7 +168,11 @@ class RolloutRegistry:
             raise DuplicateRolloutError(rollout_id)
         token = secrets.token_urlsafe(32)
         entry = RolloutEntry(
-            rollout_id, _digest(token), self.loop.time(), self.polling_lease_timeout_sec
+            rollout_id,
+            _digest(token),
+            self.loop.time(),
+            self.polling_lease_timeout_sec,
+            next(self._admission_seq),
         )
         self.entries[rollout_id] = entry
         self.live_counts[RolloutStatus.QUEUED] += 1
@@ -161,7 +185,7 @@ class RolloutRegistry:
         """Re-register a finished rollout read back after a restart (before serving;
         call in order of increasing ``retention_sec``)."""
         now = self.loop.time()
-        entry = RolloutEntry(rollout_id, lease_digest, now, 0.0)
+        entry = RolloutEntry(rollout_id, lease_digest, now, 0.0, next(self._admission_seq))
         entry.final = final
         entry.status = final.status
         self.entries[rollout_id] = entry

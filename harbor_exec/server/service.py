@@ -5,6 +5,7 @@ restart recovery and shutdown. The routes (``app.py``) are thin wrappers of it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -12,13 +13,15 @@ import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import anyio.to_thread
 from starlette.responses import Response
 
 from harbor_exec.authoring import RolloutContext
 from harbor_exec.backends.base import ExecutionBackend
 from harbor_exec.backends.osmosis import OsmosisBackend
+from harbor_exec.container.redaction import REDACTED, needles
 from harbor_exec.protocol import (
     FEATURES_HEADER,
     STATUS_WAIT_FEATURE,
@@ -27,9 +30,11 @@ from harbor_exec.protocol import (
     ExecutionRequest,
     ExecutionResult,
     QueueInfo,
+    RolloutDetail,
     RolloutErrorCategory,
     RolloutInitRequest,
     RolloutLifecycle,
+    RolloutList,
     RolloutStatus,
     RolloutStatusResponse,
     categorize_exception,
@@ -56,7 +61,15 @@ from harbor_exec.server.results import (
     in_progress_body,
     lease_expired_result,
 )
-from harbor_exec.server.store import RESTARTED_MESSAGE, RolloutStore
+from harbor_exec.server.rollouts import (
+    detail_of,
+    page_of,
+    record_of,
+    rollout_info,
+    select_entries,
+    task_of,
+)
+from harbor_exec.server.store import RESTARTED_MESSAGE, RolloutQuery, RolloutStore
 from harbor_exec.server.trajectory import TrajectoryWriter
 
 __all__ = [
@@ -138,6 +151,7 @@ class RolloutService:
             on_lease_expired=self._expire_lease,
             on_removed=store.forget if store is not None else None,
         )
+        self.artifact_root = artifact_root
         self.writer = TrajectoryWriter(artifact_root)
         self._server_secrets = tuple(server_secrets)
         self._admission = AdmissionEncoder(
@@ -175,11 +189,16 @@ class RolloutService:
             raise
         entry.task = task
         self.tasks.add(task)
+        now = entry.wall_admitted = time.time()
+        entry.metadata = request.metadata
+        entry.task_name = task_of(request.metadata)
         if self.store is not None:
             self.store.admitted(
                 request.rollout_id,
                 entry.lease_digest,
-                request.model_dump_json(exclude={"llm_api_key"}),
+                self._stored_request(request),
+                task=entry.task_name,
+                at=now,
             )
         task.add_done_callback(partial(self._task_done, entry))
         self.metrics.admit()
@@ -302,16 +321,44 @@ class RolloutService:
             # Nobody renewed the lease in time: report that, not a late result.
             self._finish(entry, lease_expired_result(request.rollout_id))
         else:
-            self._finish(entry, final_result(request.rollout_id, result, context.agent_started_at))
+            info = None
+            if result.extra_fields or result.err_message:
+                info = rollout_info(result, (*self._server_secrets, request.llm_api_key or ""))
+            self._finish(
+                entry, final_result(request.rollout_id, result, context.agent_started_at), info
+            )
+
+    def _stored_request(self, request: RolloutInitRequest) -> str:
+        """The request as the store keeps it: without ``llm_api_key``, and with the key
+        (and the server's) scrubbed wherever else it appears (a URL, metadata)."""
+        text = request.model_dump_json(exclude={"llm_api_key"})
+        for secret in needles((request.llm_api_key, *self._server_secrets)):
+            for form in (secret, json.dumps(secret, ensure_ascii=False)[1:-1]):
+                if form in text:
+                    text = text.replace(form, REDACTED)
+        return text
 
     def _set_status(self, entry: RolloutEntry, status: RolloutStatus) -> None:
         before = entry.status
         self.registry.set_status(entry, status)
-        if self.store is not None and entry.status is not before:
-            self.store.status(entry.rollout_id, entry.status.value)
+        if entry.status is not before:
+            running_at = None
+            if entry.status is RolloutStatus.RUNNING and entry.wall_running is None:
+                running_at = entry.wall_running = time.time()
+            if self.store is not None:
+                self.store.status(entry.rollout_id, entry.status.value, running_at=running_at)
 
-    def _finish(self, entry: RolloutEntry, final: FinalResult) -> None:
+    def _finish(
+        self, entry: RolloutEntry, final: FinalResult, info: dict[str, Any] | None = None
+    ) -> None:
         if self.registry.finish(entry, final):
+            wall = entry.wall_finished = time.time()
+            if info is not None:
+                entry.info = info
+                reported = info.get("task")
+                if reported is not None:
+                    entry.task_name = reported
+            category = final.err_category.value if final.err_category else None
             if self.store is not None:
                 self.store.finished(
                     entry.rollout_id,
@@ -319,11 +366,15 @@ class RolloutService:
                     body=final.body,
                     reward=final.reward,
                     err_message=final.err_message,
-                    err_category=final.err_category.value if final.err_category else None,
+                    err_category=category,
+                    task=entry.task_name,
+                    detail=json.dumps(info) if info is not None else None,
+                    at=wall,
                 )
             now = self.registry.loop.time()
-            category = final.err_category.value if final.err_category else None
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
+            if final.reward is not None:
+                self.metrics.observe_reward(final.reward)
             if entry.running_at is not None:
                 self.metrics.queued_seconds.observe(entry.running_at - entry.admitted_at)
 
@@ -384,6 +435,37 @@ class RolloutService:
         ):
             task.cancel()
         return disposition
+
+    # ------------------------------------------------------------------ listing
+
+    async def list_rollouts(self, query: RolloutQuery) -> RolloutList:
+        """``GET /rollouts``: from the store (history included) or the registry."""
+        wider = RolloutQuery(
+            status=query.status,
+            task=query.task,
+            since=query.since,
+            until=query.until,
+            before=query.before,
+            limit=query.limit + 1,
+        )
+        if self.store is not None:
+            records = await anyio.to_thread.run_sync(self.store.page, wider)
+        else:
+            records = select_entries(self.registry.entries.values(), wider)
+        return page_of(records, query.limit)
+
+    async def rollout_detail(self, rollout_id: str) -> RolloutDetail | None:
+        """``GET /rollouts/{id}``: its newest rollout, None when unknown."""
+        if self.store is not None:
+            record = await anyio.to_thread.run_sync(self.store.find, rollout_id)
+        else:
+            entry = self.registry.get(rollout_id)
+            record = record_of(entry) if entry is not None else None
+        if record is None:
+            return None
+        return await anyio.to_thread.run_sync(
+            detail_of, record, self.artifact_root, self._server_secrets
+        )
 
     # ------------------------------------------------------------------ reporting
 
