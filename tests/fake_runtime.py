@@ -183,6 +183,7 @@ class FakeRuntime:
     removed_objects: list[str] = field(default_factory=list)
     health: Callable[[FakeContainer], str] = lambda container: "healthy"
     _ids: Iterator[int] = field(default_factory=itertools.count)
+    _accounts_read: set[str] = field(default_factory=set)
 
     # ----------------------------------------------------------------- engine
 
@@ -268,7 +269,9 @@ class FakeRuntime:
 
     def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
         self._call("image_accounts")
-        assert not self._container(container_id).running, "read before the container starts"
+        if image not in self._accounts_read:  # once per image, as DockerRuntime
+            assert not self._container(container_id).running, "read before the container starts"
+            self._accounts_read.add(image)
         return ImageAccounts.parse(self.passwd, self.group)
 
     def image_labels(self, tag: str) -> Mapping[str, str]:

@@ -36,6 +36,8 @@ SHARED = {
     "--verifier-mode": {"validate", "run", "serve"},
     "--default-cpus": {"validate", "run", "serve"},
     "--command-channel": {"validate", "run", "serve"},
+    "--warm-containers": {"validate", "run", "serve"},
+    "--warm-memory-mb": {"validate", "run", "serve"},
     "--default-memory-mb": {"validate", "run", "serve"},
     "--default-storage-mb": {"validate", "run", "serve"},
     "--default-shm-mb": {"validate", "run", "serve"},

@@ -22,6 +22,7 @@ from harbor_exec.sandbox.runtime import LABEL_ROLLOUT
 from harbor_exec.server.app import create_rollout_server
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import image_tag_for
+from harbor_exec.trial.warm import LABEL_WARM
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.server_utils import CHAT_URL, PROMPT, serve, wait_until
 from tests.task_factory import make_task
@@ -68,7 +69,11 @@ async def wait_held(runtime: FakeRuntime, count: int) -> None:
 
 
 def rollouts_with_containers(runtime: FakeRuntime) -> list[str | None]:
-    return [c.spec.labels.get(LABEL_ROLLOUT) for c in runtime.containers.values()]
+    return [
+        c.spec.labels.get(LABEL_ROLLOUT)
+        for c in runtime.containers.values()
+        if LABEL_WARM not in c.spec.labels  # made ahead by the warm pool: no rollout's yet
+    ]
 
 
 def test_cancel_a_queued_and_a_running_rollout(tmp_path: Path) -> None:
@@ -100,7 +105,7 @@ def test_cancel_a_queued_and_a_running_rollout(tmp_path: Path) -> None:
     # The running trial's container was removed (which ended its held command); the
     # queued rollout never got one.
     assert rollouts_with_containers(runtime) == ["run-1"]
-    (container,) = runtime.containers.values()
+    (container,) = [c for c in runtime.containers.values() if LABEL_WARM not in c.spec.labels]
     assert container.removed and runtime.gate.ended_by_removal == [container]
     assert [e.rollout_id for e in runtime.execs] == ["run-1"]  # nothing ran after the agent
 
@@ -209,11 +214,10 @@ def test_queue_time_comes_off_the_agent_deadline(
 
     with served(tmp_path, runtime, max_concurrent_trials=1) as (backend, url):
         first, second = asyncio.run(scenario(backend, url))
-    agent_deadlines = {
-        e.rollout_id: e.timeout_sec for e in runtime.execs if "/solution/solve.sh" in e.script
-    }
+    # One at a time, in order (the second's container may be a warm one: no rollout label).
+    agent_deadlines = [e.timeout_sec for e in runtime.execs if "/solution/solve.sh" in e.script]
     unqueued = TASK_AGENT_TIMEOUT_SEC if agent_timeout_sec is None else agent_timeout_sec
-    assert agent_deadlines == {"first": unqueued, "second": agent_budget_sec}
+    assert agent_deadlines == [unqueued, agent_budget_sec]
     assert first.status == "success"
     assert second.status == "success"
     agent_error = second.sample.extra_fields.get("agent_error") if second.sample else None
@@ -306,7 +310,8 @@ def test_agent_started_at_is_when_the_agent_phase_began(tmp_path: Path) -> None:
 
     def start(container_id: str) -> None:
         real_start(container_id)
-        if container_id in runtime.containers:  # not the package cache's build gateway
+        container = runtime.containers.get(container_id)  # not the cache's build gateway
+        if container is not None and LABEL_WARM not in container.spec.labels:
             starts.append(datetime.now(UTC))
 
     runtime.start = start  # type: ignore[method-assign]

@@ -34,6 +34,7 @@ from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback
+from harbor_exec.trial.warm import WarmStats
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
@@ -62,6 +63,7 @@ class ExecutorHealth:
     images: dict[str, int] = field(default_factory=dict)  # ours, by kind
     builder: str | None = None
     nodes: list[NodeStatus] = field(default_factory=list)  # per node, when several
+    warm: WarmStats | None = None  # this engine's warm containers, once it had a trial
 
 
 @runtime_checkable

@@ -41,6 +41,7 @@ from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
+from harbor_exec.trial.warm import WarmPool
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         self._threads = anyio.CapacityLimiter(max_threads)
         self.reap_interval_sec = reap_interval_sec
         self._relay_transport: Any = None
+        self._warm_pool: WarmPool | None = None
 
     @property
     def runtime(self) -> ContainerEngine:
@@ -88,6 +90,13 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
             runtime.reap_orphans()
             self._runtime = runtime
         return self._runtime
+
+    @property
+    def warm_pool(self) -> WarmPool:
+        """This engine's warm containers (made as trials show their demand)."""
+        if self._warm_pool is None:
+            self._warm_pool = WarmPool(self.runtime)
+        return self._warm_pool
 
     # ----------------------------------------------------------------- trials
 
@@ -120,6 +129,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                 ),
                 relay_chat=_last_chat(relay) if relay is not None and use.record_chat else None,
                 package_cache=self.cache_service,
+                warm_pool=self.warm_pool if handle.spec.policy.warm_containers > 0 else None,
             )
 
             def work() -> TrialRun:
@@ -185,7 +195,8 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                 images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
         except HarborExecError as exc:
             return ExecutorHealth(available=False, reason=str(exc), builder=runtime.builder)
-        return ExecutorHealth(available=True, images=images, builder=runtime.builder)
+        warm = self._warm_pool.stats() if self._warm_pool is not None else None
+        return ExecutorHealth(available=True, images=images, builder=runtime.builder, warm=warm)
 
     def available(self) -> str | None:
         self._start_background()
@@ -247,6 +258,8 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         await self._stop_trials()
         if self._relay_transport is not None:
             await self._relay_transport.aclose()
+        if self._warm_pool is not None:
+            await anyio.to_thread.run_sync(self._warm_pool.close)
         if self._runtime is not None:
             left = await anyio.to_thread.run_sync(self._runtime.remove_owned)
             if left:

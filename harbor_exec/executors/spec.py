@@ -30,6 +30,7 @@ from harbor_exec.sandbox.runtime import Mount
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import TrialRequest
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
+from harbor_exec.trial.warm import WarmPool
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheService
@@ -116,6 +117,7 @@ def trial_request(
     relay_socket: str | None = None,
     relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
     package_cache: PackageCacheService | None = None,
+    warm_pool: WarmPool | None = None,
 ) -> TrialRequest:
     """The runnable trial of ``spec`` on this machine: its agent (made by the spec's
     agent kind, ``AgentSpec.agent``) and verifier built from ``secrets`` and
@@ -123,7 +125,8 @@ def trial_request(
     the kind's prepared layer; ``relay_socket``: the host path of the rollout's relay
     socket, and ``relay_chat``: the relay's record of the last chat call, each for an
     agent whose ``AgentSpec.relay`` asks for it; ``package_cache``: this machine's live
-    cache, which the request carries beside the spec."""
+    cache, and ``warm_pool`` its warm containers, which the request carries beside the
+    spec."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -163,6 +166,7 @@ def trial_request(
         secrets=list(secrets.scrub),
         mounts=mounts,
         package_cache=package_cache,
+        warm_pool=warm_pool,
     )
 
 

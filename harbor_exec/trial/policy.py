@@ -78,6 +78,12 @@ class SandboxPolicy:
     #: Later commands over a command server started with each container
     #: (``harbor_exec.sandbox.channel``), not an engine exec each.
     command_channel: bool = True
+    #: Containers made ahead of the trials that take them (``harbor_exec.trial.warm``):
+    #: at most this many idle at once per engine (0: none), their memory limits summed
+    #: at most ``warm_memory_mb``, each removed after ``warm_idle_sec`` idle.
+    warm_containers: int = 4
+    warm_memory_mb: int = 8192
+    warm_idle_sec: float = 60.0
 
 
 @dataclass(frozen=True)

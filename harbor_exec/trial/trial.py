@@ -119,6 +119,7 @@ from harbor_exec.trial.results import (
 from harbor_exec.trial.session import TrialSession
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.verifiers import TestsVerifier
+from harbor_exec.trial.warm import WarmClaim, WarmPool, WarmSettings
 
 if TYPE_CHECKING:
     from harbor_exec.network.egress.proxy import Announcement
@@ -201,6 +202,9 @@ class TrialRequest:
     #: This machine's live package cache (a service, beside the spec, never inside its
     #: policy); None: the trial's fetches go straight to the network.
     package_cache: PackageCacheService | None = None
+    #: This engine's warm containers (``harbor_exec.trial.warm``); None: every container
+    #: is created for its trial.
+    warm_pool: WarmPool | None = None
 
 
 class Trial:
@@ -276,6 +280,8 @@ class Trial:
         #: one project per container that has them (a multi-step task's separate verifier
         #: gets its own while the agent's stays); the tracked container's is the last.
         self._composes: list[ComposeEnvironment] = []
+        #: This trial's asks of the warm pool, released as their containers go.
+        self._claims: dict[str, WarmClaim] = {}
 
     # ----------------------------------------------------------------- control
 
@@ -555,6 +561,49 @@ class Trial:
             self._composes[-1].place_main_binds(container_id)
         return container_id
 
+    def _open(self, spec: ContainerSpec) -> tuple[str, bool]:
+        """``spec``'s container and whether it is started: a warm one the pool made
+        ahead of this trial (``harbor_exec.trial.warm``), else one created now."""
+        pool, policy = self.request.warm_pool, self.request.spec.policy
+        if (
+            pool is None
+            or policy.warm_containers <= 0
+            or spec.gpus
+            or is_compose_task(self.request.spec.task)
+        ):
+            return self._create(spec), False
+        settings = WarmSettings(policy.warm_containers, policy.warm_memory_mb, policy.warm_idle_sec)
+        claim = pool.claim(spec, settings)
+        if claim.container_id is None:
+            try:
+                container_id = self._create(spec)
+            except BaseException:
+                pool.release(claim)
+                raise
+            self._claims[container_id] = claim
+            return container_id, False
+        self._announcing.pop(spec.name, None)  # its forwarder starts in its first phase
+        self._claims[claim.container_id] = claim
+        with self._container_lock:
+            self._container_id = claim.container_id
+        if self.cancelled:
+            self._remove_container()
+            self.check_cancelled()
+        return claim.container_id, True
+
+    def _start(self, container_id: str, started: bool) -> None:
+        if not started:
+            self.runtime.start(container_id)
+        claim = self._claims.get(container_id)
+        if claim is not None and self.request.warm_pool is not None:
+            self.request.warm_pool.created(claim)
+
+    def _removed(self, container_id: str) -> None:
+        """A container of this trial is gone: its claim (if any) goes back to the pool."""
+        claim = self._claims.pop(container_id, None)
+        if claim is not None and self.request.warm_pool is not None:
+            self.request.warm_pool.release(claim)
+
     def _compose_up(self, spec: ContainerSpec) -> ContainerSpec:
         """A compose task's sidecars, started around ``spec``'s container (the agent's,
         or a separate verifier's from the task's own environment, as Harbor starts a
@@ -670,7 +719,7 @@ class Trial:
                 )
                 self.images_built += built
             self.check_cancelled()
-            container_id = self._create(
+            container_id, started = self._open(
                 self._spec(self.image, env_config, kind="trial", mounts=request.mounts, gpus=gpus)
             )
             entries = [ArchiveEntry(path, None, 0o777) for path in LOG_DIRS]
@@ -692,7 +741,7 @@ class Trial:
             else:
                 self.runtime.put_archive(container_id, archive)
                 pending = None
-            self.runtime.start(container_id)
+            self._start(container_id, started)
             self.check_cancelled()
         finally:
             timing.finished_at = utcnow()
@@ -958,11 +1007,11 @@ class Trial:
                 image, upload_tests = self._verifier_image()
                 env_config = task.config.verifier.environment or task.config.environment
                 spec = self._spec(image, env_config, kind="verifier", mounts=())
-                container_id = self._create(spec)
+                container_id, started = self._open(spec)
                 verifier_user = self._resolve_users(image, container_id, ["verifier"])["verifier"]
                 handover.seek(0)
                 self.runtime.put_archive(container_id, handover)
-                self.runtime.start(container_id)
+                self._start(container_id, started)
                 self.check_cancelled()
                 fresh = TrialSession(self.runtime, container_id, task, verifier_user=verifier_user)
                 self._run_verifier(fresh, result, upload_tests=upload_tests, started=utcnow())
@@ -1159,9 +1208,17 @@ class Trial:
             container_id, self._container_id = self._container_id, None
         if container_id is not None:
             self.runtime.remove(container_id)
+            self._removed(container_id)
         self._compose_down(every=False)
 
     def _teardown(self, session: TrialSession | None) -> None:
+        try:
+            self._teardown_containers()
+        finally:
+            for claimed in list(self._claims):
+                self._removed(claimed)
+
+    def _teardown_containers(self) -> None:
         self._egress.close()
         if self._package_cache is not None:
             self._package_cache.write(self.dir)

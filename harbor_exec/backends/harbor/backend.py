@@ -81,6 +81,7 @@ from harbor_exec.sandbox.runtime import ContainerEngine
 from harbor_exec.sources.git import GitTaskSource
 from harbor_exec.sources.packages import PackageSource
 from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.warm import WarmStats
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheService
@@ -110,6 +111,9 @@ class HarborHealth(BackendHealth):
     image_builder: str | None = None
     nodes: list[NodeStatus] | None = None  # per node, on a cluster
     blocked_tasks: dict[str, str] = Field(default_factory=dict)
+    #: The engine's warm containers (``harbor_exec.trial.warm``): idle now, hits,
+    #: misses, hit rate, idle container-seconds, median claim seconds.
+    warm_containers: dict[str, float | int | None] | None = None
 
 
 @dataclass
@@ -121,6 +125,21 @@ class _Pending:
     started: bool = False
     grading: bool = False
     cancel_requested: bool = False
+
+
+def _warm_figures(stats: WarmStats | None) -> dict[str, float | int | None] | None:
+    if stats is None:
+        return None
+    return {
+        "idle": stats.idle,
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "hit_rate": stats.hit_rate,
+        "made": stats.made,
+        "expired": stats.expired,
+        "idle_container_seconds": stats.idle_container_seconds,
+        "claim_seconds_p50": stats.claim_seconds_p50,
+    }
 
 
 def _checked_routes(routes: Sequence[str]) -> tuple[str, ...]:
@@ -576,6 +595,7 @@ class HarborBackend(ExecutionBackend):
             image_builder=executor.builder,
             nodes=executor.nodes or None,
             blocked_tasks=dict(self._blocked),
+            warm_containers=_warm_figures(executor.warm),
         )
 
     def recover_interrupted(self, rollout_ids: Sequence[str]) -> None:

@@ -258,6 +258,28 @@ class SandboxConfig:
             "it (the default), instead of an engine exec each.",
         ),
     )
+    warm_containers: int = field(
+        default=4,
+        metadata=_cli(
+            "--warm-containers",
+            "Sandbox",
+            "Containers kept created and started ahead of the trials of the tasks being run "
+            "(per engine; 0: none), as many as the most trials of a task that ran at once "
+            "lately.",
+            min=0,
+        ),
+    )
+    warm_memory_mb: int = field(
+        default=8192,
+        metadata=_cli(
+            "--warm-memory-mb",
+            "Sandbox",
+            "Most memory (MB) the warm containers' limits may sum to.",
+            min=0,
+        ),
+    )
+    #: An idle warm container is removed after this many seconds.
+    warm_idle_sec: float = 60.0
     #: None: from the trials run at once and the engine's ``pid_max``.
     pids_limit: int | None = None
     #: Harbor's ``EnvironmentConfig.override_*``: replace every task's own.

@@ -1,0 +1,192 @@
+"""The warm pool's rules on the fake runtime (``harbor_exec.trial.warm``): what it makes,
+for whom, within which bounds, and when it lets go. The same on the real engine, through
+trials and the served path: ``tests/test_warm_pool_docker.py``."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harbor_exec.container.exchange import RELAY_DIR
+from harbor_exec.sandbox.runtime import LABEL_ROLLOUT, LABEL_TRIAL, ContainerSpec, Mount
+from harbor_exec.trial.warm import LABEL_WARM, WarmPool, WarmSettings, template_key
+from tests.fake_runtime import FakeRuntime
+from tests.server_utils import wait_until
+
+SETTINGS = WarmSettings(containers=4, memory_mb=8192, idle_sec=30.0)
+
+
+def spec_for(relay_dir: Path, *, rollout: str = "r-1", memory_mb: int = 512) -> ContainerSpec:
+    return ContainerSpec(
+        image="harbor-exec/env:abc",
+        name=f"hx-{rollout}",
+        labels={LABEL_TRIAL: f"trial-{rollout}", LABEL_ROLLOUT: rollout, "harbor-exec.task": "t"},
+        env={"TASK_SETTING": "1"},
+        memory_mb=memory_mb,
+        mounts=(Mount(str(relay_dir), RELAY_DIR), Mount("/srv/trust", "/etc/trust")),
+    )
+
+
+def relay_dir(tmp_path: Path, name: str) -> Path:
+    """A rollout's relay directory with its socket in it, as the executor makes one."""
+    directory = tmp_path / name
+    directory.mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(directory / "relay.sock"))
+    sock.close()
+    return directory
+
+
+@pytest.fixture
+def runtime() -> FakeRuntime:
+    return FakeRuntime(images={"harbor-exec/env:abc"})
+
+
+@pytest.fixture
+def pool(runtime: FakeRuntime) -> Iterator[WarmPool]:
+    pool = WarmPool(runtime, SETTINGS)
+    yield pool
+    pool.close()
+
+
+def warm_ids(runtime: FakeRuntime) -> list[str]:
+    return [
+        cid
+        for cid, c in runtime.containers.items()
+        if LABEL_WARM in c.spec.labels and not c.removed
+    ]
+
+
+def test_the_template_is_the_spec_without_what_belongs_to_a_rollout(tmp_path: Path) -> None:
+    one, two = spec_for(tmp_path / "a", rollout="a"), spec_for(tmp_path / "b", rollout="b")
+    assert template_key(one) == template_key(two)
+    # Everything else counts: the image, the environment, the limits, other mounts.
+    assert template_key(one) != template_key(replace(one, env={"TASK_SETTING": "2"}))
+    assert template_key(one) != template_key(replace(one, memory_mb=1024))
+    assert template_key(one) != template_key(replace(one, image="other"))
+    other_mount = replace(one, mounts=(one.mounts[0], Mount("/srv/other", "/etc/trust")))
+    assert template_key(one) != template_key(other_mount)
+
+
+def test_a_miss_then_a_warm_container_carrying_only_the_next_rollouts_socket(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    first = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
+    assert first.container_id is None and first.cold  # nothing made ahead of the first
+    assert warm_ids(runtime) == []  # nothing is made while a trial creates its own
+    pool.created(first)
+    assert wait_until(lambda: pool.stats().idle == 1)
+    (warm_id,) = warm_ids(runtime)
+    warm = runtime.containers[warm_id]
+    assert warm.running  # started ahead, with only its keep-alive
+    # Nothing of a rollout's: no trial or rollout label, no socket yet, no forwarder.
+    assert LABEL_ROLLOUT not in warm.spec.labels and LABEL_TRIAL not in warm.spec.labels
+    assert warm.spec.before_keep_alive == ()
+    warm_relay = {m.target: Path(m.source) for m in warm.spec.mounts}[RELAY_DIR]
+    assert list(warm_relay.iterdir()) == []
+
+    second_dir = relay_dir(tmp_path, "b")
+    second = pool.claim(spec_for(second_dir, rollout="b"), SETTINGS)
+    assert second.container_id == warm_id
+    # Its relay directory now holds the second rollout's own socket (the same inode).
+    (entry,) = warm_relay.iterdir()
+    assert entry.name == "relay.sock"
+    assert os.stat(entry).st_ino == os.stat(second_dir / "relay.sock").st_ino
+    assert pool.stats().hits == 1 and pool.stats().misses == 1
+    pool.release(second)
+    assert not warm_relay.exists()  # the claim's directories go with it
+    pool.release(first)
+
+
+def test_a_container_goes_to_one_trial_only(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    claims = []
+    handed: list[str] = []
+    for n in range(6):
+        claim = pool.claim(spec_for(relay_dir(tmp_path, f"r{n}"), rollout=f"r{n}"), SETTINGS)
+        claims.append(claim)
+        if claim.container_id is not None:
+            handed.append(claim.container_id)
+        pool.created(claim)
+        wait_until(lambda: pool.stats().idle >= 1, timeout=2)
+    assert len(handed) >= 4 and len(set(handed)) == len(handed)
+    for claim in claims:
+        pool.release(claim)
+
+
+def test_the_pool_holds_no_more_than_its_bounds(tmp_path: Path, runtime: FakeRuntime) -> None:
+    pool = WarmPool(runtime, SETTINGS)
+    try:
+        tight = WarmSettings(containers=2, memory_mb=8192, idle_sec=30.0)
+        # Four trials of the task at once: the target is 4, the bound 2.
+        claims = [
+            pool.claim(spec_for(relay_dir(tmp_path, f"r{n}"), rollout=f"r{n}"), tight)
+            for n in range(4)
+        ]
+        for claim in claims:
+            pool.created(claim)
+        assert wait_until(lambda: pool.stats().idle == 2)
+        assert not wait_until(lambda: pool.stats().idle > 2, timeout=0.3)
+        # A memory bound below two containers' limits: a hit leaves one idle, none is made.
+        hit = pool.claim(
+            spec_for(relay_dir(tmp_path, "m"), rollout="m"), replace(tight, memory_mb=600)
+        )
+        assert hit.container_id is not None
+        assert not wait_until(lambda: pool.stats().idle > 1, timeout=0.3)
+        assert pool.stats().idle == 1
+    finally:
+        pool.close()
+
+
+def test_idle_containers_age_out_and_go_when_the_pool_closes(
+    tmp_path: Path, runtime: FakeRuntime
+) -> None:
+    pool = WarmPool(runtime, SETTINGS)
+    short = WarmSettings(containers=4, memory_mb=8192, idle_sec=0.5)
+    claim = pool.claim(spec_for(relay_dir(tmp_path, "a")), short)
+    pool.created(claim)
+    assert wait_until(lambda: pool.stats().idle == 1)
+    made = warm_ids(runtime)
+    assert wait_until(lambda: pool.stats().idle == 0, timeout=5)
+    assert all(runtime.containers[cid].removed for cid in made)
+    assert pool.stats().expired >= 1 and pool.stats().idle_container_seconds > 0
+    pool.release(claim)
+
+    # Closing removes what is idle, and whatever the pool was still making.
+    again = pool.claim(spec_for(relay_dir(tmp_path, "b"), rollout="b"), SETTINGS)
+    pool.created(again)
+    assert wait_until(lambda: pool.stats().idle == 1)
+    pool.close()
+    assert warm_ids(runtime) == []
+    assert (
+        pool.claim(spec_for(relay_dir(tmp_path, "c"), rollout="c"), SETTINGS).container_id is None
+    )
+
+
+def test_a_warm_container_that_died_is_never_handed_over(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    first = pool.claim(spec_for(relay_dir(tmp_path, "a")), SETTINGS)
+    pool.created(first)
+    assert wait_until(lambda: pool.stats().idle == 1)
+    (warm_id,) = warm_ids(runtime)
+    runtime.containers[warm_id].running = False  # its init was killed, or the engine restarted
+    second = pool.claim(spec_for(relay_dir(tmp_path, "b"), rollout="b"), SETTINGS)
+    assert second.container_id is None and second.cold
+    assert runtime.containers[warm_id].removed
+    pool.release(first)
+    pool.release(second)
+
+
+def test_off_makes_nothing(tmp_path: Path, runtime: FakeRuntime, pool: WarmPool) -> None:
+    off = WarmSettings(containers=0)
+    claim = pool.claim(spec_for(relay_dir(tmp_path, "a")), off)
+    pool.created(claim)
+    assert not wait_until(lambda: runtime.containers, timeout=0.3)
+    pool.release(claim)
