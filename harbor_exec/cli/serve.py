@@ -51,7 +51,14 @@ from harbor_exec.cli.options import (
 )
 from harbor_exec.network.packages.config import PackageCacheConfig
 
-__all__ = ["ServeOptions", "build_app", "build_backend", "harbor_config_of", "serve"]
+__all__ = [
+    "ServeOptions",
+    "build_app",
+    "build_backend",
+    "harbor_config_of",
+    "serve",
+    "serve_facts",
+]
 
 _SANDBOX = SandboxConfig()
 
@@ -96,6 +103,11 @@ class ServeOptions:
     strict_grader_isolation: bool = False
     prefer_grader: bool = False
     grader_env: list[str] = field(default_factory=list)
+    # What the terminal shows (server.report.ServeReport): text or JSON lines, and how
+    # often the summary line comes (0: never); url: where it listens, for the first lines.
+    log_format: str = "text"
+    summary_interval_sec: float = 30.0
+    url: str | None = None
 
 
 def build_harbor_backend(options: ServeOptions) -> Any:
@@ -188,14 +200,78 @@ def build_backend(options: ServeOptions) -> Any:
         raise typer.BadParameter(str(exc)) from exc
 
 
+def serve_facts(options: ServeOptions, backend: Any) -> dict[str, Any]:
+    """What ``serve`` says it serves at start (the server adds its data dir, what it
+    restored and the Ray nodes)."""
+    from harbor_exec.backends.local import LocalBackend
+
+    facts: dict[str, Any] = {"url": options.url}
+    if isinstance(backend, LocalBackend):
+        facts["mode"] = "local (in-process workflows)"
+        facts["workflow"] = _class_name(backend.workflow_cls)
+        facts["grader"] = _class_name(backend.grader_cls) if backend.grader_cls else "none"
+        config = backend.workflow_config
+        limit = config.concurrency.max_concurrent if config is not None else 4
+        facts["concurrency"] = f"{limit or 'no limit'} at once, queue bound none"
+        return facts
+    config = getattr(backend, "config", None)
+    if config is None:
+        facts["mode"] = type(backend).__name__
+        return facts
+    tasks = config.tasks
+    facts["mode"] = "harbor (a Docker trial per rollout)" + (
+        f" on Ray ({options.ray})" if options.ray else ""
+    )
+    if tasks.task_mode == "template":
+        facts["tasks"] = f"1 task, {tasks.tasks_dir} (template mode: the prompt is its instruction)"
+    else:
+        try:
+            found = str(len(backend.resolver.candidates(None)))
+        except Exception as exc:  # an unreadable dir: say so, serving still starts
+            found = f"? ({type(exc).__name__}: {exc})"
+        facts["tasks"] = f"{found} tasks in {tasks.tasks_dir} (dataset mode)"
+    if tasks.task_roots:
+        facts["task_roots"] = [str(root) for root in tasks.task_roots]
+    if tasks.task_git_allow:
+        facts["git_allow"] = list(tasks.task_git_allow)
+    if tasks.package_source is not None:
+        facts["package_source"] = str(options.package_source)
+    agent = getattr(backend, "agent_name", None) or str(config.agent.agent)
+    model = getattr(config.agent, "model_name", None)
+    facts["agent"] = f"{agent} (model {model})" if model else agent
+    verifier = config.sandbox.verifier_mode
+    if config.agent.grader is not None:
+        verifier += f", grader {config.sandbox.grader_verifier_mode}"
+    facts["verifier"] = verifier
+    capacity = config.capacity
+    facts["concurrency"] = (
+        f"{capacity.max_concurrent_trials} trials at once, queue bound "
+        f"{capacity.max_queue_depth or 'none'}"
+    )
+    facts["trials_dir"] = str(getattr(backend, "trials_dir", "") or "")
+    cache = config.package_cache
+    facts["package_cache"] = f"on ({cache.directory('')})" if cache is not None else "off"
+    return facts
+
+
+def _class_name(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', cls)}"
+
+
 def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
     """The FastAPI rollout server for these options."""
     from harbor_exec.errors import HarborExecError
     from harbor_exec.server import create_rollout_server
+    from harbor_exec.server.report import ServeReport
     from harbor_exec.server.run import resolve_port
     from harbor_exec.server.store import default_data_dir
 
     backend = build_backend(options)
+    report = ServeReport(
+        log_format="json" if options.log_format == "json" else "text",
+        summary_interval_sec=options.summary_interval_sec,
+        facts=serve_facts(options, backend),
+    )
     extra: dict[str, Any] = {}
     if options.max_timeout_sec is not None:
         extra["max_timeout_sec"] = options.max_timeout_sec
@@ -209,6 +285,7 @@ def build_app(options: ServeOptions, *, api_key: str | None) -> Any:
             lifespan=backend.prewarm_lifespan(jobs=options.prewarm_jobs)
             if options.prewarm
             else None,
+            report=report,
             **extra,
         )
     except HarborExecError as exc:  # e.g. the data dir is owned by another server
@@ -403,6 +480,23 @@ def serve(
         ),
     ] = None,
     ray: RayOption = None,
+    log_format: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=SERVER,
+            help="What the terminal shows, a line per finished rollout and a summary: "
+            "text, or json (JSON lines, for log collectors).",
+        ),
+    ] = "text",
+    summary_interval: Annotated[
+        float,
+        typer.Option(
+            rich_help_panel=SERVER,
+            min=0,
+            help="Seconds between summary lines (queued, running, done, failed, mean "
+            "reward); 0: none.",
+        ),
+    ] = 30.0,
 ) -> None:
     """Serve rollouts over HTTP for trainers and `osmosis eval run`."""
     from harbor_exec.server.run import bind_listener, resolve_port, serve_app
@@ -411,6 +505,8 @@ def serve(
     # directory imports it without PYTHONPATH.
     sys.path.insert(0, str(app_dir.resolve()))
 
+    if log_format not in ("text", "json"):
+        raise typer.BadParameter("--log-format must be 'text' or 'json'")
     try:
         port = resolve_port(port)
         listener = bind_listener(host, port)
@@ -453,6 +549,9 @@ def serve(
         strict_grader_isolation=strict_grader_isolation,
         prefer_grader=prefer_grader,
         grader_env=list(grader_env or []),
+        log_format=log_format,
+        summary_interval_sec=summary_interval,
+        url=f"http://{host}:{listener.getsockname()[1]}",
     )
     if app_ref is not None:
         if any((workflow, grader, workflow_config, grader_config, api_key_env, artifact_root)):

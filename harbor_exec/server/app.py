@@ -51,6 +51,7 @@ from harbor_exec.server.http import (
 )
 from harbor_exec.server.metrics import PROMETHEUS_CONTENT_TYPE
 from harbor_exec.server.openapi import route_docs
+from harbor_exec.server.report import ServeReport
 from harbor_exec.server.rollouts import parse_query
 from harbor_exec.server.service import (
     DEFAULT_POLLING_LEASE_TIMEOUT_SEC,
@@ -95,6 +96,7 @@ def create_rollout_server(
     shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
     max_timeout_sec: float = DEFAULT_MAX_TIMEOUT_SEC,
     data_dir: Path | str | None = None,
+    report: ServeReport | None = None,
 ) -> FastAPI:
     """Build the FastAPI app that serves rollouts from ``backend``: ours
     (``harbor_exec.backends.base.ExecutionBackend``) or an osmosis-ai 0.3.8
@@ -109,7 +111,9 @@ def create_rollout_server(
     trajectory and artifacts share ``<root>/<id>/`` as in osmosis-ai), else
     ``$HARBOR_EXEC_ARTIFACT_ROOT``, ``$_OSMOSIS_ROLLOUT_ARTIFACT_ROOT`` or
     ``~/.harbor-exec/rollouts``. Bodies over
-    ``max_body_bytes`` get 413. Raises ``ValueError`` for inconsistent timeouts.
+    ``max_body_bytes`` get 413. ``report`` (``serve``'s) prints what is served, a line per
+    finished rollout and a periodic summary. Raises ``ValueError`` for inconsistent
+    timeouts.
     """
     if not math.isfinite(result_wait_timeout_sec) or result_wait_timeout_sec <= 0:
         raise ValueError("result_wait_timeout_sec must be finite and greater than zero")
@@ -144,6 +148,7 @@ def create_rollout_server(
         shutdown_drain_sec=shutdown_drain_sec,
         shutdown_cleanup_sec=shutdown_cleanup_sec,
         store=RolloutStore(data_dir) if data_dir is not None else None,
+        report=report,
     )
     docs = route_docs(max_timeout_sec=max_timeout_sec, auth=api_key is not None)
 
@@ -154,10 +159,16 @@ def create_rollout_server(
             service.restore()
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
+            if report is not None:
+                report.start(service.live_counts, _server_facts(service))
             try:
                 yield
             finally:
-                await service.shutdown()
+                try:
+                    await service.shutdown()
+                finally:
+                    if report is not None:
+                        report.stop()
 
     app = FastAPI(title="harbor-exec rollout server", lifespan=app_lifespan)
     app.state.rollout_service = service
@@ -294,6 +305,24 @@ def create_rollout_server(
         return Response(service.render_metrics(), 200, None, PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _server_facts(service: RolloutService) -> dict[str, Any]:
+    """What the server itself knows to say at start: where it keeps rollouts, what it
+    read back, and the nodes trials run on."""
+    facts: dict[str, Any] = {"artifacts": str(service.artifact_root)}
+    if service.store is not None:
+        facts["data_dir"] = str(service.store.data_dir)
+        facts["restored"] = len(service.registry.entries)
+    try:
+        nodes = service.backend.queue_info().nodes
+    except Exception:
+        nodes = None
+    if nodes:
+        slots = sum(node.slots for node in nodes)
+        facts["ray_nodes"] = [f"{node.node} ({node.slots} slots)" for node in nodes]
+        facts["ray_slots"] = slots
+    return facts
 
 
 def _backend_artifact_root(backend: ExecutionBackend) -> Path | None:

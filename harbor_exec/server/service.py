@@ -53,6 +53,7 @@ from harbor_exec.server.registry import (
     RolloutEntry,
     RolloutRegistry,
 )
+from harbor_exec.server.report import ServeReport
 from harbor_exec.server.results import (
     AdmissionEncoder,
     cancelled_result,
@@ -125,8 +126,10 @@ class RolloutService:
         shutdown_drain_sec: float = SHUTDOWN_DRAIN_SEC,
         shutdown_cleanup_sec: float = SHUTDOWN_CLEANUP_SEC,
         store: RolloutStore | None = None,
+        report: ServeReport | None = None,
     ) -> None:
         self.backend = backend
+        self.report = report
         # osmosis-ai's backends are pulled for their status; ours push it.
         self.osmosis = backend if isinstance(backend, OsmosisBackend) else None
         self.store = store
@@ -373,6 +376,17 @@ class RolloutService:
                 )
             now = self.registry.loop.time()
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
+            if self.report is not None:
+                reason = info.get("reason") if info is not None else None
+                self.report.finished(
+                    entry.rollout_id,
+                    task=entry.task_name,
+                    status=final.status.value,
+                    reward=final.reward,
+                    seconds=now - entry.admitted_at,
+                    err_category=category,
+                    reason=reason if reason is not None else final.err_message,
+                )
             if final.reward is not None:
                 self.metrics.observe_reward(final.reward)
             if entry.running_at is not None:
@@ -472,6 +486,14 @@ class RolloutService:
     def lifecycle(self) -> RolloutLifecycle:
         accepting = self.accepting and self.backend.unavailable_reason() is None
         return RolloutLifecycle(accepting_rollouts=accepting, active_rollouts=len(self.tasks))
+
+    def live_counts(self) -> tuple[int, int]:
+        """(queued, running) rollouts now, grading counted as running."""
+        counts = self.registry.live_counts
+        return (
+            counts[RolloutStatus.QUEUED],
+            counts[RolloutStatus.RUNNING] + counts[RolloutStatus.GRADING],
+        )
 
     def queue_info(self) -> QueueInfo:
         """The backend's queue, with what it does not track filled in from the registry."""
