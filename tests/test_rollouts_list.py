@@ -312,3 +312,43 @@ def test_key_required_and_no_secret_shown(tmp_path: Path) -> None:
             for row in connection.execute("SELECT request || coalesce(detail, '') FROM rollouts")
         ]
     assert kept and all(LLM_KEY not in text and SERVER_KEY not in text for text in kept)
+
+
+def test_harbor_rollout_detail_has_the_trials_phases(tmp_path: Path) -> None:
+    """HarborBackend (over FakeRuntime, no Docker) behind the real server: the detail
+    names the task the backend resolved, the trial, its directory and the phase timings
+    the trial measured; the list filters by that task."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.server.app import create_rollout_server
+    from tests.fake_runtime import FakeRuntime
+    from tests.task_factory import make_task
+
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", "fake-task"),
+        executor=LocalExecutor(FakeRuntime()),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        data_dir=tmp_path / "data",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        submit(http, "h-1")
+        assert wait_until(lambda: finished(http, "h-1"), timeout=30)
+        listed = http.get("/rollouts", params={"task": "fake-task"}).json()["rollouts"]
+        detail = http.get("/rollouts/h-1").json()
+    assert [item["rollout_id"] for item in listed] == ["h-1"]
+    assert detail["status"] == "success" and detail["reward"] == 1.0, detail
+    assert detail["task"] == "fake-task"
+    assert detail["trial"] and detail["trial_dir"].startswith(str(tmp_path / "trials"))
+    backend_phases = {p["name"] for p in detail["phases"] if p["source"] == "backend"}
+    assert {"environment_setup", "agent", "verifier", "total"} <= backend_phases
+    assert [p["name"] for p in detail["phases"] if p["source"] == "server"] == [
+        "queued",
+        "running",
+    ]

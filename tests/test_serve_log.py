@@ -5,6 +5,7 @@ periodic summary; ``--log-format json`` gives the same as JSON lines."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -202,3 +203,52 @@ async def test_summary_is_skipped_while_idle_and_mean_is_of_the_window() -> None
     ]  # fmt: skip
     assert records[4]["mean_reward"] == 0.5 and records[4]["rewards"] == 3
     assert records[5]["mean_reward"] is None and records[5]["running"] == 2
+
+
+def test_serve_says_what_a_harbor_backend_serves(tmp_path: Path) -> None:
+    """The start lines of ``serve --tasks-dir``: tasks found and mode, agent, verifier
+    mode, concurrency and queue bound, trials dir, package cache (over FakeRuntime)."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.cli.serve import ServeOptions, harbor_config_of, serve_facts
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.network.packages.config import PackageCacheConfig
+    from tests.fake_runtime import FakeRuntime
+    from tests.task_factory import make_task
+
+    dataset = tmp_path / "tasks"
+    for name in ("alpha", "beta", "gamma"):
+        make_task(dataset, name)
+    options = ServeOptions(
+        tasks_dir=dataset,
+        task_mode="dataset",
+        agent="oracle",
+        trials_dir=tmp_path / "trials",
+        max_concurrent_trials=3,
+        max_queue_depth=7,
+        package_cache=PackageCacheConfig(root=tmp_path / "cache"),
+        url="http://127.0.0.1:8000",
+    )
+    backend = HarborBackend(harbor_config_of(options), executor=LocalExecutor(FakeRuntime()))
+    facts = serve_facts(options, backend)
+    assert facts == {
+        "url": "http://127.0.0.1:8000",
+        "mode": "harbor (a Docker trial per rollout)",
+        "tasks": f"3 tasks in {dataset} (dataset mode)",
+        "agent": "oracle",
+        "verifier": "task",
+        "concurrency": "3 trials at once, queue bound 7",
+        "trials_dir": str(tmp_path / "trials"),
+        "package_cache": f"on ({tmp_path / 'cache'})",
+    }
+    stream = io.StringIO()
+
+    async def announce() -> None:
+        report = ServeReport(stream=stream, facts=facts, summary_interval_sec=0)
+        report.start(lambda: (0, 0), {"data_dir": "/d"})
+        report.stop()
+
+    asyncio.run(announce())
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "harbor-exec serve"
+    assert lines[3] == f"  tasks          3 tasks in {dataset} (dataset mode)"
+    assert lines[-1] == "  data dir       /d"

@@ -238,7 +238,8 @@ def serve_facts(options: ServeOptions, backend: Any) -> dict[str, Any]:
         facts["package_source"] = str(options.package_source)
     agent = getattr(backend, "agent_name", None) or str(config.agent.agent)
     model = getattr(config.agent, "model_name", None)
-    facts["agent"] = f"{agent} (model {model})" if model else agent
+    native = getattr(backend, "native", None)  # Harbor's own agents name their model
+    facts["agent"] = f"{agent} (model {model})" if model and native else agent
     verifier = config.sandbox.verifier_mode
     if config.agent.grader is not None:
         verifier += f", grader {config.sandbox.grader_verifier_mode}"
