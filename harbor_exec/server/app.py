@@ -39,6 +39,7 @@ from harbor_exec.protocol import (
     RolloutStatus,
     check_timeouts,
 )
+from harbor_exec.server.console import CONSOLE_FILES, CONSOLE_HEADERS, console_asset
 from harbor_exec.server.http import (
     DEFAULT_MAX_BODY_BYTES,
     BearerAuthMiddleware,
@@ -298,6 +299,24 @@ def create_rollout_server(
         if detail is None:
             return error_response(404, "unknown rollout_id")
         return model_response(200, detail)
+
+    @app.get("/", include_in_schema=False)
+    async def console_page() -> Response:
+        """The live console (files shipped in the package; nothing from elsewhere)."""
+        return Response(console_asset("index.html"), 200, CONSOLE_HEADERS, "text/html")
+
+    @app.get("/console/data", include_in_schema=False)
+    async def console_data() -> Response:
+        """What the console shows (``server.console``), refreshed by the page every 2 s."""
+        return json_response(200, service.console_data())
+
+    @app.get("/console/{name}", include_in_schema=False)
+    async def console_file(request: Request) -> Response:
+        name = request.path_params["name"]
+        media = CONSOLE_FILES.get(name)
+        if media is None:
+            return error_response(404, "not found")
+        return Response(console_asset(name), 200, CONSOLE_HEADERS, media)
 
     @app.get("/metrics", response_class=PlainTextResponse, **docs["metrics"])
     async def metrics() -> Response:

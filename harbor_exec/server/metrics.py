@@ -41,6 +41,7 @@ __all__ = [
     "PROMETHEUS_CONTENT_TYPE",
     "REWARD_BUCKETS",
     "ServerMetrics",
+    "package_cache_figures",
 ]
 
 # What generate_latest writes (prometheus-client names it CONTENT_TYPE_PLAIN_0_0_4).
@@ -211,3 +212,25 @@ class ServerMetrics:
             self._scrape.gauges = {}
             self._scrape.nodes = ()
         return (own + generate_latest(REGISTRY)).decode()
+
+
+_PACKAGE_CACHE_PREFIX: Final = "harbor_exec_package_cache_"
+
+
+def package_cache_figures() -> dict[str, float]:
+    """The package caches' figures summed over nodes (``hits``, ``misses``,
+    ``requests``, ``stored_bytes``, ``bytes`` by source as ``bytes_cache`` and
+    ``bytes_upstream``, ...), from the process-wide metrics."""
+    figures: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith(_PACKAGE_CACHE_PREFIX):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            name = sample.name.removeprefix(_PACKAGE_CACHE_PREFIX).removesuffix("_total")
+            source = sample.labels.get("source")
+            if source:
+                name = f"{name}_{source}"
+            figures[name] = figures.get(name, 0.0) + sample.value
+    return figures

@@ -39,6 +39,7 @@ from harbor_exec.protocol import (
     RolloutStatusResponse,
     categorize_exception,
 )
+from harbor_exec.server.console import ConsoleStats
 from harbor_exec.server.http import (
     JSON_CONTENT_TYPE,
     error_response,
@@ -46,7 +47,7 @@ from harbor_exec.server.http import (
     model_response,
     validation_error_response,
 )
-from harbor_exec.server.metrics import ServerMetrics
+from harbor_exec.server.metrics import ServerMetrics, package_cache_figures
 from harbor_exec.server.registry import (
     DuplicateRolloutError,
     FinalResult,
@@ -147,6 +148,9 @@ class RolloutService:
             self.process_id,
         )
         self.metrics = ServerMetrics()
+        self.console = ConsoleStats()
+        # Admitted and not finished, for the console's running list.
+        self.live: dict[str, RolloutEntry] = {}
         self.registry = RolloutRegistry(
             result_wait_timeout_sec=result_wait_timeout_sec,
             polling_lease_timeout_sec=polling_lease_timeout_sec,
@@ -192,6 +196,7 @@ class RolloutService:
             raise
         entry.task = task
         self.tasks.add(task)
+        self.live[request.rollout_id] = entry
         now = entry.wall_admitted = time.time()
         entry.metadata = request.metadata
         entry.task_name = task_of(request.metadata)
@@ -374,10 +379,22 @@ class RolloutService:
                     detail=json.dumps(info) if info is not None else None,
                     at=wall,
                 )
+            if self.live.get(entry.rollout_id) is entry:
+                del self.live[entry.rollout_id]
             now = self.registry.loop.time()
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
+            reason = info.get("reason") if info is not None else None
+            if reason is None:
+                reason = final.err_message
+            self.console.finished(
+                entry,
+                status=final.status.value,
+                reward=final.reward,
+                err_category=category,
+                reason=reason,
+                info=info,
+            )
             if self.report is not None:
-                reason = info.get("reason") if info is not None else None
                 self.report.finished(
                     entry.rollout_id,
                     task=entry.task_name,
@@ -385,7 +402,7 @@ class RolloutService:
                     reward=final.reward,
                     seconds=now - entry.admitted_at,
                     err_category=category,
-                    reason=reason if reason is not None else final.err_message,
+                    reason=reason,
                 )
             if final.reward is not None:
                 self.metrics.observe_reward(final.reward)
@@ -479,6 +496,20 @@ class RolloutService:
             return None
         return await anyio.to_thread.run_sync(
             detail_of, record, self.artifact_root, self._server_secrets
+        )
+
+    def console_data(self) -> dict[str, Any]:
+        """``GET /console/data``: the console's figures (``console.ConsoleStats``)."""
+        counts = self.registry.live_counts
+        try:
+            nodes = self.queue_info().nodes
+        except Exception:
+            nodes = None
+        return self.console.data(
+            self.live.values(),
+            {status.value: count for status, count in counts.items()},
+            nodes=[node.model_dump(mode="json") for node in nodes] if nodes else None,
+            package_cache=package_cache_figures(),
         )
 
     # ------------------------------------------------------------------ reporting
