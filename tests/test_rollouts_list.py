@@ -352,3 +352,32 @@ def test_harbor_rollout_detail_has_the_trials_phases(tmp_path: Path) -> None:
         "queued",
         "running",
     ]
+
+
+def test_a_data_dir_of_an_older_server_is_listed(tmp_path: Path) -> None:
+    """A data dir written before listing existed (no task, running_at, detail or
+    retired columns, no indexes) gains them: its rollouts are restored and listed."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with sqlite3.connect(data_dir / DB_NAME) as connection:
+        connection.execute(
+            "CREATE TABLE rollouts (seq INTEGER PRIMARY KEY, id TEXT NOT NULL,"
+            " lease_digest BLOB NOT NULL, request TEXT, status TEXT NOT NULL,"
+            " admitted_at REAL NOT NULL, finished_at REAL, final_body BLOB, reward REAL,"
+            " err_message TEXT, err_category TEXT)"
+        )
+        connection.execute(
+            "INSERT INTO rollouts VALUES (1, 'old-1', x'00', '{\"metadata\": null}', 'success',"
+            ' ?, ?, \'{"rollout_id":"old-1","status":"success"}\', 1.0, NULL, NULL)',
+            (NOW - 5, NOW - 4),
+        )
+    app = local_app(tmp_path / "artifacts", data_dir=data_dir)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        submit(http, "new-1", harbor_task_id="alpha")
+        assert wait_until(lambda: finished(http, "new-1"))
+        listed = http.get("/rollouts").json()["rollouts"]
+        assert [(item["rollout_id"], item["task"]) for item in listed] == [
+            ("new-1", "alpha"),
+            ("old-1", None),
+        ]
+        assert http.get("/rollouts/old-1").json()["reward"] == 1.0

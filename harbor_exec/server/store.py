@@ -284,7 +284,10 @@ class RolloutStore:
             return None
         record = _record(row)
         record.request = _json(row[11])
-        record.final_body = bytes(row[12]) if row[12] else None
+        body = row[12]
+        record.final_body = (
+            (body.encode() if isinstance(body, str) else bytes(body)) if body else None
+        )
         return record
 
     # ------------------------------------------------------------------ writing (event loop)
