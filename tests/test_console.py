@@ -165,3 +165,36 @@ def test_console_data_costs_the_same_after_100000_rollouts() -> None:
     assert data["tasks_total"] == 1000 and len(data["tasks"]) == 500
     assert len(data["node_phases"]) == 8 and data["phases"]["agent"]["p99"] == 3.0
     assert {f["reason"] for f in data["failures"]} == {"cause # on host-#" for _ in [0]}
+
+
+def test_a_restarted_console_starts_from_the_store(tmp_path: Path) -> None:
+    """What a previous server finished is read back from its store into the console:
+    counts, tasks and their flags, groups, failures."""
+    data_dir = tmp_path / "data"
+    with (
+        serve(local_app(tmp_path, data_dir=data_dir)) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
+        for i in range(3):
+            submit(http, f"a-{i}", harbor_task_id="hard", answer="5", group_id=7)
+            submit(http, f"b-{i}", harbor_task_id="easy", **{"raise": f"no {i}"})
+
+        def done() -> bool:
+            counts = http.get("/console/data").json()["counts"]
+            return bool(counts["success"] + counts["failure"] == 6)
+
+        assert wait_until(done, timeout=10)
+    with (
+        serve(local_app(tmp_path, data_dir=data_dir)) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
+        data = http.get("/console/data").json()
+    assert (data["counts"]["success"], data["counts"]["failure"]) == (3, 3)
+    assert data["recent"][0]["rollout_id"] == "b-2"
+    tasks = {row["task"]: row for row in data["tasks"]}
+    assert tasks["hard"]["flag"] == "always_fails" and tasks["hard"]["rollouts"] == 3
+    assert tasks["easy"]["failure"] == 3
+    assert [(g["group"], g["rollouts"]) for g in data["groups_all_equal"]] == [("7", 3)]
+    (failure,) = data["failures"]
+    assert (failure["reason"], failure["count"]) == ("no #", 3)
+    assert data["phases"]["queued"]["count"] == 6

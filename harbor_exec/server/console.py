@@ -35,6 +35,7 @@ from typing import Any, Final
 
 from harbor_exec.server.metrics import FAILURE_ORIGIN
 from harbor_exec.server.registry import RolloutEntry
+from harbor_exec.server.store import RolloutRecord
 
 __all__ = ["CONSOLE_FILES", "CONSOLE_HEADERS", "ConsoleStats", "console_asset", "group_of"]
 
@@ -48,6 +49,9 @@ MAX_FAILURE_GROUPS: Final = 500
 MAX_NODES: Final = 256
 GROUP_KEYS: Final = ("group_id", "group")
 _FOLD = re.compile(r"0x[0-9a-fA-F]+|[0-9a-fA-F]{8,}|\d+")
+
+#: Finished rollouts a restarted server reads back into the console, at most.
+SEED_ROWS: Final = 20_000
 
 #: The page's files besides ``index.html`` (``server/assets/``), by name.
 CONSOLE_FILES: Final = {"console.js": "text/javascript", "console.css": "text/css"}
@@ -137,34 +141,73 @@ class ConsoleStats:
         info: Mapping[str, Any] | None,
     ) -> None:
         """One finished rollout (the service calls this once per rollout)."""
-        now = entry.wall_finished or time.time()
+        self.add(
+            entry.rollout_id,
+            task=entry.task_name,
+            group=group_of(entry.metadata) if entry.metadata else None,
+            admitted=entry.wall_admitted,
+            running=entry.wall_running,
+            finished=entry.wall_finished or time.time(),
+            status=status,
+            reward=reward,
+            err_category=err_category,
+            reason=reason,
+            info=info,
+        )
+
+    def seed(self, records: Iterable[tuple[RolloutRecord, str | None]]) -> None:
+        """Rollouts a previous server finished (oldest first, each with its group), so
+        that a restarted console does not start empty."""
+        for record, group in records:
+            if record.finished_at is None:
+                continue
+            info = record.detail if isinstance(record.detail, Mapping) else None
+            reason = info.get("reason") if info else None
+            self.add(
+                record.rollout_id,
+                task=record.task,
+                group=group,
+                admitted=record.admitted_at,
+                running=record.running_at,
+                finished=record.finished_at,
+                status=record.status,
+                reward=record.reward,
+                err_category=record.err_category,
+                reason=reason if reason is not None else record.err_message,
+                info=info,
+            )
+
+    def add(
+        self,
+        rollout_id: str,
+        *,
+        task: str | None,
+        group: str | None,
+        admitted: float,
+        running: float | None,
+        finished: float,
+        status: str,
+        reward: float | None,
+        err_category: str | None,
+        reason: str | None,
+        info: Mapping[str, Any] | None,
+    ) -> None:
+        """One finished rollout, from its parts."""
         self.counts[status] = self.counts.get(status, 0) + 1
         if reward is not None and not math.isfinite(reward):
             reward = None
         node = info.get("node") if info else None
-        task = entry.task_name
         self.recent.append(
-            (
-                entry.rollout_id,
-                task,
-                status,
-                reward,
-                now - entry.wall_admitted,
-                err_category,
-                reason,
-                node,
-                now,
-            )
-        )
+            (rollout_id, task, status, reward, finished - admitted, err_category, reason, node,
+             finished)
+        )  # fmt: skip
         if status == "failure":
-            self._failure(entry.rollout_id, err_category or "internal_error", reason or "", now)
-        self._phases(entry, now, info, node)
+            self._failure(rollout_id, err_category or "internal_error", reason or "", finished)
+        self._phases(admitted, running, finished, info, node)
         if task is not None:
             self._task(task, status, reward)
-        if entry.metadata:
-            group = group_of(entry.metadata)
-            if group is not None and status != "cancelled":
-                self._group(group, task, reward)
+        if group is not None and status != "cancelled":
+            self._group(group, task, reward)
 
     def _failure(self, rollout_id: str, category: str, reason: str, now: float) -> None:
         folded = _FOLD.sub("#", " ".join(reason.split()))[:160]
@@ -183,12 +226,16 @@ class ConsoleStats:
         failure.last_at = now
 
     def _phases(
-        self, entry: RolloutEntry, now: float, info: Mapping[str, Any] | None, node: Any
+        self,
+        admitted: float,
+        running: float | None,
+        now: float,
+        info: Mapping[str, Any] | None,
+        node: Any,
     ) -> None:
         observed: list[tuple[str, float]] = []
-        running = entry.wall_running
         if running is not None:
-            observed.append(("queued", running - entry.wall_admitted))
+            observed.append(("queued", running - admitted))
             observed.append(("running", now - running))
         timings = info.get("timings_sec") if info else None
         if isinstance(timings, Mapping):

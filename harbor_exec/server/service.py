@@ -39,7 +39,7 @@ from harbor_exec.protocol import (
     RolloutStatusResponse,
     categorize_exception,
 )
-from harbor_exec.server.console import ConsoleStats
+from harbor_exec.server.console import SEED_ROWS, ConsoleStats
 from harbor_exec.server.http import (
     JSON_CONTENT_TYPE,
     error_response,
@@ -617,6 +617,10 @@ class RolloutService:
             except Exception:
                 logger.exception("backend.recover_interrupted failed")
         self.store.flush()
+        try:
+            self.console.seed(self.store.history(SEED_ROWS))
+        except Exception:  # the console is a view: it must not stop the server
+            logger.exception("reading finished rollouts back into the console failed")
 
     # ------------------------------------------------------------------ shutdown
 

@@ -290,6 +290,24 @@ class RolloutStore:
         )
         return record
 
+    def history(self, limit: int) -> list[tuple[RolloutRecord, str | None]]:
+        """The newest ``limit`` finished rollouts, oldest first, each with its group
+        (``metadata.group_id``, else ``metadata.group``; None where SQLite has no JSON
+        functions). For the console at start-up."""
+        group = "coalesce(json_extract(request, '$.metadata.group_id'),"
+        group += " json_extract(request, '$.metadata.group'))"
+        base = f"SELECT {_LISTED}, %s FROM rollouts WHERE finished_at IS NOT NULL"
+        base += " ORDER BY seq DESC LIMIT ?"
+        with self._read_lock:
+            try:
+                rows = self._reader.execute(base % group, (limit,)).fetchall()
+            except sqlite3.OperationalError:  # no JSON1, or a request that is not JSON
+                rows = self._reader.execute(base % "NULL", (limit,)).fetchall()
+        return [
+            (_record(row), None if row[11] is None else str(row[11])[:256])
+            for row in reversed(rows)
+        ]
+
     # ------------------------------------------------------------------ writing (event loop)
 
     def admitted(
