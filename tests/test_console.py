@@ -198,3 +198,25 @@ def test_a_restarted_console_starts_from_the_store(tmp_path: Path) -> None:
     (failure,) = data["failures"]
     assert (failure["reason"], failure["count"]) == ("no #", 3)
     assert data["phases"]["queued"]["count"] == 6
+
+
+def test_docs_work_offline(tmp_path: Path) -> None:
+    """``/docs`` is Swagger UI from the package's own copy: the page names only this
+    server's files, each of them is served, and its policy allows nothing else."""
+    with serve(local_app(tmp_path)) as url, httpx.Client(base_url=url, timeout=10) as http:
+        page = http.get("/docs")
+        assert page.status_code == 200
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        linked = re.findall(r'(?:src|href)="([^"]*)"', page.text)
+        assert sorted(linked) == [
+            "/console/favicon.svg",
+            "/console/swagger-ui/swagger-ui-bundle.js",
+            "/console/swagger-ui/swagger-ui.css",
+        ]
+        assert not re.findall(r"https?://", page.text)
+        assert "url: '/openapi.json'" in page.text
+        for path in linked:
+            assert http.get(path).status_code == 200, path
+        assert http.get("/openapi.json").status_code == 200
+    licence = importlib.resources.files("harbor_exec.server") / "assets" / "swagger-ui"
+    assert "Apache License" in (licence / "LICENSE").read_text()

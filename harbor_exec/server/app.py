@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import PlainTextResponse, Response
 
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
@@ -39,7 +40,12 @@ from harbor_exec.protocol import (
     RolloutStatus,
     check_timeouts,
 )
-from harbor_exec.server.console import CONSOLE_FILES, CONSOLE_HEADERS, console_asset
+from harbor_exec.server.console import (
+    CONSOLE_FILES,
+    CONSOLE_HEADERS,
+    DOCS_HEADERS,
+    console_asset,
+)
 from harbor_exec.server.http import (
     DEFAULT_MAX_BODY_BYTES,
     BearerAuthMiddleware,
@@ -171,7 +177,8 @@ def create_rollout_server(
                     if report is not None:
                         report.stop()
 
-    app = FastAPI(title="harbor-exec rollout server", lifespan=app_lifespan)
+    # /docs is ours: Swagger UI from the package's files, not a CDN (works offline).
+    app = FastAPI(title="harbor-exec rollout server", lifespan=app_lifespan, docs_url=None)
     app.state.rollout_service = service
     if api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
@@ -310,7 +317,21 @@ def create_rollout_server(
         """What the console shows (``server.console``), refreshed by the page every 2 s."""
         return json_response(200, service.console_data())
 
-    @app.get("/console/{name}", include_in_schema=False)
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> Response:
+        """Swagger UI over ``/openapi.json``, its files served by this server."""
+        page = get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url="/console/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/console/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/console/favicon.svg",
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+        page.headers.update(DOCS_HEADERS)
+        return page
+
+    @app.get("/console/{name:path}", include_in_schema=False)
     async def console_file(request: Request) -> Response:
         name = request.path_params["name"]
         media = CONSOLE_FILES.get(name)

@@ -37,7 +37,14 @@ from harbor_exec.server.metrics import FAILURE_ORIGIN
 from harbor_exec.server.registry import RolloutEntry
 from harbor_exec.server.store import RolloutRecord
 
-__all__ = ["CONSOLE_FILES", "CONSOLE_HEADERS", "ConsoleStats", "console_asset", "group_of"]
+__all__ = [
+    "CONSOLE_FILES",
+    "CONSOLE_HEADERS",
+    "DOCS_HEADERS",
+    "ConsoleStats",
+    "console_asset",
+    "group_of",
+]
 
 RECENT: Final = 50
 WINDOW: Final = 2048
@@ -53,8 +60,20 @@ _FOLD = re.compile(r"0x[0-9a-fA-F]+|[0-9a-fA-F]{8,}|\d+")
 #: Finished rollouts a restarted server reads back into the console, at most.
 SEED_ROWS: Final = 20_000
 
-#: The page's files besides ``index.html`` (``server/assets/``), by name.
-CONSOLE_FILES: Final = {"console.js": "text/javascript", "console.css": "text/css"}
+#: The files served under ``/console/`` (``server/assets/``), by path: the page's own
+#: besides ``index.html``, and Swagger UI's for ``/docs`` (vendored, see its README.txt).
+CONSOLE_FILES: Final = {
+    "console.js": "text/javascript",
+    "console.css": "text/css",
+    "favicon.svg": "image/svg+xml",
+    "swagger-ui/swagger-ui-bundle.js": "text/javascript",
+    "swagger-ui/swagger-ui.css": "text/css",
+}
+#: ``/docs``: Swagger UI's page starts it with an inline script.
+DOCS_HEADERS: Final = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+}
 #: The page loads nothing from anywhere but this server.
 CONSOLE_HEADERS: Final = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
@@ -67,7 +86,10 @@ CONSOLE_HEADERS: Final = {
 @functools.cache
 def console_asset(name: str) -> bytes:
     """A file of the console, read once from the package."""
-    return (importlib.resources.files("harbor_exec.server") / "assets" / name).read_bytes()
+    resource = importlib.resources.files("harbor_exec.server") / "assets"
+    for part in name.split("/"):
+        resource = resource / part
+    return resource.read_bytes()
 
 
 def group_of(metadata: Mapping[str, Any] | None) -> str | None:
