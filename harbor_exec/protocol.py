@@ -360,10 +360,11 @@ class RolloutPhase(BaseModel):
 
 class RolloutFile(BaseModel):
     """A file of the rollout's on the server's machine (trajectory, trial result,
-    verifier output, logs)."""
+    verifier output, logs); ``url`` (this server's path) serves a regular file's text."""
 
     name: str
     path: str
+    url: str | None = None
 
 
 class RolloutDetail(RolloutSummary):

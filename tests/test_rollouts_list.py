@@ -249,6 +249,8 @@ def test_live_rollouts_list_and_detail(tmp_path: Path, durable: bool) -> None:
         assert detail["metadata"] == {"harbor_task_id": "alpha"}
         assert detail["metrics"] == {"answer_length": 1.0}
         assert {file["name"] for file in detail["files"]} >= {"trajectory"}
+        (trajectory,) = [file for file in detail["files"] if file["name"] == "trajectory"]
+        assert http.get(trajectory["url"]).json()["session_id"] == "ok-1"
         held.open()
         assert wait_until(lambda: finished(http, "held-1"), timeout=10)
         text = http.get("/metrics").text
@@ -381,3 +383,54 @@ def test_a_data_dir_of_an_older_server_is_listed(tmp_path: Path) -> None:
             ("old-1", None),
         ]
         assert http.get("/rollouts/old-1").json()["reward"] == 1.0
+
+
+def test_a_rollouts_files_are_served_and_only_they(tmp_path: Path) -> None:
+    """The detail's files with a ``url`` serve their text: the trial's result and
+    verifier output, the agent's logs, the trajectory (scrubbed of the server's key); a
+    link planted in the trial directory, a name not listed and another rollout's are 404."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.server.app import create_rollout_server
+    from tests.fake_runtime import FakeRuntime
+    from tests.task_factory import make_task
+
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", "fake-task"),
+        executor=LocalExecutor(FakeRuntime()),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        cleanup_successful_trials=False,
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        data_dir=tmp_path / "data",
+        api_key=SERVER_KEY,
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+    auth = {"Authorization": f"Bearer {SERVER_KEY}"}
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30, headers=auth) as http:
+        submit(http, "f-1")
+        assert wait_until(lambda: finished(http, "f-1"), timeout=30)
+        detail = http.get("/rollouts/f-1").json()
+        trial_dir = Path(detail["trial_dir"])
+        (trial_dir / "agent" / "note.txt").write_text(f"the key {SERVER_KEY} leaked\n")
+        (trial_dir / "agent" / "planted").symlink_to("/etc/hostname")
+        files = {f["name"]: f for f in http.get("/rollouts/f-1").json()["files"]}
+        assert files["trial_dir"]["url"] is None
+        assert {"result", "agent/note.txt", "agent/planted"} <= set(files)
+        result = http.get(files["result"]["url"])
+        assert result.status_code == 200 and result.headers["content-type"].startswith(
+            "application/json"
+        )
+        assert result.json()["trial_name"] == detail["trial"]
+        note = http.get(files["agent/note.txt"]["url"])
+        assert note.text == "the key [REDACTED] leaked\n"
+        assert files["agent/planted"]["url"] is None
+        assert http.get("/rollouts/f-1/files/agent/planted").status_code == 404
+        assert http.get("/rollouts/f-1/files/..%2F..%2Fetc%2Fhostname").status_code == 404
+        assert http.get("/rollouts/f-1/files/nope").status_code == 404
+        assert http.get("/rollouts/other/files/result").status_code == 404
+        assert httpx.get(f"{url}{files['result']['url']}").status_code == 401

@@ -307,6 +307,15 @@ def create_rollout_server(
             return error_response(404, "unknown rollout_id")
         return model_response(200, detail)
 
+    @app.get("/rollouts/{rollout_id}/files/{name:path}", **docs["rollout_file"])
+    async def rollout_file(request: Request) -> Response:
+        """A file of a rollout (a ``files`` entry of its detail): its text, the last MiB."""
+        params = request.path_params
+        found = await service.rollout_file(params["rollout_id"], params["name"])
+        if found is None:
+            return error_response(404, "no such file")
+        return Response(found[0], 200, {"X-Content-Type-Options": "nosniff"}, found[1])
+
     @app.get("/", include_in_schema=False)
     async def console_page() -> Response:
         """The live console (files shipped in the package; nothing from elsewhere)."""

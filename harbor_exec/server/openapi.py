@@ -209,6 +209,32 @@ def route_docs(*, max_timeout_sec: float, auth: bool) -> dict[str, dict[str, Any
             },
             "openapi_extra": {"parameters": [_ROLLOUT_ID_PARAM]},
         },
+        "rollout_file": {
+            "response_model": None,
+            "responses": {
+                200: {
+                    "description": "The file's text (its last MiB), scrubbed of the server's key.",
+                    "content": {
+                        "text/plain": {"schema": {"type": "string"}},
+                        "application/json": {"schema": {}},
+                    },
+                },
+                404: _error("No such rollout, or no such file of it."),
+                **common,
+            },
+            "openapi_extra": {
+                "parameters": [
+                    _ROLLOUT_ID_PARAM,
+                    {
+                        "name": "name",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "A `files[].name` of the rollout's detail.",
+                    },
+                ]
+            },
+        },
         "metrics": {
             "response_model": None,
             "responses": {

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
 from starlette.datastructures import QueryParams
 
@@ -48,6 +50,7 @@ __all__ = [
     "detail_of",
     "page_of",
     "parse_query",
+    "read_file",
     "record_of",
     "rollout_info",
     "select_entries",
@@ -73,6 +76,9 @@ _TRIAL_FILES: Final = (
     ("artifacts", "artifacts"),
 )
 _ROLLOUT_FILES: Final = (("trajectory", "trajectory.json"), ("diagnostics", "diagnostics.json"))
+#: Files of a trial's ``agent/`` listed, at most; a file's text served, at most (its tail).
+MAX_AGENT_FILES: Final = 50
+MAX_FILE_BYTES: Final = 1 << 20
 
 
 def task_of(metadata: Mapping[str, Any] | None) -> str | None:
@@ -292,23 +298,84 @@ def detail_of(record: RolloutRecord, artifact_root: Path, secrets: Iterable[str]
     )
 
 
-def _files(rollout_id: str, artifact_root: Path, trial_dir: str | None) -> list[RolloutFile]:
-    found: list[RolloutFile] = []
-    candidates: list[tuple[str, Path]] = []
+def _candidates(
+    rollout_id: str, artifact_root: Path, trial_dir: str | None
+) -> list[tuple[str, Path, Path]]:
+    """(name, path, the directory it must stay in) of every file a rollout may have."""
+    candidates: list[tuple[str, Path, Path]] = []
     if trial_dir:
         root = Path(trial_dir)
-        candidates.append(("trial_dir", root))
-        candidates.extend((name, root / relative) for name, relative in _TRIAL_FILES)
+        candidates.append(("trial_dir", root, root))
+        candidates.extend((name, root / relative, root) for name, relative in _TRIAL_FILES)
+        agent = root / "agent"
+        try:
+            listed = agent.is_dir() and not agent.is_symlink()
+            logs = sorted(agent.iterdir())[:MAX_AGENT_FILES] if listed else []
+        except OSError:
+            logs = []
+        candidates.extend((f"agent/{path.name}", path, root) for path in logs)
     own = artifact_root / rollout_dir_name(rollout_id)
-    candidates.extend((name, own / relative) for name, relative in _ROLLOUT_FILES)
-    for name, path in candidates:
+    candidates.extend((name, own / relative, own) for name, relative in _ROLLOUT_FILES)
+    return candidates
+
+
+def _files(rollout_id: str, artifact_root: Path, trial_dir: str | None) -> list[RolloutFile]:
+    found: list[RolloutFile] = []
+    prefix = f"/rollouts/{quote(rollout_id, safe='')}/files/"
+    for name, path, root in _candidates(rollout_id, artifact_root, trial_dir):
         try:
             exists = path.exists()
         except OSError:
             exists = False
         if exists:
-            found.append(RolloutFile(name=name, path=str(path)))
+            readable = _within(path, root) is not None
+            url = prefix + quote(name, safe="/") if readable else None
+            found.append(RolloutFile(name=name, path=str(path), url=url))
     return found
+
+
+def _within(path: Path, root: Path) -> Path | None:
+    """``path`` when it is a regular file, not a link, inside ``root`` (resolved)."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        if not path.resolve().is_relative_to(root.resolve()):
+            return None
+    except OSError:
+        return None
+    return path
+
+
+def read_file(
+    record: RolloutRecord, artifact_root: Path, name: str, secrets: Iterable[str]
+) -> tuple[bytes, str] | None:
+    """The text of the rollout's file ``name`` (one ``RolloutFile.name``) and its media
+    type: its last ``MAX_FILE_BYTES``, scrubbed of ``secrets``; None when there is none."""
+    detail = record.detail if isinstance(record.detail, dict) else {}
+    trial_dir = detail.get("trial_dir")
+    for candidate, path, root in _candidates(
+        record.rollout_id, artifact_root, trial_dir if isinstance(trial_dir, str) else None
+    ):
+        if candidate != name:
+            continue
+        if _within(path, root) is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            cut = size > MAX_FILE_BYTES
+            if cut:
+                handle.seek(size - MAX_FILE_BYTES)
+            data = handle.read(MAX_FILE_BYTES)
+        text = redact(data.decode("utf-8", "replace"), secrets)
+        if cut:
+            text = f"[... the first {size - MAX_FILE_BYTES} bytes left out ...]\n" + text
+        media = "application/json" if path.suffix == ".json" and not cut else "text/plain"
+        return text.encode(), f"{media}; charset=utf-8"
+    return None
 
 
 def _metrics(body: bytes | None) -> dict[str, float] | None:

@@ -66,6 +66,7 @@ from harbor_exec.server.results import (
 from harbor_exec.server.rollouts import (
     detail_of,
     page_of,
+    read_file,
     record_of,
     rollout_info,
     select_entries,
@@ -510,6 +511,20 @@ class RolloutService:
             {status.value: count for status, count in counts.items()},
             nodes=[node.model_dump(mode="json") for node in nodes] if nodes else None,
             package_cache=package_cache_figures(),
+        )
+
+    async def rollout_file(self, rollout_id: str, name: str) -> tuple[bytes, str] | None:
+        """``GET /rollouts/{id}/files/{name}``: a file of its newest rollout, None when
+        there is none."""
+        if self.store is not None:
+            record = await anyio.to_thread.run_sync(self.store.find, rollout_id)
+        else:
+            entry = self.registry.get(rollout_id)
+            record = record_of(entry) if entry is not None else None
+        if record is None:
+            return None
+        return await anyio.to_thread.run_sync(
+            read_file, record, self.artifact_root, name, self._server_secrets
         )
 
     # ------------------------------------------------------------------ reporting

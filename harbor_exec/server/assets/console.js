@@ -164,8 +164,21 @@ async function openDetail(id) {
   table("detail-facts", ["", ""], facts);
   table("detail-phases", ["phase", "from", "seconds"],
     d.phases.map((p) => [p.name, p.source, numCell(p.seconds, 3)]));
-  table("detail-files", ["file", "path"], d.files.map((f) => [f.name, f.path]));
+  table("detail-files", ["file", "path"], d.files.map((f) => [
+    f.url ? el("a", { class: "rollout", "data-file": f.name, onclick: () => openFile(f) }, f.name) : f.name,
+    f.path,
+  ]));
+  body.append(el("pre", { id: "detail-file", hidden: "" }));
   section.scrollIntoView({ block: "nearest" });
+}
+
+async function openFile(file) {
+  const shown = document.getElementById("detail-file");
+  shown.hidden = false;
+  shown.textContent = "loading…";
+  const response = await fetch(file.url);
+  shown.textContent = response.ok ? await response.text() : `not found (${response.status})`;
+  shown.dataset.file = file.name;
 }
 
 async function poll() {
