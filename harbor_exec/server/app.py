@@ -164,10 +164,10 @@ def create_rollout_server(
         async with AsyncExitStack() as stack:
             await anyio.to_thread.run_sync(served.start)
             service.restore()
+            if report is not None:  # before a prewarm, which may take minutes
+                report.start(service.live_counts, _server_facts(service))
             if lifespan is not None:
                 await stack.enter_async_context(lifespan(app))
-            if report is not None:
-                report.start(service.live_counts, _server_facts(service))
             try:
                 yield
             finally:
