@@ -432,3 +432,18 @@ def test_the_command_channel_is_on_unless_turned_off(tmp_path: Path) -> None:
     assert on.command_channel is True and off.command_channel is False
     policy = off.policy(max_concurrent_trials=1, pid_max=4096)
     assert policy.command_channel is False
+
+
+def test_warm_containers_are_on_unless_turned_off(tmp_path: Path) -> None:
+    """Every entry point keeps warm containers by default (``--warm-containers``, the
+    constructor's ``warm_containers``); 0 turns the pool off, and the policy each trial
+    carries (to this engine or a Ray node) says so."""
+    from harbor_exec.backends.harbor.constructor import harbor_config
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    on = harbor_config(tasks_dir=tasks, agent="oracle").sandbox
+    off = harbor_config(tasks_dir=tasks, agent="oracle", warm_containers=0).sandbox
+    assert on.warm_containers == 4 and off.warm_containers == 0
+    assert on.policy(max_concurrent_trials=1, pid_max=4096).warm_containers == 4
+    assert off.policy(max_concurrent_trials=1, pid_max=4096).warm_containers == 0

@@ -403,6 +403,10 @@ def test_node_loss_cancel_and_a_joining_node(
         "oracle",
         "--max-concurrent-trials",
         "8",
+        # Each rollout's container is found by its rollout's label: a warm container,
+        # made before its rollout arrived, carries the task's only.
+        "--warm-containers",
+        "0",
     )
     ids = [uuid.uuid4().hex for _ in range(6)]
     spec = json.dumps(

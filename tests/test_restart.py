@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_ROLLOUT
+from harbor_exec.sandbox.runtime import LABEL_MANAGED, LABEL_OWNER, LABEL_ROLLOUT
 from harbor_exec.server.store import (
     DB_NAME,
     RESTARTED_MESSAGE,
@@ -28,6 +28,7 @@ from harbor_exec.server.store import (
     RolloutStore,
     default_data_dir,
 )
+from harbor_exec.trial.warm import LABEL_WARM
 from tests.server_utils import (
     CHAT_URL,
     PROMPT,
@@ -286,6 +287,12 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
         labels = [f"{LABEL_MANAGED}=true", f"{LABEL_ROLLOUT}={rollout_id}"]
         return list(client.containers.list(all=True, filters={"label": labels}))
 
+    def warm_containers(server: subprocess.Popen[bytes]) -> list[Any]:
+        """``server``'s warm containers (its owner label names its pid)."""
+        labels = [f"{LABEL_MANAGED}=true", f"{LABEL_WARM}=true"]
+        found = client.containers.list(all=True, filters={"label": labels})
+        return [c for c in found if f"/{server.pid}/" in c.labels.get(LABEL_OWNER, "")]
+
     def trial_dirs(rollout_id: str) -> list[Path]:
         return sorted(trials.glob(f"{rollout_id}__*"))
 
@@ -296,6 +303,13 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
             lambda: result(url, "hx-done-1", done_token).json()["status"] == "success",
             timeout=120,
         ), result(url, "hx-done-1", done_token).text
+        # Asked for twice: the pool makes the quick task's next container ahead of it.
+        again_token = submit(url, "hx-done-2", harbor_task_id="quick")
+        assert wait_until(
+            lambda: result(url, "hx-done-2", again_token).json()["status"] == "success",
+            timeout=120,
+        )
+        assert wait_until(lambda: warm_containers(first) != [], timeout=60)
         running_token = submit(url, "hx-running-1", harbor_task_id="sleepy")
         assert wait_until(
             lambda: (
@@ -329,7 +343,8 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
         assert lost.json()["err_message"] == RESTARTED_MESSAGE
         status = httpx.get(f"{url}/rollout/hx-running-1/status").json()
         assert (status["status"], status["err_category"]) == ("failure", "internal_error")
-        # The reaper removed the dead owner's container.
+        # The reaper removed the dead owner's containers, its warm ones too.
+        assert wait_until(lambda: warm_containers(first) == [], timeout=15)
         assert wait_until(lambda: containers("hx-running-1") == [], timeout=15), [
             c.name for c in containers("hx-running-1")
         ]

@@ -78,8 +78,14 @@ def test_a_miss_then_a_warm_container_carrying_only_the_next_rollouts_socket(
 ) -> None:
     first = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
     assert first.container_id is None and first.cold  # nothing made ahead of the first
-    assert warm_ids(runtime) == []  # nothing is made while a trial creates its own
     pool.created(first)
+    # A task asked for once gets nothing ahead (a dataset's task run once would waste it).
+    assert not wait_until(lambda: warm_ids(runtime), timeout=0.3)
+    pool.release(first)  # one trial at a time: one container ahead
+    again = pool.claim(spec_for(relay_dir(tmp_path, "a2"), rollout="a2"), SETTINGS)
+    assert again.container_id is None
+    assert warm_ids(runtime) == []  # nothing is made while a trial creates its own
+    pool.created(again)
     assert wait_until(lambda: pool.stats().idle == 1)
     (warm_id,) = warm_ids(runtime)
     warm = runtime.containers[warm_id]
@@ -97,10 +103,10 @@ def test_a_miss_then_a_warm_container_carrying_only_the_next_rollouts_socket(
     (entry,) = warm_relay.iterdir()
     assert entry.name == "relay.sock"
     assert os.stat(entry).st_ino == os.stat(second_dir / "relay.sock").st_ino
-    assert pool.stats().hits == 1 and pool.stats().misses == 1
+    assert pool.stats().hits == 1 and pool.stats().misses == 2
     pool.release(second)
     assert not warm_relay.exists()  # the claim's directories go with it
-    pool.release(first)
+    pool.release(again)
 
 
 def test_a_container_goes_to_one_trial_only(
@@ -149,19 +155,22 @@ def test_idle_containers_age_out_and_go_when_the_pool_closes(
 ) -> None:
     pool = WarmPool(runtime, SETTINGS)
     short = WarmSettings(containers=4, memory_mb=8192, idle_sec=0.5)
-    claim = pool.claim(spec_for(relay_dir(tmp_path, "a")), short)
-    pool.created(claim)
-    assert wait_until(lambda: pool.stats().idle == 1)
+    claims = [pool.claim(spec_for(relay_dir(tmp_path, f"a{n}")), short) for n in range(2)]
+    for claim in claims:
+        pool.created(claim)
+    assert wait_until(lambda: pool.stats().idle == 2)
     made = warm_ids(runtime)
     assert wait_until(lambda: pool.stats().idle == 0, timeout=5)
     assert all(runtime.containers[cid].removed for cid in made)
     assert pool.stats().expired >= 1 and pool.stats().idle_container_seconds > 0
-    pool.release(claim)
+    for claim in claims:
+        pool.release(claim)
 
     # Closing removes what is idle, and whatever the pool was still making.
-    again = pool.claim(spec_for(relay_dir(tmp_path, "b"), rollout="b"), SETTINGS)
-    pool.created(again)
-    assert wait_until(lambda: pool.stats().idle == 1)
+    for n in range(2):
+        again = pool.claim(spec_for(relay_dir(tmp_path, f"b{n}"), rollout=f"b{n}"), SETTINGS)
+        pool.created(again)
+    assert wait_until(lambda: pool.stats().idle >= 1)
     pool.close()
     assert warm_ids(runtime) == []
     assert (
@@ -172,16 +181,19 @@ def test_idle_containers_age_out_and_go_when_the_pool_closes(
 def test_a_warm_container_that_died_is_never_handed_over(
     tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
 ) -> None:
-    first = pool.claim(spec_for(relay_dir(tmp_path, "a")), SETTINGS)
-    pool.created(first)
-    assert wait_until(lambda: pool.stats().idle == 1)
-    (warm_id,) = warm_ids(runtime)
-    runtime.containers[warm_id].running = False  # its init was killed, or the engine restarted
+    firsts = [pool.claim(spec_for(relay_dir(tmp_path, f"a{n}")), SETTINGS) for n in range(2)]
+    for first in firsts:
+        pool.created(first)
+    assert wait_until(lambda: pool.stats().idle == 2)
+    assert not wait_until(lambda: pool.stats().idle > 2, timeout=0.2)
+    for warm_id in warm_ids(runtime):
+        runtime.containers[warm_id].running = False  # its init was killed, or the engine restarted
+    dead = warm_ids(runtime)
     second = pool.claim(spec_for(relay_dir(tmp_path, "b"), rollout="b"), SETTINGS)
     assert second.container_id is None and second.cold
-    assert runtime.containers[warm_id].removed
-    pool.release(first)
-    pool.release(second)
+    assert sum(runtime.containers[cid].removed for cid in dead) == 1
+    for claim in [*firsts, second]:
+        pool.release(claim)
 
 
 def test_off_makes_nothing(tmp_path: Path, runtime: FakeRuntime, pool: WarmPool) -> None:
@@ -190,3 +202,39 @@ def test_off_makes_nothing(tmp_path: Path, runtime: FakeRuntime, pool: WarmPool)
     pool.created(claim)
     assert not wait_until(lambda: runtime.containers, timeout=0.3)
     pool.release(claim)
+
+
+def test_a_served_task_takes_warm_containers_and_health_says_so(tmp_path: Path) -> None:
+    """Behind the real server (fake engine): the first two rollouts of a task are cold,
+    the next ones take the container the pool made meanwhile, each its own; ``/health``
+    counts them and nothing of the pool is left once the server stops."""
+    import asyncio
+
+    import httpx
+
+    from harbor_exec.client import RolloutClient
+    from tests.server_utils import CHAT_URL, PROMPT
+    from tests.test_harbor_backend_fake import served
+
+    runtime = FakeRuntime()
+
+    async def three(url: str) -> dict[str, object]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            for n in range(4):
+                result = await client.run_rollout(PROMPT, CHAT_URL, rollout_id=f"w-{n}")
+                assert result.status == "success", result
+                if n >= 1:  # asked for twice: the next one's container is made ahead
+                    await asyncio.to_thread(wait_until, lambda: warm_ids(runtime) != [])
+            health: dict[str, object] = (await http.get(f"{url}/health")).json()
+            return health
+
+    with served(tmp_path, runtime) as (_backend, url):
+        health = asyncio.run(three(url))
+    figures = health["warm_containers"]
+    assert isinstance(figures, dict)
+    assert figures["hits"] == 2 and figures["misses"] == 2, figures
+    solved_in = [e.container_id for e in runtime.execs if "/solution/solve.sh" in e.script]
+    assert len(set(solved_in)) == 4  # one container per trial
+    assert sum(LABEL_WARM in runtime.containers[cid].spec.labels for cid in solved_in) == 2
+    assert all(c.removed for c in runtime.containers.values())  # after the server stopped

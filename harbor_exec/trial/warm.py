@@ -11,13 +11,14 @@ was made with (mounted read-only at the same places a cold one mounts them), its
 are put as for a cold container and the forwarder starts in its first phase. A
 container goes to one trial only and is removed with it.
 
-How many to hold: for each task, the most trials of it that ran at once over the last
-``idle_sec`` (what the executor sees of arrivals and queue), within the operator's
-bound on containers and on their memory limits summed. Real trials win: nothing is
-made while a trial is creating a container of its own, and a trial never waits for the
-pool (a miss is the cold path, with no extra call). An idle container is removed after
-``idle_sec``, and all of them when the pool closes (the engine's reaper removes those
-of a process that died: they carry its owner label).
+How many to hold: for each task asked for at least twice over the last ``idle_sec``,
+the most trials of it that ran at once then (what the executor sees of arrivals and
+queue), within the operator's bound on containers and on their memory limits summed.
+Real trials win: nothing is made while a trial is creating a container of its own or
+the engine is away, and a trial never waits for the pool (a miss is the cold path, with
+no extra call). An idle container is removed after ``idle_sec``, and all of them when
+the pool closes (the engine's reaper removes those of a process that died: they carry
+its owner label).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from harbor_exec.network.egress.plan import EGRESS_ROOT
 from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
     LABEL_TRIAL,
-    ContainerRuntime,
+    ContainerEngine,
     ContainerSpec,
     Mount,
 )
@@ -192,7 +193,7 @@ class _Demand:
 class WarmPool:
     """One engine's warm containers (each executor, each Ray node, its own)."""
 
-    def __init__(self, runtime: ContainerRuntime, settings: WarmSettings | None = None) -> None:
+    def __init__(self, runtime: ContainerEngine, settings: WarmSettings | None = None) -> None:
         self.runtime = runtime
         self.settings = settings or WarmSettings()
         self._cond = threading.Condition()
@@ -319,15 +320,21 @@ class WarmPool:
             self._thread.start()
 
     def _target(self, demand: _Demand, now: float) -> int:
+        """The most trials of the template at once lately; nothing for a template asked
+        for once (a dataset's task run once would leave its warm container unused)."""
         window = self.settings.idle_sec
         while demand.samples and demand.samples[0][0] < now - window:
             demand.samples.popleft()
-        return max((running for _when, running in demand.samples), default=0)
+        if len(demand.samples) < 2:
+            return 0
+        return max(running for _when, running in demand.samples)
 
     def _next_make(self, now: float) -> tuple[str, ContainerSpec] | None:
         """The template most short of its target, if the bounds allow one more."""
         if self._cold_creating > 0 or not self.settings.enabled:
             return None
+        if not self.runtime.engine_available:
+            return None  # nothing is made for an engine that is away
         held = sum(map(len, self._idle.values())) + sum(self._making.values())
         if held >= self.settings.containers:
             return None
@@ -498,7 +505,9 @@ class WarmPool:
         for warm in idle:
             self._discard(warm, now, "closed")
         if thread is not None:
-            thread.join(timeout=60)
+            # A make in flight discards its container when it ends (the engine may be
+            # away: never hold a shutdown for it; the reaper owes what is left).
+            thread.join(timeout=5)
 
 
 def _remove_dirs(warm: _Warm) -> None:

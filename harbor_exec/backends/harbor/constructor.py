@@ -228,6 +228,7 @@ class HarborKeywords(TypedDict, total=False):
     pids_limit: int | None
     output_limits: OutputLimits | None
     command_channel: bool
+    warm_containers: int
     relay_extra_routes: Sequence[str]
     strict_grader_isolation: bool
     prefer_grader: bool
@@ -271,6 +272,7 @@ def harbor_config(
     pids_limit: int | None = None,
     output_limits: OutputLimits | None = None,
     command_channel: bool = True,
+    warm_containers: int = 4,
     relay_extra_routes: Sequence[str] = (),
     strict_grader_isolation: bool = False,
     prefer_grader: bool = False,
@@ -396,6 +398,7 @@ def harbor_config(
         override_storage_mb=overrides.override_storage_mb,
         deps_in_image=bool(patch_dockerfile_with_sdk),
         command_channel=command_channel,
+        warm_containers=warm_containers,
     )
     return HarborConfig(
         tasks=TaskSources(
