@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import statistics
 import sys
 import tempfile
@@ -109,6 +110,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--rate", type=float, default=2.0, help="rollouts per second")
     args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     scratch = Path(tempfile.mkdtemp(prefix="hx-bench-first-"))
     rows: dict[str, list[float]] = {}
     for name, warm_containers in (("warm containers", 4), ("cold (warm_containers=0)", 0)):
