@@ -115,7 +115,7 @@ def main() -> int:
 
     ways: dict[str, Callable[[Task], object]] = {
         "floor": lambda task: floor_trial(api, image, task),
-        "engine exec": ours(False),
+        "engine exec": ours(False),  # and no warm containers (warm_containers=0)
         "channel": ours(True),
         "channel + warm": ours(True, warm=True),
     }
