@@ -97,6 +97,7 @@ def test_console_data_under_a_mixed_load(tmp_path: Path) -> None:
         ("held-1", "slow", "running")
     ]
     assert data["running"][0]["age_sec"] >= 0
+    assert data["running"][0]["phase"] == "agent"  # in-process: the workflow is the agent
     assert len(data["recent"]) == 12
     # The three crashes are one failure group, whatever their numbers.
     (failure,) = data["failures"]
@@ -220,3 +221,47 @@ def test_docs_work_offline(tmp_path: Path) -> None:
         assert http.get("/openapi.json").status_code == 200
     licence = importlib.resources.files("harbor_exec.server") / "assets" / "swagger-ui"
     assert "Apache License" in (licence / "LICENSE").read_text()
+
+
+def test_running_rollouts_show_their_trials_phase(tmp_path: Path) -> None:
+    """HarborBackend (over FakeRuntime, its agent held at the gate) behind the server: the
+    console shows the running rollout in its agent phase, and the one waiting for the
+    single slot as queued; then the finished one under its task."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.server.app import create_rollout_server
+    from tests.fake_runtime import HOLD, FakeRuntime
+    from tests.task_factory import make_task
+
+    runtime = FakeRuntime(solve=lambda container: HOLD)
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", "fake-task"),
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+        max_concurrent_trials=1,
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        submit(http, "first")
+        assert runtime.gate.wait_held(1)
+        submit(http, "second")
+        assert wait_until(lambda: backend.queue_info().queued == 1)
+        running = {r["rollout_id"]: r for r in http.get("/console/data").json()["running"]}
+        assert (running["first"]["phase"], running["second"]["phase"]) == ("agent", "queued")
+        # Template mode: the request names no task; the backend says which when it ends.
+        assert running["first"]["task"] is None
+        assert running["first"]["phase_sec"] >= 0
+        runtime.gate.open()
+        assert wait_until(
+            lambda: http.get("/console/data").json()["counts"]["success"] == 2, timeout=30
+        )
+        data = http.get("/console/data").json()
+    assert data["running"] == []
+    assert [row["task"] for row in data["tasks"]] == ["fake-task"]
+    assert {"environment_setup", "agent", "verifier"} <= set(data["phases"])

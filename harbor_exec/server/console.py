@@ -31,8 +31,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
+from harbor_exec.protocol import RolloutStatus
 from harbor_exec.server.metrics import FAILURE_ORIGIN
 from harbor_exec.server.registry import RolloutEntry
 from harbor_exec.server.store import RolloutRecord
@@ -336,18 +338,22 @@ class ConsoleStats:
     ) -> dict[str, Any]:
         """Everything the console shows, as JSON-ready data."""
         now = time.time()
-        running: list[dict[str, Any]] = [
-            {
-                "rollout_id": entry.rollout_id,
-                "task": entry.task_name,
-                "status": entry.status.value,
-                "age_sec": round(now - entry.wall_admitted, 1),
-                "running_sec": round(now - entry.wall_running, 1)
-                if entry.wall_running is not None
-                else None,
-            }
-            for entry in live
-        ]
+        running: list[dict[str, Any]] = []
+        for entry in live:
+            phase, since = _phase(entry)
+            running.append(
+                {
+                    "rollout_id": entry.rollout_id,
+                    "task": entry.task_name,
+                    "status": entry.status.value,
+                    "phase": phase,
+                    "phase_sec": round(now - since, 1) if since is not None else None,
+                    "age_sec": round(now - entry.wall_admitted, 1),
+                    "running_sec": round(now - entry.wall_running, 1)
+                    if entry.wall_running is not None
+                    else None,
+                }
+            )
         running.sort(key=lambda item: -item["age_sec"])
         failures = sorted(self.failures.values(), key=lambda f: (-f.count, -f.last_at))
         tasks = [self._task_row(name, stats) for name, stats in self.tasks.items()]
@@ -416,6 +422,21 @@ class ConsoleStats:
             "recent_rewards": list(stats.recent),
             "flag": flag,
         }
+
+
+def _phase(entry: RolloutEntry) -> tuple[str, float | None]:
+    """Where a live rollout is, and since when (Unix seconds): ``queued``; ``starting``
+    (running, its agent not yet started: HarborBackend builds the image, starts the
+    container, sets it up); ``agent``; ``verifier`` (grading)."""
+    status = entry.status
+    if status is RolloutStatus.QUEUED:
+        return "queued", entry.wall_admitted
+    if status is RolloutStatus.GRADING:
+        return "verifier", None
+    started = getattr(entry.context, "agent_started_at", None)
+    if isinstance(started, datetime):
+        return "agent", started.timestamp()
+    return "starting", entry.wall_running
 
 
 _RECENT_FIELDS: Final = (

@@ -62,6 +62,7 @@ class RolloutEntry:
     __slots__ = (
         "admitted_at",
         "cancel_requested",
+        "context",
         "final",
         "info",
         "lease_deadline",
@@ -94,6 +95,8 @@ class RolloutEntry:
         self.wall_finished: float | None = None
         self.metadata: dict[str, Any] | None = None
         self.info: dict[str, Any] | None = None
+        # The rollout's RolloutContext while it executes (when its agent started).
+        self.context: Any = None
         self.lease_digest = lease_digest
         self.lease_deadline = now + lease_sec
         self.admitted_at = now

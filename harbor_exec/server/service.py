@@ -283,6 +283,7 @@ class RolloutService:
             rollout_id=request.rollout_id,
             on_status=partial(self._set_status, entry),
         )
+        entry.context = context
         if not self.backend.reports_running:
             context.update_status(RolloutStatus.RUNNING)
         # Already validated as RolloutInitRequest: skip a second validation.
@@ -382,6 +383,7 @@ class RolloutService:
                 )
             if self.live.get(entry.rollout_id) is entry:
                 del self.live[entry.rollout_id]
+            entry.context = None
             now = self.registry.loop.time()
             self.metrics.complete(final.status.value, category, now - entry.admitted_at)
             reason = info.get("reason") if info is not None else None

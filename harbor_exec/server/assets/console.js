@@ -87,9 +87,10 @@ function render(data) {
         el("div", { class: "n" }, num(counts[name] || 0))))
   );
   document.getElementById("running-total").textContent = `(${data.running_total})`;
-  table("running", ["rollout", "task", "state", "age s", "running s"],
-    data.running.map((r) => [rolloutLink(r.rollout_id), r.task || "–", r.status,
-      numCell(r.age_sec, 1), numCell(r.running_sec, 1)]), "nothing running");
+  table("running", ["rollout", "task", "phase", "in phase s", "age s"],
+    data.running.map((r) => [rolloutLink(r.rollout_id), r.task || "–",
+      el("td", { class: `phase-${r.phase}` }, r.phase), numCell(r.phase_sec, 1),
+      numCell(r.age_sec, 1)]), "nothing running");
   table("recent", ["rollout", "task", "status", "reward", "s", "reason"],
     data.recent.map((r) => [rolloutLink(r.rollout_id), r.task || "–", statusCell(r.status),
       numCell(r.reward, 3), numCell(r.seconds, 2),
