@@ -154,14 +154,14 @@ def test_idle_containers_age_out_and_go_when_the_pool_closes(
     tmp_path: Path, runtime: FakeRuntime
 ) -> None:
     pool = WarmPool(runtime, SETTINGS)
-    short = WarmSettings(containers=4, memory_mb=8192, idle_sec=0.5)
+    short = WarmSettings(containers=4, memory_mb=8192, idle_sec=2.0)
     claims = [pool.claim(spec_for(relay_dir(tmp_path, f"a{n}")), short) for n in range(2)]
     for claim in claims:
         pool.created(claim)
-    assert wait_until(lambda: pool.stats().idle == 2)
-    made = warm_ids(runtime)
-    assert wait_until(lambda: pool.stats().idle == 0, timeout=5)
-    assert all(runtime.containers[cid].removed for cid in made)
+    assert wait_until(lambda: pool.stats().idle >= 1)
+    assert wait_until(lambda: pool.stats().idle == 0, timeout=15)  # aged out
+    made = [cid for cid, c in runtime.containers.items() if LABEL_WARM in c.spec.labels]
+    assert made and all(runtime.containers[cid].removed for cid in made)
     assert pool.stats().expired >= 1 and pool.stats().idle_container_seconds > 0
     for claim in claims:
         pool.release(claim)

@@ -92,7 +92,7 @@ def test_each_trial_gets_a_fresh_container_and_only_its_own_rollouts_socket(
     )
     policy = SandboxPolicy(warm_containers=2)
     seen: list[dict[str, str]] = []
-    for n in range(4):
+    for n in range(3):
         relay = relay_socket(str(n))
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(str(relay / "relay.sock"))
@@ -116,12 +116,12 @@ def test_each_trial_gets_a_fresh_container_and_only_its_own_rollouts_socket(
         assert seen[-1]["relay.txt"].split() == [str(inode), "1"], seen[-1]
         assert seen[-1]["tmp.txt"] == "" and seen[-1]["procs.txt"] == "0", seen[-1]
         assert seen[-1]["hosts.txt"] == "0", seen[-1]
-        if 1 <= n < 3:  # asked for twice: the next trial's container is made ahead
+        if n == 1:  # asked for twice: the next trial's container is made ahead
             assert wait_until(lambda: pool.stats().idle >= 1, timeout=60)
     containers = [s["container.txt"] for s in seen]
-    assert len(set(containers)) == 4, containers  # no container served two trials
+    assert len(set(containers)) == 3, containers  # no container served two trials
     stats = pool.stats()
-    assert stats.hits >= 2, stats  # every trial after the second (its agent's container)
+    assert stats.hits >= 1, stats  # the third trial's agent container, made ahead
     pool.close()
     assert warm_on_engine(docker_runtime) == []
 
