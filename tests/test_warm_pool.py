@@ -161,7 +161,8 @@ def test_idle_containers_age_out_and_go_when_the_pool_closes(
     assert wait_until(lambda: pool.stats().idle >= 1)
     assert wait_until(lambda: pool.stats().idle == 0, timeout=15)  # aged out
     made = [cid for cid, c in runtime.containers.items() if LABEL_WARM in c.spec.labels]
-    assert made and all(runtime.containers[cid].removed for cid in made)
+    # Out of the pool first, then removed (outside its lock): wait for the removal.
+    assert made and wait_until(lambda: all(runtime.containers[cid].removed for cid in made))
     assert pool.stats().expired >= 1 and pool.stats().idle_container_seconds > 0
     for claim in claims:
         pool.release(claim)

@@ -106,7 +106,7 @@ class _Metrics:
         )
         self.made = Counter(
             "harbor_exec_warm_made",
-            "Warm containers made, by fate (idle, expired, closed).",
+            "Warm containers made, by fate (idle, expired, closed, dead).",
             ["fate"],
             registry=REGISTRY,
         )
@@ -239,8 +239,8 @@ class WarmPool:
         self._observe(lambda m: m.idle.dec())
         self._idle_seconds_add(started - warm.made_at)
         if not self._bind(spec, warm):
-            self.runtime.remove(warm.container_id)
-            _remove_dirs(warm)
+            # Already out of the idle count: removed as any discarded one is.
+            self._discard(warm, started, "dead", counted=False)
             claim.container_id, claim.warm, claim.cold = None, None, True
             with self._cond:
                 self._cold_creating += 1
