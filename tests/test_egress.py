@@ -736,3 +736,36 @@ def test_the_task_format_loads_no_http_library() -> None:
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "[]"
+
+
+def test_a_forwarder_racing_the_containers_own_for_the_port_stands_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where the host cannot spare the container's own forwarder, the container is
+    restarted (its forwarder starts again with it) while the next phase starts one by
+    exec: with ``SO_REUSEADDR`` both bind the port and the second learns it is taken
+    only at ``listen``. With ``--in-use-ok`` that is success, not a failed phase (CI:
+    the service image's rollout failed with ``EADDRINUSE`` from ``listen``)."""
+    from harbor_exec.container import forward
+
+    socket_path = tmp_path / "proxy.sock"
+    socket_path.touch()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    own = socket.socket()
+    own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    own.bind(("127.0.0.1", port))
+    real_bind = socket.socket.bind
+
+    def bind_then_the_other_listens(self: socket.socket, address: Any) -> None:
+        real_bind(self, address)
+        own.listen(1)  # the container's own forwarder gets there first
+
+    monkeypatch.setattr(socket.socket, "bind", bind_then_the_other_listens)
+    monkeypatch.setattr(forward.os, "fork", lambda: pytest.fail("it must not serve"))
+    try:
+        assert forward.run_forward(str(socket_path), port, in_use_ok=True) == forward.EXIT_OK
+        assert capsys.readouterr().out.strip() == str(port)
+    finally:
+        own.close()

@@ -245,6 +245,9 @@ def run_forward(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # With SO_REUSEADDR two forwarders starting at once may both bind: the
+        # second learns the port is taken only here.
+        sock.listen(128)
     except OSError as exc:
         sock.close()
         if in_use_ok and exc.errno == errno.EADDRINUSE:
@@ -253,7 +256,6 @@ def run_forward(
             return EXIT_OK
         print(f"cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return _then(then, EXIT_SETUP)
-    sock.listen(128)
     port = int(sock.getsockname()[1])
     sealed = ready is not None and _not_dumpable()
     child = os.fork()
