@@ -25,7 +25,9 @@ from tests.server_utils import CHAT_URL, PROMPT, gate, local_app, serve, wait_un
 KEY = "console-key-0123456789"
 
 
-def submit(http: httpx.Client, rollout_id: str, **metadata: Any) -> None:
+def submit(
+    http: httpx.Client, rollout_id: str, headers: dict[str, str] | None = None, **metadata: Any
+) -> None:
     response = http.post(
         "/rollout",
         json={
@@ -35,6 +37,7 @@ def submit(http: httpx.Client, rollout_id: str, **metadata: Any) -> None:
             "label": "4",
             "metadata": metadata,
         },
+        headers=headers,
     )
     assert response.status_code == 202, response.text
 
@@ -62,12 +65,43 @@ def test_the_page_and_its_files_come_from_the_package_only(tmp_path: Path) -> No
 
 
 def test_the_console_refuses_a_request_without_the_key(tmp_path: Path) -> None:
+    """With an API key: the page answers 401 (its body the empty shell that asks for the
+    key), its data, the listing, a detail and the docs 401 too; only the page's own code
+    and style (the wheel's bytes, nothing of the server) come without the key; a wrong key
+    is refused like none."""
+    assets = importlib.resources.files("harbor_exec.server") / "assets"
     app = local_app(tmp_path, api_key=KEY)
-    with serve(app) as url:
-        for path in ("/", "/console/data", "/console/console.js", "/rollouts"):
-            assert httpx.get(f"{url}{path}").status_code == 401, path
-            allowed = httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"})
-            assert allowed.status_code == 200, path
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as http:
+        submit(http, "r-1", headers={"Authorization": f"Bearer {KEY}"})
+        refused = (
+            "/console/data", "/rollouts", "/rollouts?status=success", "/rollouts/r-1",
+            "/rollouts/r-1/files/trajectory", "/docs", "/redoc", "/openapi.json",
+            "/console/swagger-ui/swagger-ui-bundle.js", "/console/redoc/redoc.standalone.js",
+            "/metrics", "/queue",
+        )  # fmt: skip
+        for path in refused:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                answer = http.get(path, headers=headers)
+                assert answer.status_code == 401, (path, headers)
+                assert answer.json() == {"detail": "unauthorized"}
+        page = http.get("/")
+        assert page.status_code == 401 and page.content == (assets / "index.html").read_bytes()
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        assert http.post("/", json={}).status_code == 401
+        for name in ("console.js", "console.css", "favicon.svg"):
+            answer = http.get(f"/console/{name}")
+            assert answer.status_code == 200 and answer.content == (assets / name).read_bytes()
+            assert http.post(f"/console/{name}").status_code == 401
+        allowed = {"Authorization": f"Bearer {KEY}"}
+        for path in ("/", "/console/data", "/rollouts", "/rollouts/r-1", "/redoc", "/docs"):
+            assert http.get(path, headers=allowed).status_code == 200, path
+    # The page takes the key from the address's fragment or a form, keeps it in this tab's
+    # sessionStorage only and sends it as the header (tests/test_console_browser_docker.py
+    # runs it in a browser).
+    script = (assets / "console.js").read_text()
+    assert "sessionStorage" in script and "localStorage" not in script
+    assert "Authorization: `Bearer ${key}`" in script
+    assert "?key=" not in script and "document.cookie" not in script
 
 
 def test_console_data_under_a_mixed_load(tmp_path: Path) -> None:
@@ -202,25 +236,38 @@ def test_a_restarted_console_starts_from_the_store(tmp_path: Path) -> None:
 
 
 def test_docs_work_offline(tmp_path: Path) -> None:
-    """``/docs`` is Swagger UI from the package's own copy: the page names only this
-    server's files, each of them is served, and its policy allows nothing else."""
+    """``/docs`` is Swagger UI and ``/redoc`` ReDoc, each from the package's own copy:
+    each page names only this server's files, each of them is served, nothing in the
+    page is an external URL, and its policy allows nothing else."""
     with serve(local_app(tmp_path)) as url, httpx.Client(base_url=url, timeout=10) as http:
-        page = http.get("/docs")
-        assert page.status_code == 200
-        assert "default-src 'self'" in page.headers["content-security-policy"]
-        linked = re.findall(r'(?:src|href)="([^"]*)"', page.text)
-        assert sorted(linked) == [
-            "/console/favicon.svg",
-            "/console/swagger-ui/swagger-ui-bundle.js",
-            "/console/swagger-ui/swagger-ui.css",
-        ]
-        assert not re.findall(r"https?://", page.text)
-        assert "url: '/openapi.json'" in page.text
-        for path in linked:
-            assert http.get(path).status_code == 200, path
+        pages = {
+            "/docs": [
+                "/console/favicon.svg",
+                "/console/swagger-ui/swagger-ui-bundle.js",
+                "/console/swagger-ui/swagger-ui.css",
+            ],
+            "/redoc": ["/console/favicon.svg", "/console/redoc/redoc.standalone.js"],
+        }
+        for path, files in pages.items():
+            page = http.get(path)
+            assert page.status_code == 200, path
+            policy = page.headers["content-security-policy"]
+            assert policy.startswith("default-src 'self';"), path
+            assert "http" not in policy and "*" not in policy, path
+            linked = re.findall(r'(?:src|href|spec-url)="([^"]*)"', page.text)
+            assert sorted(linked) == sorted([*files, "/openapi.json"] if path == "/redoc" else files)
+            assert not re.findall(r"(?:https?:)?//[\w.-]", page.text), path
+            for linked_path in linked:
+                assert http.get(linked_path).status_code == 200, linked_path
+        assert "url: '/openapi.json'" in http.get("/docs").text
         assert http.get("/openapi.json").status_code == 200
-    licence = importlib.resources.files("harbor_exec.server") / "assets" / "swagger-ui"
-    assert "Apache License" in (licence / "LICENSE").read_text()
+    assets = importlib.resources.files("harbor_exec.server") / "assets"
+    assert "Apache License" in (assets / "swagger-ui" / "LICENSE").read_text()
+    assert "The MIT License" in (assets / "redoc" / "LICENSE").read_text()
+    for bundle in ("swagger-ui/swagger-ui-bundle.js", "redoc/redoc.standalone.js"):
+        assert "sourceMappingURL=" not in (assets / bundle).read_text().replace(
+            "sourceMappingURL=data:", ""
+        ), bundle
 
 
 def test_running_rollouts_show_their_trials_phase(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from starlette.responses import PlainTextResponse, Response
 
 from harbor_exec.backends.base import ExecutionBackend, default_artifact_root
@@ -44,6 +44,8 @@ from harbor_exec.server.console import (
     CONSOLE_FILES,
     CONSOLE_HEADERS,
     DOCS_HEADERS,
+    PUBLIC_FILES,
+    REDOC_HEADERS,
     console_asset,
 )
 from harbor_exec.server.http import (
@@ -177,11 +179,21 @@ def create_rollout_server(
                     if report is not None:
                         report.stop()
 
-    # /docs is ours: Swagger UI from the package's files, not a CDN (works offline).
-    app = FastAPI(title="harbor-exec rollout server", lifespan=app_lifespan, docs_url=None)
+    # /docs and /redoc are ours: Swagger UI and ReDoc from the package's files, not a CDN
+    # (they work offline).
+    app = FastAPI(
+        title="harbor-exec rollout server", lifespan=app_lifespan, docs_url=None, redoc_url=None
+    )
     app.state.rollout_service = service
     if api_key is not None:
-        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+        # Without the key, the console's own files are served (the page asks for the key)
+        # and GET / answers 401 with the page's shell: nothing of the server's state.
+        app.add_middleware(
+            BearerAuthMiddleware,
+            api_key=api_key,
+            public_paths=PUBLIC_FILES,
+            challenges={"/": _console_page(401)},
+        )
 
     def timeouts_within_limit(init: RolloutInitRequest) -> list[dict[str, Any]]:
         if init.agent_timeout_sec is None and init.grader_timeout_sec is None:
@@ -319,7 +331,7 @@ def create_rollout_server(
     @app.get("/", include_in_schema=False)
     async def console_page() -> Response:
         """The live console (files shipped in the package; nothing from elsewhere)."""
-        return Response(console_asset("index.html"), 200, CONSOLE_HEADERS, "text/html")
+        return _console_page(200)
 
     @app.get("/console/data", include_in_schema=False)
     async def console_data() -> Response:
@@ -340,6 +352,19 @@ def create_rollout_server(
         page.headers.update(DOCS_HEADERS)
         return page
 
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        """ReDoc over ``/openapi.json``, its script served by this server (no web fonts)."""
+        page = get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - ReDoc",
+            redoc_js_url="/console/redoc/redoc.standalone.js",
+            redoc_favicon_url="/console/favicon.svg",
+            with_google_fonts=False,
+        )
+        page.headers.update(REDOC_HEADERS)
+        return page
+
     @app.get("/console/{name:path}", include_in_schema=False)
     async def console_file(request: Request) -> Response:
         name = request.path_params["name"]
@@ -354,6 +379,10 @@ def create_rollout_server(
         return Response(service.render_metrics(), 200, None, PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _console_page(status_code: int) -> Response:
+    return Response(console_asset("index.html"), status_code, CONSOLE_HEADERS, "text/html")
 
 
 def _server_facts(service: RolloutService) -> dict[str, Any]:

@@ -43,6 +43,8 @@ __all__ = [
     "CONSOLE_FILES",
     "CONSOLE_HEADERS",
     "DOCS_HEADERS",
+    "PUBLIC_FILES",
+    "REDOC_HEADERS",
     "ConsoleStats",
     "console_asset",
     "group_of",
@@ -63,18 +65,32 @@ _FOLD = re.compile(r"0x[0-9a-fA-F]+|[0-9a-fA-F]{8,}|\d+")
 SEED_ROWS: Final = 20_000
 
 #: The files served under ``/console/`` (``server/assets/``), by path: the page's own
-#: besides ``index.html``, and Swagger UI's for ``/docs`` (vendored, see its README.txt).
+#: besides ``index.html``, Swagger UI's for ``/docs`` and ReDoc's for ``/redoc`` (both
+#: vendored, see their README.txt).
 CONSOLE_FILES: Final = {
     "console.js": "text/javascript",
     "console.css": "text/css",
     "favicon.svg": "image/svg+xml",
     "swagger-ui/swagger-ui-bundle.js": "text/javascript",
     "swagger-ui/swagger-ui.css": "text/css",
+    "redoc/redoc.standalone.js": "text/javascript",
 }
+#: With an API key, the paths served without it: the console's own code and style, the
+#: same bytes as the wheel's (they hold nothing of the server), so that the page can ask
+#: for the key; ``GET /`` without the key answers 401 with the page's empty shell.
+PUBLIC_FILES: Final = frozenset(
+    f"/console/{name}" for name in ("console.js", "console.css", "favicon.svg")
+)
 #: ``/docs``: Swagger UI's page starts it with an inline script.
 DOCS_HEADERS: Final = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
     "style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+}
+#: ``/redoc``: ReDoc styles itself inline and runs its search in a worker made from a blob.
+REDOC_HEADERS: Final = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; "
+    "frame-ancestors 'none'",
 }
 #: The page loads nothing from anywhere but this server.
 CONSOLE_HEADERS: Final = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -206,11 +206,23 @@ class JsonBody(Generic[ModelT]):
 
 
 class BearerAuthMiddleware:
-    """Requires ``Authorization: Bearer <api_key>`` on every HTTP request (pure ASGI)."""
+    """Requires ``Authorization: Bearer <api_key>`` on every HTTP request (pure ASGI)
+    but a GET or HEAD of ``public_paths``; a GET of a path in ``challenges`` without the
+    key is answered with that path's response (a 401 that says how to sign in) instead
+    of the bare 401."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str,
+        public_paths: frozenset[str] = frozenset(),
+        challenges: Mapping[str, Response] | None = None,
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._public = public_paths
+        self._challenges = dict(challenges or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -220,6 +232,14 @@ class BearerAuthMiddleware:
                     supplied = value
                     break
             if not hmac.compare_digest(supplied, self._expected):
+                path, method = scope["path"], scope["method"]
+                if method in ("GET", "HEAD") and path in self._public:
+                    await self.app(scope, receive, send)
+                    return
+                challenge = self._challenges.get(path) if method == "GET" else None
+                if challenge is not None:
+                    await challenge(scope, receive, send)
+                    return
                 await error_response(401, "unauthorized")(scope, receive, send)
                 return
         await self.app(scope, receive, send)

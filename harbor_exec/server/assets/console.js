@@ -1,10 +1,54 @@
 // harbor-exec's live console: polls console/data every 2 s and redraws; a rollout id
 // opens its detail (rollouts/<id>). No library, no request beyond this server.
+// A server with an API key answers 401 without it: the page then asks for the key (or
+// takes it from the address's fragment, #key=..., which browsers never send), keeps it in
+// this tab's sessionStorage only, and sends it as the Authorization header of its fetches.
 "use strict";
 
 const POLL_MS = 2000;
+const KEY_ITEM = "harbor-exec-api-key";
 let lastData = null;
 let lastOk = 0;
+let pollTimer = null;
+
+function takeKeyFromFragment() {
+  const match = /^#key=(.+)$/.exec(window.location.hash);
+  if (!match) return;
+  sessionStorage.setItem(KEY_ITEM, decodeURIComponent(match[1]));
+  // Off the address bar and the history at once.
+  history.replaceState(null, "", window.location.pathname + window.location.search);
+}
+
+function api(path) {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  const headers = key ? { Authorization: `Bearer ${key}` } : {};
+  return fetch(path, { cache: "no-store", headers }).then((response) => {
+    if (response.status === 401) askForKey(key ? "that key was refused" : "");
+    return response;
+  });
+}
+
+function askForKey(note) {
+  if (note) sessionStorage.removeItem(KEY_ITEM);
+  const form = document.getElementById("signin");
+  document.getElementById("signin-note").textContent = note;
+  if (form.hidden) {
+    form.hidden = false;
+    document.getElementById("signin-key").focus();
+  }
+}
+
+function signIn(event) {
+  event.preventDefault();
+  const input = document.getElementById("signin-key");
+  const key = input.value.trim();
+  input.value = "";
+  if (!key) return;
+  sessionStorage.setItem(KEY_ITEM, key);
+  document.getElementById("signin").hidden = true;
+  clearTimeout(pollTimer);
+  poll();
+}
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -143,7 +187,7 @@ async function openDetail(id) {
   document.getElementById("detail-id").textContent = id;
   section.hidden = false;
   body.replaceChildren(el("p", { class: "muted" }, "loading…"));
-  const response = await fetch(`rollouts/${encodeURIComponent(id)}`);
+  const response = await api(`rollouts/${encodeURIComponent(id)}`);
   if (!response.ok) {
     body.replaceChildren(el("p", {}, `not found (${response.status})`));
     return;
@@ -177,15 +221,16 @@ async function openFile(file) {
   const shown = document.getElementById("detail-file");
   shown.hidden = false;
   shown.textContent = "loading…";
-  const response = await fetch(file.url);
+  const response = await api(file.url);
   shown.textContent = response.ok ? await response.text() : `not found (${response.status})`;
   shown.dataset.file = file.name;
 }
 
 async function poll() {
   try {
-    const response = await fetch("console/data", { cache: "no-store" });
+    const response = await api("console/data");
     if (response.ok) {
+      document.getElementById("signin").hidden = true;
       lastData = await response.json();
       lastOk = Date.now();
       render(lastData);
@@ -194,14 +239,18 @@ async function poll() {
     // The server is away: say so below and try again.
   }
   const updated = document.getElementById("updated");
+  const signingIn = !document.getElementById("signin").hidden;
   updated.textContent = lastOk
     ? `updated ${new Date(lastOk).toLocaleTimeString()}`
-    : "waiting for the server…";
+    : signingIn ? "needs the API key" : "waiting for the server…";
   updated.dataset.polls = String(Number(updated.dataset.polls || 0) + 1);
-  setTimeout(poll, POLL_MS);
+  // Waiting for a key: no request until one is given.
+  if (!signingIn) pollTimer = setTimeout(poll, POLL_MS);
 }
 
+takeKeyFromFragment();
 document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("signin").addEventListener("submit", signIn);
   document.getElementById("detail-close").addEventListener("click", () => {
     document.getElementById("detail").hidden = true;
   });
