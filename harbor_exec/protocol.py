@@ -351,7 +351,7 @@ class RolloutPhase(BaseModel):
     """A phase of a rollout and its length: ``server`` phases (``queued``, ``running``)
     from the server's clock, ``backend`` ones as the backend timed them
     (HarborBackend: ``environment_setup``, ``agent_setup``, ``agent``, ``verifier``,
-    ``total``)."""
+    ``teardown``, ``total``)."""
 
     name: str
     source: str

@@ -25,9 +25,7 @@ from tests.server_utils import CHAT_URL, PROMPT, gate, local_app, serve, wait_un
 KEY = "console-key-0123456789"
 
 
-def submit(
-    http: httpx.Client, rollout_id: str, headers: dict[str, str] | None = None, **metadata: Any
-) -> None:
+def submit(http: httpx.Client, rollout_id: str, key: str | None = None, **metadata: Any) -> None:
     response = http.post(
         "/rollout",
         json={
@@ -37,7 +35,7 @@ def submit(
             "label": "4",
             "metadata": metadata,
         },
-        headers=headers,
+        headers={"Authorization": f"Bearer {key}"} if key else None,
     )
     assert response.status_code == 202, response.text
 
@@ -72,7 +70,7 @@ def test_the_console_refuses_a_request_without_the_key(tmp_path: Path) -> None:
     assets = importlib.resources.files("harbor_exec.server") / "assets"
     app = local_app(tmp_path, api_key=KEY)
     with serve(app) as url, httpx.Client(base_url=url, timeout=10) as http:
-        submit(http, "r-1", headers={"Authorization": f"Bearer {KEY}"})
+        submit(http, "r-1", key=KEY)
         refused = (
             "/console/data", "/rollouts", "/rollouts?status=success", "/rollouts/r-1",
             "/rollouts/r-1/files/trajectory", "/docs", "/redoc", "/openapi.json",
@@ -255,7 +253,9 @@ def test_docs_work_offline(tmp_path: Path) -> None:
             assert policy.startswith("default-src 'self';"), path
             assert "http" not in policy and "*" not in policy, path
             linked = re.findall(r'(?:src|href|spec-url)="([^"]*)"', page.text)
-            assert sorted(linked) == sorted([*files, "/openapi.json"] if path == "/redoc" else files)
+            assert sorted(linked) == sorted(
+                [*files, "/openapi.json"] if path == "/redoc" else files
+            )
             assert not re.findall(r"(?:https?:)?//[\w.-]", page.text), path
             for linked_path in linked:
                 assert http.get(linked_path).status_code == 200, linked_path
@@ -312,3 +312,44 @@ def test_running_rollouts_show_their_trials_phase(tmp_path: Path) -> None:
     assert data["running"] == []
     assert [row["task"] for row in data["tasks"]] == ["fake-task"]
     assert {"environment_setup", "agent", "verifier"} <= set(data["phases"])
+
+
+def test_teardown_is_timed(tmp_path: Path) -> None:
+    """A trial's teardown (here its container's removal, made 0.3 s slow) is a phase of
+    its own in the rollout's detail and the console's percentiles: from the end of the
+    trial's last phase to its end, within the trial's total."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.executors.local import LocalExecutor
+    from harbor_exec.server.app import create_rollout_server
+    from tests.fake_runtime import FakeRuntime
+    from tests.task_factory import make_task
+
+    class SlowRemoval(FakeRuntime):
+        def remove(self, container_id: str) -> None:
+            time.sleep(0.3)
+            super().remove(container_id)
+
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", "slow-teardown"),
+        executor=LocalExecutor(SlowRemoval()),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    app = create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        data_dir=tmp_path / "data",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        submit(http, "torn-down")
+        assert wait_until(
+            lambda: http.get("/console/data").json()["counts"]["success"] == 1, timeout=30
+        )
+        phases = http.get("/console/data").json()["phases"]
+        detail = http.get("/rollouts/torn-down").json()
+    timed = {p["name"]: p["seconds"] for p in detail["phases"] if p["source"] == "backend"}
+    assert 0.3 <= timed["teardown"] < timed["total"]
+    assert timed["verifier"] < 0.3  # the removal is teardown's, not the verifier's
+    assert phases["teardown"]["count"] == 1 and phases["teardown"]["p50"] >= 0.3

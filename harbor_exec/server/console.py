@@ -8,7 +8,8 @@ bounded running aggregates, so a page's data costs the same whatever the store h
   many ids is one group), each with its origin (agent, infrastructure, client);
 * per phase the last ``WINDOW`` durations, overall and per node, for p50/p95/p99: the
   server's ``queued`` and ``running``, the backend's timings (HarborBackend:
-  ``environment_setup``, ``agent_setup``, ``agent``, ``verifier``, ``total``);
+  ``environment_setup``, ``agent_setup``, ``agent``, ``verifier``, ``teardown``,
+  ``total``);
 * per task: rollouts, successes, failures, rewards (mean, pass rate: a reward of at least
   1) and its last ``TASK_HISTORY`` rewards; a task with at least ``FLAG_MIN`` finished
   rollouts is flagged ``always_fails`` (none scored above 0) or ``always_passes`` (all

@@ -237,6 +237,20 @@ def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
         "agent": result.agent_execution.seconds if result.agent_execution else None,
         "verifier": result.verifier.seconds if result.verifier else None,
     }
+    # Teardown (logs and artifacts copied back, containers and networks removed): from
+    # the end of the trial's last phase to its end.
+    ends = [
+        timing.finished_at
+        for timing in (
+            result.environment_setup,
+            result.agent_setup,
+            result.agent_execution,
+            result.verifier,
+        )
+        if timing is not None and timing.finished_at is not None
+    ]
+    if result.finished_at and ends:
+        timings["teardown"] = max(0.0, (result.finished_at - max(ends)).total_seconds())
     if result.started_at and result.finished_at:
         timings["total"] = (result.finished_at - result.started_at).total_seconds()
     phase = (
