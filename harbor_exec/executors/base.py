@@ -33,7 +33,7 @@ from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
-from harbor_exec.trial.trial import PhaseCallback
+from harbor_exec.trial.trial import PhaseCallback, WaitTurn
 from harbor_exec.trial.warm import WarmStats
 
 if TYPE_CHECKING:
@@ -96,9 +96,17 @@ class TrialExecutor(Protocol):
         secrets: TrialSecrets | None = None,
         content: TrialContent | None = None,
         on_phase: PhaseCallback | None = None,
+        wait_turn: WaitTurn | None = None,
     ) -> TrialHandle:
         """Start the trial of ``spec``; ``content`` holds the submitter's copies of
-        what the spec names by key (None: the spec's own paths, no bundle)."""
+        what the spec names by key (None: the spec's own paths, no bundle).
+        ``wait_turn``: ``TrialRequest.wait_turn`` (only where ``trials_run_here``)."""
+        ...
+
+    @property
+    def trials_run_here(self) -> bool:
+        """Whether trials run in this process (a ``wait_turn`` reaches them); a Ray
+        cluster's nodes start theirs ahead through their own warm pools."""
         ...
 
     def cancel(self, handle: TrialHandle) -> None:
@@ -152,6 +160,7 @@ class AsyncTrialHandle:
     content: TrialContent
     on_phase: PhaseCallback | None
     task: asyncio.Task[TrialRun] | None = field(default=None, init=False)
+    wait_turn: WaitTurn | None = field(default=None, init=False)
 
     @property
     def name(self) -> str:
@@ -187,15 +196,23 @@ class AsyncTrialExecutor(ABC, Generic[H]):
         secrets: TrialSecrets | None = None,
         content: TrialContent | None = None,
         on_phase: PhaseCallback | None = None,
+        wait_turn: WaitTurn | None = None,
     ) -> TrialHandle:
+        if wait_turn is not None and not self.trials_run_here:
+            raise ValueError(f"{type(self).__name__} runs trials elsewhere: no wait_turn")
         self._start_background()
         handle = self._new_handle(
             spec, secrets or TrialSecrets(), content or TrialContent(), on_phase
         )
+        handle.wait_turn = wait_turn
         handle.task = asyncio.get_running_loop().create_task(self._run(handle))
         self._handles.add(handle)
         handle.task.add_done_callback(lambda _task: self._handles.discard(handle))
         return handle
+
+    @property
+    @abstractmethod
+    def trials_run_here(self) -> bool: ...
 
     @abstractmethod
     def cancel(self, handle: TrialHandle) -> None: ...

@@ -100,6 +100,10 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
 
     # ----------------------------------------------------------------- trials
 
+    @property
+    def trials_run_here(self) -> bool:
+        return True
+
     def _new_handle(
         self,
         spec: TrialSpec,
@@ -129,7 +133,14 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                 ),
                 relay_chat=_last_chat(relay) if relay is not None and use.record_chat else None,
                 package_cache=self.cache_service,
-                warm_pool=self.warm_pool if handle.spec.policy.warm_containers > 0 else None,
+                # A trial that waits for its turn was started ahead of it by a job that
+                # knows its schedule (harbor_exec.jobs.ahead): no warm container for it.
+                warm_pool=(
+                    self.warm_pool
+                    if handle.spec.policy.warm_containers > 0 and handle.wait_turn is None
+                    else None
+                ),
+                wait_turn=handle.wait_turn,
             )
 
             def work() -> TrialRun:

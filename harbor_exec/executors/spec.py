@@ -28,7 +28,7 @@ from harbor_exec.agents.base import AgentInputs
 from harbor_exec.sandbox.archives import ArchiveEntry
 from harbor_exec.sandbox.runtime import Mount
 from harbor_exec.trial.spec import TrialSpec
-from harbor_exec.trial.trial import TrialRequest
+from harbor_exec.trial.trial import TrialRequest, WaitTurn
 from harbor_exec.trial.verifiers import TestsVerifier, grader_verifier, tests_verifier
 from harbor_exec.trial.warm import WarmPool
 
@@ -118,6 +118,7 @@ def trial_request(
     relay_chat: Callable[[], Mapping[str, Any] | None] | None = None,
     package_cache: PackageCacheService | None = None,
     warm_pool: WarmPool | None = None,
+    wait_turn: WaitTurn | None = None,
 ) -> TrialRequest:
     """The runnable trial of ``spec`` on this machine: its agent (made by the spec's
     agent kind, ``AgentSpec.agent``) and verifier built from ``secrets`` and
@@ -126,7 +127,7 @@ def trial_request(
     socket, and ``relay_chat``: the relay's record of the last chat call, each for an
     agent whose ``AgentSpec.relay`` asks for it; ``package_cache``: this machine's live
     cache, and ``warm_pool`` its warm containers, which the request carries beside the
-    spec."""
+    spec, as ``wait_turn`` (``TrialRequest.wait_turn``)."""
     secrets = secrets or TrialSecrets()
     content = content or TrialContent()
     task = spec.task
@@ -167,6 +168,7 @@ def trial_request(
         mounts=mounts,
         package_cache=package_cache,
         warm_pool=warm_pool,
+        wait_turn=wait_turn,
     )
 
 

@@ -34,9 +34,11 @@ from harbor_exec.errors import (
     policy_for,
 )
 from harbor_exec.executors.spec import TrialSecrets, trial_request
+from harbor_exec.jobs.ahead import RunSlots, Turn
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.factory import create_trial
+from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy
 from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, new_trial_name
@@ -517,7 +519,9 @@ def run_job(
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="hx-executor", daemon=True).start()
 
-    def run_remote(task: Task, attempt: int, spec: TrialSpec) -> TrialResult | None:
+    def run_remote(
+        task: Task, attempt: int, spec: TrialSpec, turn: Turn | None
+    ) -> TrialResult | None:
         nonlocal built
         assert executor is not None and loop is not None
         trial_name = spec.trial_name or new_trial_name(task.name)
@@ -534,6 +538,7 @@ def run_job(
                 spec,
                 secrets=secrets,
                 on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
+                wait_turn=turn.wait if turn is not None else None,
             )
             with lock:
                 remote.add(handle)
@@ -599,12 +604,27 @@ def run_job(
             return None
         spec = make_spec(task, job_dir) if make_spec else TrialSpec(task, job_dir)
         spec = replace(spec, source=dataset_name)
-        if executor is not None:
-            return run_remote(task, attempt, spec)
+        if executor is not None and not executor.trials_run_here:
+            return run_remote(task, attempt, spec, None)
+        limits = ContainerLimits.resolve(spec.policy, task.config.environment)
+        turn = run_slots(spec.policy).admit(
+            limits.memory_mb, may_go_ahead=not task.config.environment.gpus
+        )
+        if turn is None:
+            return None
+        try:
+            if executor is not None:
+                return run_remote(task, attempt, spec, turn)
+            return run_here(task, attempt, spec, turn)
+        finally:
+            turn.done()
+
+    def run_here(task: Task, attempt: int, spec: TrialSpec, turn: Turn) -> TrialResult:
+        nonlocal built
         assert runtime is not None
         trial = create_trial(
             runtime,
-            trial_request(spec, package_cache=package_cache),
+            trial_request(spec, package_cache=package_cache, wait_turn=turn.wait),
             on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
         )
         trial.dir.mkdir(parents=True, exist_ok=True)
@@ -624,9 +644,24 @@ def run_job(
             built += trial.images_built
         return result
 
+    gates: list[RunSlots] = []
+
+    def run_slots(policy: SandboxPolicy) -> RunSlots:
+        """The job's one gate (made with the first trial's policy: every trial of a job
+        has the same)."""
+        with lock:
+            if not gates:
+                gates.append(RunSlots.for_policy(n_concurrent, policy))
+            return gates[0]
+
     interrupted = False
     cause: KeyboardInterrupt | None = None
-    pool = ThreadPoolExecutor(max_workers=max(1, n_concurrent), thread_name_prefix="hx-trial")
+    workers = n_concurrent
+    if (executor is None or executor.trials_run_here) and plan:
+        # Local trials: the next ones start ahead of their slot (harbor_exec.jobs.ahead).
+        first = make_spec(plan[0][0], job_dir) if make_spec else TrialSpec(plan[0][0], job_dir)
+        workers = run_slots(first.policy).workers
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hx-trial")
     futures: list[Future[TrialResult | None]] = [pool.submit(run_one, t, a) for t, a in plan]
     try:
         pending = set(futures)
@@ -636,6 +671,8 @@ def run_job(
         interrupted = True
         cause = exc
         stopping.set()
+        for gate in gates:
+            gate.stop()
         with lock:
             running = list(active)
         for trial in running:

@@ -128,6 +128,9 @@ if TYPE_CHECKING:
 
 #: Called (on the trial's thread) as the trial enters each phase, ``DONE`` last.
 PhaseCallback = Callable[[TrialPhase], None]
+#: Blocks until a trial whose environment is up may run its agent; returns early when
+#: the event (the trial's cancellation) is set (``TrialRequest.wait_turn``).
+WaitTurn = Callable[[threading.Event], None]
 #: "image": the image's USER, as an exec without a user runs (Harbor's healthcheck).
 UserRole = Literal["agent", "verifier", "image"]
 logger = logging.getLogger(__name__)
@@ -205,6 +208,11 @@ class TrialRequest:
     #: This engine's warm containers (``harbor_exec.trial.warm``); None: every container
     #: is created for its trial.
     warm_pool: WarmPool | None = None
+    #: Called once the environment is up, before the agent: blocks until the trial may
+    #: run (``validate``/``run`` start the next trials ahead of their slot:
+    #: ``harbor_exec.jobs.ahead``); returns early when the given event (the trial's
+    #: cancellation) is set. None: the trial runs on at once.
+    wait_turn: WaitTurn | None = None
 
 
 class Trial:
@@ -390,6 +398,9 @@ class Trial:
             self.check_supported()
             session = self._environment(result)
             self._healthcheck(session)
+            if request.wait_turn is not None:
+                request.wait_turn(self._cancelled)
+                self.check_cancelled()
             self.run_phases(session, result)
         except (HarborExecError, OSError) as exc:
             self.record(exc if not self.cancelled else CancelledError("the trial was cancelled"))

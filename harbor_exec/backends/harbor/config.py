@@ -265,7 +265,7 @@ class SandboxConfig:
             "Sandbox",
             "Containers kept created and started ahead of the trials of the tasks being run "
             "(per engine; 0: none), as many as the most trials of a task that ran at once "
-            "lately.",
+            "lately; validate and run start this many of their next trials ahead instead.",
             min=0,
         ),
     )

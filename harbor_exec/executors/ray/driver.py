@@ -352,6 +352,10 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
 
     # ----------------------------------------------------------------- trials
 
+    @property
+    def trials_run_here(self) -> bool:
+        return False
+
     def _new_handle(
         self,
         spec: TrialSpec,

@@ -1,0 +1,130 @@
+"""``validate``/``run`` start their next trials ahead of a slot (``harbor_exec.jobs.ahead``):
+the gate's rules, then a job over the fake runtime whose first agent is held. On the
+engine: ``tests/test_validate_cli.py``."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from harbor_exec.jobs.ahead import RunSlots
+from harbor_exec.jobs.dataset import run_job
+from harbor_exec.tasks.task import load_task
+from harbor_exec.trial.policy import SandboxPolicy
+from harbor_exec.trial.spec import TrialSpec
+from tests.fake_runtime import HOLD, FakeRuntime
+from tests.server_utils import wait_until
+from tests.task_factory import make_task
+
+
+def _admit_in_thread(gate: RunSlots, memory_mb: int = 0) -> threading.Event:
+    admitted = threading.Event()
+
+    def admit() -> None:
+        if gate.admit(memory_mb) is not None:
+            admitted.set()
+
+    threading.Thread(target=admit, daemon=True).start()
+    return admitted
+
+
+def test_slots_then_places_ahead_then_nothing_until_a_trial_ends() -> None:
+    gate = RunSlots(slots=1, ahead=2, ahead_memory_mb=10_000)
+    first, second, third = (gate.admit(100) for _ in range(3))
+    assert first is not None and first.kind == "runner"
+    assert second is not None and second.kind == "ahead"
+    assert third is not None and third.kind == "ahead"
+    fourth = _admit_in_thread(gate, 100)
+    assert not fourth.wait(0.2)  # no slot and no place ahead
+    never = threading.Event()
+    first.wait(never)
+    assert first.kind == "running"
+    # A trial ahead whose environment is up first takes the slot first.
+    third_running = threading.Thread(target=third.wait, args=(never,), daemon=True)
+    third_running.start()
+    assert not fourth.wait(0.1)
+    first.done()
+    third_running.join(5)
+    assert third.kind == "running"
+    assert fourth.wait(5)  # its place ahead was freed
+    second.done()
+    third.done()
+
+
+def test_a_place_ahead_needs_its_memory_and_a_cancel_wakes_the_waiter() -> None:
+    gate = RunSlots(slots=1, ahead=3, ahead_memory_mb=1000)
+    runner = gate.admit(600)
+    ahead = gate.admit(600)
+    assert runner is not None and ahead is not None and ahead.kind == "ahead"
+    over_budget = _admit_in_thread(gate, 600)
+    assert not over_budget.wait(0.2)  # 1200 MB ahead would pass the bound
+    assert gate.admit(400) is not None  # 1000 MB: within it
+    cancelled = threading.Event()
+    waiter = threading.Thread(target=ahead.wait, args=(cancelled,), daemon=True)
+    waiter.start()
+    cancelled.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and ahead.kind == "ahead"  # it took no slot
+    gate.stop()
+    assert gate.admit(0) is None
+
+
+def test_the_next_trials_containers_start_while_the_first_agent_runs(tmp_path: Path) -> None:
+    """One slot, two ahead: while the first trial's agent is held, the next two trials'
+    containers are created and started (the second and third trial wait, agents not
+    started), a fourth is not begun; every trial then runs, one agent at a time."""
+    tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(5)]
+    runtime = FakeRuntime(solve=lambda container: HOLD)
+    policy = SandboxPolicy(warm_containers=2)
+    done = threading.Event()
+    outcome: list[object] = []
+
+    def job() -> None:
+        outcome.append(
+            run_job(
+                runtime,
+                tasks,
+                jobs_dir=tmp_path / "jobs",
+                n_concurrent=1,
+                make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
+            )
+        )
+        done.set()
+
+    threading.Thread(target=job, daemon=True).start()
+    assert runtime.gate.wait_held(1)
+
+    def started() -> list[str]:
+        return [cid for cid, c in runtime.containers.items() if c.running]
+
+    assert wait_until(lambda: len(started()) == 3, timeout=10), runtime.containers
+    assert len(runtime.containers) == 3  # nothing of a fourth trial
+    assert len(runtime.gate.held) == 1  # one agent runs
+    runtime.gate.open()
+    assert done.wait(30)
+    [result] = outcome
+    assert sorted(r.reward for r in result.results) == [1.0] * 5  # type: ignore[attr-defined]
+
+
+def test_no_trial_starts_ahead_with_warm_containers_off(tmp_path: Path) -> None:
+    tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(3)]
+    runtime = FakeRuntime(solve=lambda container: HOLD)
+    policy = SandboxPolicy(warm_containers=0)
+    done = threading.Event()
+
+    def job() -> None:
+        run_job(
+            runtime,
+            tasks,
+            jobs_dir=tmp_path / "jobs",
+            n_concurrent=1,
+            make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
+        )
+        done.set()
+
+    threading.Thread(target=job, daemon=True).start()
+    assert runtime.gate.wait_held(1)
+    assert len(runtime.containers) == 1
+    runtime.gate.open()
+    assert done.wait(30)
+    assert len(runtime.containers) == 3
