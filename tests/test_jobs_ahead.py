@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from harbor_exec.jobs.ahead import RunSlots
+from harbor_exec.jobs.ahead import RunSlots, Turn
 from harbor_exec.jobs.dataset import run_job
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.policy import SandboxPolicy
@@ -15,6 +15,10 @@ from harbor_exec.trial.spec import TrialSpec
 from tests.fake_runtime import HOLD, FakeRuntime
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
+
+
+def kind(turn: Turn) -> str:
+    return turn.kind  # read afresh (the gate changes it)
 
 
 def _admit_in_thread(gate: RunSlots, memory_mb: int = 0) -> threading.Event:
@@ -31,21 +35,21 @@ def _admit_in_thread(gate: RunSlots, memory_mb: int = 0) -> threading.Event:
 def test_slots_then_places_ahead_then_nothing_until_a_trial_ends() -> None:
     gate = RunSlots(slots=1, ahead=2, ahead_memory_mb=10_000)
     first, second, third = (gate.admit(100) for _ in range(3))
-    assert first is not None and first.kind == "runner"
-    assert second is not None and second.kind == "ahead"
-    assert third is not None and third.kind == "ahead"
+    assert first is not None and kind(first) == "runner"
+    assert second is not None and kind(second) == "ahead"
+    assert third is not None and kind(third) == "ahead"
     fourth = _admit_in_thread(gate, 100)
     assert not fourth.wait(0.2)  # no slot and no place ahead
     never = threading.Event()
     first.wait(never)
-    assert str(first.kind) == "running"  # (mypy narrowed it to "runner" above)
+    assert kind(first) == "running"
     # A trial ahead whose environment is up first takes the slot first.
     third_running = threading.Thread(target=third.wait, args=(never,), daemon=True)
     third_running.start()
     assert not fourth.wait(0.1)
     first.done()
     third_running.join(5)
-    assert third.kind == "running"
+    assert kind(third) == "running"
     assert fourth.wait(5)  # its place ahead was freed
     second.done()
     third.done()
@@ -55,7 +59,7 @@ def test_a_place_ahead_needs_its_memory_and_a_cancel_wakes_the_waiter() -> None:
     gate = RunSlots(slots=1, ahead=3, ahead_memory_mb=1000)
     runner = gate.admit(600)
     ahead = gate.admit(600)
-    assert runner is not None and ahead is not None and ahead.kind == "ahead"
+    assert runner is not None and ahead is not None and kind(ahead) == "ahead"
     over_budget = _admit_in_thread(gate, 600)
     assert not over_budget.wait(0.2)  # 1200 MB ahead would pass the bound
     assert gate.admit(400) is not None  # 1000 MB: within it
@@ -64,7 +68,7 @@ def test_a_place_ahead_needs_its_memory_and_a_cancel_wakes_the_waiter() -> None:
     waiter.start()
     cancelled.set()
     waiter.join(5)
-    assert not waiter.is_alive() and ahead.kind == "ahead"  # it took no slot
+    assert not waiter.is_alive() and kind(ahead) == "ahead"  # it took no slot
     gate.stop()
     assert gate.admit(0) is None
 
