@@ -15,11 +15,13 @@
 #      Harbor 0.26 (used by the tests to check that our examples are valid tasks);
 #   3. makes the base images and the read-only container runtime
 #      (`harbor-exec images bootstrap`);
-#   4. fetches the files the package cache's engine test serves from its local upstreams
+#   4. installs Debian's chromium and chromium-driver (the console's browser test drives
+#      them with selenium, from the dev extra);
+#   5. fetches the files the package cache's engine test serves from its local upstreams
 #      into .cache/test-packages/ (Debian bookworm's curl and nodejs with the libraries
 #      the test image lacks, the uv wheel, npm's tarball) and installs gnupg (the test
 #      signs its Debian repo);
-#   5. runs `harbor-exec validate tasks_examples/dataset`.
+#   6. runs `harbor-exec validate tasks_examples/dataset`.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,7 +31,7 @@ VALIDATE=1
 for arg in "$@"; do
   case "$arg" in
     --no-validate) VALIDATE=0 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -171,6 +173,24 @@ ensure_sandbox_sources() {
   rm -rf "$tmp"
 }
 
+# tests/test_console_browser_docker.py opens the console in headless Chromium through its
+# driver (Debian's packages; the test fails under CI without them).
+ensure_browser() {
+  local missing=()
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromedriver >/dev/null || missing+=(chromium-driver)
+  if [ "${#missing[@]}" -eq 0 ]; then
+    say "chromium and chromedriver present"
+    return 0
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing ${missing[*]} (the console's browser test)"
+    apt_install "${missing[@]}"
+  else
+    echo "note: ${missing[*]} missing; the console's browser test needs them" >&2
+  fi
+}
+
 pick_python() {
   if PYENV_VERSION=3.12.1 python3.12 -V >/dev/null 2>&1; then
     echo "env PYENV_VERSION=3.12.1 python3.12"
@@ -273,6 +293,7 @@ ensure_sandbox_sources
 ensure_venvs
 say "making base images"
 .venv/bin/harbor-exec images bootstrap
+ensure_browser
 ensure_test_packages
 if [ "$VALIDATE" = 1 ]; then
   say "validating the example dataset with the oracle"

@@ -264,6 +264,8 @@ def test_docs_work_offline(tmp_path: Path) -> None:
     assets = importlib.resources.files("harbor_exec.server") / "assets"
     assert "Apache License" in (assets / "swagger-ui" / "LICENSE").read_text()
     assert "The MIT License" in (assets / "redoc" / "LICENSE").read_text()
+    # ReDoc's side menu loaded its logo from Redocly's CDN (the browser test saw it).
+    assert "cdn.redoc.ly" not in (assets / "redoc" / "redoc.standalone.js").read_text()
     for bundle in ("swagger-ui/swagger-ui-bundle.js", "redoc/redoc.standalone.js"):
         assert "sourceMappingURL=" not in (assets / bundle).read_text().replace(
             "sourceMappingURL=data:", ""

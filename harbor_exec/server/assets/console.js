@@ -13,10 +13,11 @@ let pollTimer = null;
 
 function takeKeyFromFragment() {
   const match = /^#key=(.+)$/.exec(window.location.hash);
-  if (!match) return;
+  if (!match) return false;
   sessionStorage.setItem(KEY_ITEM, decodeURIComponent(match[1]));
   // Off the address bar and the history at once.
   history.replaceState(null, "", window.location.pathname + window.location.search);
+  return true;
 }
 
 function api(path) {
@@ -251,6 +252,13 @@ async function poll() {
 takeKeyFromFragment();
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("signin").addEventListener("submit", signIn);
+  // A #key=... given to the open page (pasted into its address bar).
+  window.addEventListener("hashchange", () => {
+    if (!takeKeyFromFragment()) return;
+    document.getElementById("signin").hidden = true;
+    clearTimeout(pollTimer);
+    poll();
+  });
   document.getElementById("detail-close").addEventListener("click", () => {
     document.getElementById("detail").hidden = true;
   });
