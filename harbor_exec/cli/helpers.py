@@ -9,7 +9,9 @@ import json
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,7 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -325,6 +327,67 @@ def _package_cache(
             service.close()
 
 
+#: Running trials listed under the progress bar, at most; the rest are counted on one line.
+RUNNING_SHOWN = 8
+
+
+class RunningTrials:
+    """The trials of a job running now (from their environment phase to their end), each
+    with when it started; thread-safe (events come from the job's threads)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started: dict[tuple[str, int], float] = {}
+
+    def start(self, name: str, attempt: int) -> None:
+        with self._lock:
+            self._started[(name, attempt)] = self._clock()
+
+    def stop(self, name: str, attempt: int) -> float | None:
+        """Ends it; its seconds (None when it never started)."""
+        with self._lock:
+            began = self._started.pop((name, attempt), None)
+        return None if began is None else self._clock() - began
+
+    def longest_first(self) -> list[tuple[str, int, float]]:
+        now = self._clock()
+        with self._lock:
+            items = list(self._started.items())
+        return sorted(((n, a, now - t) for (n, a), t in items), key=lambda item: -item[2])
+
+    def renderable(self, limit: int = RUNNING_SHOWN) -> Table | None:
+        """The running trials, longest first, with their seconds; at most ``limit`` lines
+        and one more saying how many are not shown (None when none runs)."""
+        running = self.longest_first()
+        if not running:
+            return None
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="dim")
+        table.add_column()
+        table.add_column(justify="right")
+        for name, attempt, seconds in running[:limit]:
+            label = name if attempt == 0 else f"{name} (attempt {attempt + 1})"
+            table.add_row("running", escape(label), f"{seconds:.0f}s")
+        if len(running) > limit:
+            table.add_row("", f"and {len(running) - limit} more", "")
+        return table
+
+
+class _JobProgress(Progress):
+    """The progress bar with, under it, the trials running now (``RunningTrials``)."""
+
+    def __init__(self, *columns: Any, running: RunningTrials, **kwargs: Any) -> None:
+        self.running = running  # before Progress's own init, which renders once
+        super().__init__(*columns, **kwargs)
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        table = self.running.renderable()
+        if table is not None:
+            yield table
+
+
 def run_dataset_job(
     command: str,
     selected: SelectedDataset,
@@ -343,16 +406,22 @@ def run_dataset_job(
 ) -> JobOutcome:
     """``run_job`` with a progress bar, Ctrl-C/SIGTERM/SIGHUP as a clean interruption
     (exit 128+signal), resume errors as exit 2, and the summary table at the end.
+    On a terminal the trials running now are listed under the bar with their seconds
+    (``RunningTrials``); elsewhere (a log) a line says when each starts; either way each
+    finished trial's line has its seconds.
     ``package_cache``: the trials (and their image builds) fetch through the package
     cache (this process's, or each Ray node's own)."""
     counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
-    progress = Progress(
+    running = RunningTrials()
+    plain = not console.is_terminal
+    progress = _JobProgress(
         TextColumn(f"[bold]{command}[/bold]"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[counts]}"),
         TimeElapsedColumn(),
         console=console,
+        running=running,
     )
     total = len(selected.discovery.tasks) * n_attempts
     bar = progress.add_task("trials", total=total, counts="")
@@ -363,14 +432,19 @@ def run_dataset_job(
         elif event.kind == "phase" and event.phase == "environment":
             counts["queued"] -= 1
             counts["running"] += 1
+            running.start(event.task.name, event.attempt)
+            if plain:
+                progress.console.print(f"started {escape(event.task.name)}")
         elif event.kind == "retry" and event.result is not None:
             counts["running"] -= 1
             counts["queued"] += 1
+            running.stop(event.task.name, event.attempt)
             info = event.result.exception_info
             why = info.exception_type if info is not None else "an error"
             progress.console.print(f"[yellow]retrying[/yellow] {event.task.name} ({why})")
         elif event.kind == "finished" and event.result is not None:
             counts["running"] -= 1
+            seconds = running.stop(event.task.name, event.attempt)
             info = event.result.exception_info
             if info is not None and info.exception_type == "CancelledError":
                 verdict, mark = "cancelled", "[yellow]cancelled[/yellow]"
@@ -380,7 +454,8 @@ def run_dataset_job(
                 verdict, mark = "failed", "[red]failed[/red]"
             counts[verdict] += 1
             progress.advance(bar)
-            progress.console.print(f"{mark} {event.task.name}")
+            took = f" ({seconds:.1f} s)" if seconds is not None else ""
+            progress.console.print(f"{mark} {event.task.name}{took}")
         progress.update(
             bar,
             counts=" ".join(f"{k} {v}" for k, v in counts.items()),
