@@ -17,6 +17,14 @@ round is bounded: at most ``--rollouts`` rollouts and ``--time-limit`` seconds.
     .venv/bin/python bench/bench_http.py
     .venv/bin/python bench/bench_http.py --rollouts 2000 --rounds 5 --concurrency 1,32
 
+``--console-poll`` measures something else: harbor-exec's server alone, its rounds
+alternating between plain ones and ones during which this process asks the live console's
+data (``GET /console/data``) every 2 s, as an open console page does; it reports rollouts
+per second and server CPU per rollout with the console over without, as ratios (target:
+within 5%, 0.95x-1.05x; the server's CPU answering the console counts in "with").
+
+    .venv/bin/python bench/bench_http.py --console-poll --rounds 5
+
 ``--with-osmosis-backend`` adds a third server: osmosis-ai's own LocalBackend object (the
 same trivial SDK workflow and grader) behind harbor-exec's server
 (``harbor_exec.backends.osmosis``), driven by osmosis-ai's client, and reports it against
@@ -35,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,6 +55,9 @@ CHAT_URL = "http://127.0.0.1:9/v1/chat/completions"
 IMPLEMENTATIONS = ("harbor-exec", "osmosis-ai")
 # osmosis-ai's LocalBackend object behind harbor-exec's server (``--with-osmosis-backend``).
 OSMOSIS_BEHIND_OURS = "osmosis-backend"
+# harbor-exec's server while its console's data is asked every 2 s (``--console-poll``).
+WITH_CONSOLE = "harbor-exec+console"
+CONSOLE_POLL_SEC = 2.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -189,6 +201,36 @@ def _client(implementation: str, url: str) -> Any:
     return OsmosisClient(url=url, admission_timeout_sec=60)
 
 
+class _ConsolePoller:
+    """Asks ``GET /console/data`` every ``CONSOLE_POLL_SEC`` on a thread (as an open
+    console page does), from ``start()`` to ``stop()``; counts its answers."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(base_url=self.url, timeout=10) as http:
+            while not self._stop.is_set():
+                answer = http.get("/console/data")
+                if answer.status_code != 200:
+                    raise RuntimeError(f"console data: {answer.status_code}")
+                self.polls += 1
+                self._stop.wait(CONSOLE_POLL_SEC)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        return self.polls
+
+
 async def _drive(
     implementation: str,
     url: str,
@@ -197,8 +239,10 @@ async def _drive(
     count: int,
     time_limit: float,
     warmup: int,
+    poll_console: bool = False,
 ) -> Measurement:
-    client = _client(implementation, url)
+    client = _client("harbor-exec" if implementation == WITH_CONSOLE else implementation, url)
+    poller = _ConsolePoller(url) if poll_console else None
     try:
         issued = completed = 0
         target = warmup
@@ -225,11 +269,15 @@ async def _drive(
         client_before = time.process_time()
         started = time.monotonic()
         deadline = started + time_limit
+        if poller is not None:
+            poller.start()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.monotonic() - started
         cpu = _process_cpu_sec(pid) - cpu_before
         client_cpu = time.process_time() - client_before
     finally:
+        if poller is not None and poller.stop() == 0:
+            raise RuntimeError("the console's data was never answered")
         await client.aclose()
     return Measurement(implementation, concurrency, completed, wall, cpu, client_cpu)
 
@@ -337,6 +385,64 @@ def run(
     return results
 
 
+def run_console(
+    concurrencies: list[int], count: int, time_limit: float, rounds: int, pure_python: bool
+) -> list[Measurement]:
+    """One harbor-exec server; at each level its rounds alternate between plain ones and
+    ones with the console's data asked every 2 s (which of the two goes first alternates
+    too), so that load from elsewhere hits both alike."""
+    results: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="bench-console-") as root:
+        process, url = _start_server("harbor-exec", root, pure_python)
+        try:
+            asyncio.run(_drive("harbor-exec", url, process.pid, 4, 0, time_limit, warmup=200))
+            for concurrency in concurrencies:
+                for round_index in range(rounds):
+                    order = ["harbor-exec", WITH_CONSOLE]
+                    if round_index % 2:
+                        order.reverse()
+                    for label in order:
+                        measurement = asyncio.run(
+                            _drive(
+                                label, url, process.pid, concurrency, count, time_limit,
+                                warmup=2 * concurrency, poll_console=label == WITH_CONSOLE,
+                            )
+                        )  # fmt: skip
+                        results.append(measurement)
+                        print(
+                            f"round {round_index + 1}  {label:>19}  c={concurrency:<3}"
+                            f" {measurement.rollouts:>6} rollouts"
+                            f"  {measurement.per_second:8.1f} rollouts/s"
+                            f"  {measurement.cpu_ms:6.3f} ms server CPU/rollout",
+                            flush=True,
+                        )
+        finally:
+            _stop_server(process)
+    return results
+
+
+def report_console(results: list[Measurement]) -> None:
+    """Medians over the rounds (with their range), with the console over without."""
+    levels = sorted({m.concurrency for m in results})
+    print()
+    print("medians over rounds [min-max]; server CPU in ms per rollout")
+    for level in levels:
+        plain = [m for m in results if (m.implementation, m.concurrency) == ("harbor-exec", level)]
+        polled = [m for m in results if (m.implementation, m.concurrency) == (WITH_CONSOLE, level)]
+        for label, value in (
+            ("rollouts/s", lambda m: m.per_second),
+            ("server CPU", lambda m: m.cpu_ms),
+        ):
+            without = [value(m) for m in plain]
+            with_console = [value(m) for m in polled]
+            base, other = statistics.median(without), statistics.median(with_console)
+            print(
+                f"c={level:<3} {label:<10}  without {base:8.3f} [{_spread(without)}]"
+                f"  with console {other:8.3f} [{_spread(with_console)}]  {other / base:5.3f}x"
+            )
+    print("target: with/without within 0.95x-1.05x (rollouts/s and server CPU per rollout)")
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
@@ -395,6 +501,11 @@ def main() -> None:
         "--pure-python", action="store_true", help="asyncio's loop and h11 for both servers"
     )
     parser.add_argument(
+        "--console-poll",
+        action="store_true",
+        help="harbor-exec alone, with vs without GET /console/data every 2 s (ratios)",
+    )
+    parser.add_argument(
         "--with-osmosis-backend",
         action="store_true",
         help="also serve osmosis-ai's LocalBackend object with harbor-exec's server",
@@ -404,6 +515,11 @@ def main() -> None:
         serve(args.serve, args.artifact_root, args.pure_python)
         return
     levels = [int(level) for level in args.concurrency.split(",")]
+    if args.console_poll:
+        report_console(
+            run_console(levels, args.rollouts, args.time_limit, args.rounds, args.pure_python)
+        )
+        return
     results = run(
         levels,
         args.rollouts,
