@@ -169,25 +169,22 @@ def _matching(
 
 
 def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) -> set[int]:
-    """The child of the init that started first: the container's own command, if it
-    runs as ``owner_uid`` (when given).
+    """The child of the init that started first (of those running as ``owner_uid``,
+    when given): the container's own command.
 
     Everything else init is parent of was reparented to it after its parent died
-    (a detached agent process), so it started later.
+    (a detached agent process), so it started later. The command server (root) starts
+    before the keep-alive: killed by the agent, it may not have exited yet when the
+    host looks (a busy machine), and must not be taken for the container's command.
     """
     children: list[tuple[int, int]] = []
     for pid in pids:
         fields = _stat_fields(pid)
-        # Not a dead child the init has yet to reap (the command server, killed, started
-        # before the keep-alive): it is no longer anything to keep.
+        # Not a dead child the init has yet to reap: it is no longer anything to keep.
         if fields is not None and int(fields[1]) == init_pid and fields[0] not in ("Z", "X"):
-            children.append((int(fields[19]), pid))  # (starttime, pid)
-    if not children:
-        return set()
-    first = min(children)[1]
-    if owner_uid is not None and _real_uid(first) != owner_uid:
-        return set()
-    return {first}
+            if owner_uid is None or _real_uid(pid) == owner_uid:
+                children.append((int(fields[19]), pid))  # (starttime, pid)
+    return {min(children)[1]} if children else set()
 
 
 def parent_pid(pid: int) -> int | None:
