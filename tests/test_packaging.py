@@ -110,6 +110,14 @@ def test_wheel_ships_the_bundler_as_harbor_exec_bundler(tmp_path: Path) -> None:
     shipped = {n.removeprefix("harbor_exec/bundler/") for n in names if "/bundler/" in n}
     assert shipped == sources
     assert "harbor_exec/_images/bootstrap.sh" in names
+    # The console's page and the vendored Swagger UI and ReDoc, with their licences.
+    assets = "harbor_exec/server/assets/"
+    for asset in (
+        "index.html", "console.js", "console.css", "favicon.svg",
+        "swagger-ui/swagger-ui-bundle.js", "swagger-ui/LICENSE",
+        "redoc/redoc.standalone.js", "redoc/LICENSE", "redoc/redoc.standalone.js.LICENSE.txt",
+    ):  # fmt: skip
+        assert assets + asset in names, asset
 
     # Import from the unpacked wheel alone: no checkout on sys.path (no site, no .pth
     # files), third-party packages from this environment's site-packages.
