@@ -181,9 +181,10 @@ def _first_child(init_pid: int, pids: set[int], owner_uid: int | None = None) ->
     for pid in pids:
         fields = _stat_fields(pid)
         # Not a dead child the init has yet to reap: it is no longer anything to keep.
-        if fields is not None and int(fields[1]) == init_pid and fields[0] not in ("Z", "X"):
-            if owner_uid is None or _real_uid(pid) == owner_uid:
-                children.append((int(fields[19]), pid))  # (starttime, pid)
+        if fields is None or int(fields[1]) != init_pid or fields[0] in ("Z", "X"):
+            continue
+        if owner_uid is None or _real_uid(pid) == owner_uid:
+            children.append((int(fields[19]), pid))  # (starttime, pid)
     return {min(children)[1]} if children else set()
 
 
