@@ -11,12 +11,19 @@ verifier's included, run over:
   in its output) to every descriptor of every process it can open, connects to the
   host's socket with frames of its own, holds a flood of connections to it open, and
   tries to replace the socket;
-- ``stop``: stops the server (``SIGSTOP``) and leaves: its own command cannot end.
+- ``stop``: stops the server (``SIGSTOP``) and leaves: its own command cannot end;
+- ``limits``: lowers the server's resource limits (``prlimit``: open files, file
+  size) so that its later work fails, the verifier's files and ``test.sh`` included;
+- ``links``: leaves ``/logs/verifier`` and ``/tests`` as links to a directory holding
+  reward 1, a link to ``/etc`` and a fifo in ``/logs/agent``, where the server will put
+  and read files.
 
 Every trial ends with the honest verifier's 0 and its note, never a host-side crash,
 in the default (shared) verifier mode and a separate one: the impostor is never
 heard, the noise is data, the stopped server is continued by the kill after the phase
-(the agent's command ends as its timeout).
+(the agent's command ends as its timeout), a server whose limits changed is dropped by
+that kill (the engine runs the rest), links are replaced where files go and read back
+as links.
 """
 
 from __future__ import annotations
@@ -166,7 +173,30 @@ server=$(grep -l 'commands/c[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -
 kill -STOP "$server" && echo "stopped $server" > /logs/agent/attack.txt
 """
 
-ATTACKS = {"kill": KILL, "noise": NOISE, "stop": STOP}
+#: Lowers the server's limits (same uid: no ptrace needed) so that its later work, the
+#: verifier's files and commands included, fails.
+LIMITS = """
+server=$(grep -l 'commands/c[.]sock' /proc/[0-9]*/cmdline | cut -d/ -f3 | grep -vx 1 | head -1)
+python3 - "$server" <<'PY'
+import resource, sys
+pid = int(sys.argv[1])
+for limit, value in ((resource.RLIMIT_NOFILE, 5), (resource.RLIMIT_FSIZE, 0)):
+    resource.prlimit(pid, limit, (value, value))
+print("limited", pid, resource.prlimit(pid, resource.RLIMIT_NOFILE), file=open("/logs/agent/attack.txt", "w"))
+PY
+"""
+
+#: Leaves links, a fifo and a planted reward where the server will put and read files.
+LINKS = """
+mkdir -p /tmp/fake && echo 1 > /tmp/fake/reward.txt
+rm -rf /logs/verifier && ln -s /tmp/fake /logs/verifier
+rm -rf /tests && ln -s /tmp/fake /tests
+ln -s /etc /logs/agent/etc-link
+mkfifo /logs/agent/pipe
+echo planted > /logs/agent/attack.txt
+"""
+
+ATTACKS = {"kill": KILL, "noise": NOISE, "stop": STOP, "limits": LIMITS, "links": LINKS}
 
 
 @pytest.mark.parametrize("verifier", ["shared", "separate"])
@@ -214,6 +244,19 @@ timeout_sec = 60.0
         assert result.exception_info is None, result.exception_info
         # It did flood the socket with connections, and the trial went on as ever.
         assert int(attack_report.split("flood=")[1]) >= 100, attack_report
+    elif attack == "limits":
+        # The kill after the phase found the server changed: the engine took over.
+        assert "limited" in attack_report and "(5, 5)" in attack_report, attack_report
+        assert result.exception_info is None, result.exception_info
+    elif attack == "links":
+        assert "planted" in attack_report
+        assert result.exception_info is None, result.exception_info
+        # Read back as links and nothing more: never followed, never a fifo.
+        assert (trial / "agent" / "etc-link").is_symlink() or not (
+            trial / "agent" / "etc-link"
+        ).exists()
+        assert not (trial / "agent" / "etc-link" / "passwd").exists()
+        assert not (trial / "agent" / "pipe").exists()
     else:
         assert "stopped" in attack_report
         # Its own command could not end: its timeout, then the verifier as ever.

@@ -17,6 +17,14 @@ can still kill it, and then the host runs the container's commands through the
 engine again. Output a command writes is data inside the server's frames: nothing a
 process in the container writes can make a frame of its own.
 
+Files go in and out the same way (``KIND_PUT``: a tar archive unpacked at ``/`` as the
+engine's archive API unpacks one; ``KIND_GET``: a path's tree packed as a tar archive),
+done by the server itself, never by a program of the image: the host sends them only
+when nothing of the agent runs any more (between phases, after the kill) or before it
+ran. The modules they need are imported before the hello (nothing later is loaded
+from where the agent could have written), and no owner name is looked up (the image's
+name service could load its libraries into this root process).
+
 Frames, both ways: a 4-byte big-endian length (of what follows), a kind byte, a
 4-byte request id, the payload. Standard library only: it runs on the read-only
 runtime's Python, never the image's.
@@ -28,24 +36,32 @@ import argparse
 import contextlib
 import json
 import os
+import posixpath
 import queue
+import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
+import tarfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import IO, Any, Final
 
 __all__ = [
     "ADDED_VARIABLES",
     "EXEC_START_FAILED",
     "FRAME_HEAD",
+    "GET_NOT_FOUND",
+    "KIND_CANCEL",
     "KIND_ERR",
     "KIND_EXIT",
+    "KIND_GET",
     "KIND_HELLO",
     "KIND_OUT",
+    "KIND_PUT",
     "KIND_RUN",
     "KIND_STDIN",
     "MAX_FRAME",
@@ -65,6 +81,11 @@ KIND_ERR: Final = 2  # server -> host: stderr bytes
 KIND_EXIT: Final = 3  # server -> host: {"exit_code"}
 KIND_RUN: Final = 10  # host -> server: {"argv", "user", "workdir", "env", "stdin"}
 KIND_STDIN: Final = 11  # host -> server: stdin bytes; empty: end of input
+KIND_PUT: Final = 12  # host -> server: {}; the archive follows as KIND_STDIN frames
+KIND_GET: Final = 13  # host -> server: {"path"}; the archive comes back as KIND_OUT
+KIND_CANCEL: Final = 14  # host -> server: stop sending the request's archive
+#: A get's exit code when its path does not exist (the engine's 404).
+GET_NOT_FOUND: Final = 2
 #: What ``docker exec`` answers a command that could not start (on stdout, exit 126).
 EXEC_START_FAILED: Final = 126
 _CHUNK: Final = 64 * 1024
@@ -108,6 +129,7 @@ class _Server:
         self.base_env = base_env
         self.send_lock = threading.Lock()
         self.stdins: dict[int, queue.SimpleQueue[bytes]] = {}
+        self.cancelled: set[int] = set()
 
     def send(self, kind: int, request: int, payload: bytes = b"") -> None:
         with self.send_lock:
@@ -126,6 +148,47 @@ class _Server:
                     stdin.put(payload)
                     if not payload:
                         self.stdins.pop(request, None)
+            elif kind == KIND_PUT:
+                chunks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+                self.stdins[request] = chunks
+                self._builtin(request, _unpack, _ChunkReader(chunks))
+            elif kind == KIND_GET:
+                path = str(json.loads(payload)["path"])
+                self._builtin(request, self._pack, request, path)
+            elif kind == KIND_CANCEL:
+                self.cancelled.add(request)
+
+    def _builtin(self, request: int, work: Any, *args: Any) -> None:
+        """Run ``work(*args)`` (an archive in or out) on a thread of its own; its exit
+        code (an error: 1, its message on stderr) ends the request."""
+
+        def run() -> None:
+            try:
+                code = int(work(*args))
+            except Exception as exc:  # the host falls back to the engine
+                self.send(KIND_ERR, request, repr(exc).encode()[:4096])
+                code = 1
+            self.stdins.pop(request, None)
+            self.cancelled.discard(request)
+            self.exited(request, code)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def _pack(self, request: int, path: str) -> int:
+        """``path``'s tree as the engine's archive API packs it (its base name at the
+        top, links as links, nothing followed), sent as output frames."""
+        try:
+            os.lstat(path)
+        except OSError:
+            return GET_NOT_FOUND
+        out = _FrameWriter(self, request)
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+            for full, name in _walk(path, posixpath.basename(path.rstrip("/")) or "."):
+                if request in self.cancelled:
+                    return 1
+                _add(tar, full, name)
+        out.flush()
+        return 0
 
     def start(self, request: int, spec: dict[str, Any]) -> None:
         try:
@@ -212,6 +275,137 @@ class _Server:
         with pipe:
             while chunk := os.read(pipe.fileno(), _CHUNK):
                 self.send(kind, request, chunk)
+
+
+class _ChunkReader:
+    """A file over the host's chunks (an empty one: the end)."""
+
+    def __init__(self, chunks: queue.SimpleQueue[bytes]) -> None:
+        self.chunks = chunks
+        self.buffer = b""
+        self.ended = False
+
+    def read(self, size: int = -1) -> bytes:
+        while not self.ended and (size < 0 or len(self.buffer) < size):
+            chunk = self.chunks.get()
+            self.ended = not chunk
+            self.buffer += chunk
+        if size < 0:
+            size = len(self.buffer)
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+
+class _FrameWriter:
+    """A file whose writes go to the host as output frames."""
+
+    def __init__(self, server: _Server, request: int) -> None:
+        self.server = server
+        self.request = request
+        self.buffer = bytearray()
+
+    def write(self, data: bytes) -> int:
+        if self.request in self.server.cancelled:
+            raise OSError("cancelled by the host")
+        self.buffer += data
+        while len(self.buffer) >= _CHUNK:
+            self.server.send(KIND_OUT, self.request, bytes(self.buffer[:_CHUNK]))
+            del self.buffer[:_CHUNK]
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.server.send(KIND_OUT, self.request, bytes(self.buffer))
+            self.buffer.clear()
+
+
+def _walk(path: str, name: str) -> Iterator[tuple[str, str]]:
+    """``(path, archive name)`` of ``path`` and, for a directory (never through a
+    link), of everything under it, parents first."""
+    yield path, name
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        return
+    with os.scandir(path) as entries:
+        children = sorted(entry.name for entry in entries)
+    for child in children:
+        try:
+            yield from _walk(posixpath.join(path, child), f"{name}/{child}")
+        except FileNotFoundError:
+            continue
+
+
+def _add(tar: tarfile.TarFile, path: str, name: str) -> None:
+    """One entry, its owner by number only; sockets and devices are left out."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    info = tarfile.TarInfo(name)
+    info.mode, info.uid, info.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+    info.mtime = int(st.st_mtime)
+    if stat.S_ISDIR(st.st_mode):
+        info.type = tarfile.DIRTYPE
+    elif stat.S_ISLNK(st.st_mode):
+        info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+    elif stat.S_ISFIFO(st.st_mode):
+        info.type = tarfile.FIFOTYPE
+    elif stat.S_ISREG(st.st_mode):
+        # Opened without following a link put there since (and never blocking).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as source:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            info.size = os.fstat(fd).st_size
+            tar.addfile(info, source)
+        return
+    else:
+        return
+    tar.addfile(info)
+
+
+def _unpack(stream: _ChunkReader) -> int:
+    """Unpack a tar archive at ``/`` as the engine's archive API does: an existing path
+    is replaced unless both it and the entry are directories (then merged); a missing
+    parent is made (0755); owner (by number), mode and times from the header; links are
+    written as links, never followed at the leaf."""
+    directories: list[tuple[str, tarfile.TarInfo]] = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
+        for member in tar:
+            path = posixpath.normpath("/" + member.name)
+            if path == "/":
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                existing = os.lstat(path)
+                if not (stat.S_ISDIR(existing.st_mode) and member.isdir()):
+                    if stat.S_ISDIR(existing.st_mode):
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+            os.makedirs(posixpath.dirname(path), 0o755, exist_ok=True)
+            if member.isdir():
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o700)
+                directories.append((path, member))
+            elif member.isfile():
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                source = tar.extractfile(member)
+                assert source is not None
+                with os.fdopen(os.open(path, flags, 0o600), "wb") as target:
+                    shutil.copyfileobj(source, target)
+            elif member.issym():
+                os.symlink(member.linkname, path)
+            elif member.islnk():
+                os.link(posixpath.normpath("/" + member.linkname), path, follow_symlinks=False)
+            else:
+                continue  # devices and fifos: never in what the host sends
+            os.lchown(path, member.uid, member.gid)
+            if not member.issym():
+                os.chmod(path, stat.S_IMODE(member.mode))
+                if not member.isdir():
+                    os.utime(path, (member.mtime, member.mtime))
+    for path, member in reversed(directories):  # children first changed their parents
+        os.utime(path, (member.mtime, member.mtime))
+    return 0
 
 
 def _feed(pipe: IO[bytes], chunks: queue.SimpleQueue[bytes]) -> None:

@@ -29,15 +29,19 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 from harbor_exec.container import commands
 from harbor_exec.container.commands import (
     ADDED_VARIABLES,
+    GET_NOT_FOUND,
+    KIND_CANCEL,
     KIND_ERR,
     KIND_EXIT,
+    KIND_GET,
     KIND_HELLO,
     KIND_OUT,
+    KIND_PUT,
     KIND_RUN,
     KIND_STDIN,
     encode_frame,
@@ -53,8 +57,10 @@ logger = logging.getLogger("harbor_exec.sandbox")
 __all__ = [
     "CHANNEL_MOUNT",
     "CHANNEL_ROOT",
+    "MISSING",
     "ChannelReply",
     "CommandChannel",
+    "Missing",
     "OutputTail",
 ]
 
@@ -72,6 +78,13 @@ HELLO_WAIT_SEC: Final = 10.0
 _STDIN_CHUNK: Final = 256 * 1024
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
 _MAX_HELLO: Final = 507  # a hello's payload: a token and a pid
+
+
+def _limits(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/limits").read_text()
+    except OSError:
+        return None
 
 
 @cache
@@ -102,12 +115,24 @@ class OutputTail:
 @dataclass
 class ChannelReply:
     """One command's outcome over the channel, its output bounded as the engine's
-    (``exit_code`` None: the channel went while it ran)."""
+    (``exit_code`` None: the channel went while it ran). For a get, ``archive`` keeps
+    the whole output up to ``archive_cap`` bytes (past it: ``overflowed``, and the
+    server is told to stop)."""
 
     stdout: OutputTail
     stderr: OutputTail
     exit_code: int | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    archive: bytearray | None = None
+    archive_cap: int = 0
+    overflowed: bool = False
+
+
+class Missing:
+    """A get's answer for a path that does not exist (the engine's 404)."""
+
+
+MISSING: Final = Missing()
 
 
 class CommandChannel:
@@ -134,6 +159,7 @@ class CommandChannel:
         self._next_id = 1
         self.companion: Companion | None = None
         self._peer_pid = 0
+        self._limits: str | None = None  # the server's resource limits at its hello
         threading.Thread(
             target=self._accept_forever, name=f"channel-{self.name}", daemon=True
         ).start()
@@ -227,6 +253,7 @@ class CommandChannel:
             # The server's pid as this host sees it (the kernel's word, not the hello's).
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             self._peer_pid = _PEERCRED.unpack(creds)[0]
+            self._limits = _limits(self._peer_pid)
             self.companion = Companion(
                 pid, time.clock_gettime(time.CLOCK_BOOTTIME), uid=0, parent="init"
             )
@@ -251,11 +278,20 @@ class CommandChannel:
                 self._accepting = False
 
     def _dispatch(self, kind: int, request: int, payload: bytes) -> None:
+        cancel = False
         with self._lock:
             reply = self._replies.get(request)
             if reply is None:
                 return
-            if kind == KIND_OUT:
+            if kind == KIND_OUT and reply.archive is not None:
+                if reply.overflowed:
+                    return
+                if len(reply.archive) + len(payload) > reply.archive_cap:
+                    reply.overflowed = cancel = True
+                    reply.archive.clear()
+                else:
+                    reply.archive += payload
+            elif kind == KIND_OUT:
                 reply.stdout.add(payload)
             elif kind == KIND_ERR:
                 reply.stderr.add(payload)
@@ -263,6 +299,8 @@ class CommandChannel:
                 reply.exit_code = int(json.loads(payload)["exit_code"])
                 del self._replies[request]
                 reply.done.set()
+        if cancel:
+            self._send([encode_frame(KIND_CANCEL, request)])
 
     # ------------------------------------------------------------------ commands
 
@@ -278,6 +316,92 @@ class CommandChannel:
     ) -> ChannelReply | None:
         """Start ``argv`` through the server: its reply to wait on, or None when the
         channel cannot (the caller runs it through the engine)."""
+        spec = {
+            "argv": argv,
+            "user": user,
+            "workdir": workdir,
+            "env": dict(env or {}),
+            "stdin": stdin is not None,
+        }
+        opened = self._open(
+            KIND_RUN, spec, ChannelReply(OutputTail(output_cap), OutputTail(output_cap))
+        )
+        if opened is None:
+            return None
+        request, reply = opened
+        if stdin is not None:
+            frames = [
+                encode_frame(KIND_STDIN, request, stdin[start : start + _STDIN_CHUNK])
+                for start in range(0, len(stdin), _STDIN_CHUNK)
+            ]
+            self._send([*frames, encode_frame(KIND_STDIN, request, b"")])
+        return reply
+
+    def put(self, data: bytes | IO[bytes], timeout_sec: float) -> bool:
+        """Unpack the tar archive ``data`` at ``/`` through the server (as the engine's
+        archive API unpacks one): True once it did. False when the channel cannot or the
+        server failed: the caller puts it through the engine, which unpacks all of it
+        again over whatever part the server wrote (a server that does not answer within
+        ``timeout_sec`` is dropped first, so nothing writes beside the engine)."""
+        opened = self._open(KIND_PUT, {}, ChannelReply(OutputTail(4096), OutputTail(4096)))
+        if opened is None:
+            return False
+        request, reply = opened
+        if isinstance(data, bytes):
+            for start in range(0, len(data), _STDIN_CHUNK):
+                self._send([encode_frame(KIND_STDIN, request, data[start : start + _STDIN_CHUNK])])
+        else:
+            while chunk := data.read(_STDIN_CHUNK):
+                self._send([encode_frame(KIND_STDIN, request, chunk)])
+        self._send([encode_frame(KIND_STDIN, request, b"")])
+        return self._finished(reply, timeout_sec) == 0
+
+    def get(self, path: str, cap: int, timeout_sec: float) -> bytes | Missing | None:
+        """``path``'s tree as a tar archive packed by the server, whole (the engine's
+        archive API gives the same entries); ``MISSING`` when there is no such path.
+        None when the channel cannot, or the archive would pass ``cap`` bytes (the
+        caller reads it through the engine, as a stream it may stop)."""
+        reply = ChannelReply(OutputTail(4096), OutputTail(4096), archive=bytearray())
+        reply.archive_cap = cap
+        opened = self._open(KIND_GET, {"path": path}, reply)
+        if opened is None:
+            return None
+        code = self._finished(reply, timeout_sec)
+        if code == GET_NOT_FOUND:
+            return MISSING
+        if code != 0 or reply.overflowed or reply.archive is None:
+            return None
+        return bytes(reply.archive)
+
+    def _finished(self, reply: ChannelReply, timeout_sec: float) -> int | None:
+        """The exit code of a put or get; None when the channel went or the server did
+        not answer in time (then it is dropped: it will write nothing more)."""
+        if not reply.done.wait(timeout_sec):
+            with self._lock:
+                conn = self._conn
+            if conn is not None:
+                self._lose(conn)
+            return None
+        return reply.exit_code
+
+    def _send(self, frames: list[bytes]) -> None:
+        with self._lock:
+            conn = self._conn
+        if conn is None:
+            return  # its reply ends (or ended) without an exit code
+        try:
+            with self._send_lock:
+                for frame in frames:
+                    conn.sendall(frame)
+        except OSError:
+            # It may have started: never run twice; it ends as the channel went.
+            self._lose(conn)
+
+    def _open(
+        self, kind: int, spec: Mapping[str, object], reply: ChannelReply
+    ) -> tuple[int, ChannelReply] | None:
+        """Send request ``kind`` (``spec``, the first frame): its id and ``reply``, or
+        None when the channel cannot."""
         with self._lock:
             if self._conn is None and self._accepting:
                 # The first command after a start waits for the hello (only then).
@@ -297,35 +421,27 @@ class CommandChannel:
                     )
                 return None
             request, self._next_id = self._next_id, self._next_id + 1
-            reply = ChannelReply(OutputTail(output_cap), OutputTail(output_cap))
             self._replies[request] = reply
-        spec = {
-            "argv": argv,
-            "user": user,
-            "workdir": workdir,
-            "env": dict(env or {}),
-            "stdin": stdin is not None,
-        }
-        frames = [encode_frame(KIND_RUN, request, json.dumps(spec).encode())]
-        if stdin is not None:
-            for start in range(0, len(stdin), _STDIN_CHUNK):
-                frames.append(
-                    encode_frame(KIND_STDIN, request, stdin[start : start + _STDIN_CHUNK])
-                )
-            frames.append(encode_frame(KIND_STDIN, request, b""))
-        try:
-            with self._send_lock:
-                for frame in frames:
-                    conn.sendall(frame)
-        except OSError:
-            # It may have started: never run twice; it ends as the channel went.
-            self._lose(conn)
-        return reply
+        self._send([encode_frame(kind, request, json.dumps(spec).encode())])
+        return request, reply
 
     @property
     def alive(self) -> bool:
         with self._lock:
             return self._conn is not None
+
+    def check_intact(self) -> None:
+        """Close the channel for good (its server ends with its stream) when the server's
+        resource limits are no longer those it said hello with: a root agent may lower
+        them (``prlimit`` needs only the same uid) so that the server's later work fails,
+        the verifier's included. The engine runs the container's commands from then on.
+        Read from the host's ``/proc`` (nothing to check where it cannot see the pid)."""
+        with self._lock:
+            conn, pid, limits = self._conn, self._peer_pid, self._limits
+        if conn is None or pid <= 0 or limits is None or _limits(pid) == limits:
+            return
+        logger.warning("container %s: its command server's limits were changed", self.name)
+        self._lose(conn)
 
     def init_pid(self) -> int | None:
         """The container's init as this host sees it (the server's parent), while the

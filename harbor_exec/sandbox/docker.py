@@ -70,7 +70,7 @@ from harbor_exec.errors import (
 )
 from harbor_exec.sandbox.buildkit import TRACE_ID, BuildkitProgress
 from harbor_exec.sandbox.cgroups import Companion, HostCgroup
-from harbor_exec.sandbox.channel import CommandChannel, OutputTail
+from harbor_exec.sandbox.channel import MISSING, CommandChannel, OutputTail
 from harbor_exec.sandbox.disk import WritableLayer
 from harbor_exec.sandbox.runtime import (
     DROPPED_CAPABILITIES,
@@ -107,6 +107,11 @@ _MAX_EXEC_OUTPUT = 8 * 2**20
 #: going away (a daemon stopping ends its containers before it stops answering).
 _ENGINE_GONE_SEC = 2.0
 _ARCHIVE_CHUNK = 1 << 20
+#: A get through the command channel holds the whole archive: past this size the
+#: engine streams it instead (its reader may stop early).
+_CHANNEL_GET_CAP = 16 << 20
+#: A put or get the command server has not finished by then is the engine's.
+_CHANNEL_FILES_SEC = 300.0
 
 BuilderKind = Literal["buildkit", "legacy"]
 BUILDER_ENV = "HARBOR_EXEC_BUILDER"
@@ -1016,10 +1021,35 @@ class DockerRuntime:
 
     @_engine_boundary
     def put_archive(self, container_id: str, data: bytes | IO[bytes]) -> None:
+        # Through the command server where it answers (no engine call: the engine
+        # unpacks each archive in a process of its own); else, or when it failed, the
+        # engine unpacks the whole archive again.
+        channel = self._channels.get(container_id)
+        if channel is not None and channel.alive:
+            start = data.tell() if not isinstance(data, bytes) and data.seekable() else None
+            if isinstance(data, bytes) or start is not None:
+                if channel.put(data, _CHANNEL_FILES_SEC):
+                    return
+                if start is not None and not isinstance(data, bytes):
+                    data.seek(start)
         self._api.put_archive(container_id, "/", data)
 
     @_engine_boundary
     def get_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
+        channel = self._channels.get(container_id)
+        if channel is not None and channel.alive:
+            got = channel.get(path, _CHANNEL_GET_CAP, _CHANNEL_FILES_SEC)
+            if got is MISSING:
+                return None
+            if isinstance(got, bytes):
+                return iter(
+                    [got[at : at + _ARCHIVE_CHUNK] for at in range(0, len(got), _ARCHIVE_CHUNK)]
+                )
+            # Past its cap (an agent's flood), or the server failed: a stream the
+            # reader may stop, from the engine.
+        return self._engine_archive(container_id, path)
+
+    def _engine_archive(self, container_id: str, path: str) -> Iterator[bytes] | None:
         # The SDK's get_archive hides its response; ours is kept so that a reader who
         # stops early (a spent budget) closes the connection and the daemon stops
         # tarring, instead of streaming gigabytes nobody reads.
@@ -1088,6 +1118,8 @@ class DockerRuntime:
             with contextlib.suppress(OSError):
                 spared = cgroup.kill_all_but_init(init_pid, KEEP_ALIVE_UID, companions)
             if spared is not None:
+                if channel is not None:
+                    channel.check_intact()  # what the phase did to the server stays
                 return companion is not None and any(c is companion for c in spared)
         # Without the host's view: SIGKILL the init, which ends its PID namespace and
         # every process in it; the container's filesystem (and /logs) stays.
