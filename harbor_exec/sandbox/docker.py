@@ -1219,11 +1219,18 @@ class DockerRuntime:
         server, or the container's init), unless the engine is going away (a daemon that
         stops closes its socket, then ends every container): that raises, as an engine
         exec's broken stream does. The engine gets a moment to say which; asked on a
-        new connection each time (one kept open may still be served while it stops)."""
+        new connection each time (one kept open may still be served while it stops). A
+        container that is no more was removed (a cancelled trial): nothing to wait for."""
         deadline = time.monotonic() + _ENGINE_GONE_SEC
         while True:
             self._engine_listening()
-            if self.container_running(container_id) or time.monotonic() > deadline:
+            try:
+                state = self._api.inspect_container(container_id)["State"]
+            except docker.errors.NotFound:
+                return
+            if (
+                state.get("Running") and not state.get("Restarting")
+            ) or time.monotonic() > deadline:
                 return
             time.sleep(0.05)
 
