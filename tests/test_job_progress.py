@@ -127,6 +127,8 @@ def test_the_running_list_is_bounded_and_longest_first() -> None:
     for i in range(12):
         clock[0] += 1
         trials.start(f"task-{i}", 0)
+        if i != 7:
+            trials.run(f"task-{i}", 0)  # its agent started (task-7: still starting)
     trials.start("task-0", 1)  # a second attempt of a task, the newest
     clock[0] = 200.0
     table = trials.renderable(limit=8)
@@ -137,7 +139,8 @@ def test_the_running_list_is_bounded_and_longest_first() -> None:
     lines = [line.split() for line in text.getvalue().splitlines()]
     assert len(lines) == 9
     assert lines[0] == ["running", "task-0", "99s"]
-    assert lines[7] == ["running", "task-7", "92s"]
+    assert lines[7] == ["starting", "task-7", "92s"]
+    assert trials.counts() == (2, 11)
     assert lines[8] == ["and", "5", "more"]
     assert trials.stop("task-0", 1) == pytest.approx(88.0)
     assert trials.stop("task-0", 1) is None

@@ -332,29 +332,48 @@ RUNNING_SHOWN = 8
 
 
 class RunningTrials:
-    """The trials of a job running now (from their environment phase to their end), each
-    with when it started; thread-safe (events come from the job's threads)."""
+    """The trials of a job begun now (from their environment phase to their end), each
+    with when it began and whether it is ``starting`` (its environment: a trial started
+    ahead of its slot waits so) or ``running`` (its agent or verifier); thread-safe
+    (events come from the job's threads)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._started: dict[tuple[str, int], float] = {}
+        self._running: set[tuple[str, int]] = set()
 
     def start(self, name: str, attempt: int) -> None:
         with self._lock:
             self._started[(name, attempt)] = self._clock()
 
+    def run(self, name: str, attempt: int) -> None:
+        """Its agent started."""
+        with self._lock:
+            if (name, attempt) in self._started:
+                self._running.add((name, attempt))
+
     def stop(self, name: str, attempt: int) -> float | None:
         """Ends it; its seconds (None when it never started)."""
         with self._lock:
             began = self._started.pop((name, attempt), None)
+            self._running.discard((name, attempt))
         return None if began is None else self._clock() - began
 
-    def longest_first(self) -> list[tuple[str, int, float]]:
+    def counts(self) -> tuple[int, int]:
+        """``(starting, running)``."""
+        with self._lock:
+            return len(self._started) - len(self._running), len(self._running)
+
+    def longest_first(self) -> list[tuple[str, int, float, str]]:
+        """``(name, attempt, seconds, "starting" or "running")``, longest first."""
         now = self._clock()
         with self._lock:
-            items = list(self._started.items())
-        return sorted(((n, a, now - t) for (n, a), t in items), key=lambda item: -item[2])
+            items = [
+                (n, a, now - t, "running" if (n, a) in self._running else "starting")
+                for (n, a), t in self._started.items()
+            ]
+        return sorted(items, key=lambda item: -item[2])
 
     def renderable(self, limit: int = RUNNING_SHOWN) -> Table | None:
         """The running trials, longest first, with their seconds; at most ``limit`` lines
@@ -366,9 +385,9 @@ class RunningTrials:
         table.add_column(style="dim")
         table.add_column()
         table.add_column(justify="right")
-        for name, attempt, seconds in running[:limit]:
+        for name, attempt, seconds, state in running[:limit]:
             label = name if attempt == 0 else f"{name} (attempt {attempt + 1})"
-            table.add_row("running", escape(label), f"{seconds:.0f}s")
+            table.add_row(state, escape(label), f"{seconds:.0f}s")
         if len(running) > limit:
             table.add_row("", f"and {len(running) - limit} more", "")
         return table
@@ -411,7 +430,7 @@ def run_dataset_job(
     finished trial's line has its seconds.
     ``package_cache``: the trials (and their image builds) fetch through the package
     cache (this process's, or each Ray node's own)."""
-    counts = {"queued": 0, "running": 0, "passed": 0, "failed": 0, "cancelled": 0}
+    counts = {"queued": 0, "passed": 0, "failed": 0, "cancelled": 0}
     running = RunningTrials()
     plain = not console.is_terminal
     progress = _JobProgress(
@@ -431,19 +450,18 @@ def run_dataset_job(
             counts["queued"] += 1
         elif event.kind == "phase" and event.phase == "environment":
             counts["queued"] -= 1
-            counts["running"] += 1
             running.start(event.task.name, event.attempt)
             if plain:
                 progress.console.print(f"started {escape(event.task.name)}")
+        elif event.kind == "phase" and event.phase == "agent":
+            running.run(event.task.name, event.attempt)
         elif event.kind == "retry" and event.result is not None:
-            counts["running"] -= 1
             counts["queued"] += 1
             running.stop(event.task.name, event.attempt)
             info = event.result.exception_info
             why = info.exception_type if info is not None else "an error"
             progress.console.print(f"[yellow]retrying[/yellow] {event.task.name} ({why})")
         elif event.kind == "finished" and event.result is not None:
-            counts["running"] -= 1
             seconds = running.stop(event.task.name, event.attempt)
             info = event.result.exception_info
             if info is not None and info.exception_type == "CancelledError":
@@ -456,10 +474,10 @@ def run_dataset_job(
             progress.advance(bar)
             took = f" ({seconds:.1f} s)" if seconds is not None else ""
             progress.console.print(f"{mark} {event.task.name}{took}")
-        progress.update(
-            bar,
-            counts=" ".join(f"{k} {v}" for k, v in counts.items()),
-        )
+        starting, running_now = running.counts()
+        shown = {**counts, "starting": starting, "running": running_now}
+        order = ("queued", "starting", "running", "passed", "failed", "cancelled")
+        progress.update(bar, counts=" ".join(f"{k} {shown[k]}" for k in order))
 
     signum = int(signal.SIGINT)
     try:
