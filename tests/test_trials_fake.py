@@ -686,3 +686,22 @@ def test_a_5xx_from_the_engine_is_not_the_engine_gone() -> None:
     with pytest.raises(EngineUnavailableError):
         fails(runtime, requests.exceptions.ConnectionError("connection refused"))
     assert not runtime.engine_available
+
+
+def test_a_forwarder_that_never_announces_is_started_by_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forwarder started with the container did not say it listens (CI: twice in a
+    first wave of four trials): after a short wait the trial starts one by exec, as for
+    a warm container, and goes on; it never fails the rollout after 60 s."""
+    from harbor_exec.network.egress import plan
+    from tests import fake_runtime
+
+    monkeypatch.setattr(plan, "FORWARDER_ANNOUNCE_SEC", 0.2)
+    monkeypatch.setattr(fake_runtime, "_announce_forwarder", lambda spec: None)
+    runtime = FakeRuntime()
+    toml = '[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["allowed.test"]\n'
+    result = trial(runtime, tmp_path, toml=toml)
+    assert result.exception_info is None and rewards(result) == {"reward": 1.0}
+    started = [e for e in runtime.execs if "--in-use-ok" in e.script]
+    assert len(started) >= 1, [e.script[-80:] for e in runtime.execs]

@@ -17,6 +17,7 @@ import errno
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -205,15 +206,18 @@ def announce(socket_path: str, token: str, pid: int, timeout: float = 10.0) -> b
     request = (
         f"GET {READY_PATH}{token}/{pid} HTTP/1.1\r\nHost: forwarder\r\nConnection: close\r\n\r\n"
     )
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(socket_path)
-            conn.sendall(request.encode("ascii"))
-            answer = conn.recv(64)
-    except OSError:
-        return False
-    return answer.startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + timeout
+    while True:  # again while the host's proxy does not answer (a busy machine)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                conn.connect(socket_path)
+                conn.sendall(request.encode("ascii"))
+                return conn.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def run_forward(

@@ -21,6 +21,7 @@ host's private or loopback addresses), and UDP (DNS included) reaches nothing.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 import tempfile
@@ -48,10 +49,12 @@ from harbor_exec.sandbox.runtime import ContainerRuntime, Mount, NetworkKind
 
 __all__ = ["REFUSED_LOG", "EgressSettings", "NetworkPlan", "TrialEgress", "network_plan"]
 
+logger = logging.getLogger(__name__)
+
 #: Where trials' egress proxies keep their sockets.
 EGRESS_ROOT: Final = Path("/tmp") / "hx-egress"
 #: How long a forwarder started with its container may take to announce itself.
-FORWARDER_START_SEC: Final = 60.0
+FORWARDER_ANNOUNCE_SEC: Final = 10.0
 #: The trial dir's record of what its proxy refused (JSON lines).
 REFUSED_LOG = "egress-refused.jsonl"
 ContainerKind = Literal["trial", "verifier"]
@@ -228,13 +231,23 @@ class TrialEgress:
         what = f"the egress forwarder for the {phase} phase"
         if serving is None:
             start_forwarder(runtime, container_id, what, in_use_ok=True)
-        elif not serving.event.wait(FORWARDER_START_SEC):
-            raise EnvironmentStartError(
-                f"{what} did not start: it did not announce itself within "
-                f"{FORWARDER_START_SEC:g}s of the container's start (when harbor-exec runs "
-                f"in a container, mount {EGRESS_ROOT} and the package cache's trust dir at "
-                "the same paths from the host: docs/server.md)"
+        elif not serving.event.wait(FORWARDER_ANNOUNCE_SEC):
+            # Not heard from the one started with the container: one is started now (a
+            # port it holds already is that one's), spared by nothing.
+            logger.warning(
+                "%s: not announced within %gs of the container's start; starting one",
+                what,
+                FORWARDER_ANNOUNCE_SEC,
             )
+            try:
+                start_forwarder(runtime, container_id, what, in_use_ok=True)
+            except EnvironmentStartError as exc:
+                raise EnvironmentStartError(
+                    f"{exc} (nor did the one started with the container announce itself "
+                    f"within {FORWARDER_ANNOUNCE_SEC:g}s; when harbor-exec runs in a "
+                    f"container, mount {EGRESS_ROOT} and the package cache's trust dir at "
+                    "the same paths from the host: docs/server.md)"
+                ) from None
 
     def close(self) -> None:
         thread, self._thread = self._thread, None
