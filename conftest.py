@@ -15,7 +15,8 @@
   images, no engine-wide counts, waits with wide margins) are a second group, run
   one at a time beside the first, so their idle waits (Harbor's compose runs, a Ray
   cluster's nodes coming and going, the engine tarring a flood) overlap the first
-  group's work. A test marked ``quiet_engine`` (a tight wall-clock bound on engine
+  group's work; ``engine_lane("b")`` puts a module in a third such group, so that
+  the lanes end about together. A test marked ``quiet_engine`` (a tight wall-clock bound on engine
   work) runs with no second-lane test beside it: it waits for the lane's current test,
   and the lane waits for it (``tests/scheduling.py:engine_turn``). (xdist 3.8 names
   an item's group in its node id, which pytest 9 no longer reads from ``_nodeid``:
@@ -133,7 +134,11 @@ def _join_engine_group(item: pytest.Item) -> None:
     ``engine_lane``): loadgroup reads the group after the node id's "@". pytest 9 keeps a
     node id as a NodeId whose string is cached; xdist 3.8 still sets the old ``_nodeid``
     (now unused), so the suffix goes into the cached string."""
-    group = SECOND_ENGINE_GROUP if item.get_closest_marker("engine_lane") else ENGINE_GROUP
+    lane = item.get_closest_marker("engine_lane")
+    group = ENGINE_GROUP
+    if lane is not None:
+        # ``engine_lane("b")``: a lane of its own beside the others (see the module doc).
+        group = f"{SECOND_ENGINE_GROUP}-{lane.args[0]}" if lane.args else SECOND_ENGINE_GROUP
     object.__setattr__(item._id, "_str_cache", f"{item.nodeid}@{group}")
 
 

@@ -43,7 +43,12 @@ from tests.test_package_cache_docker import (  # the mirror fixture and its help
     mirror,
 )
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: each test its own upstream, cache and tasks; no engine-wide counts.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane("b"),
+    pytest.mark.usefixtures("base_images"),
+]
 
 __all__ = ["build_tasks", "mirror"]  # mirror: a fixture, used by name
 

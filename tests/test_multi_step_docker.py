@@ -34,7 +34,11 @@ from tests.test_multi_step import step_rewards
 from tests.trial_utils import run_task
 
 # engine_lane: its own tasks and images, no engine-wide counts, no timing bounds.
-pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane("b"),
+    pytest.mark.usefixtures("base_images"),
+]
 
 __all__ = ["bundle_cache", "example_bundle"]  # the session fixtures, used below
 

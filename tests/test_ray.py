@@ -45,7 +45,7 @@ KEY = "sk-ray-secret-" + uuid.uuid4().hex
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.ray,
-    pytest.mark.engine_lane,
+    pytest.mark.engine_lane("b"),  # the third lane (conftest.py): the lanes end together
     pytest.mark.usefixtures("base_images"),
 ]
 

@@ -15,7 +15,8 @@ from harbor_exec.trial.results import TrialResult
 from tests.task_factory import make_task
 from tests.trial_utils import rewards, run_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own tasks; no engine-wide counts, no wall-clock bound.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 NON_ROOT_IMAGE = (
     "FROM debian:bookworm-slim\n"

@@ -22,7 +22,7 @@ URL = f"http://127.0.0.1:{PORT}"
 # engine_lane: its own image and server; owner- and rollout-scoped checks.
 pytestmark = [
     pytest.mark.docker,
-    pytest.mark.engine_lane,
+    pytest.mark.engine_lane("b"),
     pytest.mark.usefixtures("base_images"),
     pytest.mark.timeout(900),
 ]
