@@ -463,6 +463,8 @@ class NodeStatus(NodeSlots):
     name: str = ""  # its containers' owner name (the host name by default)
     trials: int = 0  # trials placed on it so far
     images: int = 0  # images of ours it is known to hold
+    #: Its warm containers idle, as its last trial reported (None: none reported yet).
+    warm_containers: int | None = None
 
     def slots_only(self) -> NodeSlots:
         """The node as ``GET /queue`` lists it."""

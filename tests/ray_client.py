@@ -68,8 +68,12 @@ async def main(spec: dict[str, Any]) -> None:
                 *(one(url, chat, spec["key"], r, http) for r in spec["rollouts"])
             )
             health = (await http.get(f"{url}/health")).json()
+            metrics = (await http.get(f"{url}/metrics")).text
     seen = [r.authorization for r in chat.requests]
-    print(json.dumps({"results": results, "health": health, "authorization": seen}), flush=True)
+    # The nodes' warm pools' gauges (the rest of /metrics is the server's own tests').
+    warm = [line for line in metrics.splitlines() if line.startswith("harbor_exec_node_warm")]
+    out = {"results": results, "health": health, "authorization": seen, "node_warm": warm}
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -235,6 +235,20 @@ def _find(tree: Any, key: str) -> Any:
     return None
 
 
+def _warm_figures(tree: Any) -> Any:
+    """The one ``warm_containers`` in ``tree`` that is a dict of figures."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("warm_containers"), dict):
+            return tree["warm_containers"]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for value in tree:
+            found = _warm_figures(value)
+            if found is not None:
+                return found
+    return None
+
+
 def _nodes_of(trials: Path) -> set[str]:
     nodes = set()
     for result in trials.glob("*/result.json"):
@@ -279,6 +293,13 @@ def test_oracle_and_workflow_rollouts_land_on_several_nodes(
     assert {n["node_id"] for n in nodes} == set(ray_cluster.nodes), nodes
     # Trials landed on more than one node.
     assert sum(1 for n in nodes if n["trials"] > 0) >= 2, nodes
+    # Each node's warm pool, as its trials reported it, is in the server's /health (per
+    # node and summed: every trial asked its node's pool once) and /metrics.
+    assert all(n["warm_containers"] is not None for n in nodes if n["trials"] > 0), nodes
+    summed = _warm_figures(out["health"])  # the nodes' own are counts of idle ones
+    assert summed is not None, out["health"]
+    assert summed["hits"] + summed["misses"] >= len(rollouts), summed
+    assert any(line.startswith("harbor_exec_node_warm_claims{") for line in out["node_warm"])
 
     workflow_url = ray_cluster.serve(
         tmp_path / "workflow",

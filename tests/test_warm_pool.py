@@ -239,3 +239,23 @@ def test_a_served_task_takes_warm_containers_and_health_says_so(tmp_path: Path) 
     assert len(set(solved_in)) == 4  # one container per trial
     assert sum(LABEL_WARM in runtime.containers[cid].spec.labels for cid in solved_in) == 2
     assert all(c.removed for c in runtime.containers.values())  # after the server stopped
+
+
+def test_a_clusters_pools_sum_to_one_figure() -> None:
+    """A Ray cluster's nodes each report their pool; ``/health`` shows their sum."""
+    from harbor_exec.trial.warm import WarmStats, summed
+
+    assert summed([]) is None
+    total = summed(
+        [
+            WarmStats(idle=1, hits=3, misses=1, made=4, idle_container_seconds=1.5,
+                      claim_seconds_p50=0.002),
+            WarmStats(idle=2, hits=0, misses=2, made=2, expired=1, idle_container_seconds=0.25),
+            WarmStats(idle=0, hits=5, misses=0, made=5, claim_seconds_p50=0.004),
+        ]
+    )  # fmt: skip
+    assert total == WarmStats(
+        idle=3, hits=8, misses=3, made=11, expired=1, idle_container_seconds=1.75,
+        claim_seconds_p50=0.004,
+    )  # fmt: skip
+    assert total is not None and total.hit_rate == 8 / 11

@@ -41,7 +41,7 @@ from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
-from harbor_exec.trial.warm import WarmPool
+from harbor_exec.trial.warm import WarmPool, WarmStats
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         if self._warm_pool is None:
             self._warm_pool = WarmPool(self.runtime)
         return self._warm_pool
+
+    def warm_stats(self) -> WarmStats | None:
+        """This engine's warm pool's figures (None before its first trial)."""
+        return self._warm_pool.stats() if self._warm_pool is not None else None
 
     # ----------------------------------------------------------------- trials
 
@@ -206,7 +210,7 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
                 images[info.kind or "other"] = images.get(info.kind or "other", 0) + 1
         except HarborExecError as exc:
             return ExecutorHealth(available=False, reason=str(exc), builder=runtime.builder)
-        warm = self._warm_pool.stats() if self._warm_pool is not None else None
+        warm = self.warm_stats()
         return ExecutorHealth(available=True, images=images, builder=runtime.builder, warm=warm)
 
     def available(self) -> str | None:

@@ -145,6 +145,73 @@ class WarmStats:
         return self.hits / asked if asked else None
 
 
+def summed(stats: Sequence[WarmStats]) -> WarmStats | None:
+    """Several pools' figures as one (a Ray cluster's nodes): counts summed, the median
+    claim the middle of theirs. None for none."""
+    if not stats:
+        return None
+    claims = sorted(s.claim_seconds_p50 for s in stats if s.claim_seconds_p50 is not None)
+    return WarmStats(
+        idle=sum(s.idle for s in stats),
+        hits=sum(s.hits for s in stats),
+        misses=sum(s.misses for s in stats),
+        made=sum(s.made for s in stats),
+        expired=sum(s.expired for s in stats),
+        idle_container_seconds=round(sum(s.idle_container_seconds for s in stats), 3),
+        claim_seconds_p50=claims[len(claims) // 2] if claims else None,
+    )
+
+
+class NodeWarmGauges:
+    """Each Ray node's warm pool as it last reported it (with each finished trial), in
+    the server's ``/metrics``, labelled by node: its pool's figures stay on the node's
+    own process otherwise."""
+
+    def __init__(self) -> None:
+        from prometheus_client import REGISTRY, Gauge  # the server extra
+
+        self.idle = Gauge(
+            "harbor_exec_node_warm_containers",
+            "Warm containers idle on a Ray node, as it last reported.",
+            ["node"],
+            registry=REGISTRY,
+        )
+        self.claims = Gauge(
+            "harbor_exec_node_warm_claims",
+            "Containers a Ray node's trials asked its pool for so far, by outcome.",
+            ["node", "outcome"],
+            registry=REGISTRY,
+        )
+        self.idle_seconds = Gauge(
+            "harbor_exec_node_warm_idle_container_seconds",
+            "Seconds a Ray node's warm containers spent idle so far.",
+            ["node"],
+            registry=REGISTRY,
+        )
+
+    def report(self, node: str, stats: WarmStats) -> None:
+        self.idle.labels(node).set(stats.idle)
+        self.claims.labels(node, "hit").set(stats.hits)
+        self.claims.labels(node, "miss").set(stats.misses)
+        self.idle_seconds.labels(node).set(stats.idle_container_seconds)
+
+
+_NODE_GAUGES: list[NodeWarmGauges | None] = []
+
+
+def report_node(node: str, stats: WarmStats) -> None:
+    """A Ray node's latest figures into this process's ``/metrics``."""
+    with _METRICS_LOCK:
+        if not _NODE_GAUGES:
+            try:
+                _NODE_GAUGES.append(NodeWarmGauges())
+            except ImportError:
+                _NODE_GAUGES.append(None)
+        gauges = _NODE_GAUGES[0]
+    if gauges is not None:
+        gauges.report(node, stats)
+
+
 def template_key(spec: ContainerSpec) -> str:
     """What two trials' containers must share for one to take the other's warm
     container: the whole spec but its name, its trial's labels, the forwarder started
@@ -522,5 +589,7 @@ __all__: Sequence[str] = [
     "WarmPool",
     "WarmSettings",
     "WarmStats",
+    "report_node",
+    "summed",
     "template_key",
 ]

@@ -50,6 +50,7 @@ from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec, deps_key, task_key
 from harbor_exec.trial.trial import PhaseCallback, image_tag_for, new_trial_name
+from harbor_exec.trial.warm import WarmStats, report_node, summed
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport
@@ -86,6 +87,7 @@ class _Node:
     alive: bool = True
     images: set[str] = field(default_factory=set)
     trials: int = 0
+    warm: WarmStats | None = None  # its warm pool, as its last trial reported it
 
     @property
     def short(self) -> str:
@@ -446,6 +448,9 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
             self._release(node)
         finished = done  # narrowed, for the closure below
         _count_node_cache(finished.package_cache)
+        if finished.warm is not None:
+            node.warm = finished.warm
+            report_node(node.short, finished.warm)
         if finished.images is not None:
             node.images.update(finished.images)
         elif (image := spec.image or self._image_key(spec.task)) is not None:
@@ -528,6 +533,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
                 in_use=n.in_use,
                 trials=n.trials,
                 images=len(n.images),
+                warm_containers=n.warm.idle if n.warm is not None else None,
             )
             for n in known
         ]
@@ -546,6 +552,7 @@ class RayExecutor(AsyncTrialExecutor[_RayHandle]):
             images=images,
             builder=f"ray:{self.address}",
             nodes=self.nodes(),
+            warm=summed([n.warm for n in self.live_nodes() if n.warm is not None]),
         )
 
     def available(self) -> str | None:

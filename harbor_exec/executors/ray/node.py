@@ -43,6 +43,7 @@ from harbor_exec.trial.outputs import TrialOutput
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec, deps_key, task_key
+from harbor_exec.trial.warm import WarmStats
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.cache import NodeCacheReport
@@ -100,6 +101,7 @@ class NodeTrialRun:
     images: list[str] | None  # the node's images, when the trial built one
     timings: dict[str, float]
     package_cache: NodeCacheReport | None = None  # the node cache's totals after it
+    warm: WarmStats | None = None  # the node's warm pool after it
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,7 @@ class NodeAgent:
                 "node_pack": time.perf_counter() - ran,
             },
             package_cache=self.package_cache.report(),
+            warm=self.local.warm_stats(),
         )
 
     def cancel(self, name: str) -> bool:
