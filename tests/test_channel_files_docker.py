@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import stat
 import tarfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,13 +22,11 @@ import pytest
 from harbor_exec.sandbox import docker as docker_module
 from harbor_exec.sandbox.archives import ArchiveEntry, build_archive
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import ContainerSpec
+from tests.channel_utils import channel_pair, probe_spec
 from tests.server_utils import wait_until
 
 # engine_lane: its own two containers.
 pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
-
-IMAGE = "python:3.11-slim-bookworm"
 
 #: What an agent (root) leaves before the verifier's files go in.
 LEFT_BY_THE_AGENT = """
@@ -53,27 +50,8 @@ LISTING = (
 
 @pytest.fixture(scope="module")
 def pair(docker_runtime: DockerRuntime) -> Iterator[dict[str, Any]]:
-    created: dict[str, Any] = {"runtime": docker_runtime}
-    try:
-        for channel in (True, False):
-            spec = ContainerSpec(
-                image=IMAGE,
-                name=f"hx-channel-files-{'on' if channel else 'off'}-{time.time_ns() % 10**9}",
-                labels={},
-                command_channel=channel,
-                memory_mb=512,
-                pids_limit=256,
-            )
-            container = docker_runtime.create(spec)
-            created["on" if channel else "off"] = container
-            docker_runtime.start(container)
-            # A first command: the channel's server has said hello.
-            assert docker_runtime.exec(container, ["true"]).exit_code == 0
+    with channel_pair(docker_runtime, "hx-channel-files") as created:
         yield created
-    finally:
-        for key in ("on", "off"):
-            if key in created:
-                docker_runtime.remove(created[key])
 
 
 @pytest.fixture
@@ -196,14 +174,7 @@ def test_past_the_cap_the_engine_streams_it(
 
 
 def test_a_killed_server_leaves_files_to_the_engine(docker_runtime: DockerRuntime) -> None:
-    spec = ContainerSpec(
-        image=IMAGE,
-        name=f"hx-channel-files-killed-{time.time_ns() % 10**9}",
-        labels={},
-        command_channel=True,
-        memory_mb=256,
-        pids_limit=64,
-    )
+    spec = probe_spec("hx-channel-files-killed", True, memory_mb=256, pids_limit=64)
     container = docker_runtime.create(spec)
     try:
         docker_runtime.start(container)

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import ContainerSpec, ExecResult
+from harbor_exec.sandbox.runtime import ExecResult
+from tests.channel_utils import channel_pair, probe_spec
 from tests.server_utils import wait_until
 
 # engine_lane: its own two containers; its bounds are generous (seconds, not ms).
 pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
-IMAGE = "python:3.11-slim-bookworm"
 #: An account with a supplementary group and a home, as a task's Dockerfile makes one.
 ACCOUNTS = (
     "groupadd -g 1500 team && useradd -m -u 1000 -U alice && usermod -aG team alice"
@@ -35,29 +35,11 @@ ACCOUNTS = (
 
 @pytest.fixture(scope="module")
 def pair(docker_runtime: DockerRuntime) -> Iterator[dict[str, Any]]:
-    created: dict[str, Any] = {"runtime": docker_runtime}
-    try:
-        for channel in (True, False):
-            spec = ContainerSpec(
-                image=IMAGE,
-                name=f"hx-channel-probe-{'on' if channel else 'off'}-{time.time_ns() % 10**9}",
-                labels={},
-                env={"FROM_SPEC": "spec value"},
-                workdir="/work",
-                command_channel=channel,
-                memory_mb=512,
-                pids_limit=256,
-            )
-            container = docker_runtime.create(spec)
-            created["on" if channel else "off"] = container
-            docker_runtime.start(container)
-            setup = docker_runtime.exec(container, ["sh", "-c", ACCOUNTS])
-            assert setup.exit_code == 0, setup
+    with channel_pair(
+        docker_runtime, "hx-channel-probe", ACCOUNTS, env={"FROM_SPEC": "spec value"},
+        workdir="/work",
+    ) as created:  # fmt: skip
         yield created
-    finally:
-        for key in ("on", "off"):
-            if key in created:
-                docker_runtime.remove(created[key])
 
 
 def both(pair: dict[str, Any], command: list[str], **options: Any) -> tuple[ExecResult, ExecResult]:
@@ -196,12 +178,7 @@ for _ in range(200):
 def test_a_killed_server_is_never_replaced(docker_runtime: DockerRuntime) -> None:
     """The server killed and an impostor knocking with its token: every later command
     runs through the engine (exactly as before), never through the impostor."""
-    spec = ContainerSpec(
-        image=IMAGE,
-        name=f"hx-channel-impostor-{time.time_ns() % 10**9}",
-        labels={},
-        command_channel=True,
-    )
+    spec = probe_spec("hx-channel-impostor", True)
     container = docker_runtime.create(spec)
     try:
         docker_runtime.start(container)

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from harbor_exec.jobs.ahead import RunSlots, Turn
-from harbor_exec.jobs.dataset import run_job
+from harbor_exec.jobs.dataset import JobOutcome, run_job
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.spec import TrialSpec
@@ -73,21 +73,22 @@ def test_a_place_ahead_needs_its_memory_and_a_cancel_wakes_the_waiter() -> None:
     assert gate.admit(0) is None
 
 
-def test_the_next_trials_containers_start_while_the_first_agent_runs(tmp_path: Path) -> None:
-    """One slot, two ahead: while the first trial's agent is held, the next two trials'
-    containers are created and started (the second and third trial wait, agents not
-    started), a fourth is not begun; every trial then runs, one agent at a time."""
-    tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(5)]
+def _held_job(
+    tmp_path: Path, tasks: int, warm_containers: int
+) -> tuple[FakeRuntime, threading.Event, list[JobOutcome]]:
+    """A job of ``tasks`` one at a time whose agents wait at the runtime's gate, on a
+    thread; returns once the first agent is held (the event: the job ended)."""
+    loaded = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(tasks)]
     runtime = FakeRuntime(solve=lambda container: HOLD)
-    policy = SandboxPolicy(warm_containers=2)
+    policy = SandboxPolicy(warm_containers=warm_containers)
     done = threading.Event()
-    outcome: list[object] = []
+    outcome: list[JobOutcome] = []
 
     def job() -> None:
         outcome.append(
             run_job(
                 runtime,
-                tasks,
+                loaded,
                 jobs_dir=tmp_path / "jobs",
                 n_concurrent=1,
                 make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
@@ -97,6 +98,14 @@ def test_the_next_trials_containers_start_while_the_first_agent_runs(tmp_path: P
 
     threading.Thread(target=job, daemon=True).start()
     assert runtime.gate.wait_held(1)
+    return runtime, done, outcome
+
+
+def test_the_next_trials_containers_start_while_the_first_agent_runs(tmp_path: Path) -> None:
+    """One slot, two ahead: while the first trial's agent is held, the next two trials'
+    containers are created and started (the second and third trial wait, agents not
+    started), a fourth is not begun; every trial then runs, one agent at a time."""
+    runtime, done, outcome = _held_job(tmp_path, 5, warm_containers=2)
 
     def started() -> list[str]:
         return [cid for cid, c in runtime.containers.items() if c.running]
@@ -106,28 +115,11 @@ def test_the_next_trials_containers_start_while_the_first_agent_runs(tmp_path: P
     assert len(runtime.gate.held) == 1  # one agent runs
     runtime.gate.open()
     assert done.wait(30)
-    [result] = outcome
-    assert sorted(r.reward for r in result.results) == [1.0] * 5  # type: ignore[attr-defined]
+    assert [r.reward for r in outcome[0].results] == [1.0] * 5
 
 
 def test_no_trial_starts_ahead_with_warm_containers_off(tmp_path: Path) -> None:
-    tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(3)]
-    runtime = FakeRuntime(solve=lambda container: HOLD)
-    policy = SandboxPolicy(warm_containers=0)
-    done = threading.Event()
-
-    def job() -> None:
-        run_job(
-            runtime,
-            tasks,
-            jobs_dir=tmp_path / "jobs",
-            n_concurrent=1,
-            make_spec=lambda task, job_dir: TrialSpec(task, job_dir, policy=policy),
-        )
-        done.set()
-
-    threading.Thread(target=job, daemon=True).start()
-    assert runtime.gate.wait_held(1)
+    runtime, done, _outcome = _held_job(tmp_path, 3, warm_containers=0)
     assert len(runtime.containers) == 1
     runtime.gate.open()
     assert done.wait(30)
