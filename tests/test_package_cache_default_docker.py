@@ -154,7 +154,9 @@ def test_validate_uses_the_cache_with_no_option_beside_a_server(
         for d in job.iterdir()
         if d.is_dir() and (d / "result.json").exists()
     ]
-    trials.sort(key=lambda pair: str(pair[0]["started_at"]))
+    # In the order their agents ran (validate starts the next trials ahead of their slot:
+    # the order they began in is not the order they fetched in).
+    trials.sort(key=lambda pair: str(pair[0]["agent_execution"]["started_at"]))
     assert len(trials) == 4
     stats = [json.loads((d / RESULT_FILE).read_text()) for _, d in trials]
     # Each trial went through the cache: the first fetched the package, the rest did not.
