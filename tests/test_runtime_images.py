@@ -37,7 +37,12 @@ from tests.fake_chat import FakeChat
 from tests.server_utils import serve
 from tests.task_factory import make_task
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane("b"): its own tasks and bundles; no engine-wide counts, no wall-clock bound.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane("b"),
+    pytest.mark.usefixtures("base_images"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "tasks_examples" / "template"

@@ -19,7 +19,12 @@ from harbor_exec.bundler import Bundle
 from tests.fake_chat import FakeChat
 from tests.hostile import bundle_of, bundled_rollout, hostile_project, only_trial
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane("b"): its own tasks and bundles; no engine-wide counts, no wall-clock bound.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane("b"),
+    pytest.mark.usefixtures("base_images"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "hostile_sample"
