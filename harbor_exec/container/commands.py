@@ -89,6 +89,8 @@ GET_NOT_FOUND: Final = 2
 #: What ``docker exec`` answers a command that could not start (on stdout, exit 126).
 EXEC_START_FAILED: Final = 126
 _CHUNK: Final = 64 * 1024
+#: A put's chunks (256 KiB each from the host) held at most before the unpacking.
+_PUT_CHUNKS_HELD: Final = 16
 _OUTPUT_GRACE_SEC: Final = 2.0
 #: Set in this process's environment by others than the container's config: runc
 #: (``HOME``, the root user's) and Python (``LC_CTYPE``, its C locale coercion).
@@ -128,7 +130,8 @@ class _Server:
         self.sock = sock
         self.base_env = base_env
         self.send_lock = threading.Lock()
-        self.stdins: dict[int, queue.SimpleQueue[bytes]] = {}
+        #: Where each request's input chunks go (a command's stdin, a put's archive).
+        self.stdins: dict[int, queue.SimpleQueue[bytes] | queue.Queue[bytes]] = {}
         self.cancelled: set[int] = set()
 
     def send(self, kind: int, request: int, payload: bytes = b"") -> None:
@@ -149,7 +152,9 @@ class _Server:
                     if not payload:
                         self.stdins.pop(request, None)
             elif kind == KIND_PUT:
-                chunks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+                # Bounded: a big archive waits in the socket, not in this container's
+                # memory (the host sends it only between phases: nothing else is asked).
+                chunks: queue.Queue[bytes] = queue.Queue(maxsize=_PUT_CHUNKS_HELD)
                 self.stdins[request] = chunks
                 self._builtin(request, _unpack, _ChunkReader(chunks))
             elif kind == KIND_GET:
@@ -168,6 +173,9 @@ class _Server:
             except Exception as exc:  # the host falls back to the engine
                 self.send(KIND_ERR, request, repr(exc).encode()[:4096])
                 code = 1
+            for reader in args:
+                if isinstance(reader, _ChunkReader):
+                    reader.drain()  # the rest of a failed put: the reading loop never waits
             self.stdins.pop(request, None)
             self.cancelled.discard(request)
             self.exited(request, code)
@@ -280,20 +288,34 @@ class _Server:
 class _ChunkReader:
     """A file over the host's chunks (an empty one: the end)."""
 
-    def __init__(self, chunks: queue.SimpleQueue[bytes]) -> None:
+    def __init__(self, chunks: queue.Queue[bytes]) -> None:
         self.chunks = chunks
-        self.buffer = b""
+        self.current = b""
+        self.offset = 0
         self.ended = False
 
     def read(self, size: int = -1) -> bytes:
-        while not self.ended and (size < 0 or len(self.buffer) < size):
-            chunk = self.chunks.get()
-            self.ended = not chunk
-            self.buffer += chunk
-        if size < 0:
-            size = len(self.buffer)
-        data, self.buffer = self.buffer[:size], self.buffer[size:]
-        return data
+        parts: list[bytes] = []
+        while size != 0:
+            if self.offset >= len(self.current):
+                if self.ended:
+                    break
+                self.current, self.offset = self.chunks.get(), 0
+                if not self.current:
+                    self.ended = True
+                    break
+            left = len(self.current) - self.offset
+            take = left if size < 0 else min(size, left)
+            parts.append(self.current[self.offset : self.offset + take])
+            self.offset += take
+            if size > 0:
+                size -= take
+        return b"".join(parts)
+
+    def drain(self) -> None:
+        """Take (and drop) what is left, to the end."""
+        while not self.ended:
+            self.ended = not self.chunks.get()
 
 
 class _FrameWriter:
