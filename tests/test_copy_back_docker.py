@@ -35,8 +35,9 @@ ATTACKS = {
     "zeros-260m": "fallocate -l 260M /logs/artifacts/zeros || head -c 272629760 /dev/zero > /logs/artifacts/zeros",
     # 10,000 empty files (with oracle.txt, one over the file budget).
     "files-10k": "cd /logs/artifacts && seq -f 'f%05g' 1 10000 | xargs touch",
-    # 100,000 empty directories: none of them regular files.
-    "dirs-100k": "cd /logs/artifacts && seq -f 'd%06g' 1 100000 | xargs mkdir",
+    # 30,000 empty directories (three times the directory budget, past the entries'
+    # too): none of them regular files.
+    "dirs-30k": "cd /logs/artifacts && seq -f 'd%06g' 1 30000 | xargs mkdir",
     # One path of 4,090 bytes: legal in the container, longer than the host's PATH_MAX
     # below the trial directory.
     "path-4090": """
@@ -49,7 +50,7 @@ ATTACKS = {
         [ ${#p} -gt 3800 ] && [ -f "$p/$leaf" ] || exit 3
     """,
 }
-OVER_BUDGET = {"zeros-260m": "bytes", "files-10k": "files", "dirs-100k": "dirs"}
+OVER_BUDGET = {"zeros-260m": "bytes", "files-10k": "files", "dirs-30k": "dirs"}
 
 
 def disk_usage(root: Path) -> int:
@@ -110,9 +111,9 @@ def test_agent_floods_leave_the_verifiers_zero_standing(
     "attack",
     [
         "truncate -s 3G /logs/artifacts/zeros",  # 3 GiB of zeros on the wire (a sparse file)
-        "cd /logs/artifacts && seq -f 'd%06g' 1 100000 | xargs mkdir",
+        "cd /logs/artifacts && seq -f 'd%06g' 1 30000 | xargs mkdir",
     ],
-    ids=["zeros-3g", "dirs-100k"],
+    ids=["zeros-3g", "dirs-30k"],
 )
 def test_the_hand_over_is_not_charged_to_a_separate_verifier(
     docker_runtime: DockerRuntime, tmp_path: Path, attack: str
