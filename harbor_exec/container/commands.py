@@ -156,7 +156,7 @@ class _Server:
                 # memory (the host sends it only between phases: nothing else is asked).
                 chunks: queue.Queue[bytes] = queue.Queue(maxsize=_PUT_CHUNKS_HELD)
                 self.stdins[request] = chunks
-                self._builtin(request, _unpack, _ChunkReader(chunks))
+                self._builtin(request, _unpack_whole, _ChunkReader(chunks))
             elif kind == KIND_GET:
                 path = str(json.loads(payload)["path"])
                 self._builtin(request, self._pack, request, path)
@@ -173,9 +173,6 @@ class _Server:
             except Exception as exc:  # the host falls back to the engine
                 self.send(KIND_ERR, request, repr(exc).encode()[:4096])
                 code = 1
-            for reader in args:
-                if isinstance(reader, _ChunkReader):
-                    reader.drain()  # the rest of a failed put: the reading loop never waits
             self.stdins.pop(request, None)
             self.cancelled.discard(request)
             self.exited(request, code)
@@ -383,6 +380,15 @@ def _add(tar: tarfile.TarFile, path: str, name: str) -> None:
     else:
         return
     tar.addfile(info)
+
+
+def _unpack_whole(stream: _ChunkReader) -> int:
+    """``_unpack``, then the rest of the stream taken (what a failed unpack, or the tar's
+    end padding, left): the reading loop never waits on a full queue."""
+    try:
+        return _unpack(stream)
+    finally:
+        stream.drain()
 
 
 def _unpack(stream: _ChunkReader) -> int:

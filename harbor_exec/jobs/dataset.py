@@ -38,7 +38,7 @@ from harbor_exec.jobs.ahead import RunSlots, Turn
 from harbor_exec.sandbox.runtime import ContainerRuntime
 from harbor_exec.tasks.task import Task
 from harbor_exec.trial.factory import create_trial
-from harbor_exec.trial.policy import ContainerLimits, SandboxPolicy
+from harbor_exec.trial.policy import ContainerLimits
 from harbor_exec.trial.results import AgentResult, ExceptionInfo, TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import Trial, new_trial_name
@@ -598,18 +598,18 @@ def run_job(
         emit(JobEvent("finished", task, attempt, result=result))
         return result
 
+    def spec_of(task: Task) -> TrialSpec:
+        return make_spec(task, job_dir) if make_spec else TrialSpec(task, job_dir)
+
     def run_once(task: Task, attempt: int) -> TrialResult | None:
         nonlocal built
         if stopping.is_set():
             return None
-        spec = make_spec(task, job_dir) if make_spec else TrialSpec(task, job_dir)
-        spec = replace(spec, source=dataset_name)
-        if executor is not None and not executor.trials_run_here:
+        spec = replace(spec_of(task), source=dataset_name)
+        if slots is None:
             return run_remote(task, attempt, spec, None)
         limits = ContainerLimits.resolve(spec.policy, task.config.environment)
-        turn = run_slots(spec.policy).admit(
-            limits.memory_mb, may_go_ahead=not task.config.environment.gpus
-        )
+        turn = slots.admit(limits.memory_mb, may_go_ahead=not task.config.environment.gpus)
         if turn is None:
             return None
         try:
@@ -644,23 +644,15 @@ def run_job(
             built += trial.images_built
         return result
 
-    gates: list[RunSlots] = []
-
-    def run_slots(policy: SandboxPolicy) -> RunSlots:
-        """The job's one gate (made with the first trial's policy: every trial of a job
-        has the same)."""
-        with lock:
-            if not gates:
-                gates.append(RunSlots.for_policy(n_concurrent, policy))
-            return gates[0]
-
     interrupted = False
     cause: KeyboardInterrupt | None = None
-    workers = n_concurrent
+    # Trials run here: the next ones start ahead of their slot (harbor_exec.jobs.ahead),
+    # within the first trial's policy (every trial of a job has the same). None: trials
+    # run elsewhere (a Ray cluster), n_concurrent at once.
+    slots: RunSlots | None = None
     if (executor is None or executor.trials_run_here) and plan:
-        # Local trials: the next ones start ahead of their slot (harbor_exec.jobs.ahead).
-        first = make_spec(plan[0][0], job_dir) if make_spec else TrialSpec(plan[0][0], job_dir)
-        workers = run_slots(first.policy).workers
+        slots = RunSlots.for_policy(n_concurrent, spec_of(plan[0][0]).policy)
+    workers = slots.workers if slots is not None else n_concurrent
     pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hx-trial")
     futures: list[Future[TrialResult | None]] = [pool.submit(run_one, t, a) for t, a in plan]
     try:
@@ -671,8 +663,8 @@ def run_job(
         interrupted = True
         cause = exc
         stopping.set()
-        for gate in gates:
-            gate.stop()
+        if slots is not None:
+            slots.stop()
         with lock:
             running = list(active)
         for trial in running:

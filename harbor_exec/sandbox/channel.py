@@ -25,7 +25,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -78,6 +78,16 @@ HELLO_WAIT_SEC: Final = 10.0
 _STDIN_CHUNK: Final = 256 * 1024
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
 _MAX_HELLO: Final = 507  # a hello's payload: a token and a pid
+
+
+def _chunks(data: bytes | IO[bytes]) -> Iterator[bytes]:
+    """``data`` (bytes, or a file read as it goes) in stdin frames' sizes."""
+    if isinstance(data, bytes):
+        for start in range(0, len(data), _STDIN_CHUNK):
+            yield data[start : start + _STDIN_CHUNK]
+        return
+    while chunk := data.read(_STDIN_CHUNK):
+        yield chunk
 
 
 def _limits(pid: int) -> str | None:
@@ -330,10 +340,7 @@ class CommandChannel:
             return None
         request, reply = opened
         if stdin is not None:
-            frames = [
-                encode_frame(KIND_STDIN, request, stdin[start : start + _STDIN_CHUNK])
-                for start in range(0, len(stdin), _STDIN_CHUNK)
-            ]
+            frames = [encode_frame(KIND_STDIN, request, chunk) for chunk in _chunks(stdin)]
             self._send([*frames, encode_frame(KIND_STDIN, request, b"")])
         return reply
 
@@ -347,12 +354,8 @@ class CommandChannel:
         if opened is None:
             return False
         request, reply = opened
-        if isinstance(data, bytes):
-            for start in range(0, len(data), _STDIN_CHUNK):
-                self._send([encode_frame(KIND_STDIN, request, data[start : start + _STDIN_CHUNK])])
-        else:
-            while chunk := data.read(_STDIN_CHUNK):
-                self._send([encode_frame(KIND_STDIN, request, chunk)])
+        for chunk in _chunks(data):  # a frame at a time: the server holds only a few
+            self._send([encode_frame(KIND_STDIN, request, chunk)])
         self._send([encode_frame(KIND_STDIN, request, b"")])
         return self._finished(reply, timeout_sec) == 0
 

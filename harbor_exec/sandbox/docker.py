@@ -1026,12 +1026,14 @@ class DockerRuntime:
         # engine unpacks the whole archive again.
         channel = self._channels.get(container_id)
         if channel is not None and channel.alive:
-            start = data.tell() if not isinstance(data, bytes) and data.seekable() else None
-            if isinstance(data, bytes) or start is not None:
+            if isinstance(data, bytes):
                 if channel.put(data, _CHANNEL_FILES_SEC):
                     return
-                if start is not None and not isinstance(data, bytes):
-                    data.seek(start)
+            elif data.seekable():  # (one that is not goes to the engine alone)
+                start = data.tell()
+                if channel.put(data, _CHANNEL_FILES_SEC):
+                    return
+                data.seek(start)
         self._api.put_archive(container_id, "/", data)
 
     @_engine_boundary
@@ -1090,10 +1092,14 @@ class DockerRuntime:
         channel = self._channels.get(container_id)
         if channel is not None and channel.alive:
             return True  # its command server is connected: no engine call
+        return bool(self._engine_says_running(container_id))
+
+    def _engine_says_running(self, container_id: str) -> bool | None:
+        """Whether the engine has the container running (None: it has no such one)."""
         try:
             state = self._api.inspect_container(container_id)["State"]
         except docker.errors.NotFound:
-            return False
+            return None
         return bool(state.get("Running")) and not state.get("Restarting")
 
     @_engine_boundary
@@ -1224,13 +1230,8 @@ class DockerRuntime:
         deadline = time.monotonic() + _ENGINE_GONE_SEC
         while True:
             self._engine_listening()
-            try:
-                state = self._api.inspect_container(container_id)["State"]
-            except docker.errors.NotFound:
-                return
-            if (
-                state.get("Running") and not state.get("Restarting")
-            ) or time.monotonic() > deadline:
+            running = self._engine_says_running(container_id)
+            if running is None or running or time.monotonic() > deadline:
                 return
             time.sleep(0.05)
 

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.network.egress.container import EGRESS_MOUNT
@@ -112,19 +112,27 @@ class _Metrics:
         )
 
 
-_METRICS: list[_Metrics | None] = []
-_METRICS_LOCK = threading.Lock()
+_T = TypeVar("_T")
+_MADE: dict[type, object] = {}
+_MADE_LOCK = threading.Lock()
+
+
+def _once(kind: type[_T]) -> _T | None:
+    """This process's one ``kind()`` (its metrics, registered once); None without
+    prometheus-client (the server extra)."""
+    with _MADE_LOCK:
+        if kind not in _MADE:
+            try:
+                _MADE[kind] = kind()
+            except ImportError:
+                _MADE[kind] = None
+        made = _MADE[kind]
+    return made if isinstance(made, kind) else None
 
 
 def _metrics() -> _Metrics | None:
     """The process's warm-pool metrics (None without prometheus-client)."""
-    with _METRICS_LOCK:
-        if not _METRICS:
-            try:
-                _METRICS.append(_Metrics())
-            except ImportError:
-                _METRICS.append(None)
-        return _METRICS[0]
+    return _once(_Metrics)
 
 
 @dataclass(frozen=True)
@@ -196,18 +204,9 @@ class NodeWarmGauges:
         self.idle_seconds.labels(node).set(stats.idle_container_seconds)
 
 
-_NODE_GAUGES: list[NodeWarmGauges | None] = []
-
-
 def report_node(node: str, stats: WarmStats) -> None:
     """A Ray node's latest figures into this process's ``/metrics``."""
-    with _METRICS_LOCK:
-        if not _NODE_GAUGES:
-            try:
-                _NODE_GAUGES.append(NodeWarmGauges())
-            except ImportError:
-                _NODE_GAUGES.append(None)
-        gauges = _NODE_GAUGES[0]
+    gauges = _once(NodeWarmGauges)
     if gauges is not None:
         gauges.report(node, stats)
 
