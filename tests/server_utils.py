@@ -338,3 +338,25 @@ async def wait_until_async(
             return True
         await asyncio.sleep(interval)
     return bool(await predicate())
+
+
+def harbor_app_over(runtime: Any, tmp_path: Path, task_name: str) -> Any:
+    """The rollout server over a HarborBackend whose trials run on ``runtime`` (a fake
+    one), serving one task made by ``tests.task_factory.make_task``."""
+    from harbor_exec.backends.harbor.backend import HarborBackend
+    from harbor_exec.executors.local import LocalExecutor
+    from tests.task_factory import make_task
+
+    backend = HarborBackend(
+        tasks_dir=make_task(tmp_path / "tasks", task_name),
+        executor=LocalExecutor(runtime),
+        trials_dir=tmp_path / "trials",
+        artifacts_dir=tmp_path / "artifacts",
+    )
+    return create_rollout_server(
+        backend=backend,
+        artifact_root=tmp_path / "server-artifacts",
+        data_dir=tmp_path / "data",
+        shutdown_drain_sec=0.5,
+        shutdown_cleanup_sec=5.0,
+    )

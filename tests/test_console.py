@@ -20,7 +20,7 @@ import httpx
 from harbor_exec.protocol import RolloutStatus
 from harbor_exec.server.console import ConsoleStats
 from harbor_exec.server.registry import RolloutEntry
-from tests.server_utils import CHAT_URL, PROMPT, gate, local_app, serve, wait_until
+from tests.server_utils import CHAT_URL, PROMPT, gate, harbor_app_over, local_app, serve, wait_until
 
 KEY = "console-key-0123456789"
 
@@ -320,30 +320,14 @@ def test_teardown_is_timed(tmp_path: Path) -> None:
     """A trial's teardown (here its container's removal, made 0.3 s slow) is a phase of
     its own in the rollout's detail and the console's percentiles: from the end of the
     trial's last phase to its end, within the trial's total."""
-    from harbor_exec.backends.harbor.backend import HarborBackend
-    from harbor_exec.executors.local import LocalExecutor
-    from harbor_exec.server.app import create_rollout_server
     from tests.fake_runtime import FakeRuntime
-    from tests.task_factory import make_task
 
     class SlowRemoval(FakeRuntime):
         def remove(self, container_id: str) -> None:
             time.sleep(0.3)
             super().remove(container_id)
 
-    backend = HarborBackend(
-        tasks_dir=make_task(tmp_path / "tasks", "slow-teardown"),
-        executor=LocalExecutor(SlowRemoval()),
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-    )
-    app = create_rollout_server(
-        backend=backend,
-        artifact_root=tmp_path / "server-artifacts",
-        data_dir=tmp_path / "data",
-        shutdown_drain_sec=0.5,
-        shutdown_cleanup_sec=5.0,
-    )
+    app = harbor_app_over(SlowRemoval(), tmp_path, "slow-teardown")
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         submit(http, "torn-down")
         assert wait_until(

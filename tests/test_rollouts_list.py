@@ -18,7 +18,16 @@ import pytest
 
 from harbor_exec.protocol import RolloutDetail, RolloutList
 from harbor_exec.server.store import DB_NAME, RolloutQuery, RolloutStore
-from tests.server_utils import CHAT_URL, PROMPT, gate, local_app, metric, serve, wait_until
+from tests.server_utils import (
+    CHAT_URL,
+    PROMPT,
+    gate,
+    harbor_app_over,
+    local_app,
+    metric,
+    serve,
+    wait_until,
+)
 
 STORED = 10_000
 TASKS = ("alpha", "beta", "gamma", "delta", None)
@@ -320,25 +329,9 @@ def test_harbor_rollout_detail_has_the_trials_phases(tmp_path: Path) -> None:
     """HarborBackend (over FakeRuntime, no Docker) behind the real server: the detail
     names the task the backend resolved, the trial, its directory and the phase timings
     the trial measured; the list filters by that task."""
-    from harbor_exec.backends.harbor.backend import HarborBackend
-    from harbor_exec.executors.local import LocalExecutor
-    from harbor_exec.server.app import create_rollout_server
     from tests.fake_runtime import FakeRuntime
-    from tests.task_factory import make_task
 
-    backend = HarborBackend(
-        tasks_dir=make_task(tmp_path / "tasks", "fake-task"),
-        executor=LocalExecutor(FakeRuntime()),
-        trials_dir=tmp_path / "trials",
-        artifacts_dir=tmp_path / "artifacts",
-    )
-    app = create_rollout_server(
-        backend=backend,
-        artifact_root=tmp_path / "server-artifacts",
-        data_dir=tmp_path / "data",
-        shutdown_drain_sec=0.5,
-        shutdown_cleanup_sec=5.0,
-    )
+    app = harbor_app_over(FakeRuntime(), tmp_path, "fake-task")
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         submit(http, "h-1")
         assert wait_until(lambda: finished(http, "h-1"), timeout=30)
