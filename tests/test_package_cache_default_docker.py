@@ -3,7 +3,8 @@
 ``harbor-exec validate TASK -k 4 -n 1`` of a task whose ``test.sh`` runs
 ``apt-get update && apt-get install`` against a local mirror stand-in made distant
 (150 ms a request, 3 MB/s): the command line names no cache option, yet trials 2-4
-fetch from the cache, their verifier phases at most 0.4x the first's. Meanwhile a
+fetch from the cache, their verifier phases shorter than the mirror's transfer alone
+and typically (their median) at most 0.4x the first's. Meanwhile a
 server's cache (what ``serve`` and ``HarborBackend`` start, on by default too) holds
 the default store and runs a trial of its own: both use a cache, each its own store,
 one CA. The only test-side setting is the network's (the mirror's name mapped to
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import statistics
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -168,5 +170,12 @@ def test_validate_uses_the_cache_with_no_option_beside_a_server(
     pool = f"{root}/pool/main/h/hxdemo/hxdemo_1.0_all.deb"
     assert http.count(pool, 200, "GET") == 2
     seconds = [_verifier_seconds(result) for result, _ in trials]
-    first = seconds[0]
-    assert all(later <= 0.4 * first for later in seconds[1:]), seconds
+    # The mirror alone needs PADDING / BYTES_PER_SEC for the package: the first verifier
+    # waited on it, the later ones finished sooner than the mirror could have sent it
+    # (a fixed bound, not a ratio of the first: a loaded machine slows dpkg, not the mirror).
+    mirror_sec = PADDING / BYTES_PER_SEC
+    assert seconds[0] >= mirror_sec, seconds
+    assert all(later < mirror_sec for later in seconds[1:]), seconds
+    # And typically at most 0.4x the first (the median: one may share the two cores with
+    # the next trial's start ahead of its slot).
+    assert statistics.median(seconds[1:]) <= 0.4 * seconds[0], seconds
