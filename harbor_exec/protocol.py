@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, ClassVar, Final
 
@@ -27,6 +28,9 @@ __all__ = [
     "CANCEL_DISPOSITIONS",
     "DEFAULT_MAX_TIMEOUT_SEC",
     "FEATURES_HEADER",
+    "GROUP_KEYS",
+    "GROUP_SIZE_KEY",
+    "MAX_GROUP_SIZE",
     "MAX_ROLLOUT_ID_CHARS",
     "POLLING_LEASE_HEADER",
     "ROLLOUT_ID_JSON_SCHEMA",
@@ -64,6 +68,8 @@ __all__ = [
     "categorize_exception",
     "check_timeouts",
     "ensure_single_path_segment",
+    "group_of",
+    "group_size_of",
     "is_single_path_segment",
     "rollout_dir_name",
 ]
@@ -546,3 +552,36 @@ def categorize_exception(exc: BaseException) -> RolloutErrorCategory:
         ):
             return RolloutErrorCategory.HTTP_ERROR
     return RolloutErrorCategory.AGENT_ERROR
+
+
+# ---------------------------------------------------------------------------- groups
+
+#: Where a request's metadata names its group (the rollouts a GRPO step samples of one
+#: prompt): the first of these that is set. No key is standard in the protocol.
+GROUP_KEYS: Final = ("group_id", "group")
+#: Where it says how many rollouts its group has (a hint: the rest are coming).
+GROUP_SIZE_KEY: Final = "group_size"
+#: The largest group size taken as a hint (a bigger one is read as this).
+MAX_GROUP_SIZE: Final = 1024
+
+
+def group_of(metadata: Mapping[str, Any] | None) -> str | None:
+    """The group a request's metadata names (None when none)."""
+    if not metadata:
+        return None
+    for key in GROUP_KEYS:
+        value = metadata.get(key)
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return str(value)[:256]
+    return None
+
+
+def group_size_of(metadata: Mapping[str, Any] | None) -> int | None:
+    """``metadata.group_size`` when the metadata names a group too and the size is a
+    whole number of at least 2 (capped at ``MAX_GROUP_SIZE``); None otherwise."""
+    if group_of(metadata) is None or metadata is None:
+        return None
+    size = metadata.get(GROUP_SIZE_KEY)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        return None
+    return min(size, MAX_GROUP_SIZE)

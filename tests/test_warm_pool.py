@@ -259,3 +259,122 @@ def test_a_clusters_pools_sum_to_one_figure() -> None:
         claim_seconds_p50=0.004,
     )  # fmt: skip
     assert total is not None and total.hit_rate == 8 / 11
+
+
+def test_rollouts_queued_for_a_task_get_containers_made_while_they_wait(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    first = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
+    pool.created(first)
+    pool.release(first)  # asked for once: nothing ahead, unless the server says more come
+    assert not wait_until(lambda: warm_ids(runtime), timeout=0.3)
+    waiting = [pool.expect("t", queued=True) for _ in range(3)]
+    assert wait_until(lambda: pool.stats().idle == 3)
+    # The first takes its slot: its trial's claim is a hit, and it is coming no more.
+    waiting[0].took_its_slot()
+    hit = pool.claim(spec_for(relay_dir(tmp_path, "b"), rollout="b"), SETTINGS)
+    assert hit.container_id is not None and hit.container_id in warm_ids(runtime)
+    pool.release(hit)
+    # The other two leave (cancelled while queued): what was made for them goes, down to
+    # the task's own recent peak (one at a time: one).
+    waiting[1].left()
+    waiting[2].left()
+    waiting[2].left()  # idempotent
+    assert wait_until(lambda: pool.stats().idle == 1)
+    assert pool.stats().hits == 1
+
+
+def test_a_group_that_names_its_size_gets_its_rest_made_ahead(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    # A hint for a task no trial ran (its template unknown) makes nothing.
+    pool.expect("another", queued=True, group=("g", 8)).left()
+    assert not wait_until(lambda: warm_ids(runtime), timeout=0.3)
+    first = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
+    pool.created(first)
+    pool.release(first)
+    # The group's first member runs now (not queued): its three others are coming.
+    pool.expect("t", queued=False, group=("step-7/prompt-3", 4))
+    assert wait_until(lambda: pool.stats().idle == 3)
+    taken = []
+    for n in range(3):
+        pool.expect("t", queued=False, group=("step-7/prompt-3", 4))
+        claim = pool.claim(spec_for(relay_dir(tmp_path, f"g{n}"), rollout=f"g{n}"), SETTINGS)
+        assert claim.container_id is not None, n
+        taken.append(claim)
+    assert len({c.container_id for c in taken}) == 3
+    for claim in taken:
+        pool.release(claim)
+
+
+def test_the_group_size_is_read_from_the_requests_metadata() -> None:
+    from harbor_exec.protocol import group_of, group_size_of
+
+    assert group_size_of({"group_id": "p-1", "group_size": 8}) == 8
+    assert group_of({"group": 17}) == "17" and group_size_of({"group": 17, "group_size": 2}) == 2
+    # No group named, a size below two, not a whole number: no hint; a huge one is capped.
+    assert group_size_of({"group_size": 8}) is None
+    assert group_size_of({"group_id": "p", "group_size": 1}) is None
+    assert group_size_of({"group_id": "p", "group_size": "8"}) is None
+    assert group_size_of({"group_id": "p", "group_size": True}) is None
+    assert group_size_of({"group_id": "p", "group_size": 10**9}) == 1024
+    assert group_size_of(None) is None
+
+
+def test_a_served_task_warms_for_its_queue_and_its_group(tmp_path: Path) -> None:
+    """Behind the real server (fake engine), one trial slot: while the first rollout
+    runs, the two queued behind it get containers made for them (each a hit, where the
+    task's recent peak alone would have made none); then a group naming its size gets
+    its other members' containers made once its first ran (the peak alone: one)."""
+    import asyncio
+
+    import httpx
+
+    from harbor_exec.client import RolloutClient
+    from tests.server_utils import CHAT_URL, PROMPT
+    from tests.test_harbor_backend_fake import held_runtime, served, wait_held, wait_queued
+
+    runtime = held_runtime()
+
+    async def scenario(backend: object, url: str) -> dict[str, object]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+
+            def rollout(rid: str, **metadata: object) -> asyncio.Task[object]:
+                return asyncio.create_task(
+                    client.run_rollout(PROMPT, CHAT_URL, rollout_id=rid, metadata=metadata)
+                )
+
+            first = rollout("q-0")
+            await wait_held(runtime, 1)
+            queued = [rollout(f"q-{n}") for n in range(1, 3)]
+            await wait_queued(backend, 2)  # type: ignore[arg-type]
+            # Made for the two queued (the task's memory limit is 4096 MB, the pool's
+            # bound 8192 MB), where the task's one claim so far would have made none.
+            assert await asyncio.to_thread(wait_until, lambda: len(warm_ids(runtime)) == 2)
+            runtime.gate.open()
+            for done in await asyncio.gather(first, *queued):
+                assert getattr(done, "status", None) == "success", done
+            # A group of three: its first runs alone, the other two arrive together.
+            lead = await rollout("g-0", group_id="step-1/p-9", group_size=3)
+            assert getattr(lead, "status", None) == "success", lead
+            # Two made for the group's other two (the task's peak alone: one).
+            assert await asyncio.to_thread(wait_until, lambda: len(warm_ids(runtime)) == 2)
+            rest = [rollout(f"g-{n}", group_id="step-1/p-9", group_size=3) for n in (1, 2)]
+            for done in await asyncio.gather(*rest):
+                assert getattr(done, "status", None) == "success", done
+            health: dict[str, object] = (await http.get(f"{url}/health")).json()
+            return health
+
+    with served(tmp_path, runtime, max_concurrent_trials=1) as (backend, url):
+        health = asyncio.run(scenario(backend, url))
+    figures = health["warm_containers"]
+    assert isinstance(figures, dict)
+    # One trial at a time, in this order: q-0, q-1, q-2, g-0, then g-1 and g-2. The
+    # queued ones and the group's rest each ran in a container made ahead for them.
+    solved_in = [e.container_id for e in runtime.execs if "/solution/solve.sh" in e.script]
+    assert len(solved_in) == len(set(solved_in)) == 6  # one container per trial
+    warm = [LABEL_WARM in runtime.containers[cid].spec.labels for cid in solved_in]
+    assert warm[1:3] == [True, True] and warm[4:] == [True, True], warm
+    assert figures["hits"] >= 4, figures
+    assert all(c.removed for c in runtime.containers.values())

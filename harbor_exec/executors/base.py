@@ -34,7 +34,7 @@ from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.results import TrialResult
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback, WaitTurn
-from harbor_exec.trial.warm import WarmStats
+from harbor_exec.trial.warm import Arrival, WarmStats
 
 if TYPE_CHECKING:
     from harbor_exec.network.packages.service import PackageCacheConfig, PackageCacheService
@@ -111,6 +111,12 @@ class TrialExecutor(Protocol):
 
     def cancel(self, handle: TrialHandle) -> None:
         """Stop the trial; its container is removed within a second. Idempotent."""
+        ...
+
+    def expect(self, task: str, *, queued: bool, group: tuple[str, int] | None = None) -> Arrival:
+        """A rollout of ``task`` arrived: the warm pool makes ready for it
+        (``WarmPool.expect``). A Ray cluster's nodes size their pools from their own
+        trials only."""
         ...
 
     def health(self) -> ExecutorHealth: ...
@@ -213,6 +219,10 @@ class AsyncTrialExecutor(ABC, Generic[H]):
     @property
     @abstractmethod
     def trials_run_here(self) -> bool: ...
+
+    def expect(self, task: str, *, queued: bool, group: tuple[str, int] | None = None) -> Arrival:
+        """No hints where no pool of this process makes the containers."""
+        return Arrival()
 
     @abstractmethod
     def cancel(self, handle: TrialHandle) -> None: ...

@@ -41,7 +41,7 @@ from harbor_exec.trial.factory import create_trial
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.spec import TrialSpec
 from harbor_exec.trial.trial import PhaseCallback, Trial, ensure_task_image
-from harbor_exec.trial.warm import WarmPool, WarmStats
+from harbor_exec.trial.warm import Arrival, WarmPool, WarmStats
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ class LocalExecutor(AsyncTrialExecutor[_LocalHandle]):
         if self._warm_pool is None:
             self._warm_pool = WarmPool(self.runtime)
         return self._warm_pool
+
+    def expect(self, task: str, *, queued: bool, group: tuple[str, int] | None = None) -> Arrival:
+        # No pool yet: no trial has run, so no template it could make.
+        pool = self._warm_pool
+        return pool.expect(task, queued=queued, group=group) if pool else Arrival()
 
     def warm_stats(self) -> WarmStats | None:
         """This engine's warm pool's figures (None before its first trial)."""

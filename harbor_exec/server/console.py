@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from harbor_exec.protocol import RolloutStatus
+from harbor_exec.protocol import RolloutStatus, group_of
 from harbor_exec.server.metrics import FAILURE_ORIGIN
 from harbor_exec.server.registry import RolloutEntry
 from harbor_exec.server.store import RolloutRecord
@@ -48,7 +48,6 @@ __all__ = [
     "REDOC_HEADERS",
     "ConsoleStats",
     "console_asset",
-    "group_of",
 ]
 
 RECENT: Final = 50
@@ -59,7 +58,6 @@ MAX_TASKS: Final = 10_000
 MAX_GROUPS: Final = 10_000
 MAX_FAILURE_GROUPS: Final = 500
 MAX_NODES: Final = 256
-GROUP_KEYS: Final = ("group_id", "group")
 _FOLD = re.compile(r"0x[0-9a-fA-F]+|[0-9a-fA-F]{8,}|\d+")
 
 #: Finished rollouts a restarted server reads back into the console, at most.
@@ -109,17 +107,6 @@ def console_asset(name: str) -> bytes:
     for part in name.split("/"):
         resource = resource / part
     return resource.read_bytes()
-
-
-def group_of(metadata: Mapping[str, Any] | None) -> str | None:
-    """The group a request's metadata names (None when none)."""
-    if not metadata:
-        return None
-    for key in GROUP_KEYS:
-        value = metadata.get(key)
-        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
-            return str(value)[:256]
-    return None
 
 
 @dataclass

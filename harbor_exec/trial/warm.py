@@ -12,8 +12,12 @@ are put as for a cold container and the forwarder starts in its first phase. A
 container goes to one trial only and is removed with it.
 
 How many to hold: for each task asked for at least twice over the last ``idle_sec``,
-the most trials of it that ran at once then (what the executor sees of arrivals and
-queue), within the operator's bound on containers and on their memory limits summed.
+the most trials of it that ran at once then (what the executor sees of arrivals); more
+when the server says more are coming (``expect``): its rollouts of the task queued for a
+trial slot, and the rest of a group whose request named its size (``metadata.group_size``,
+as a GRPO step sends a prompt's samples). All within the operator's bound on containers
+and on their memory limits summed; a hint counts only for a task a trial has run of
+(its template is what the pool makes).
 Real trials win: nothing is made while a trial is creating a container of its own or
 the engine is away, and a trial never waits for the pool (a miss is the cold path, with
 no extra call). An idle container is removed after ``idle_sec``, and all of them when
@@ -45,6 +49,7 @@ from harbor_exec.network.egress.container import EGRESS_MOUNT
 from harbor_exec.network.egress.plan import EGRESS_ROOT
 from harbor_exec.sandbox.runtime import (
     LABEL_ROLLOUT,
+    LABEL_TASK,
     LABEL_TRIAL,
     ContainerEngine,
     ContainerSpec,
@@ -62,6 +67,8 @@ LABEL_WARM: Final = "harbor-exec.warm"
 _FAILED_BACKOFF_SEC: Final = 10.0
 #: How often the pool looks at ages and demand when nothing wakes it.
 _TICK_SEC: Final = 1.0
+#: A rollout that took its trial slot is still expected this long, until its claim.
+_HEADING_SEC: Final = 30.0
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,15 @@ class WarmClaim:
 
 
 @dataclass
+class _Group:
+    """A group of rollouts of one task whose size the requests named."""
+
+    size: int
+    seen: int = 0
+    at: float = 0.0  # its last arrival
+
+
+@dataclass
 class _Demand:
     template: ContainerSpec
     running: int = 0
@@ -274,6 +290,8 @@ class WarmPool:
         self._idle_seconds = 0.0
         self._claim_times: deque[float] = deque(maxlen=256)
         self._root: Path | None = None
+        self._arrivals: dict[str, list[Arrival]] = {}  # task -> rollouts said coming
+        self._groups: dict[tuple[str, str], _Group] = {}  # (task, group id) -> the group
 
     # ----------------------------------------------------------------- trials
 
@@ -291,6 +309,11 @@ class WarmPool:
                 demand = self._demand[key] = _Demand(spec)
             demand.template = spec
             demand.running += 1
+            heading = [
+                a for a in self._arrivals.get(spec.labels.get(LABEL_TASK, ""), ()) if a.heading
+            ]
+            if heading:  # the oldest on its way from its slot: this claim is its trial's
+                self._arrival_ended(heading[0])
             demand.samples.append((started, demand.running))
             idle = self._idle.get(key) or []
             warm = idle.pop() if idle else None  # the newest: the oldest age out
@@ -376,6 +399,52 @@ class WarmPool:
             self._idle_seconds += seconds
         self._observe(lambda m: m.idle_seconds.inc(max(0.0, seconds)))
 
+    # ----------------------------------------------------------------- hints
+
+    def expect(self, task: str, *, queued: bool, group: tuple[str, int] | None = None) -> Arrival:
+        """A rollout of ``task`` arrived (the server's). ``queued``: it waits for a
+        trial slot; the pool holds a warm container more of the task's templates for it
+        until its trial claims one (``Arrival.took_its_slot``, then the claim) or it
+        leaves (``Arrival.left``). ``group``: (its group's id, the group's size): the
+        rest of the group, not arrived yet, counts as coming for ``idle_sec`` after its
+        last arrival."""
+        now = time.monotonic()
+        arrival = Arrival(self, task) if queued else Arrival()
+        with self._cond:
+            if self._closed:
+                return Arrival()
+            if group is not None:
+                known = self._groups.setdefault((task, group[0]), _Group(group[1]))
+                known.seen, known.at = known.seen + 1, now
+            if queued:
+                self._arrivals.setdefault(task, []).append(arrival)
+            if queued or group is not None:
+                self._start_filler()
+                self._cond.notify_all()
+        return arrival
+
+    def _arrival_ended(self, arrival: Arrival) -> None:
+        """``arrival`` left, or its trial claimed: it is coming no more."""
+        arrivals = self._arrivals.get(arrival.task, [])
+        if arrival in arrivals:
+            arrivals.remove(arrival)
+        if not arrivals:
+            self._arrivals.pop(arrival.task, None)
+
+    def _coming(self, task: str | None, now: float) -> int:
+        """Rollouts of ``task`` the server said are coming: queued, on their way from
+        their slot to their claim, or the rest of their groups (a group heard of within
+        ``idle_sec``)."""
+        if task is None:
+            return 0
+        rest = sum(
+            max(0, group.size - group.seen)
+            for (of, _id), group in self._groups.items()
+            if of == task and now - group.at < self.settings.idle_sec
+        )
+        arrivals = self._arrivals.get(task, ())
+        return rest + sum(1 for a in arrivals if a.coming(now))
+
     # ----------------------------------------------------------------- filling
 
     def _start_filler(self) -> None:
@@ -386,14 +455,17 @@ class WarmPool:
             self._thread.start()
 
     def _target(self, demand: _Demand, now: float) -> int:
-        """The most trials of the template at once lately; nothing for a template asked
-        for once (a dataset's task run once would leave its warm container unused)."""
+        """The most trials of the template at once lately, or the rollouts of its task
+        the server says are coming if more; nothing for a template asked for once and
+        not said to come again (a dataset's task run once would leave its warm container
+        unused)."""
         window = self.settings.idle_sec
         while demand.samples and demand.samples[0][0] < now - window:
             demand.samples.popleft()
+        coming = self._coming(demand.template.labels.get(LABEL_TASK), now)
         if len(demand.samples) < 2:
-            return 0
-        return max(running for _when, running in demand.samples)
+            return coming
+        return max(coming, *(running for _when, running in demand.samples))
 
     def _next_make(self, now: float) -> tuple[str, ContainerSpec] | None:
         """The template most short of its target, if the bounds allow one more."""
@@ -434,8 +506,15 @@ class WarmPool:
             else:
                 del self._idle[key]
         for key, demand in list(self._demand.items()):
-            if not demand.samples and demand.running == 0 and key not in self._making:
+            unused = not demand.samples and demand.running == 0 and key not in self._making
+            if unused and not self._coming(demand.template.labels.get(LABEL_TASK), now):
                 del self._demand[key]
+        for arrivals in list(self._arrivals.values()):
+            for arrival in [a for a in arrivals if not a.coming(now)]:
+                self._arrival_ended(arrival)  # on its way too long: its trial failed early
+        for at, group in list(self._groups.items()):
+            if group.seen >= group.size or now - group.at >= self.settings.idle_sec:
+                del self._groups[at]
         return out
 
     def _fill_forever(self) -> None:
@@ -576,6 +655,36 @@ class WarmPool:
             thread.join(timeout=5)
 
 
+class Arrival:
+    """A rollout the server told the pool of (``WarmPool.expect``); without a pool
+    (``Arrival()``) its calls do nothing."""
+
+    def __init__(self, pool: WarmPool | None = None, task: str = "") -> None:
+        self.pool = pool
+        self.task = task
+        self.heading = False  # it took its slot: its trial claims next
+        self._since = 0.0
+
+    def coming(self, now: float) -> bool:
+        """Still expected (the pool's lock held): queued, or on its way to its claim
+        for less than ``_HEADING_SEC``."""
+        return not self.heading or now - self._since < _HEADING_SEC
+
+    def took_its_slot(self) -> None:
+        """It leaves the queue for its trial, whose claim ends it."""
+        if self.pool is not None:
+            with self.pool._cond:
+                if not self.heading:
+                    self.heading, self._since = True, time.monotonic()
+
+    def left(self) -> None:
+        """It ended before taking a slot (cancelled, refused); nothing after one."""
+        if self.pool is not None:
+            with self.pool._cond:
+                if not self.heading:
+                    self.pool._arrival_ended(self)
+
+
 def _remove_dirs(warm: _Warm) -> None:
     for directory in warm.dirs.values():
         shutil.rmtree(directory, ignore_errors=True)
@@ -584,6 +693,7 @@ def _remove_dirs(warm: _Warm) -> None:
 __all__: Sequence[str] = [
     "LABEL_WARM",
     "LATE_BOUND_TARGETS",
+    "Arrival",
     "WarmClaim",
     "WarmPool",
     "WarmSettings",

@@ -75,6 +75,8 @@ from harbor_exec.protocol import (
     NodeStatus,
     PrewarmSummary,
     QueueInfo,
+    group_of,
+    group_size_of,
     rollout_dir_name,
 )
 from harbor_exec.sandbox.runtime import ContainerEngine
@@ -404,8 +406,18 @@ class HarborBackend(ExecutionBackend):
         except RolloutRejected as exc:
             rejected = failure(str(exc), RolloutErrorCategory.VALIDATION_ERROR)
             return ExecutionOutcome(workflow=rejected)
+        # The executor's warm pool hears of it: queued behind the slots, or one of a
+        # group that said its size (its containers are made while it waits).
+        size = group_size_of(request.metadata)
+        group = group_of(request.metadata)
+        arrival = self.executor.expect(
+            plan.trial.task.name,
+            queued=self._slots.locked(),
+            group=(group, size) if group is not None and size is not None else None,
+        )
         try:
             async with self._slots:
+                arrival.took_its_slot()
                 pending.started = True
                 context.update_status(RolloutStatus.RUNNING)
                 return await self._run(request, plan, pending, admitted, context)
@@ -416,6 +428,8 @@ class HarborBackend(ExecutionBackend):
             if current is not None:
                 current.uncancel()
             return ExecutionOutcome(workflow=cancelled())
+        finally:
+            arrival.left()
 
     # ----------------------------------------------------------------- status, cancel
 
