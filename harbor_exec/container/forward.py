@@ -7,12 +7,14 @@ container; this forwarder listens on 127.0.0.1 inside it and copies bytes (no
 parsing here). ``runner`` uses ``RelayForwarder`` and ``ForwarderThread``; the
 trial runs this file itself as a program on the read-only runtime's interpreter
 (its source on the command line, ``python -I -c SOURCE --socket PATH --port N``),
-so it needs nothing in the container but that interpreter. Standard library only.
+so it needs nothing in the container but that interpreter; there it pipes with
+``selectors`` on one thread (``_pump_forever``), not asyncio. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import socket
@@ -22,12 +24,13 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __name__ != "__main__":
-    # As a program, the forwarder started with its container announces itself before
-    # it imports these (``_serving_imports``): the container's first phase waits less.
+    # The program (the forwarder started in a container) pipes with ``selectors``
+    # (``_pump_forever``): asyncio's import alone would cost each container ~45 ms of CPU.
     import asyncio
-    import contextlib
     import logging
     import threading
+
+    logger = logging.getLogger("harbor_exec.container.forward")
 
 __all__ = [
     "READY_PATH",
@@ -38,21 +41,6 @@ __all__ = [
     "main",
     "run_forward",
 ]
-
-
-def _serving_imports() -> None:
-    """What serving needs, imported late in the program (see the imports above)."""
-    global asyncio, contextlib, logging, threading, logger
-    import asyncio
-    import contextlib
-    import logging
-    import threading
-
-    logger = logging.getLogger("harbor_exec.container.forward")
-
-
-if __name__ != "__main__":
-    logger = logging.getLogger("harbor_exec.container.forward")
 
 EXIT_OK = 0
 EXIT_SETUP = 2
@@ -188,10 +176,151 @@ class ForwarderThread:
             self._loop.close()
 
 
-async def _forward_forever(sock: socket.socket, socket_path: str) -> None:
-    forwarder = RelayForwarder(socket_path)
-    await forwarder.start(sock)
-    await asyncio.Event().wait()  # until killed
+# --------------------------------------------------------------------------- the program's pump
+
+#: Bytes read from one side ahead of what the other has taken, at most (per direction).
+_PUMP_AHEAD = 4 * _PIPE_CHUNK
+#: After the process runs out of descriptors, accepting waits this long (as asyncio does).
+_ACCEPT_RETRY_SEC = 1.0
+#: A connection to the host's socket that does not go through in this long is dropped.
+_CONNECT_TIMEOUT_SEC = 5.0
+
+
+class _End:
+    """One socket of a piped pair and the bytes waiting to be written into it."""
+
+    __slots__ = ("events", "out", "peer", "read_done", "sock", "write_shut")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.peer: _End = self
+        self.out = bytearray()
+        self.read_done = False  # its side said EOF, or broke: nothing more comes from it
+        self.write_shut = False
+        self.events = 0  # what the selector watches it for now
+
+
+def _pump_forever(listener: socket.socket, socket_path: str) -> None:
+    """The program's forwarder: one thread, ``selectors`` and plain sockets (the same
+    bytes, half-closes and bounds as ``RelayForwarder``, without asyncio's import, which
+    costs each container about 45 ms of CPU). Runs until the process is killed."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ, None)
+    accept_paused_until = 0.0
+
+    def watch(end: _End) -> None:
+        events = 0
+        if not end.read_done and len(end.peer.out) < _PUMP_AHEAD:
+            events |= selectors.EVENT_READ
+        if end.out:
+            events |= selectors.EVENT_WRITE
+        if events == end.events:
+            return
+        if end.events == 0:
+            selector.register(end.sock, events, end)
+        elif events == 0:
+            selector.unregister(end.sock)
+        else:
+            selector.modify(end.sock, events, end)
+        end.events = events
+
+    def close(end: _End) -> None:
+        if end.events:
+            selector.unregister(end.sock)
+            end.events = 0
+        end.sock.close()
+
+    def shut_write(end: _End) -> None:
+        if not end.write_shut:
+            end.write_shut = True
+            with contextlib.suppress(OSError):
+                end.sock.shutdown(socket.SHUT_WR)  # pass the half-close on
+
+    def settle(end: _End) -> None:
+        """After an event on ``end``'s pair: pass EOFs on, end a finished pair."""
+        for one in (end, end.peer):
+            if one.peer.read_done and not one.out:
+                shut_write(one)
+        if end.read_done and end.peer.read_done and not end.out and not end.peer.out:
+            close(end)
+            close(end.peer)
+            return
+        if end.sock.fileno() < 0 or end.peer.sock.fileno() < 0:
+            return
+        watch(end)
+        watch(end.peer)
+
+    def broke(end: _End) -> None:
+        """``end`` failed: it is gone; its peer gets what was read for it, then goes."""
+        close(end)
+        end.read_done, end.out = True, bytearray()
+        peer = end.peer
+        peer.read_done = True
+        if not peer.out:
+            close(peer)
+        else:
+            watch(peer)
+
+    def accept() -> None:
+        nonlocal accept_paused_until
+        for _ in range(64):  # a few at a time: the open pairs get their turn
+            try:
+                client, _address = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    selector.unregister(listener)
+                    accept_paused_until = time.monotonic() + _ACCEPT_RETRY_SEC
+                return
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream.settimeout(_CONNECT_TIMEOUT_SEC)
+                upstream.connect(socket_path)
+            except OSError:
+                upstream.close()
+                client.close()
+                continue
+            client.setblocking(False)
+            upstream.setblocking(False)
+            near, far = _End(client), _End(upstream)
+            near.peer, far.peer = far, near
+            watch(near)
+            watch(far)
+
+    while True:
+        timeout = None
+        if accept_paused_until:
+            timeout = max(0.0, accept_paused_until - time.monotonic())
+        for key, mask in selector.select(timeout):
+            end = key.data
+            if end is None:
+                accept()
+                continue
+            if end.sock.fileno() < 0:
+                continue  # its pair ended earlier in this round
+            try:
+                if mask & selectors.EVENT_WRITE and end.out:
+                    sent = end.sock.send(end.out)
+                    del end.out[:sent]
+                if mask & selectors.EVENT_READ and not end.read_done:
+                    data = end.sock.recv(_PIPE_CHUNK)
+                    if data:
+                        end.peer.out += data
+                    else:
+                        end.read_done = True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                broke(end)
+                continue
+            settle(end)
+        if accept_paused_until and time.monotonic() >= accept_paused_until:
+            accept_paused_until = 0.0
+            selector.register(listener, selectors.EVENT_READ, None)
 
 
 #: The request a forwarder started with its container sends once it listens: the
@@ -275,8 +404,7 @@ def run_forward(
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
-        _serving_imports()
-        asyncio.run(_forward_forever(sock, socket_path))
+        _pump_forever(sock, socket_path)
     finally:
         os._exit(0)
 
