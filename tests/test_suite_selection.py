@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from _pytest.mark.structures import Mark
 
-from tests.scheduling import long_first
+from tests.scheduling import LEFTOVERS_ENV, QUIET_ENV, long_first
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,8 +133,11 @@ def test_slow_tests_stay_when_asked_for_or_outside_the_fast_suite(
 
 def test_engine_tests_run_on_one_worker_while_the_others_take_the_rest(tmp_path: Path) -> None:
     record = tmp_path / "workers.txt"
+    # The probe's run has its own quiet lock and leftovers file: with this suite's (the
+    # variables this run set), its quiet test would wait for this suite's engine lanes.
+    inherited = {k: v for k, v in os.environ.items() if k not in (QUIET_ENV, LEFTOVERS_ENV)}
     env = {
-        **os.environ,
+        **inherited,
         "ENGINE_GROUP_PROBE": str(record),
         "DOCKER_HOST": "unix:///nonexistent",  # the leftover check finds no engine to ask
     }
