@@ -325,6 +325,9 @@ class RolloutContext:
     #: When the rollout's agent started (``agent_started_at`` in the result): the
     #: server's clock at ``execute`` unless the backend ``reports_agent_start``.
     agent_started_at: datetime | None = None
+    #: When its trial began to tear down (its last phase ended): harbor-exec's own, set
+    #: by HarborBackend, for the console's live phase.
+    teardown_started_at: datetime | None = None
     _tokens: list[Token[RolloutContext | None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )

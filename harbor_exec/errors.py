@@ -171,6 +171,7 @@ class TrialPhase(StrEnum):
     ENVIRONMENT = "environment"
     AGENT = "agent"
     VERIFIER = "verifier"
+    TEARDOWN = "teardown"  # logs and artifacts copied back, containers removed
     DONE = "done"
 
 

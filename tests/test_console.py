@@ -317,19 +317,31 @@ def test_running_rollouts_show_their_trials_phase(tmp_path: Path) -> None:
 
 
 def test_teardown_is_timed(tmp_path: Path) -> None:
-    """A trial's teardown (here its container's removal, made 0.3 s slow) is a phase of
-    its own in the rollout's detail and the console's percentiles: from the end of the
-    trial's last phase to its end, within the trial's total."""
+    """A trial's teardown (here its container's removal, held until the console shows
+    the rollout in it, then 0.3 s slow) is a live phase of the running rollout, then a
+    phase of its own in the rollout's detail and the console's percentiles: from the end
+    of the trial's last phase to its end, within the trial's total."""
+    import threading
+
     from tests.fake_runtime import FakeRuntime
+
+    release = threading.Event()
 
     class SlowRemoval(FakeRuntime):
         def remove(self, container_id: str) -> None:
+            release.wait(30)
             time.sleep(0.3)
             super().remove(container_id)
+
+    def live_phase(http: httpx.Client) -> str | None:
+        running = http.get("/console/data").json()["running"]
+        return running[0]["phase"] if running else None
 
     app = harbor_app_over(SlowRemoval(), tmp_path, "slow-teardown")
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         submit(http, "torn-down")
+        assert wait_until(lambda: live_phase(http) == "teardown", timeout=30)
+        release.set()
         assert wait_until(
             lambda: http.get("/console/data").json()["counts"]["success"] == 1, timeout=30
         )

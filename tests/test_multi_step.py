@@ -5,6 +5,7 @@ real engine and beside Harbor 0.26."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -526,3 +527,31 @@ def test_a_failed_step_healthcheck_stops_the_trial(tmp_path: Path) -> None:
     assert result.exception_info is not None
     assert result.exception_info.exception_type == "StepPreparationError"
     assert result.reward_valid
+
+
+def test_a_multi_step_trials_teardown_is_timed_from_its_last_step(tmp_path: Path) -> None:
+    """The rollout's diagnostics of a multi-step trial: teardown from the end of its last
+    step's verifier (not from its environment's start-up), the phase it ended in that
+    verifier's."""
+    from harbor_exec.backends.harbor.outcomes import OutcomeSpec, diagnostics_of
+    from harbor_exec.executors.base import TrialRun
+
+    class SlowRemoval(FakeRuntime):
+        def remove(self, container_id: str) -> None:
+            time.sleep(0.3)
+            super().remove(container_id)
+
+    task_dir = _steps_task(tmp_path, {"one": "1", "two": "0.5"})
+    result = _run(tmp_path, task_dir, SlowRemoval(test=_reward_from_test))
+    assert result.exception_info is None and result.step_results and result.finished_at
+    diagnostics = diagnostics_of(
+        TrialRun(result, tmp_path / "trials" / result.trial_name),
+        OutcomeSpec(task_id="ms", is_oracle=True, verify=True),
+    )
+    timings = diagnostics["timings_sec"]
+    last = result.step_results[-1].verifier
+    assert last is not None and last.finished_at is not None
+    expected = (result.finished_at - last.finished_at).total_seconds()
+    assert timings["teardown"] == pytest.approx(expected)
+    assert 0.3 <= timings["teardown"] < timings["total"]
+    assert diagnostics["phase"] == "verifier"

@@ -431,10 +431,14 @@ class ConsoleStats:
 def _phase(entry: RolloutEntry) -> tuple[str, float | None]:
     """Where a live rollout is, and since when (Unix seconds): ``queued``; ``starting``
     (running, its agent not yet started: HarborBackend builds the image, starts the
-    container, sets it up); ``agent``; ``verifier`` (grading)."""
+    container, sets it up); ``agent``; ``verifier`` (grading); ``teardown`` (its trial's
+    last phase ended: logs copied back, containers removed)."""
     status = entry.status
     if status is RolloutStatus.QUEUED:
         return "queued", entry.wall_admitted
+    teardown = getattr(entry.context, "teardown_started_at", None)
+    if isinstance(teardown, datetime):
+        return "teardown", teardown.timestamp()
     if status is RolloutStatus.GRADING:
         return "verifier", None
     started = getattr(entry.context, "agent_started_at", None)

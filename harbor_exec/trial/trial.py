@@ -408,6 +408,7 @@ class Trial:
             self.record(CancelledError(f"interrupted: {type(exc).__name__}"))
             self._teardown(session)
             raise
+        self._phase(TrialPhase.TEARDOWN)
         self._teardown(session)
         self._phase(TrialPhase.DONE)
         result.exception_info = self._exception

@@ -490,6 +490,8 @@ class HarborBackend(ExecutionBackend):
             if phase is TrialPhase.VERIFIER:
                 pending.grading = True
                 loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
+            if phase is TrialPhase.TEARDOWN:
+                context.teardown_started_at = datetime.now(UTC)
 
         trial = plan.trial
         if request.agent_timeout_sec is not None:

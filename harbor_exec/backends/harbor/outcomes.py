@@ -239,25 +239,21 @@ def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
     }
     # Teardown (logs and artifacts copied back, containers and networks removed): from
     # the end of the trial's last phase to its end.
-    ends = [
-        timing.finished_at
-        for timing in (
-            result.environment_setup,
-            result.agent_setup,
-            result.agent_execution,
-            result.verifier,
-        )
-        if timing is not None and timing.finished_at is not None
-    ]
+    timed = [result.environment_setup, result.agent_setup, result.agent_execution]
+    timed.append(result.verifier)
+    for step in result.step_results or ():  # a multi-step trial's phases are its steps'
+        timed += [step.agent_execution, step.verifier]
+    ends = [t.finished_at for t in timed if t is not None and t.finished_at is not None]
     if result.finished_at and ends:
         timings["teardown"] = max(0.0, (result.finished_at - max(ends)).total_seconds())
     if result.started_at and result.finished_at:
         timings["total"] = (result.finished_at - result.started_at).total_seconds()
+    last_step = result.step_results[-1] if result.step_results else None
     phase = (
         TrialPhase.VERIFIER
-        if result.verifier
+        if result.verifier or (last_step and last_step.verifier)
         else TrialPhase.AGENT
-        if result.agent_execution
+        if result.agent_execution or (last_step and last_step.agent_execution)
         else TrialPhase.ENVIRONMENT
     )
     exc_type = result.exception_type
