@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import functools
 import io
 import json
@@ -48,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import IO, Any, Literal, ParamSpec, TypeVar, Unpack
+from typing import IO, Any, Final, Literal, ParamSpec, TypeVar, Unpack
 
 import docker
 import docker.errors
@@ -947,7 +948,7 @@ class DockerRuntime:
         it) with the volume at ``mount``. True when this call filled it."""
         with self._locks_guard:
             lock = self._volume_locks.setdefault(name, threading.Lock())
-        with lock:
+        with lock, _host_lock(f"volume-{name}"):
             if name in self._volumes_ready:
                 return False
             helper: str | None = None
@@ -1475,6 +1476,27 @@ def _healthcheck(spec: ContainerSpec) -> dict[str, Any] | None:
         "retries": check.retries,
         "start_period": int(check.start_period_sec * nanos) or None,
     }
+
+
+#: Where this host's processes take turns at what must happen once per engine.
+HOST_LOCKS_DIR: Final = Path(tempfile.gettempdir()) / "harbor-exec-locks"
+
+
+@contextlib.contextmanager
+def _host_lock(name: str) -> Iterator[None]:
+    """Exclusive across this host's processes (threads take their own locks first): two
+    processes filling one volume at once would extract over each other's files (seen:
+    ``lchown ...: no such file or directory``). Where the directory is another user's and
+    not ours to use, nothing is locked (as before)."""
+    try:
+        HOST_LOCKS_DIR.mkdir(mode=0o700, exist_ok=True)
+        handle = (HOST_LOCKS_DIR / f"{name}.lock").open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def _volume_mount(target: str, volume: str, *, read_only: bool = True) -> Any:
