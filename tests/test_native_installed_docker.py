@@ -46,7 +46,12 @@ SCRIPT = [
     tool_call_reply("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", call_id="call_2"),
 ]
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane("b"): its own tasks and agent layer; its one time bound (30 s) is wide.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.engine_lane("b"),
+    pytest.mark.usefixtures("base_images"),
+]
 
 
 @pytest.fixture(scope="session")

@@ -100,7 +100,8 @@ MUSL_DOCKERFILE = (
 )
 GLIBC_DOCKERFILE = "FROM debian:bookworm-slim\nRUN mkdir -p /app\nWORKDIR /app\n"
 
-pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("base_images")]
+# engine_lane: its own tasks and agent layer; its one time bound (30 s) is wide.
+pytestmark = [pytest.mark.docker, pytest.mark.engine_lane, pytest.mark.usefixtures("base_images")]
 
 
 @pytest.fixture(scope="session")
