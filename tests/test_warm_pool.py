@@ -25,7 +25,12 @@ def spec_for(relay_dir: Path, *, rollout: str = "r-1", memory_mb: int = 512) -> 
     return ContainerSpec(
         image="harbor-exec/env:abc",
         name=f"hx-{rollout}",
-        labels={LABEL_TRIAL: f"trial-{rollout}", LABEL_ROLLOUT: rollout, "harbor-exec.task": "t"},
+        labels={
+            LABEL_TRIAL: f"trial-{rollout}",
+            LABEL_ROLLOUT: rollout,
+            "harbor-exec.task": "t",
+            "harbor-exec.kind": "trial",
+        },
         env={"TASK_SETTING": "1"},
         memory_mb=memory_mb,
         mounts=(Mount(str(relay_dir), RELAY_DIR), Mount("/srv/trust", "/etc/trust")),

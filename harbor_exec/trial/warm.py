@@ -48,6 +48,7 @@ from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.network.egress.container import EGRESS_MOUNT
 from harbor_exec.network.egress.plan import EGRESS_ROOT
 from harbor_exec.sandbox.runtime import (
+    LABEL_KIND,
     LABEL_ROLLOUT,
     LABEL_TASK,
     LABEL_TRIAL,
@@ -309,11 +310,11 @@ class WarmPool:
                 demand = self._demand[key] = _Demand(spec)
             demand.template = spec
             demand.running += 1
-            heading = [
-                a for a in self._arrivals.get(spec.labels.get(LABEL_TASK, ""), ()) if a.heading
-            ]
-            if heading:  # the oldest on its way from its slot: this claim is its trial's
-                self._arrival_ended(heading[0])
+            if spec.labels.get(LABEL_KIND) == "trial":  # a trial's own (not its verifier's)
+                arrivals = self._arrivals.get(spec.labels.get(LABEL_TASK, ""), ())
+                heading = [a for a in arrivals if a.heading]
+                if heading:  # the oldest on its way from its slot: this claim is its trial's
+                    self._arrival_ended(heading[0])
             demand.samples.append((started, demand.running))
             idle = self._idle.get(key) or []
             warm = idle.pop() if idle else None  # the newest: the oldest age out
