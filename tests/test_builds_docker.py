@@ -421,9 +421,15 @@ def test_images_prune_reports_the_build_cache(docker_runtime: DockerRuntime) -> 
 def test_images_prune_removes_stale_runtime_and_dependency_volumes(
     docker_runtime: DockerRuntime,
 ) -> None:
-    """Stale runtime volumes and dependency environments go; the current runtime (and any
-    volume a container uses) stays. (``images prune`` keeps the current runtime's volume;
-    called on its own here, so the session's task images stay.)"""
+    """Stale runtime volumes and dependency environments go; the current runtime, any
+    volume a container uses and any a live harbor-exec process of this host holds (it
+    filled or checked it, and mounts it without asking the engine again) stay.
+    (``images prune`` keeps the current runtime's volume; called on its own here, so the
+    session's task images stay.)"""
+    import contextlib
+    import subprocess
+    import sys
+
     import docker
 
     from harbor_exec.sandbox.runtime_volume import RuntimeContent
@@ -435,19 +441,37 @@ def test_images_prune_removes_stale_runtime_and_dependency_volumes(
     )
     deps = client.volumes.create(f"harbor-exec-deps-stale{nonce}", labels={LABEL_KIND: "deps"})
     in_use = client.volumes.create(f"harbor-exec-deps-used{nonce}", labels={LABEL_KIND: "deps"})
+    held = client.volumes.create(f"harbor-exec-deps-held{nonce}", labels={LABEL_KIND: "deps"})
     holder = client.containers.create(
         "debian:bookworm-slim", volumes={in_use.name: {"bind": "/x", "mode": "ro"}}
     )
+    # Another process holds ``held`` as a runtime that filled it does, until told.
+    hold = (
+        "import sys\nfrom harbor_exec.sandbox.docker import _hold_on_this_host\n"
+        f"h = _hold_on_this_host('volume-{held.name}')\nprint('held', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "held"
         current = RuntimeContent.load().volume_name
         removed = docker_runtime.prune_volumes({current})
         assert stale.name in removed and deps.name in removed
         assert in_use.name not in removed and current not in removed
+        assert held.name not in removed
         names = {v.name for v in client.volumes.list()}
         assert stale.name not in names and deps.name not in names and in_use.name in names
+        assert held.name in names
+        process.communicate("\n", timeout=30)  # it ends: the volume is nobody's now
+        assert held.name in docker_runtime.prune_volumes({current})
     finally:
+        process.kill()
         holder.remove(force=True)
         in_use.remove(force=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            held.remove(force=True)
 
 
 def test_deps_in_image_bakes_the_install_into_a_layer_once(

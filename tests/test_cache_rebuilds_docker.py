@@ -98,7 +98,10 @@ def test_an_empty_cache_dir_builds_the_runtime_once_on_first_need(
         )
         with serve(create_rollout_server(backend=backend, artifact_root=tmp_path / "sa")) as url:
             result: Any = asyncio.run(_rollout(url, chat))
-        assert result.status == "success" and result.sample.reward == 1.0, result
+        assert result.status == "success" and result.sample.reward == 1.0, (
+            result.err_message,
+            result,
+        )
         assert RuntimeContent.load(cache).digest == built.digest
     finally:
         for volume in (

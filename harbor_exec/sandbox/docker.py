@@ -375,6 +375,9 @@ class DockerRuntime:
         # Volumes (the runtime's, dependency environments) checked complete by this runtime.
         self._volumes_ready: set[str] = set()
         self._volume_locks: dict[str, threading.Lock] = {}
+        # A shared host lock on each volume this runtime may mount: a prune (another
+        # process's `images prune`) leaves it alone while this process lives.
+        self._volume_holds: dict[str, IO[str]] = {}
         # Fail at start-up, not at the first trial, when no profile can be read.
         self._seccomp.security_opt()
 
@@ -407,6 +410,9 @@ class DockerRuntime:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for handle in self._volume_holds.values():
+            handle.close()  # releases its shared lock
+        self._volume_holds.clear()
         self._api.close()
         self._exec_api.close()
 
@@ -685,10 +691,13 @@ class DockerRuntime:
                 name = volume["Name"]
                 if name in keep:
                     continue
-                try:
-                    self._api.remove_volume(name)  # refused while a container uses it
-                except docker.errors.APIError:
-                    continue
+                with _unused_on_this_host(f"volume-{name}") as unused:
+                    if not unused:
+                        continue  # a live process of this host may mount it any moment
+                    try:
+                        self._api.remove_volume(name)  # refused while a container uses it
+                    except docker.errors.APIError:
+                        continue
                 self._volumes_ready.discard(name)
                 removed.append(name)
         return removed
@@ -951,6 +960,12 @@ class DockerRuntime:
         with lock, _host_lock(f"volume-{name}"):
             if name in self._volumes_ready:
                 return False
+            # Held before the content is checked: a prune that removes it waits for none,
+            # and none may remove it from now on (``prune_volumes``).
+            if name not in self._volume_holds:
+                held = _hold_on_this_host(f"volume-{name}")
+                if held is not None:
+                    self._volume_holds[name] = held
             helper: str | None = None
             filled = False
             try:
@@ -1497,6 +1512,42 @@ def _host_lock(name: str) -> Iterator[None]:
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield  # closing the file releases the lock
+
+
+def _use_lock(name: str) -> IO[str] | None:
+    """The file whose shared locks say a process of this host uses ``name``; None where
+    it cannot be had (another user's directory)."""
+    try:
+        HOST_LOCKS_DIR.mkdir(mode=0o700, exist_ok=True)
+        return (HOST_LOCKS_DIR / f"use-{name}.lock").open("a")
+    except OSError:
+        return None
+
+
+def _hold_on_this_host(name: str) -> IO[str] | None:
+    """A shared lock on ``name``'s use for as long as the returned file stays open
+    (waits only while a prune removes it)."""
+    handle = _use_lock(name)
+    if handle is not None:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+    return handle
+
+
+@contextlib.contextmanager
+def _unused_on_this_host(name: str) -> Iterator[bool]:
+    """True (and held exclusively meanwhile) when no process of this host, this one
+    included, holds ``name``'s use; False at once otherwise."""
+    handle = _use_lock(name)
+    if handle is None:
+        yield True
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def _volume_mount(target: str, volume: str, *, read_only: bool = True) -> Any:
