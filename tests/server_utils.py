@@ -317,6 +317,18 @@ def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> 
     return bool(predicate())
 
 
+def task_containers(client: Any, prefix: str, *, stopped: bool = False) -> list[Any]:
+    """Our containers of tasks whose names start with ``prefix``, from the engine's list
+    alone (the SDK's full list inspects each one, and one that another test removes
+    meanwhile raises NotFound). Sparse: their labels are ``attrs["Labels"]``."""
+    label = {"label": ["harbor-exec.managed=true", "harbor-exec.task"]}
+    return [
+        c
+        for c in client.containers.list(all=stopped, filters=label, sparse=True)
+        if (c.attrs.get("Labels") or {}).get("harbor-exec.task", "").startswith(prefix)
+    ]
+
+
 def runs_command(container: Any, command: str) -> bool:
     """Whether a process in ``container`` (a docker SDK container) runs ``command``:
     how an engine test knows a trial reached its agent phase, rather than sleeping."""

@@ -16,9 +16,8 @@ import pytest
 
 from harbor_exec.jobs.dataset import run_job
 from harbor_exec.sandbox.docker import DockerRuntime
-from harbor_exec.sandbox.runtime import LABEL_MANAGED
 from harbor_exec.tasks.discovery import discover_tasks
-from tests.server_utils import runs_command, wait_until
+from tests.server_utils import runs_command, task_containers, wait_until
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,15 +145,10 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
     )
     signal.signal(signal.SIGINT, ignored)
     client = docker.from_env()
-    label = {"label": [f"{LABEL_MANAGED}=true", "harbor-exec.task"]}
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            running = [
-                c
-                for c in client.containers.list(filters=label)
-                if c.labels.get("harbor-exec.task", "").startswith("slow-")
-            ]
+            running = task_containers(client, "slow-")
             if len(running) == 3:
                 break
             time.sleep(0.2)
@@ -180,11 +174,7 @@ def test_ctrl_c_cancels_cleanly(tmp_path: Path) -> None:
     said = " ".join(output.split())
     resume = f"--jobs-dir {tmp_path / 'jobs'} --job-name j"
     assert f"resume it (finished trials are kept): harbor-exec validate {ds} -n 3 {resume}" in said
-    left = [
-        c.name
-        for c in client.containers.list(all=True, filters=label)
-        if c.labels.get("harbor-exec.task", "").startswith("slow-")
-    ]
+    left = [c.id for c in task_containers(client, "slow-", stopped=True)]
     assert left == []
     job = json.loads((tmp_path / "jobs" / "j" / "result.json").read_text())
     assert job["stats"]["n_cancelled_trials"] == 3

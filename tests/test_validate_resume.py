@@ -16,7 +16,7 @@ from typing import Any
 import docker
 import pytest
 
-from harbor_exec.sandbox.runtime import LABEL_MANAGED
+from tests.server_utils import task_containers
 from tests.task_factory import make_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,12 +31,7 @@ def env() -> dict[str, str]:
 
 
 def ours(client: docker.DockerClient, prefix: str) -> list[str]:
-    label = {"label": [f"{LABEL_MANAGED}=true", "harbor-exec.task"]}
-    return [
-        c.name
-        for c in client.containers.list(all=True, filters=label)
-        if c.labels.get("harbor-exec.task", "").startswith(prefix)
-    ]
+    return [c.id for c in task_containers(client, prefix, stopped=True)]
 
 
 def trial_results(job: Path) -> dict[str, dict[str, Any]]:

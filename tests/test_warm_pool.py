@@ -298,16 +298,20 @@ def test_a_group_that_names_its_size_gets_its_rest_made_ahead(
     first = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
     pool.created(first)
     pool.release(first)
-    # The group's first member runs now (not queued): its three others are coming.
+    # The group's first member runs now (not queued) and claims: its three others are
+    # coming, and each member counts until its own claim.
     pool.expect("t", queued=False, group=("step-7/prompt-3", 4))
+    lead = pool.claim(spec_for(relay_dir(tmp_path, "lead"), rollout="lead"), SETTINGS)
+    pool.created(lead)
     assert wait_until(lambda: pool.stats().idle == 3)
-    taken = []
+    taken = [lead]
     for n in range(3):
         pool.expect("t", queued=False, group=("step-7/prompt-3", 4))
         claim = pool.claim(spec_for(relay_dir(tmp_path, f"g{n}"), rollout=f"g{n}"), SETTINGS)
         assert claim.container_id is not None, n
         taken.append(claim)
-    assert len({c.container_id for c in taken}) == 3
+    made_ahead = {c.container_id for c in taken[1:]}
+    assert len(made_ahead) == 3 and lead.container_id not in made_ahead
     for claim in taken:
         pool.release(claim)
 

@@ -410,16 +410,22 @@ class WarmPool:
         rest of the group, not arrived yet, counts as coming for ``idle_sec`` after its
         last arrival."""
         now = time.monotonic()
-        arrival = Arrival(self, task) if queued else Arrival()
+        counted = queued or group is not None
+        arrival = Arrival(self, task) if counted else Arrival()
+        if counted and not queued:
+            # A group's member that runs at once: it stops counting in the group's rest
+            # now, so it counts as on its way until its claim (else what was made for it
+            # could be trimmed just before it takes it).
+            arrival.heading, arrival._since = True, now
         with self._cond:
             if self._closed:
                 return Arrival()
             if group is not None:
                 known = self._groups.setdefault((task, group[0]), _Group(group[1]))
                 known.seen, known.at = known.seen + 1, now
-            if queued:
+            if counted:
                 self._arrivals.setdefault(task, []).append(arrival)
-            if queued or group is not None:
+            if counted:
                 self._start_filler()
                 self._cond.notify_all()
         return arrival
