@@ -193,6 +193,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # The quiet tests last in their group: by then the other lanes are done (or on
         # their last test), so the engine group does not idle while each quiet test
         # waits for the lanes' current tests to end (measured: about 200 s of the run).
-        quiet = [item for item in items if item.get_closest_marker("quiet_engine")]
-        if quiet:
-            items[:] = [item for item in items if item not in quiet] + quiet
+        items.sort(key=lambda item: item.get_closest_marker("quiet_engine") is not None)

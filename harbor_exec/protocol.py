@@ -68,8 +68,8 @@ __all__ = [
     "categorize_exception",
     "check_timeouts",
     "ensure_single_path_segment",
+    "group_hint",
     "group_of",
-    "group_size_of",
     "is_single_path_segment",
     "rollout_dir_name",
 ]
@@ -576,12 +576,11 @@ def group_of(metadata: Mapping[str, Any] | None) -> str | None:
     return None
 
 
-def group_size_of(metadata: Mapping[str, Any] | None) -> int | None:
-    """``metadata.group_size`` when the metadata names a group too and the size is a
-    whole number of at least 2 (capped at ``MAX_GROUP_SIZE``); None otherwise."""
-    if group_of(metadata) is None or metadata is None:
+def group_hint(metadata: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """(the group, ``metadata.group_size``) when the metadata names a group and the size
+    is a whole number of at least 2 (capped at ``MAX_GROUP_SIZE``); None otherwise."""
+    group = group_of(metadata)
+    size = metadata.get(GROUP_SIZE_KEY) if metadata and group is not None else None
+    if group is None or isinstance(size, bool) or not isinstance(size, int) or size < 2:
         return None
-    size = metadata.get(GROUP_SIZE_KEY)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-        return None
-    return min(size, MAX_GROUP_SIZE)
+    return group, min(size, MAX_GROUP_SIZE)

@@ -317,17 +317,21 @@ def test_a_group_that_names_its_size_gets_its_rest_made_ahead(
 
 
 def test_the_group_size_is_read_from_the_requests_metadata() -> None:
-    from harbor_exec.protocol import group_of, group_size_of
+    from harbor_exec.protocol import group_hint, group_of
 
-    assert group_size_of({"group_id": "p-1", "group_size": 8}) == 8
-    assert group_of({"group": 17}) == "17" and group_size_of({"group": 17, "group_size": 2}) == 2
+    assert group_hint({"group_id": "p-1", "group_size": 8}) == ("p-1", 8)
+    assert group_of({"group": 17}) == "17" and group_hint({"group": 17, "group_size": 2}) == (
+        "17",
+        2,
+    )
     # No group named, a size below two, not a whole number: no hint; a huge one is capped.
-    assert group_size_of({"group_size": 8}) is None
-    assert group_size_of({"group_id": "p", "group_size": 1}) is None
-    assert group_size_of({"group_id": "p", "group_size": "8"}) is None
-    assert group_size_of({"group_id": "p", "group_size": True}) is None
-    assert group_size_of({"group_id": "p", "group_size": 10**9}) == 1024
-    assert group_size_of(None) is None
+    assert group_hint({"group_size": 8}) is None
+    assert group_hint({"group_id": "p", "group_size": 1}) is None
+    assert group_hint({"group_id": "p", "group_size": "8"}) is None
+    assert group_hint({"group_id": "p", "group_size": True}) is None
+    assert group_hint({"group_id": "p", "group_size": 10**9}) == ("p", 1024)
+    assert group_hint({"group_id": "p"}) is None
+    assert group_hint(None) is None
 
 
 def test_a_served_task_warms_for_its_queue_and_its_group(tmp_path: Path) -> None:

@@ -1503,10 +1503,8 @@ def _host_lock(name: str) -> Iterator[None]:
     processes filling one volume at once would extract over each other's files (seen:
     ``lchown ...: no such file or directory``). Where the directory is another user's and
     not ours to use, nothing is locked (as before)."""
-    try:
-        HOST_LOCKS_DIR.mkdir(mode=0o700, exist_ok=True)
-        handle = (HOST_LOCKS_DIR / f"{name}.lock").open("a")
-    except OSError:
+    handle = _lock_file(name)
+    if handle is None:
         yield
         return
     with handle:
@@ -1514,12 +1512,12 @@ def _host_lock(name: str) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
-def _use_lock(name: str) -> IO[str] | None:
-    """The file whose shared locks say a process of this host uses ``name``; None where
-    it cannot be had (another user's directory)."""
+def _lock_file(name: str) -> IO[str] | None:
+    """``HOST_LOCKS_DIR/<name>.lock``, open for ``flock``; None where it cannot be had
+    (another user's directory)."""
     try:
         HOST_LOCKS_DIR.mkdir(mode=0o700, exist_ok=True)
-        return (HOST_LOCKS_DIR / f"use-{name}.lock").open("a")
+        return (HOST_LOCKS_DIR / f"{name}.lock").open("a")
     except OSError:
         return None
 
@@ -1527,7 +1525,7 @@ def _use_lock(name: str) -> IO[str] | None:
 def _hold_on_this_host(name: str) -> IO[str] | None:
     """A shared lock on ``name``'s use for as long as the returned file stays open
     (waits only while a prune removes it)."""
-    handle = _use_lock(name)
+    handle = _lock_file(f"use-{name}")
     if handle is not None:
         fcntl.flock(handle, fcntl.LOCK_SH)
     return handle
@@ -1537,7 +1535,7 @@ def _hold_on_this_host(name: str) -> IO[str] | None:
 def _unused_on_this_host(name: str) -> Iterator[bool]:
     """True (and held exclusively meanwhile) when no process of this host, this one
     included, holds ``name``'s use; False at once otherwise."""
-    handle = _use_lock(name)
+    handle = _lock_file(f"use-{name}")
     if handle is None:
         yield True
         return

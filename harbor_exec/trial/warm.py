@@ -409,10 +409,11 @@ class WarmPool:
         leaves (``Arrival.left``). ``group``: (its group's id, the group's size): the
         rest of the group, not arrived yet, counts as coming for ``idle_sec`` after its
         last arrival."""
+        if not queued and group is None:
+            return Arrival()  # it runs at once and says nothing of others
         now = time.monotonic()
-        counted = queued or group is not None
-        arrival = Arrival(self, task) if counted else Arrival()
-        if counted and not queued:
+        arrival = Arrival(self, task)
+        if not queued:
             # A group's member that runs at once: it stops counting in the group's rest
             # now, so it counts as on its way until its claim (else what was made for it
             # could be trimmed just before it takes it).
@@ -423,11 +424,9 @@ class WarmPool:
             if group is not None:
                 known = self._groups.setdefault((task, group[0]), _Group(group[1]))
                 known.seen, known.at = known.seen + 1, now
-            if counted:
-                self._arrivals.setdefault(task, []).append(arrival)
-            if counted:
-                self._start_filler()
-                self._cond.notify_all()
+            self._arrivals.setdefault(task, []).append(arrival)
+            self._start_filler()
+            self._cond.notify_all()
         return arrival
 
     def _arrival_ended(self, arrival: Arrival) -> None:

@@ -75,8 +75,7 @@ from harbor_exec.protocol import (
     NodeStatus,
     PrewarmSummary,
     QueueInfo,
-    group_of,
-    group_size_of,
+    group_hint,
     rollout_dir_name,
 )
 from harbor_exec.sandbox.runtime import ContainerEngine
@@ -408,12 +407,8 @@ class HarborBackend(ExecutionBackend):
             return ExecutionOutcome(workflow=rejected)
         # The executor's warm pool hears of it: queued behind the slots, or one of a
         # group that said its size (its containers are made while it waits).
-        size = group_size_of(request.metadata)
-        group = group_of(request.metadata)
         arrival = self.executor.expect(
-            plan.trial.task.name,
-            queued=self._slots.locked(),
-            group=(group, size) if group is not None and size is not None else None,
+            plan.trial.task.name, queued=self._slots.locked(), group=group_hint(request.metadata)
         )
         try:
             async with self._slots:
