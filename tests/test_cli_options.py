@@ -317,3 +317,28 @@ def test_harbors_task_filters_pick_the_tasks(tmp_path: Path) -> None:
     assert names(exclude=["alpha-*"], n_tasks=1) == ["beta-1"]
     with pytest.raises(typer.Exit):
         names(include=["delta*"])
+
+
+def test_the_help_renderer_is_imported_only_for_help() -> None:
+    """typer's rich help (with the markdown it pulls in, about 80 ms) is imported when help
+    is printed, not by every command's start-up; the first help of a fresh process still
+    has our panels (every name whole at 80 columns)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from harbor_exec.cli.app import app\n"
+        "print('at start-up:', 'typer.rich_utils' in sys.modules)\n"
+        "result = CliRunner().invoke(app, ['serve', '--help'], env={'COLUMNS': '80'}, "
+        "terminal_width=80)\n"
+        "print(result.output)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "at start-up: False" in done.stdout, done.stdout
+    assert (
+        "--task-git-allow-unpinned" in done.stdout and "--no-task-git-allow-unpinned" in done.stdout
+    )

@@ -8,15 +8,18 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from harbor_exec.cli.help import HelpCommand, HelpGroup
 from harbor_exec.cli.helpers import console, open_runtime
 from harbor_exec.sandbox.apt_mirror import MIRROR_ENV, BootstrapError
 from harbor_exec.sandbox.images import bootstrap, build_cache_report, prune
 from harbor_exec.sandbox.runtime_build import RuntimeBuildError
 
-images_app = typer.Typer(help="Base images, task images and dependency layers we made.")
+images_app = typer.Typer(
+    cls=HelpGroup, help="Base images, task images and dependency layers we made."
+)
 
 
-@images_app.command("bootstrap")
+@images_app.command(cls=HelpCommand, name="bootstrap")
 def bootstrap_command(
     mirror: Annotated[
         str | None,
@@ -40,7 +43,7 @@ def bootstrap_command(
         console.print(f"{tag}: {status}")
 
 
-@images_app.command("list")
+@images_app.command(cls=HelpCommand, name="list")
 def list_command() -> None:
     """List the images we made, and the image builder this engine gets."""
     runtime = open_runtime()
@@ -56,7 +59,7 @@ def list_command() -> None:
     console.print(table)
 
 
-@images_app.command("prune")
+@images_app.command(cls=HelpCommand, name="prune")
 def prune_command(
     include_base: Annotated[
         bool, typer.Option("--all", help="Also remove the bootstrapped base images.")

@@ -11,9 +11,11 @@ from typing import Annotated
 
 import typer
 
+from harbor_exec.cli.help import HelpCommand, HelpGroup
 from harbor_exec.cli.helpers import console, usage_error
 
 init_app = typer.Typer(
+    cls=HelpGroup,
     help="Write a minimal Harbor task, or a workflow project laid out as osmosis-ai's.",
     no_args_is_help=True,
 )
@@ -153,7 +155,7 @@ def _checked(name: str) -> str:
     return name
 
 
-@init_app.command("task")
+@init_app.command(cls=HelpCommand, name="task")
 def init_task(name: NameArgument, directory: DirOption = None) -> None:
     """A minimal Harbor task (instruction, task.toml, Dockerfile, solve.sh, test.sh) that
     `harbor-exec validate` passes as it stands."""
@@ -162,7 +164,7 @@ def init_task(name: NameArgument, directory: DirOption = None) -> None:
     console.print(f"wrote the task {root}/; check it with: harbor-exec validate {root}")
 
 
-@init_app.command("project")
+@init_app.command(cls=HelpCommand, name="project")
 def init_project(name: NameArgument, directory: DirOption = None) -> None:
     """A workflow project in the osmosis-ai layout (workflow, grader and config in one
     module), ready to bundle and serve."""

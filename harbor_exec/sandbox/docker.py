@@ -361,6 +361,7 @@ class DockerRuntime:
         # Image configs by tag; task and dependency tags are content hashes.
         self._image_configs: dict[str, dict[str, Any]] = {}
         self._image_accounts: dict[str, ImageAccounts] = {}
+        self._accounts_locks: dict[str, threading.Lock] = {}
         # Containers whose removal failed while the engine was away; reap() retries them.
         self._unremoved: set[str] = set()
         self._cpus: int | None = None  # the engine's CPU count, asked once
@@ -426,9 +427,10 @@ class DockerRuntime:
             return False
         return True
 
-    def _lock_for(self, tag: str) -> threading.Lock:
+    def _lock_for(self, key: str, locks: dict[str, threading.Lock] | None = None) -> threading.Lock:
+        """The lock of ``key`` in ``locks`` (the image builds' by default), made once."""
         with self._locks_guard:
-            return self._build_locks.setdefault(tag, threading.Lock())
+            return (self._build_locks if locks is None else locks).setdefault(key, threading.Lock())
 
     @_engine_boundary
     def ensure_image(self, **build: Unpack[ImageBuild]) -> BuildResult:
@@ -641,11 +643,18 @@ class DockerRuntime:
     @_engine_boundary
     def image_accounts(self, image: str, container_id: str) -> ImageAccounts:
         accounts = self._image_accounts.get(image)
-        if accounts is None:
-            # Read once per image (two archive calls): the image never changes, and
-            # a container that never started holds exactly the image's files.
-            passwd, group = (self._read_small_file(container_id, path) for path in ACCOUNT_FILES)
-            accounts = self._image_accounts[image] = ImageAccounts.parse(passwd, group)
+        if accounts is not None:
+            return accounts
+        # Read once per image (two archive calls, the daemon's costliest kind): the image
+        # never changes, and a container that never started holds exactly the image's
+        # files. One reader per image: a batch's first trials all start at once.
+        with self._lock_for(image, self._accounts_locks):
+            accounts = self._image_accounts.get(image)
+            if accounts is None:
+                passwd, group = (
+                    self._read_small_file(container_id, path) for path in ACCOUNT_FILES
+                )
+                accounts = self._image_accounts[image] = ImageAccounts.parse(passwd, group)
         return accounts
 
     def _read_small_file(self, container_id: str, path: str) -> bytes:
@@ -955,9 +964,7 @@ class DockerRuntime:
         """Create volume ``name`` and, unless ``marker`` is in it, ``place`` its content
         through a helper container made from ``image`` (present: a trial is about to use
         it) with the volume at ``mount``. True when this call filled it."""
-        with self._locks_guard:
-            lock = self._volume_locks.setdefault(name, threading.Lock())
-        with lock, _host_lock(f"volume-{name}"):
+        with self._lock_for(name, self._volume_locks), _host_lock(f"volume-{name}"):
             if name in self._volumes_ready:
                 return False
             # Held before the content is checked: a prune that removes it waits for none,

@@ -15,9 +15,10 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harbor_exec.agents.native.layer import AgentLayer
+if TYPE_CHECKING:  # the layer's module (and what it imports) is only for in-container agents
+    from harbor_exec.agents.native.layer import AgentLayer
 
 #: Harbor's agents harbor-exec runs (besides the oracle), by Harbor's names.
 NATIVE_AGENT_NAMES: tuple[str, ...] = ("terminus-2", "mini-swe-agent", "opencode")

@@ -24,7 +24,6 @@ from harbor_exec.agents.native.config import (
     is_native_agent,
     native_agent_config,
 )
-from harbor_exec.backends.harbor.resolver import TaskMode
 from harbor_exec.network.packages.config import PackageCacheConfig
 from harbor_exec.sandbox.archives import OutputLimits
 from harbor_exec.trial.policy import (
@@ -37,7 +36,8 @@ from harbor_exec.trial.policy import (
     default_pids_limit,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the resolver's module imports the task sources (git, packages)
+    from harbor_exec.backends.harbor.resolver import TaskMode
     from harbor_exec.bundler.bundle import Bundle
     from harbor_exec.sources.packages import PackageSource
 
