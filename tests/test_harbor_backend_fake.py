@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,39 @@ def test_a_tasks_dir_the_mode_cannot_serve_is_refused_at_start(tmp_path: Path) -
     # The fitting modes start.
     HarborBackend(tasks_dir=dataset, task_mode="dataset", runtime=FakeRuntime())
     HarborBackend(tasks_dir=dataset / "alpha", runtime=FakeRuntime())
+
+
+def test_a_rollout_gives_its_slot_back_when_its_reward_is_read(tmp_path: Path) -> None:
+    """One trial slot: the next rollout's agent starts while the first rollout's container
+    is still being removed (its reward is read; the removal is clean-up), and each still
+    gets its own result. Before, the slot was held until the removal ended."""
+    runtime = FakeRuntime()
+    removal_held, release = threading.Event(), threading.Event()
+    remove = runtime.remove
+
+    def slow_remove(container_id: str) -> None:
+        if not removal_held.is_set():
+            removal_held.set()
+            release.wait(10)  # the first removal waits for the test (at most 10 s)
+        remove(container_id)
+
+    runtime.remove = slow_remove  # type: ignore[method-assign]
+
+    def solves() -> int:
+        return sum("solve.sh" in e.script for e in runtime.execs)
+
+    async def scenario(url: str) -> list[str]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            first = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="first")
+            second = await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id="second")
+            assert await asyncio.to_thread(removal_held.wait, 10)
+            try:
+                started = await asyncio.to_thread(wait_until, lambda: solves() == 2, 5)
+                assert started, "the second rollout waited for the first one's removal"
+            finally:
+                release.set()
+            return [(await first).status, (await second).status]
+
+    with served(tmp_path, runtime, max_concurrent_trials=1, warm_containers=0) as (_b, url):
+        assert asyncio.run(scenario(url)) == ["success", "success"]

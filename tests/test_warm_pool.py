@@ -14,7 +14,7 @@ import pytest
 
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.sandbox.runtime import LABEL_ROLLOUT, LABEL_TRIAL, ContainerSpec, Mount
-from harbor_exec.trial.warm import LABEL_WARM, WarmPool, WarmSettings, template_key
+from harbor_exec.trial.warm import LABEL_WARM, WarmClaim, WarmPool, WarmSettings, template_key
 from tests.fake_runtime import FakeRuntime
 from tests.server_utils import wait_until
 
@@ -112,6 +112,28 @@ def test_a_miss_then_a_warm_container_carrying_only_the_next_rollouts_socket(
     pool.release(second)
     assert not warm_relay.exists()  # the claim's directories go with it
     pool.release(again)
+
+
+def test_a_trial_in_its_teardown_is_not_counted_as_running(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    """A trial gives its slot back once its reward is read, so with one slot the next
+    trial claims while the last one's container is still being removed: the pool sizes
+    for the trials running (one), not for the removals (it made two before)."""
+    previous: WarmClaim | None = None
+    for n in range(4):
+        claim = pool.claim(spec_for(relay_dir(tmp_path, f"r{n}"), rollout=f"r{n}"), SETTINGS)
+        pool.created(claim)
+        if previous is not None:
+            pool.release(previous)  # the last trial's container is removed only now
+        expected = 1 if n else 0  # the first trial: asked for once, nothing made ahead
+        assert wait_until(lambda want=expected: pool.stats().idle == want, timeout=2)
+        pool.finished(claim)  # its reward is read: its teardown begins
+        previous = claim
+    assert not wait_until(lambda: pool.stats().idle > 1, timeout=0.3)
+    assert pool.stats().idle == 1 and pool.stats().hits == 2
+    assert previous is not None
+    pool.release(previous)
 
 
 def test_a_container_goes_to_one_trial_only(

@@ -140,7 +140,13 @@ NTasksOption = Annotated[
 DEFAULT_N_CONCURRENT = 4
 NConcurrentOption = Annotated[
     int,
-    typer.Option("-n", "--n-concurrent", min=1, rich_help_panel=JOB, help="Trials run at once."),
+    typer.Option(
+        "-n",
+        "--n-concurrent",
+        min=1,
+        rich_help_panel=JOB,
+        help="Trials run at once (a trial gives its slot back once its reward is read).",
+    ),
 ]
 NAttemptsOption = Annotated[
     int,

@@ -437,7 +437,12 @@ def serve(
         Path | None, typer.Option(rich_help_panel=SERVER, help="Where trial directories go.")
     ] = None,
     max_concurrent_trials: Annotated[
-        int, typer.Option(rich_help_panel=SERVER, min=1, help="Trials run at once.")
+        int,
+        typer.Option(
+            rich_help_panel=SERVER,
+            min=1,
+            help="Trials run at once (a trial gives its slot back once its reward is read).",
+        ),
     ] = DEFAULT_MAX_CONCURRENT_TRIALS,
     max_queue_depth: Annotated[
         int | None,

@@ -41,7 +41,8 @@ class Turn:
         self.gate._take_slot(self, cancelled)
 
     def done(self) -> None:
-        """The trial ended (or never started): give back what it holds."""
+        """The trial's reward is read (its containers' removal is clean-up), or it ended
+        or never started: give back what it holds. Once; a second call does nothing."""
         self.gate._release(self)
 
 
@@ -68,8 +69,9 @@ class RunSlots:
 
     @property
     def workers(self) -> int:
-        """Threads the job needs: one per slot and one per trial ahead."""
-        return self.slots + self.ahead
+        """Threads the job needs: one per slot, one per trial ahead, and one per slot
+        for a trial whose containers are being removed (it gave its slot back)."""
+        return 2 * self.slots + self.ahead
 
     def admit(self, memory_mb: int, *, may_go_ahead: bool = True) -> Turn | None:
         """A place for the next trial of the schedule: a slot if one is free (no trial

@@ -622,10 +622,17 @@ def run_job(
     def run_here(task: Task, attempt: int, spec: TrialSpec, turn: Turn) -> TrialResult:
         nonlocal built
         assert runtime is not None
+
+        def on_phase(phase: TrialPhase) -> None:
+            if phase is TrialPhase.TEARDOWN:
+                # Its reward is read: the removal is clean-up, the slot the next trial's.
+                turn.done()
+            emit(JobEvent("phase", task, attempt, phase=phase))
+
         trial = create_trial(
             runtime,
             trial_request(spec, package_cache=package_cache, wait_turn=turn.wait),
-            on_phase=lambda phase: emit(JobEvent("phase", task, attempt, phase=phase)),
+            on_phase=on_phase,
         )
         trial.dir.mkdir(parents=True, exist_ok=True)
         (trial.dir / "config.json").write_text(

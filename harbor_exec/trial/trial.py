@@ -409,6 +409,9 @@ class Trial:
             self._teardown(session)
             raise
         self._phase(TrialPhase.TEARDOWN)
+        if self.request.warm_pool is not None:
+            for claim in list(self._claims.values()):
+                self.request.warm_pool.finished(claim)  # its slot is given back now
         self._teardown(session)
         self._phase(TrialPhase.DONE)
         result.exception_info = self._exception

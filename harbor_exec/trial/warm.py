@@ -12,10 +12,11 @@ are put as for a cold container and the forwarder starts in its first phase. A
 container goes to one trial only and is removed with it.
 
 How many to hold: for each task asked for at least twice over the last ``idle_sec``,
-the most trials of it that ran at once then (what the executor sees of arrivals); more
-when the server says more are coming (``expect``): its rollouts of the task queued for a
-trial slot, and the rest of a group whose request named its size (``metadata.group_size``,
-as a GRPO step sends a prompt's samples). All within the operator's bound on containers
+the most trials of it that ran at once then (what the executor sees of arrivals; one in
+its teardown no longer counts: ``finished``); more when the server says more are coming
+(``expect``): its rollouts of the task queued for a trial slot, and the rest of a group
+whose request named its size (``metadata.group_size``, as a GRPO step sends a prompt's
+samples). All within the operator's bound on containers
 and on their memory limits summed; a hint counts only for a task a trial has run of
 (its template is what the pool makes).
 Real trials win: nothing is made while a trial is creating a container of its own or
@@ -252,6 +253,7 @@ class WarmClaim:
     container_id: str | None = None
     warm: _Warm | None = field(default=None, repr=False)
     cold: bool = False  # counted among the trials creating a container now
+    running: bool = True  # counted among its template's trials running now
     released: bool = False
 
 
@@ -354,16 +356,25 @@ class WarmPool:
                 self._cold_creating -= 1
                 self._cond.notify_all()
 
+    def finished(self, claim: WarmClaim) -> None:
+        """The claim's trial has its reward (its teardown began): it no longer counts as
+        running, as it holds no slot (the next trial may claim while it is removed)."""
+        with self._cond:
+            if not claim.running:
+                return
+            claim.running = False
+            demand = self._demand.get(claim.key)
+            if demand is not None:
+                demand.running = max(0, demand.running - 1)
+
     def release(self, claim: WarmClaim) -> None:
         """The trial is done with the claim's container (the trial removed it)."""
         self.created(claim)
+        self.finished(claim)
         with self._cond:
             if claim.released:
                 return
             claim.released = True
-            demand = self._demand.get(claim.key)
-            if demand is not None:
-                demand.running = max(0, demand.running - 1)
         if claim.warm is not None:
             _remove_dirs(claim.warm)
 

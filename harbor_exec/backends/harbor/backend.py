@@ -128,6 +128,18 @@ class _Pending:
     cancel_requested: bool = False
 
 
+class _Slot:
+    """One trial slot taken from ``slots``, given back once (on the event loop)."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots: asyncio.Semaphore | None = slots
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.release()
+
+
 def _warm_figures(stats: WarmStats | None) -> dict[str, float | int | None] | None:
     if stats is None:
         return None
@@ -411,11 +423,17 @@ class HarborBackend(ExecutionBackend):
             plan.trial.task.name, queued=self._slots.locked(), group=group_hint(request.metadata)
         )
         try:
-            async with self._slots:
+            await self._slots.acquire()
+            # Given back once: when the trial's reward is read (its containers' removal
+            # is clean-up, the slot the next rollout's), else when the rollout ends.
+            slot = _Slot(self._slots)
+            try:
                 arrival.took_its_slot()
                 pending.started = True
                 context.update_status(RolloutStatus.RUNNING)
-                return await self._run(request, plan, pending, admitted, context)
+                return await self._run(request, plan, pending, admitted, context, slot)
+            finally:
+                slot.release()
         except asyncio.CancelledError:
             if not pending.cancel_requested:
                 raise
@@ -474,6 +492,7 @@ class HarborBackend(ExecutionBackend):
         pending: _Pending,
         admitted: float,
         context: RolloutContext,
+        slot: _Slot,
     ) -> ExecutionOutcome:
         loop = asyncio.get_running_loop()
 
@@ -487,6 +506,7 @@ class HarborBackend(ExecutionBackend):
                 loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
             if phase is TrialPhase.TEARDOWN:
                 context.teardown_started_at = datetime.now(UTC)
+                loop.call_soon_threadsafe(slot.release)
 
         trial = plan.trial
         if request.agent_timeout_sec is not None:
