@@ -438,6 +438,22 @@ class FakeRuntime:
             self.gate.container_removed()
 
 
+def hold_first_removal(runtime: FakeRuntime) -> tuple[threading.Event, threading.Event]:
+    """The runtime's first container removal waits for the test: (set once it waits, set
+    it to let the removal go on; it goes on by itself after 10 s)."""
+    held, release = threading.Event(), threading.Event()
+    remove = runtime.remove
+
+    def held_remove(container_id: str) -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(10)
+        remove(container_id)
+
+    runtime.remove = held_remove  # type: ignore[method-assign]
+    return held, release
+
+
 def _extract(container: FakeContainer, data: bytes) -> None:
     """Apply a tar at ``/`` as the engine does: a path whose type changes is replaced."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from harbor_exec.server.app import create_rollout_server
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.trial import image_tag_for
 from harbor_exec.trial.warm import LABEL_WARM
-from tests.fake_runtime import HOLD, FakeRuntime
+from tests.fake_runtime import HOLD, FakeRuntime, hold_first_removal
 from tests.server_utils import CHAT_URL, PROMPT, serve, wait_until
 from tests.task_factory import make_task
 
@@ -352,16 +351,7 @@ def test_a_rollout_gives_its_slot_back_when_its_reward_is_read(tmp_path: Path) -
     is still being removed (its reward is read; the removal is clean-up), and each still
     gets its own result. Before, the slot was held until the removal ended."""
     runtime = FakeRuntime()
-    removal_held, release = threading.Event(), threading.Event()
-    remove = runtime.remove
-
-    def slow_remove(container_id: str) -> None:
-        if not removal_held.is_set():
-            removal_held.set()
-            release.wait(10)  # the first removal waits for the test (at most 10 s)
-        remove(container_id)
-
-    runtime.remove = slow_remove  # type: ignore[method-assign]
+    removal_held, release = hold_first_removal(runtime)
 
     def solves() -> int:
         return sum("solve.sh" in e.script for e in runtime.execs)

@@ -12,7 +12,7 @@ from harbor_exec.jobs.dataset import JobOutcome, run_job
 from harbor_exec.tasks.task import load_task
 from harbor_exec.trial.policy import SandboxPolicy
 from harbor_exec.trial.spec import TrialSpec
-from tests.fake_runtime import HOLD, FakeRuntime
+from tests.fake_runtime import HOLD, FakeRuntime, hold_first_removal
 from tests.server_utils import wait_until
 from tests.task_factory import make_task
 
@@ -132,16 +132,7 @@ def test_a_trial_gives_its_slot_back_when_its_reward_is_read(tmp_path: Path) -> 
     slot was held until the removal ended: about 0.1 to 0.5 s of every trial, idle)."""
     loaded = [load_task(make_task(tmp_path / "tasks", f"t{i}")) for i in range(2)]
     runtime = FakeRuntime()
-    removal_held, release = threading.Event(), threading.Event()
-    remove = runtime.remove
-
-    def slow_remove(container_id: str) -> None:
-        if not removal_held.is_set():
-            removal_held.set()
-            release.wait(10)  # the first removal waits for the test (at most 10 s)
-        remove(container_id)
-
-    runtime.remove = slow_remove  # type: ignore[method-assign]
+    removal_held, release = hold_first_removal(runtime)
     outcome: list[JobOutcome] = []
     job = threading.Thread(
         target=lambda: outcome.append(
