@@ -7,9 +7,10 @@ Serves a trivial oracle task (its ``solve.sh`` first writes the time) with
 HarborBackend behind the real HTTP server on 127.0.0.1, and posts rollouts at a steady
 rate (``--rate``, 2/s) after a warm-up; each rollout's latency is from the moment its
 ``POST /rollout`` was sent to the time its ``solve.sh`` wrote (the container and the
-host share the clock). Two servers, one after the other: the defaults (warm containers)
-and ``warm_containers=0`` (every container created for its rollout). Prints p50, p90
-and p99 of each and their ratio.
+host share the clock). Three servers, one after the other: the defaults (warm
+containers), ``warm_containers=0`` (every container created for its rollout: the drained
+pool's path) and the path before either (``command_channel=False``: every command an
+engine exec, no warm containers). Prints p50, p90 and p99 of each and their ratios.
 """
 
 from __future__ import annotations
@@ -80,28 +81,31 @@ def _latencies(trials: Path, sent: dict[str, float]) -> list[float]:
     return latencies
 
 
-def run(warm: int, rollouts: int, warmup: int, rate: float, scratch: Path) -> list[float]:
-    tasks = scratch / f"tasks-{warm}"
+def run(
+    name: str, warm: int, channel: bool, rollouts: int, warmup: int, rate: float, scratch: Path
+) -> list[float]:
+    tasks = scratch / f"tasks-{name}"
     make_task(
         tasks,
         "first-command",
         solve=FIRST,
         toml='[environment]\nnetwork_mode = "no-network"\n',
     )
-    trials = scratch / f"trials-{warm}"
+    trials = scratch / f"trials-{name}"
     backend = HarborBackend(
         tasks_dir=tasks,
         task_mode="dataset",
         agent="oracle",
         trials_dir=trials,
-        artifacts_dir=scratch / f"artifacts-{warm}",
+        artifacts_dir=scratch / f"artifacts-{name}",
         cleanup_successful_trials=False,
         warm_containers=warm,
+        command_channel=channel,
     )
-    app = create_rollout_server(backend=backend, artifact_root=scratch / f"server-{warm}")
+    app = create_rollout_server(backend=backend, artifact_root=scratch / f"server-{name}")
     with serve(app) as url:
-        asyncio.run(steady(url, trials, warmup, rate, f"warmup-{warm}"))
-        return asyncio.run(steady(url, trials, rollouts, rate, f"measured-{warm}"))
+        asyncio.run(steady(url, trials, warmup, rate, f"warmup-{name}"))
+        return asyncio.run(steady(url, trials, rollouts, rate, f"measured-{name}"))
 
 
 def main() -> int:
@@ -113,8 +117,15 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     scratch = Path(tempfile.mkdtemp(prefix="hx-bench-first-"))
     rows: dict[str, list[float]] = {}
-    for name, warm_containers in (("warm containers", 4), ("cold (warm_containers=0)", 0)):
-        rows[name] = run(warm_containers, args.rollouts, args.warmup, args.rate, scratch)
+    ways = (
+        ("warm containers", 4, True),
+        ("cold (warm_containers=0)", 0, True),
+        ("before (engine exec, cold)", 0, False),
+    )
+    for index, (name, warm_containers, channel) in enumerate(ways):
+        rows[name] = run(
+            f"way{index}", warm_containers, channel, args.rollouts, args.warmup, args.rate, scratch
+        )
     print(
         f"{args.rollouts} rollouts at {args.rate:g}/s after {args.warmup} to warm up: "
         "arrival (POST sent) to the agent's first command"
@@ -126,10 +137,12 @@ def main() -> int:
             f"mean {statistics.mean(got) * 1000:6.0f} ms"
         )
     warm, cold = rows["warm containers"], rows["cold (warm_containers=0)"]
-    print(
-        f"warm/cold: p50 {quantile(warm, 0.5) / quantile(cold, 0.5):.2f}x, "
-        f"p99 {quantile(warm, 0.99) / quantile(cold, 0.99):.2f}x"
-    )
+    before = rows["before (engine exec, cold)"]
+    for label, got, base in (("warm/cold", warm, cold), ("cold/before", cold, before)):
+        print(
+            f"{label}: p50 {quantile(got, 0.5) / quantile(base, 0.5):.2f}x, "
+            f"p99 {quantile(got, 0.99) / quantile(base, 0.99):.2f}x"
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,14 @@ import pytest
 
 from harbor_exec.container.exchange import RELAY_DIR
 from harbor_exec.sandbox.runtime import LABEL_ROLLOUT, LABEL_TRIAL, ContainerSpec, Mount
-from harbor_exec.trial.warm import LABEL_WARM, WarmClaim, WarmPool, WarmSettings, template_key
+from harbor_exec.trial.warm import (
+    LABEL_WARM,
+    WarmClaim,
+    WarmPool,
+    WarmSettings,
+    spares_for,
+    template_key,
+)
 from tests.fake_runtime import FakeRuntime
 from tests.server_utils import wait_until
 
@@ -134,6 +142,65 @@ def test_a_trial_in_its_teardown_is_not_counted_as_running(
     assert pool.stats().idle == 1 and pool.stats().hits == 2
     assert previous is not None
     pool.release(previous)
+
+
+def test_the_target_adds_what_arrives_while_one_container_is_made(
+    tmp_path: Path, runtime: FakeRuntime, pool: WarmPool
+) -> None:
+    """The sizing rule: the most trials at once, plus spares for the arrivals while one
+    container is made (Poisson at rate times make time: more than the spares under a
+    one-in-ten chance)."""
+    claim = pool.claim(spec_for(relay_dir(tmp_path, "a"), rollout="a"), SETTINGS)
+    pool.created(claim)
+    pool.release(claim)
+    (demand,) = pool._demand.values()
+    now = time.monotonic()
+    # Five claims at 4/s, one trial at a time.
+    demand.samples.clear()
+    demand.samples.extend((now - 1.0 + i * 0.25, 1) for i in range(5))
+    pool._make_sec = None
+    assert pool._target(demand, now) == 1  # no make timed yet: the peak alone
+    pool._make_sec = 0.02  # 0.08 arrivals while one is made: one or more in 7.7%
+    assert pool._target(demand, now) == 1
+    pool._make_sec = 0.1  # 0.4: one or more in 33%, two or more in 6.2%
+    assert pool._target(demand, now) == 2
+    pool._make_sec = 0.6  # 2.4: five or more in 9.6%
+    assert pool._target(demand, now) == 5
+    assert spares_for(2.4, most=3) == 3  # never beyond the pool's bound
+    assert spares_for(0.0, most=4) == 0
+    # Claims at one instant are a burst (the peak counts them), not a rate.
+    demand.samples.clear()
+    demand.samples.extend([(now, 1), (now + 1e-6, 2)])
+    assert pool._target(demand, now) == 2 + spares_for(0.6, most=4)
+
+
+def test_arrivals_that_come_early_still_find_a_warm_container(
+    tmp_path: Path, runtime: FakeRuntime
+) -> None:
+    """A make takes 0.15 s (the engine's create and start, simulated) and a task's trials
+    come at 4/s on average, every other one 0.03 s after the last: the pool holds one more
+    than run at once, so the early ones hit too (holding what ran at once, one, every
+    early arrival missed: its container was still being made)."""
+    create = runtime.create
+
+    def slow_create(spec: ContainerSpec) -> str:
+        time.sleep(0.15)
+        return create(spec)
+
+    runtime.create = slow_create  # type: ignore[method-assign]
+    pool = WarmPool(runtime, SETTINGS)
+    hits: list[bool] = []
+    try:
+        for n in range(16):
+            claim = pool.claim(spec_for(relay_dir(tmp_path, f"r{n}"), rollout=f"r{n}"), SETTINGS)
+            hits.append(claim.container_id is not None)
+            pool.created(claim)
+            pool.finished(claim)
+            pool.release(claim)
+            time.sleep(0.03 if n % 2 == 0 else 0.47)  # the arrivals' schedule
+    finally:
+        pool.close()
+    assert hits[8:].count(False) <= 1, hits
 
 
 def test_a_container_goes_to_one_trial_only(

@@ -13,12 +13,13 @@ container goes to one trial only and is removed with it.
 
 How many to hold: for each task asked for at least twice over the last ``idle_sec``,
 the most trials of it that ran at once then (what the executor sees of arrivals; one in
-its teardown no longer counts: ``finished``); more when the server says more are coming
-(``expect``): its rollouts of the task queued for a trial slot, and the rest of a group
-whose request named its size (``metadata.group_size``, as a GRPO step sends a prompt's
-samples). All within the operator's bound on containers
-and on their memory limits summed; a hint counts only for a task a trial has run of
-(its template is what the pool makes).
+its teardown no longer counts: ``finished``), plus spares for those that arrive while
+one container is made (``spares_for``: their rate times how long a make takes); more
+when the server says more are coming (``expect``): its rollouts of the task queued for a
+trial slot, and the rest of a group whose request named its size
+(``metadata.group_size``, as a GRPO step sends a prompt's samples). All within the
+operator's bound on containers and on their memory limits summed; a hint counts only
+for a task a trial has run of (its template is what the pool makes).
 Real trials win: nothing is made while a trial is creating a container of its own or
 the engine is away, and a trial never waits for the pool (a miss is the cold path, with
 no extra call). An idle container is removed after ``idle_sec``, and all of them when
@@ -33,6 +34,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -71,6 +73,25 @@ _FAILED_BACKOFF_SEC: Final = 10.0
 _TICK_SEC: Final = 1.0
 #: A rollout that took its trial slot is still expected this long, until its claim.
 _HEADING_SEC: Final = 30.0
+#: The weight of the latest make in the pool's moving average of how long one takes.
+_MAKE_WEIGHT: Final = 0.3
+#: The shortest time over which a template's arrival rate is reckoned.
+_RATE_SPAN_SEC: Final = 1.0
+#: Spares are held until more arrivals than them during one make are this unlikely.
+MISS_CHANCE: Final = 0.1
+
+
+def spares_for(arrivals: float, *, most: int) -> int:
+    """Spare containers for a template whose trials arrive ``arrivals`` times on average
+    while one container is made: the fewest that more arrivals than them (Poisson) are
+    less likely than ``MISS_CHANCE`` to outnumber; at most ``most``."""
+    spares, term = 0, math.exp(-arrivals)
+    held = term  # the chance that at most ``spares`` arrive
+    while 1.0 - held >= MISS_CHANCE and spares < most:
+        spares += 1
+        term *= arrivals / spares
+        held += term
+    return spares
 
 
 @dataclass(frozen=True)
@@ -292,6 +313,8 @@ class WarmPool:
         self._hits = self._misses = self._made = self._expired = 0
         self._idle_seconds = 0.0
         self._claim_times: deque[float] = deque(maxlen=256)
+        #: How long making one container takes lately (a moving average; None: none yet).
+        self._make_sec: float | None = None
         self._root: Path | None = None
         self._arrivals: dict[str, list[Arrival]] = {}  # task -> rollouts said coming
         self._groups: dict[tuple[str, str], _Group] = {}  # (task, group id) -> the group
@@ -472,17 +495,27 @@ class WarmPool:
             self._thread.start()
 
     def _target(self, demand: _Demand, now: float) -> int:
-        """The most trials of the template at once lately, or the rollouts of its task
-        the server says are coming if more; nothing for a template asked for once and
-        not said to come again (a dataset's task run once would leave its warm container
-        unused)."""
+        """The most trials of the template at once lately, plus spares for the trials
+        that arrive while one container is made (``spares_for``: a refill that takes
+        about as long as the gap between arrivals misses every arrival that comes a
+        little early); or the rollouts of its task the server says are coming if more.
+        Nothing for a template asked for once and not said to come again (a dataset's
+        task run once would leave its warm container unused)."""
         window = self.settings.idle_sec
         while demand.samples and demand.samples[0][0] < now - window:
             demand.samples.popleft()
         coming = self._coming(demand.template.labels.get(LABEL_TASK), now)
         if len(demand.samples) < 2:
             return coming
-        return max(coming, *(running for _when, running in demand.samples))
+        peak = max(running for _when, running in demand.samples)
+        span = demand.samples[-1][0] - demand.samples[0][0]
+        during_a_make = 0
+        if self._make_sec is not None:
+            # Per second over a second at least: claims at one instant are a burst, which
+            # the peak counts, not a rate.
+            rate = (len(demand.samples) - 1) / max(span, _RATE_SPAN_SEC)
+            during_a_make = spares_for(rate * self._make_sec, most=self.settings.containers)
+        return max(coming, peak + during_a_make)
 
     def _next_make(self, now: float) -> tuple[str, ContainerSpec] | None:
         """The template most short of its target, if the bounds allow one more."""
@@ -556,11 +589,16 @@ class WarmPool:
 
     def _make(self, key: str, template: ContainerSpec) -> None:
         warm: _Warm | None = None
+        started = time.monotonic()
         try:
             warm = self._create(key, template)
         except Exception as exc:  # the engine's or the image's: the trials will say it
             logger.warning("a warm container of %s could not be made: %s", template.image, exc)
+        took = time.monotonic() - started
         with self._cond:
+            if warm is not None:
+                last = self._make_sec
+                self._make_sec = took if last is None else last + _MAKE_WEIGHT * (took - last)
             self._making[key] -= 1
             if not self._making[key]:
                 del self._making[key]
