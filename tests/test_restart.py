@@ -290,8 +290,14 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
     def warm_containers(server: subprocess.Popen[bytes]) -> list[Any]:
         """``server``'s warm containers (its owner label names its pid)."""
         labels = [f"{LABEL_MANAGED}=true", f"{LABEL_WARM}=true"]
-        found = client.containers.list(all=True, filters={"label": labels})
-        return [c for c in found if f"/{server.pid}/" in c.labels.get(LABEL_OWNER, "")]
+        # The engine's list alone: the SDK's full one inspects each container, and one
+        # another lane removes meanwhile raises NotFound.
+        found = client.containers.list(all=True, filters={"label": labels}, sparse=True)
+        return [
+            c
+            for c in found
+            if f"/{server.pid}/" in (c.attrs.get("Labels") or {}).get(LABEL_OWNER, "")
+        ]
 
     def trial_dirs(rollout_id: str) -> list[Path]:
         return sorted(trials.glob(f"{rollout_id}__*"))

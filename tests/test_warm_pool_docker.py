@@ -73,7 +73,10 @@ def warm_on_engine(runtime: DockerRuntime) -> list[str]:
     import docker
 
     labels = [f"{LABEL_MANAGED}=true", f"{LABEL_WARM}=true", f"{LABEL_OWNER}={runtime.owner}"]
-    return [c.id for c in docker.from_env().containers.list(all=True, filters={"label": labels})]
+    # The engine's list alone: the SDK's full one inspects each, and the pool may remove
+    # an idle one meanwhile (NotFound).
+    listed = docker.from_env().containers.list(all=True, filters={"label": labels}, sparse=True)
+    return [c.id for c in listed]
 
 
 @pytest.mark.parametrize("verifier", ["shared", "separate"])
