@@ -438,15 +438,23 @@ class FakeRuntime:
             self.gate.container_removed()
 
 
-def hold_first_removal(runtime: FakeRuntime) -> tuple[threading.Event, threading.Event]:
-    """The runtime's first container removal waits for the test: (set once it waits, set
-    it to let the removal go on; it goes on by itself after 10 s)."""
+def hold_first_removal(
+    runtime: FakeRuntime, count: int = 1
+) -> tuple[threading.Event, threading.Event]:
+    """The runtime's first ``count`` container removals wait for the test: (set once they
+    all wait, set it to let them go on; they go on by themselves after 10 s)."""
     held, release = threading.Event(), threading.Event()
     remove = runtime.remove
+    holding = [0]
+    guard = threading.Lock()
 
     def held_remove(container_id: str) -> None:
-        if not held.is_set():
-            held.set()
+        with guard:
+            mine = holding[0] < count
+            holding[0] += mine
+            if holding[0] == count:
+                held.set()
+        if mine:
             release.wait(10)
         remove(container_id)
 

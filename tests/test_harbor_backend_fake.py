@@ -371,3 +371,35 @@ def test_a_rollout_gives_its_slot_back_when_its_reward_is_read(tmp_path: Path) -
 
     with served(tmp_path, runtime, max_concurrent_trials=1, warm_containers=0) as (_b, url):
         assert asyncio.run(scenario(url)) == ["success", "success"]
+
+
+def test_a_rollout_keeps_its_slot_while_as_many_others_tear_down(tmp_path: Path) -> None:
+    """Trials that gave their slot back at their teardown are at most as many as the
+    slots: with one slot and the first two removals held, the second rollout starts (the
+    first gave its slot back) but the third waits until a removal ends (a policy that
+    makes its teardowns slow cannot have the server run more containers than twice its
+    slots)."""
+    runtime = FakeRuntime()
+    both_held, release = hold_first_removal(runtime, count=2)
+
+    def solves() -> int:
+        return sum("solve.sh" in e.script for e in runtime.execs)
+
+    async def scenario(url: str) -> list[str]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            client = RolloutClient(url=url, http_client=http)
+            handles = [
+                await client.run_rollout_async(PROMPT, CHAT_URL, rollout_id=f"r{n}")
+                for n in range(3)
+            ]
+            try:
+                assert await asyncio.to_thread(both_held.wait, 10)
+                assert solves() == 2
+                # The third waits for a slot (an absence: a bounded wait).
+                assert not await asyncio.to_thread(wait_until, lambda: solves() == 3, 0.5)
+            finally:
+                release.set()
+            return [(await handle).status for handle in handles]
+
+    with served(tmp_path, runtime, max_concurrent_trials=1, warm_containers=0) as (_b, url):
+        assert asyncio.run(scenario(url)) == ["success"] * 3

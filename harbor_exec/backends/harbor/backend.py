@@ -128,13 +128,39 @@ class _Pending:
     cancel_requested: bool = False
 
 
+@dataclass
+class _Teardowns:
+    """Trials that gave their slot back at their teardown and are still tearing down:
+    at most ``most`` at once (a teardown a policy makes slow holds the next one's slot,
+    so the containers alive stay within twice the slots, as ``validate``'s do)."""
+
+    most: int
+    now: int = 0
+
+
 class _Slot:
-    """One trial slot taken from ``slots``, given back once (on the event loop)."""
+    """One trial slot taken from ``slots``, given back once (on the event loop): at its
+    trial's teardown while the teardowns allow (``early``), else when the rollout ends."""
 
-    def __init__(self, slots: asyncio.Semaphore) -> None:
+    def __init__(self, slots: asyncio.Semaphore, teardowns: _Teardowns) -> None:
         self._slots: asyncio.Semaphore | None = slots
+        self._teardowns = teardowns
+        self._early = False
 
-    def release(self) -> None:
+    def early(self) -> None:
+        if self._slots is None or self._teardowns.now >= self._teardowns.most:
+            return
+        self._teardowns.now += 1
+        self._early = True
+        self._give_back()
+
+    def end(self) -> None:
+        self._give_back()
+        if self._early:
+            self._early = False
+            self._teardowns.now -= 1
+
+    def _give_back(self) -> None:
         slots, self._slots = self._slots, None
         if slots is not None:
             slots.release()
@@ -248,6 +274,7 @@ class HarborBackend(ExecutionBackend):
         #: (``release``): capacity only; the server owns every rollout's state.
         self._reserved: set[str] = set()
         self._slots = asyncio.Semaphore(self.max_concurrent_trials)
+        self._teardowns = _Teardowns(self.max_concurrent_trials)
         self._blocked: dict[str, str] = {}
         self._shutting_down = False
         self.image_builds = 0  # task images and dependency layers built for this backend
@@ -426,14 +453,14 @@ class HarborBackend(ExecutionBackend):
             await self._slots.acquire()
             # Given back once: when the trial's reward is read (its containers' removal
             # is clean-up, the slot the next rollout's), else when the rollout ends.
-            slot = _Slot(self._slots)
+            slot = _Slot(self._slots, self._teardowns)
             try:
                 arrival.took_its_slot()
                 pending.started = True
                 context.update_status(RolloutStatus.RUNNING)
                 return await self._run(request, plan, pending, admitted, context, slot)
             finally:
-                slot.release()
+                slot.end()
         except asyncio.CancelledError:
             if not pending.cancel_requested:
                 raise
@@ -506,7 +533,7 @@ class HarborBackend(ExecutionBackend):
                 loop.call_soon_threadsafe(context.update_status, RolloutStatus.GRADING)
             if phase is TrialPhase.TEARDOWN:
                 context.teardown_started_at = datetime.now(UTC)
-                loop.call_soon_threadsafe(slot.release)
+                loop.call_soon_threadsafe(slot.early)
 
         trial = plan.trial
         if request.agent_timeout_sec is not None:

@@ -239,8 +239,12 @@ def diagnostics_of(run: TrialRun, spec: OutcomeSpec) -> dict[str, Any]:
     }
     # Teardown (logs and artifacts copied back, containers and networks removed): from
     # the end of the trial's last phase to its end.
-    timed = [result.environment_setup, result.agent_setup, result.agent_execution]
-    timed.append(result.verifier)
+    timed = [
+        result.environment_setup,
+        result.agent_setup,
+        result.agent_execution,
+        result.verifier,
+    ]
     for step in result.step_results or ():  # a multi-step trial's phases are its steps'
         timed += [step.agent_execution, step.verifier]
     ends = [t.finished_at for t in timed if t is not None and t.finished_at is not None]
