@@ -284,8 +284,10 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
     client = docker.from_env()
 
     def containers(rollout_id: str) -> list[Any]:
+        """The rollout's containers, from the engine's list alone (sparse: the SDK's full
+        list inspects each, and one removed meanwhile raised NotFound in CI)."""
         labels = [f"{LABEL_MANAGED}=true", f"{LABEL_ROLLOUT}={rollout_id}"]
-        return list(client.containers.list(all=True, filters={"label": labels}))
+        return list(client.containers.list(all=True, filters={"label": labels}, sparse=True))
 
     def warm_containers(server: subprocess.Popen[bytes]) -> list[Any]:
         """``server``'s warm containers (its owner label names its pid)."""
@@ -352,7 +354,7 @@ def test_sigkilled_harbor_server_serves_finished_and_reaps_running(
         # The reaper removed the dead owner's containers, its warm ones too.
         assert wait_until(lambda: warm_containers(first) == [], timeout=15)
         assert wait_until(lambda: containers("hx-running-1") == [], timeout=15), [
-            c.name for c in containers("hx-running-1")
+            c.attrs.get("Names") for c in containers("hx-running-1")
         ]
         # The interrupted trial's directory is gone, or kept only as a failed trial.
         for trial in trial_dirs("hx-running-1"):
